@@ -1,0 +1,73 @@
+"""Launch real multi-process (gloo, CPU) jobs from tests, always with a timeout."""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, error_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:
+        with open(os.path.join(error_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world_size, *args, timeout=120):
+    """Run fn(rank, world_size, *args) in world_size processes with a gloo group; raise on any failure.
+
+    fn must be a module-level function. Ranks that fail write their traceback, which is re-raised here.
+    """
+    error_dir = tempfile.mkdtemp()
+    ctx = mp.start_processes(_worker, args=(world_size, free_port(), fn, args, error_dir),
+                             nprocs=world_size, join=False, start_method="spawn")
+    import time
+    deadline = time.time() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.time())):
+            if time.time() > deadline:
+                raise TimeoutError(f"distributed job did not finish within {timeout}s")
+    except Exception as e:
+        errors = [open(os.path.join(error_dir, f)).read() for f in sorted(os.listdir(error_dir))]
+        raise RuntimeError("\n".join(errors) or str(e)) from e
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def torchrun(script, nproc, args, timeout=300, env=None):
+    """Run `torchrun --nproc_per_node nproc script args` on CPU; return CompletedProcess (never hangs)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), os.path.join(ROOT, script), *map(str, args)]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def python(script, args, timeout=300, env=None):
+    """Run `python script args` in one process; return CompletedProcess."""
+    cmd = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
