@@ -1,0 +1,424 @@
+"""MiniMind: a small Qwen3-style decoder (dense or MoE) as a Hugging Face PreTrainedModel.
+
+Numerically follows transformers' Qwen3 / Qwen3-MoE (scripts/convert_model.py maps weights both ways).
+No distributed code: parallelism is applied from outside through the hooks documented in docs/design.md
+(`Attention.attn_fn`, `MOEFeedForward.reduce_router_stats` / `seq_len_scale`, shape-derived head counts).
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+try:  # transformers >= 5: init helpers that skip weights already loaded by from_pretrained
+    from transformers import initialization as hf_init
+except ImportError:  # transformers 4.x
+    hf_init = nn.init
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+class MiniMindConfig(PretrainedConfig):
+    """MiniMind hyper-parameters (MiniMind's names and defaults). Check with `validate()`, never raises here."""
+
+    model_type = "minimind"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        hidden_size=768,
+        num_hidden_layers=8,
+        vocab_size=6400,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=None,
+        intermediate_size=None,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        dropout=0.0,
+        flash_attn=True,
+        hidden_act="silu",
+        initializer_range=0.02,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        # MoE (ignored when use_moe is False)
+        use_moe=False,
+        num_experts=4,
+        num_experts_per_tok=1,
+        moe_intermediate_size=None,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        n_shared_experts=0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.vocab_size = vocab_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        if intermediate_size is None:  # SwiGLU keeps ~8/3 * hidden, rounded up to a multiple of 64
+            intermediate_size = 64 * ((int(hidden_size * 8 / 3) + 63) // 64)
+        self.intermediate_size = intermediate_size
+        self.max_position_embeddings = max_position_embeddings
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.tie_word_embeddings = tie_word_embeddings
+        self.dropout = dropout
+        self.flash_attn = flash_attn
+        self.hidden_act = hidden_act
+        self.initializer_range = initializer_range
+        # set after super().__init__: transformers 5 drops generation ids passed to the base class
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.use_moe = use_moe
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size if moe_intermediate_size is not None else intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.n_shared_experts = n_shared_experts
+
+    def validate(self):
+        """Return a one-line message saying what to change, or None if the config is usable."""
+        h, nh, nkv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        if nh <= 0 or nkv <= 0:
+            return f"num_attention_heads ({nh}) and num_key_value_heads ({nkv}) must be positive"
+        if h % nh != 0 and self.head_dim == h // nh:  # head_dim was derived, not chosen
+            return f"hidden_size ({h}) must be divisible by num_attention_heads ({nh}), or set head_dim explicitly"
+        if nh % nkv != 0:
+            return f"num_attention_heads ({nh}) must be divisible by num_key_value_heads ({nkv})"
+        if self.head_dim % 2 != 0:
+            return f"head_dim ({self.head_dim}) must be even for RoPE"
+        if self.num_experts_per_tok > self.num_experts:
+            return f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})"
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as Qwen3RMSNorm)."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE cos/sin for given positions; inv_freq is recomputed per call (no buffer to lose on meta-device init)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.base = config.rope_theta
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+        freqs = position_ids[..., None].float() * inv_freq.to(x.device)  # (B, L, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x):
+    """Rotate half the hidden dims: (x1, x2) -> (-x2, x1)."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """Apply RoPE to q/k of shape (B, H, L, D) with cos/sin of shape (B, L, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(x, n_rep):
+    """(B, Hkv, L, D) -> (B, Hkv * n_rep, L, D), each kv head repeated for its group of query heads."""
+    if n_rep == 1:
+        return x
+    b, h, l, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, l, d).reshape(b, h * n_rep, l, d)
+
+
+def build_attention_mask(lq, lk, attention_mask=None, device=None):
+    """Boolean (B or 1, 1, Lq, Lk) mask, True = attend: causal with the KV-cache offset, plus 2-D padding mask.
+
+    Queries are the last Lq of the Lk positions. Rows that would attend to nothing (padding queries) attend
+    everywhere instead, so no NaN reaches later layers; their outputs are ignored anyway.
+    """
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)[None, None]
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, None, :].bool()
+        mask = mask | ~mask.any(dim=-1, keepdim=True)
+    return mask
+
+
+def sdpa_attention(q, k, v, attention_mask=None):
+    """Causal attention with torch SDPA. q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), attention_mask (B, Lk) of 1/0 or None."""
+    lq, lk = q.shape[2], k.shape[2]
+    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+    if attention_mask is None and lq == lk:  # plain causal: lets SDPA pick the flash kernel
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if attention_mask is None and lq == 1:  # one new token attends to the whole cache
+        return F.scaled_dot_product_attention(q, k, v)
+    mask = build_attention_mask(lq, lk, attention_mask, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def eager_attention(q, k, v, attention_mask=None):
+    """Same contract as sdpa_attention, written out (used when config.flash_attn is False)."""
+    lq, lk = q.shape[2], k.shape[2]
+    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    mask = build_attention_mask(lq, lk, attention_mask, device=q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return F.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+class Attention(nn.Module):
+    """GQA self-attention with per-head q/k RMSNorm (Qwen3) and RoPE; the kernel is the swappable `self.attn_fn`."""
+
+    def __init__(self, config, layer_idx=0):
+        super().__init__()
+        self.layer_idx = layer_idx  # index into the KV cache
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.attn_fn = sdpa_attention if config.flash_attn else eager_attention
+
+    def forward(self, x, position_embeddings, attention_mask=None, past_key_values=None, use_cache=False,
+                cache_position=None):
+        bsz, seq_len, _ = x.shape
+        # head counts come from the shapes, so tensor parallel can shard the projections by heads
+        q = self.q_norm(self.q_proj(x).view(bsz, seq_len, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(bsz, seq_len, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        out = self.attn_fn(q, k, v, attention_mask)
+        out = out.transpose(1, 2).reshape(bsz, seq_len, -1)
+        return self.resid_dropout(self.o_proj(out))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config, intermediate_size=None):
+        super().__init__()
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MOEFeedForward(nn.Module):
+    """Top-k routed SwiGLU experts (+ optional always-on shared experts) with a sequence-level aux loss."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            [FeedForward(config, config.moe_intermediate_size) for _ in range(config.num_experts)])
+        if config.n_shared_experts > 0:
+            self.shared_experts = nn.ModuleList(
+                [FeedForward(config, config.moe_intermediate_size) for _ in range(config.n_shared_experts)])
+        self.seq_len_scale = 1  # context parallel sets its group size: local L * scale = full sequence length
+        self.aux_loss = torch.zeros(())
+
+    def reduce_router_stats(self, t):
+        """Hook for per-sequence partial sums (B, E); context parallel all-reduces them over its group."""
+        return t
+
+    def forward(self, x):
+        bsz, seq_len, hidden = x.shape
+        num_experts, top_k = self.config.num_experts, self.config.num_experts_per_tok
+        x_flat = x.reshape(-1, hidden)
+        probs = F.softmax(self.gate(x_flat), dim=-1, dtype=torch.float32)  # router in fp32
+        topk_weight, topk_idx = torch.topk(probs, top_k, dim=-1)
+        if self.config.norm_topk_prob:
+            topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
+        topk_weight = topk_weight.to(x.dtype)
+
+        y = torch.zeros_like(x_flat)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(topk_idx == e)
+            # runs even with zero tokens, so every expert is in the graph (DDP/FSDP see no unused params)
+            out = expert(x_flat[token_idx]) * topk_weight[token_idx, slot, None]
+            y.index_add_(0, token_idx, out.to(y.dtype))
+        if self.config.n_shared_experts > 0:
+            for expert in self.shared_experts:
+                y = y + expert(x_flat)
+
+        # sequence-level balance loss: aux_b = coef * E * sum_i f_bi * P_bi, averaged over sequences b
+        full_len = seq_len * self.seq_len_scale
+        counts = F.one_hot(topk_idx, num_experts).view(bsz, -1, num_experts).sum(dim=1).float()  # (B, E)
+        prob_sums = probs.view(bsz, seq_len, num_experts).sum(dim=1)  # (B, E)
+        counts = self.reduce_router_stats(counts)
+        prob_sums = self.reduce_router_stats(prob_sums)
+        f = counts / (full_len * top_k)
+        p = prob_sums / full_len
+        self.aux_loss = (self.config.router_aux_loss_coef * num_experts * (f * p).sum(dim=-1)).mean()
+        return y.view(bsz, seq_len, hidden)
+
+
+class MiniMindBlock(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, layer_id, config):
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = Attention(config, layer_idx=layer_id)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MOEFeedForward(config) if config.use_moe else FeedForward(config)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
+                use_cache=False, cache_position=None):
+        hidden_states = hidden_states + self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+            past_key_values, use_cache, cache_position)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class MiniMindModel(nn.Module):
+    """Embeddings + decoder blocks + final norm. Returns (hidden_states, past_key_values, aux_loss)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList([MiniMindBlock(i, config) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, inputs_embeds=None, cache_position=None):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        if position_ids is None:
+            past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(past_len, past_len + inputs_embeds.shape[1],
+                                        device=inputs_embeds.device).unsqueeze(0)
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(f"attention_mask must be a 2-D (batch, kv_len) padding mask, got {attention_mask.dim()}-D")
+            if bool(attention_mask.all()):  # no padding: keep the fast causal kernel
+                attention_mask = None
+
+        hidden_states = self.dropout(inputs_embeds)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  use_cache, cache_position)
+        hidden_states = self.norm(hidden_states)
+        aux_loss = sum((layer.mlp.aux_loss for layer in self.layers if isinstance(layer.mlp, MOEFeedForward)),
+                       torch.zeros((), device=hidden_states.device))
+        return hidden_states, past_key_values, aux_loss
+
+
+# ----------------------------------------------------------------------------------------------
+# Causal LM
+# ----------------------------------------------------------------------------------------------
+class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
+    """MiniMind language model; `generate()` comes from transformers' GenerationMixin (DynamicCache)."""
+
+    config_class = MiniMindConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["MiniMindBlock"]
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _supports_sdpa = True
+
+    def __init__(self, config=None):
+        config = config or MiniMindConfig()
+        super().__init__(config)
+        self.model = MiniMindModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:  # one Parameter under both names
+            self.model.embed_tokens.weight = self.lm_head.weight
+        self.post_init()
+
+    def _init_weights(self, module):
+        """Normal(0, initializer_range) for Linear/Embedding, ones for RMSNorm."""
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            hf_init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            hf_init.ones_(module.weight)
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, labels=None, shift_labels=None, num_items_in_batch=None, logits_to_keep=0,
+                inputs_embeds=None, **kwargs):
+        hidden_states, past_key_values, aux_loss = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache, inputs_embeds=inputs_embeds,
+            cache_position=kwargs.get("cache_position"))
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+
+        loss = None
+        if shift_labels is None and labels is not None:  # targets[t] = labels[t + 1], -100 at the end
+            shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        if shift_labels is not None:
+            ce_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
+                                     ignore_index=-100, reduction="sum")
+            if num_items_in_batch is None:
+                num_items_in_batch = (shift_labels != -100).sum().clamp(min=1)
+            loss = ce_sum / num_items_in_batch
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
+                                         past_key_values=past_key_values if use_cache else None)
+
+
+try:  # lets AutoConfig / AutoModelForCausalLM resolve model_type "minimind"
+    from transformers import AutoConfig, AutoModelForCausalLM
+    AutoConfig.register("minimind", MiniMindConfig)
+    AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM)
+except ValueError:  # already registered (module imported under two names)
+    pass

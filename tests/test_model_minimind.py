@@ -1,0 +1,380 @@
+"""MiniMind model tests: parity with transformers' Qwen3 / Qwen3-MoE, loss and aux-loss semantics, hooks, CLI."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
+from scripts.convert_model import hf_to_minimind, minimind_to_hf
+from scripts.convert_model import main as convert_main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 512
+TOL = 1e-4
+
+
+def tiny_config(**kw):
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=VOCAB, rope_theta=10000.0, initializer_range=0.1)
+    base.update(kw)
+    return MiniMindConfig(**base)
+
+
+def minimind(config, seed=0):
+    torch.manual_seed(seed)
+    return MiniMindForCausalLM(config).eval()
+
+
+def to_hf_model(model):
+    """Convert MiniMind weights into the transformers reference model (eager attention, independent of SDPA)."""
+    hf_config, hf_sd = minimind_to_hf(model.state_dict(), model.config)
+    hf_config._attn_implementation = "eager"
+    cls = Qwen3MoeForCausalLM if model.config.use_moe else Qwen3ForCausalLM
+    hf = cls(hf_config).eval()
+    hf.load_state_dict(hf_sd, strict=True)
+    return hf
+
+
+def batch(bsz=2, seq=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (bsz, seq), generator=g)
+
+
+def padding_mask(bsz=2, seq=24):
+    """Row 0 left-padded by 5, row 1 right-padded by 4."""
+    mask = torch.ones(bsz, seq, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, -4:] = 0
+    return mask
+
+
+def max_diff(a, b, where=None):
+    d = (a - b).abs()
+    return (d[where] if where is not None else d).max().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with transformers Qwen3 (dense)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tie", [True, False])
+def test_dense_minimind_to_qwen3_parity(tie):
+    model = minimind(tiny_config(tie_word_embeddings=tie))
+    hf = to_hf_model(model)
+    x, mask = batch(), padding_mask()
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL
+        ours, ref = model(x, attention_mask=mask).logits, hf(x, attention_mask=mask).logits
+    assert torch.isfinite(ours).all()
+    assert max_diff(ours, ref, mask.bool()) < TOL  # padded positions carry no meaning
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_dense_qwen3_to_minimind_parity(tie):
+    torch.manual_seed(0)
+    hf_config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                            tie_word_embeddings=tie, initializer_range=0.1, attn_implementation="eager")
+    hf = Qwen3ForCausalLM(hf_config).eval()
+    config, sd = hf_to_minimind(hf.state_dict(), hf.config)
+    assert config.tie_word_embeddings == tie and config.intermediate_size == 128
+    model = MiniMindForCausalLM(config).eval()
+    model.load_state_dict(sd, strict=True)
+    x, mask = batch(), padding_mask()
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL
+        assert max_diff(model(x, attention_mask=mask).logits, hf(x, attention_mask=mask).logits, mask.bool()) < TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with transformers Qwen3-MoE
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("top_k,norm", [(2, True), (2, False), (1, True), (1, False)])
+def test_moe_minimind_to_qwen3moe_parity(top_k, norm):
+    model = minimind(tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=top_k, norm_topk_prob=norm,
+                                 moe_intermediate_size=96))
+    hf = to_hf_model(model)
+    x, mask = batch(), padding_mask()
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL
+        assert max_diff(model(x, attention_mask=mask).logits, hf(x, attention_mask=mask).logits, mask.bool()) < TOL
+
+
+@pytest.mark.parametrize("top_k,norm", [(2, True), (2, False), (1, True), (1, False)])
+def test_moe_qwen3moe_to_minimind_parity(top_k, norm):
+    torch.manual_seed(0)
+    hf_config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=96,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               num_experts=4, num_experts_per_tok=top_k, norm_topk_prob=norm, rope_theta=10000.0,
+                               initializer_range=0.1, attn_implementation="eager")
+    hf = Qwen3MoeForCausalLM(hf_config).eval()
+    config, sd = hf_to_minimind(hf.state_dict(), hf.config)
+    assert config.use_moe and config.num_experts_per_tok == top_k and config.norm_topk_prob == norm
+    model = MiniMindForCausalLM(config).eval()
+    model.load_state_dict(sd, strict=True)
+    x = batch()
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL
+
+
+def test_moe_gradients_match_qwen3moe():
+    model = minimind(tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96))
+    hf = to_hf_model(model)
+    x = batch(seq=16)
+    w = torch.randn(2, 16, VOCAB, generator=torch.Generator().manual_seed(3))
+    (model(x).logits * w).sum().backward()
+    (hf(x).logits * w).sum().backward()
+    layer, ref = model.model.layers[1].mlp, hf.model.layers[1].mlp
+    assert max_diff(layer.gate.weight.grad, ref.gate.weight.grad) < TOL
+    for e in range(4):
+        gate_up, down = ref.experts.gate_up_proj.grad[e], ref.experts.down_proj.grad[e]
+        assert max_diff(layer.experts[e].gate_proj.weight.grad, gate_up[:96]) < TOL
+        assert max_diff(layer.experts[e].up_proj.weight.grad, gate_up[96:]) < TOL
+        assert max_diff(layer.experts[e].down_proj.weight.grad, down) < TOL
+
+
+def test_shared_experts_have_no_qwen3moe_equivalent():
+    model = minimind(tiny_config(use_moe=True, n_shared_experts=1))
+    assert "model.layers.0.mlp.shared_experts.0.gate_proj.weight" in model.state_dict()
+    with pytest.raises(ValueError, match="shared"):
+        minimind_to_hf(model.state_dict(), model.config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss semantics
+# ----------------------------------------------------------------------------------------------
+def test_labels_loss_is_shifted_mean_ce():
+    model = minimind(tiny_config())
+    x = batch()
+    labels = x.clone()
+    labels[0, :7] = -100
+    out = model(x, labels=labels)
+    logits = out.logits.float()
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert abs(out.loss.item() - ref.item()) < 1e-5
+
+
+def test_shift_labels_with_num_items_is_ce_sum_over_items():
+    model = minimind(tiny_config())
+    x = batch()
+    targets = F.pad(x[:, 1:], (0, 1), value=-100)
+    targets[1, 10:] = -100
+    out = model(x, shift_labels=targets, num_items_in_batch=100)
+    ce_sum = F.cross_entropy(out.logits.float().reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100,
+                             reduction="sum")
+    assert abs(out.loss.item() - ce_sum.item() / 100) < 1e-5
+
+
+# ----------------------------------------------------------------------------------------------
+# MoE sequence-level aux loss
+# ----------------------------------------------------------------------------------------------
+def _capture_gate_logits(model):
+    logits = []
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda mod, inp, out: logits.append(out.detach()))
+    return logits
+
+
+def _seq_aux_by_hand(gate_logits, bsz, seq_len, num_experts, top_k, coef):
+    """aux = mean_b coef * E * sum_i f_bi * P_bi, f = routed fraction / k, P = mean router prob."""
+    probs = torch.softmax(gate_logits.double(), dim=-1).view(bsz, seq_len, num_experts)
+    total = 0.0
+    for b in range(bsz):
+        chosen = probs[b].topk(top_k, dim=-1).indices
+        aux_b = 0.0
+        for i in range(num_experts):
+            f = (chosen == i).sum().item() / (seq_len * top_k)
+            p = probs[b, :, i].mean().item()
+            aux_b += f * p
+        total += coef * num_experts * aux_b
+    return total / bsz
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_aux_loss_is_sequence_level(top_k):
+    config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=top_k, router_aux_loss_coef=0.1)
+    model = minimind(config)
+    gate_logits = _capture_gate_logits(model)
+    x = batch(bsz=3, seq=16)
+    out = model(x)
+    expected = sum(_seq_aux_by_hand(g, 3, 16, 4, top_k, 0.1) for g in gate_logits)
+    assert out.aux_loss.dim() == 0
+    assert abs(out.aux_loss.item() - expected) < 1e-6
+    out.aux_loss.backward()  # differentiable through the router probabilities
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def test_moe_aux_loss_hooks_for_context_parallel():
+    """Two sequence halves with seq_len_scale=2 and summed router stats reproduce the full-sequence aux loss."""
+    torch.manual_seed(0)
+    config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1)
+    moe = MOEFeedForward(config)
+    x = torch.randn(2, 16, 64)
+    gate_logits = moe.gate(x.reshape(-1, 64)).detach()
+    expected = _seq_aux_by_hand(gate_logits, 2, 16, 4, 2, 0.1)
+
+    first_half = []
+    moe.seq_len_scale = 2
+    moe.reduce_router_stats = lambda t: first_half.append(t.detach()) or t
+    moe(x[:, :8])
+    calls = iter(first_half)
+    moe.reduce_router_stats = lambda t: t + next(calls)  # stands in for the all-reduce over the cp group
+    moe(x[:, 8:])
+    assert abs(moe.aux_loss.item() - expected) < 1e-6
+
+
+def test_dense_aux_loss_is_zero_tensor():
+    out = minimind(tiny_config())(batch())
+    assert torch.is_tensor(out.aux_loss) and out.aux_loss.dim() == 0 and out.aux_loss.item() == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_greedy_generate_cache_and_qwen3_agree(use_moe):
+    model = minimind(tiny_config(use_moe=use_moe, num_experts_per_tok=2))
+    hf = to_hf_model(model)
+    prompt = batch(seq=6)
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0  # left padding, as generation expects
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(prompt, use_cache=True, **kw)
+    without_cache = model.generate(prompt, use_cache=False, **kw)
+    reference = hf.generate(prompt, use_cache=True, **kw)
+    assert with_cache.shape == (2, 14)
+    assert torch.equal(with_cache, without_cache)
+    assert torch.equal(with_cache, reference)
+
+
+def test_kv_cache_forward_matches_full_forward():
+    model = minimind(tiny_config())
+    x = batch(seq=12)
+    with torch.no_grad():
+        full = model(x).logits
+        out = model(x[:, :8], use_cache=True)
+        step = model(x[:, 8:], past_key_values=out.past_key_values, use_cache=True).logits  # Lq=4 < Lk=12
+    assert max_diff(step, full[:, 8:]) < TOL
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention hook
+# ----------------------------------------------------------------------------------------------
+def explicit_causal_attention(q, k, v, attention_mask=None):
+    """Independent reference: GQA by repeat_interleave, causal mask aligned to the end of the keys."""
+    lq, lk = q.shape[2], k.shape[2]
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, None, :].bool()
+    scores = scores.masked_fill(~allowed, -1e30)
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def test_attn_fn_swap_gives_same_logits():
+    model = minimind(tiny_config())
+    x, mask = batch(), padding_mask()
+    with torch.no_grad():
+        base, base_masked = model(x).logits, model(x, attention_mask=mask).logits
+        calls = []
+
+        def counted(q, k, v, attention_mask=None):
+            calls.append(1)
+            return explicit_causal_attention(q, k, v, attention_mask)
+
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.attn_fn = counted
+        swapped, swapped_masked = model(x).logits, model(x, attention_mask=mask).logits
+    assert len(calls) == 2 * model.config.num_hidden_layers  # the hook is what runs
+    assert max_diff(base, swapped) < TOL
+    assert max_diff(base_masked, swapped_masked, mask.bool()) < TOL
+
+
+def test_attn_fn_receives_unrepeated_gqa_heads():
+    config = tiny_config()
+    model = minimind(config)
+    shapes = []
+
+    def checked(q, k, v, attention_mask=None):
+        shapes.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return explicit_causal_attention(q, k, v, attention_mask)
+
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attn_fn = checked
+    with torch.no_grad():
+        model(batch(seq=10))
+    assert shapes and all(s == ((2, 4, 10, 16), (2, 2, 10, 16), (2, 2, 10, 16)) for s in shapes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config and state dict layout
+# ----------------------------------------------------------------------------------------------
+def test_config_defaults_and_validate():
+    c = MiniMindConfig()
+    assert (c.hidden_size, c.num_hidden_layers, c.vocab_size, c.head_dim, c.intermediate_size) == (768, 8, 6400, 96, 2048)
+    assert c.validate() is None
+    assert "divisible by num_attention_heads" in MiniMindConfig(hidden_size=100, num_attention_heads=8).validate()
+    assert MiniMindConfig(hidden_size=100, num_attention_heads=8, num_key_value_heads=2, head_dim=16).validate() is None
+    assert "num_key_value_heads" in MiniMindConfig(num_attention_heads=8, num_key_value_heads=3).validate()
+    assert "num_experts_per_tok" in MiniMindConfig(use_moe=True, num_experts=2, num_experts_per_tok=3).validate()
+
+
+def test_init_is_seeded_and_tied():
+    a, b = minimind(tiny_config(initializer_range=0.02)), minimind(tiny_config(initializer_range=0.02))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a.lm_head.weight is a.model.embed_tokens.weight
+    assert abs(sa["model.layers.0.mlp.up_proj.weight"].std().item() - 0.02) < 2e-3
+    assert torch.equal(sa["model.norm.weight"], torch.ones(64))
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI round trip
+# ----------------------------------------------------------------------------------------------
+def test_cli_subprocess_writes_loadable_hf_folder(tmp_path):
+    """The script runs as a program from any cwd; the folder loads with AutoModelForCausalLM."""
+    model = minimind(tiny_config(rope_theta=1e6))
+    weight, hf_dir = tmp_path / "w.pth", tmp_path / "hf"
+    torch.save(model.state_dict(), weight)
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_model.py"), "--weight", str(weight),
+                    "--out_dir", str(hf_dir), "--use_moe", "0", "--hidden_size", "64", "--num_hidden_layers", "2"],
+                   check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path, capture_output=True)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    assert type(hf) is Qwen3ForCausalLM
+    x = batch()
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_cli_round_trip(tmp_path, use_moe):
+    """.pth -> HF folder -> .pth through the CLI entry point (in-process: a subprocess costs ~10 s of imports)."""
+    model = minimind(tiny_config(use_moe=use_moe, num_experts_per_tok=2, rope_theta=1e6))
+    weight, hf_dir, back = tmp_path / "w.pth", tmp_path / "hf", tmp_path / "back.pth"
+    torch.save(model.state_dict(), weight)
+    convert_main(["--weight", str(weight), "--out_dir", str(hf_dir), "--use_moe", str(int(use_moe)),
+                  "--num_experts_per_tok", "2"])
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    assert type(hf) is (Qwen3MoeForCausalLM if use_moe else Qwen3ForCausalLM)
+    x = batch()
+    with torch.no_grad():
+        assert max_diff(model(x).logits, hf(x).logits) < TOL
+
+    convert_main(["--to", "minimind", "--out_dir", str(hf_dir), "--weight", str(back)])
+    sd, original = torch.load(back, weights_only=True), model.state_dict()
+    assert sd.keys() == original.keys() and all(torch.equal(sd[k], original[k]) for k in sd)
+
+
+def test_cli_rejects_flags_that_contradict_the_weights(tmp_path):
+    weight = tmp_path / "w.pth"
+    torch.save(minimind(tiny_config()).state_dict(), weight)
+    with pytest.raises(ValueError, match="--hidden_size 768 does not match"):
+        convert_main(["--weight", str(weight), "--out_dir", str(tmp_path / "hf"), "--hidden_size", "768"])
