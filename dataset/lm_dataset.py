@@ -1,0 +1,344 @@
+"""
+PretrainDataset and SFTDataset (MiniMind's), backed by an on-disk token cache.
+
+Each file is tokenized once, streamed in chunks through the fast tokenizer's batch API, into flat
+numpy arrays under dataset/.cache/ (tokens uint16/uint32, int64 document offsets, uint8 loss mask
+for SFT) that are read back with numpy.memmap: the corpus never lives in memory as Python strings.
+The cache key covers the file (path, size, mtime), the tokenizer and the format version.
+
+Both datasets return `(input_ids, labels)` LongTensors of length max_length, labels aligned with
+input_ids (the trainer shifts them) and -100 where there is no loss.
+"""
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
+CACHE_FORMAT_VERSION = 1
+CHUNK_DOCS = 1024  # documents per tokenizer batch call: big enough for speed, small enough for memory
+
+
+# ----------------------------------------------------------------------------- reading the file
+
+def _iter_field(path, field):
+    """Yield (1-based line or row number, value of `field`, error or None) for each record."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        parquet_file = pq.ParquetFile(path)
+        if field not in parquet_file.schema_arrow.names:
+            raise ValueError(f"{path}: parquet file has no '{field}' column")
+        row = 0
+        for batch in parquet_file.iter_batches(columns=[field], batch_size=CHUNK_DOCS):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield row, value, None if value is not None else f"'{field}' is null"
+        return
+    with open(path, "rb") as f:  # bytes, so a bad UTF-8 line is reported with its number, too
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue  # blank lines (e.g. a trailing one) are not records
+            try:
+                record = json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                yield lineno, None, f"malformed JSON ({e})"
+                continue
+            if not isinstance(record, dict) or field not in record:
+                yield lineno, None, f"no '{field}' field"
+                continue
+            yield lineno, record[field], None
+
+
+def _check_text(value):
+    return None if isinstance(value, str) else f"'text' must be a string, got {type(value).__name__}"
+
+
+def _check_conversation(value):
+    if not isinstance(value, (list, tuple)) or not value:
+        return "'conversations' must be a non-empty list of messages"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            return f"message {i} of 'conversations' needs string 'role' and 'content'"
+    return None
+
+
+class _BadLines:
+    """Raises on a bad record, or counts it when skipping is allowed."""
+
+    def __init__(self, path, skip):
+        self.path, self.skip, self.count = path, skip, 0
+
+    def __call__(self, lineno, error):
+        if not self.skip:
+            raise ValueError(f"{self.path}:{lineno}: {error}")
+        self.count += 1
+
+
+# ----------------------------------------------------------------------------- the token cache
+
+def _tokenizer_fingerprint(tokenizer):
+    """Hash of everything about the tokenizer that changes the cached ids and masks."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    parts = [type(tokenizer).__name__, len(tokenizer), vocab, tokenizer.bos_token_id,
+             tokenizer.eos_token_id, tokenizer.eos_token, getattr(tokenizer, "chat_template", None)]
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+
+
+def _cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
+    stat = os.stat(data_path)
+    key = [CACHE_FORMAT_VERSION, kind, os.path.abspath(data_path), stat.st_size, stat.st_mtime_ns,
+           _tokenizer_fingerprint(tokenizer), bool(skip_bad_lines)]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    return os.path.join(cache_dir, f"{os.path.basename(data_path)}.{kind}.{digest}")
+
+
+def _build_cache(out_dir, data_path, chunks, token_dtype, bad_lines):
+    """Write token/offset(/mask) arrays from `chunks` (lists of (ids, mask or None)) atomically."""
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp_dir = f"{out_dir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    offsets, has_mask = [0], False
+    try:
+        with open(os.path.join(tmp_dir, "tokens.bin"), "wb") as f_tokens, \
+                open(os.path.join(tmp_dir, "mask.bin"), "wb") as f_mask:
+            for chunk in chunks:
+                for ids, mask in chunk:
+                    f_tokens.write(np.asarray(ids, dtype=token_dtype).tobytes())
+                    if mask is not None:
+                        has_mask = True
+                        f_mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+                    offsets.append(offsets[-1] + len(ids))
+        if len(offsets) == 1:
+            raise ValueError(f"{data_path}: no samples"
+                             + (f" ({bad_lines.count} bad lines skipped)" if bad_lines.count else ""))
+        if not has_mask:
+            os.remove(os.path.join(tmp_dir, "mask.bin"))
+        np.asarray(offsets, dtype=np.int64).tofile(os.path.join(tmp_dir, "offsets.bin"))
+        meta = {"source": os.path.abspath(data_path), "num_docs": len(offsets) - 1, "num_tokens": offsets[-1],
+                "token_dtype": np.dtype(token_dtype).name, "num_bad_lines": bad_lines.count,
+                "format_version": CACHE_FORMAT_VERSION}
+        with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        try:
+            os.rename(tmp_dir, out_dir)  # atomic: readers see no cache or a complete one
+        except OSError:
+            if not os.path.exists(os.path.join(out_dir, "meta.json")):
+                raise
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # another process finished the same cache first
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+
+
+class _TokenCacheDataset(Dataset):
+    """Common part: validate arguments, build or reuse the cache, memmap it lazily."""
+
+    kind = None
+
+    def __init__(self, data_path, tokenizer, max_length, skip_bad_lines, cache_dir):
+        data_path = os.fspath(data_path)
+        if not os.path.isfile(data_path):
+            raise FileNotFoundError(f"data file not found: {data_path}")
+        if max_length < 2:
+            raise ValueError(f"max_length must be at least 2, got {max_length}")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if getattr(tokenizer, name) is None:
+                raise ValueError(f"tokenizer has no {name}; set it in tokenizer_config.json")
+        self.data_path, self.tokenizer, self.max_length = data_path, tokenizer, max_length
+        self.pad_token_id = tokenizer.pad_token_id
+        self.token_dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32
+        self.cache_path = _cache_dir_for(self.kind, data_path, tokenizer, skip_bad_lines,
+                                         cache_dir or DEFAULT_CACHE_DIR)
+        if not os.path.exists(os.path.join(self.cache_path, "meta.json")):
+            bad_lines = _BadLines(data_path, skip_bad_lines)
+            _build_cache(self.cache_path, data_path, self._tokenized_chunks(bad_lines),
+                         self.token_dtype, bad_lines)
+        with open(os.path.join(self.cache_path, "meta.json")) as f:
+            self.meta = json.load(f)
+        self.num_bad_lines = self.meta["num_bad_lines"]
+        self.offsets = np.fromfile(os.path.join(self.cache_path, "offsets.bin"), dtype=np.int64)
+        self._tokens = self._mask = None
+
+    def _tokenized_chunks(self, bad_lines):
+        raise NotImplementedError
+
+    def _arrays(self):
+        """Open the memmaps on first use in each process (DataLoader workers included)."""
+        if self._tokens is None:
+            self._tokens = np.memmap(os.path.join(self.cache_path, "tokens.bin"),
+                                     dtype=self.meta["token_dtype"], mode="r")
+            mask_path = os.path.join(self.cache_path, "mask.bin")
+            if os.path.exists(mask_path):
+                self._mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
+        return self._tokens, self._mask
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_tokens"] = state["_mask"] = None  # pickling a memmap would copy the whole corpus
+        return state
+
+    def _padded(self, ids, labels):
+        """Pad to max_length: pad_token_id in input_ids, -100 in labels."""
+        input_ids = torch.full((self.max_length,), self.pad_token_id, dtype=torch.long)
+        target = torch.full((self.max_length,), -100, dtype=torch.long)
+        input_ids[:len(ids)] = torch.from_numpy(ids.astype(np.int64))
+        target[:len(labels)] = torch.from_numpy(labels.astype(np.int64))
+        return input_ids, target
+
+
+# ----------------------------------------------------------------------------- the datasets
+
+class PretrainDataset(_TokenCacheDataset):
+    """Plain text ({"text": ...} JSONL or parquet): each sample is bos + text + eos.
+
+    packing=False: one document per sample, truncated (eos kept) and padded to max_length.
+    packing=True: all documents concatenated and cut into full rows of max_length (remainder dropped).
+    """
+
+    kind = "pretrain"
+
+    def __init__(self, data_path, tokenizer, max_length=512, packing=False, skip_bad_lines=False, cache_dir=None):
+        super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir)
+        self.packing = packing
+        self.num_rows = int(self.offsets[-1]) // max_length if packing else len(self.offsets) - 1
+        if self.num_rows == 0:
+            raise ValueError(f"{data_path}: {int(self.offsets[-1])} tokens, fewer than max_length={max_length}: "
+                             "nothing to pack")
+
+    def _tokenized_chunks(self, bad_lines):
+        bos, eos = [self.tokenizer.bos_token_id], [self.tokenizer.eos_token_id]
+        texts = []
+        for lineno, value, error in _iter_field(self.data_path, "text"):
+            error = error or _check_text(value)
+            if error:
+                bad_lines(lineno, error)
+                continue
+            texts.append(value)
+            if len(texts) == CHUNK_DOCS:
+                yield [(bos + ids + eos, None) for ids in self._encode(texts)]
+                texts = []
+        if texts:
+            yield [(bos + ids + eos, None) for ids in self._encode(texts)]
+
+    def _encode(self, texts):
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+    def __len__(self):
+        return self.num_rows
+
+    def __getitem__(self, index):
+        tokens, _ = self._arrays()
+        if self.packing:
+            row = tokens[index * self.max_length:(index + 1) * self.max_length]
+            return self._padded(row, row)
+        doc = tokens[self.offsets[index]:self.offsets[index + 1]]  # bos + text + eos
+        if len(doc) > self.max_length:
+            doc = np.concatenate([doc[:self.max_length - 1], doc[-1:]])  # = bos + text[:L-2] + eos
+        return self._padded(doc, doc)
+
+
+class SFTDataset(_TokenCacheDataset):
+    """Chat data ({"conversations": [{"role", "content"}, ...]} JSONL or parquet) in the chat template.
+
+    Loss only on assistant turns: their content tokens and the eos (<|im_end|>) closing them.
+    """
+
+    kind = "sft"
+
+    def __init__(self, data_path, tokenizer, max_length=1024, skip_bad_lines=False, cache_dir=None):
+        if not getattr(tokenizer, "is_fast", False):
+            raise TypeError("SFTDataset needs a fast tokenizer (it maps assistant text to tokens by offsets)")
+        super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir)
+
+    def _render(self, messages, add_generation_prompt=False):
+        """Chat template text of `messages`, or None where the template rejects the partial list."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception:
+            return None
+
+    def _assistant_spans(self, messages, text):
+        """Character spans [start, end) in `text` of what each assistant turn generates, eos included.
+
+        That is the text after the generation prompt up to and including the eos closing the turn:
+        for ChatML exactly `content<|im_end|>`. Found by rendering the conversation up to each turn.
+        """
+        eos, spans, cursor = self.tokenizer.eos_token, [], 0
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self._render(messages[:k], add_generation_prompt=True)
+            turn = self._render(messages[:k + 1])
+            if prompt is not None and turn is not None and text.startswith(turn):
+                # the generated part starts where the text leaves the generation prompt
+                start = len(prompt) if turn.startswith(prompt) else len(os.path.commonprefix([prompt, turn]))
+                eos_pos = turn.rfind(eos, start)
+                end = eos_pos + len(eos) if eos_pos >= 0 else len(turn.rstrip())
+            else:  # template renders earlier turns differently later on: locate the content itself
+                if prompt is not None and text.startswith(prompt):
+                    cursor = max(cursor, len(prompt))
+                content = message["content"]
+                start = text.find(content, cursor)
+                if start < 0:  # templates may strip the content
+                    content = content.strip()
+                    start = text.find(content, cursor)
+                if start < 0:
+                    raise ValueError(f"assistant message {k} not found in the chat template output")
+                end = start + len(content)
+                eos_pos = text.find(eos, end)
+                if eos_pos >= 0 and not text[end:eos_pos].strip():
+                    end = eos_pos + len(eos)
+            spans.append((start, end))
+            cursor = end
+        return spans
+
+    def _tokenized_chunks(self, bad_lines):
+        texts, spans = [], []
+        for lineno, value, error in _iter_field(self.data_path, "conversations"):
+            error = error or _check_conversation(value)
+            if not error:
+                try:
+                    messages = [dict(m) for m in value]
+                    text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+                    spans.append(self._assistant_spans(messages, text))
+                    texts.append(text)
+                except Exception as e:  # a template may reject e.g. an unexpected role order
+                    error = f"cannot apply the chat template ({e})"
+            if error:
+                bad_lines(lineno, error)
+                continue
+            if len(texts) == CHUNK_DOCS:
+                yield self._encode(texts, spans)
+                texts, spans = [], []
+        if texts:
+            yield self._encode(texts, spans)
+
+    def _encode(self, texts, spans):
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for ids, offsets, doc_spans in zip(encoded["input_ids"], encoded["offset_mapping"], spans):
+            starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+            mask = np.zeros(len(ids), dtype=np.uint8)
+            for a, b in doc_spans:
+                mask |= (starts >= a) & (starts < b)  # a token is labelled if it starts inside the span
+            out.append((ids, mask))
+        return out
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index):
+        tokens, mask = self._arrays()
+        a, b = self.offsets[index], min(self.offsets[index + 1], self.offsets[index] + self.max_length)
+        ids = np.asarray(tokens[a:b], dtype=np.int64)
+        labels = np.where(mask[a:b] > 0, ids, -100)
+        return self._padded(ids, labels)
