@@ -71,3 +71,27 @@ def python(script, args, timeout=300, env=None):
     cmd = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+              "--num_key_value_heads", "2", "--dtype", "float32", "--save_dtype", "float32"]
+
+
+def read_metrics(path):
+    """Per-step training records of a --metrics_file (validation records are skipped)."""
+    import json
+    with open(path) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def demo_slice(tmp_path, kind, n_lines, name=None):
+    """The first n_lines of the embedded demo corpus, as a small data file for tests."""
+    sys.path.insert(0, ROOT)
+    from dataset.demo_data import ensure_demo_data
+    path = os.path.join(str(tmp_path), name or f"{kind}_{n_lines}.jsonl")
+    with open(ensure_demo_data(kind)) as src, open(path, "w") as dst:
+        for i, line in enumerate(src):
+            if i >= n_lines:
+                break
+            dst.write(line)
+    return path

@@ -1,0 +1,87 @@
+"""End-to-end runs of trainer/train_pretrain.py: quick start, learning, exact resume, bad input."""
+import os
+
+import pytest
+import torch
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
+
+SCRIPT = "trainer/train_pretrain.py"
+
+
+def run_pretrain(tmp_path, *extra, timeout=600):
+    out = os.path.join(str(tmp_path), "out")
+    args = [*TINY_MODEL, "--save_dir", out, "--checkpoint_dir", os.path.join(str(tmp_path), "ckpt"),
+            "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1", *extra]
+    proc = python(SCRIPT, args, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_metrics(os.path.join(out, "metrics.jsonl")), out
+
+
+def test_quick_start_tiny_learns_on_demo_corpus(tmp_path):
+    # the README command on the default (embedded) corpus, in a tiny config
+    records, out = run_pretrain(tmp_path, "--epochs", "1", "--max_steps", "30", "--max_seq_len", "64",
+                                "--batch_size", "8", "--accumulation_steps", "1", "--learning_rate", "3e-3")
+    assert [r["step"] for r in records] == list(range(1, 31))
+    first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
+    assert first == pytest.approx(torch.log(torch.tensor(6400.0)).item(), rel=0.05)  # random init: ~ln(vocab)
+    assert last < first - 1.0, (first, last)  # it learns: perplexity down by more than a factor e
+    for key in ("epoch", "aux_loss", "lr", "tokens_per_sec", "mfu", "peak_mem_gb", "elapsed_s"):
+        assert key in records[-1]
+    weights = torch.load(os.path.join(out, "pretrain_64.pth"))
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = MiniMindForCausalLM(config)
+    model.load_state_dict(weights)  # a plain full state dict, loadable by one process
+
+
+def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path):
+    data = demo_slice(tmp_path, "pretrain", 48)  # 48 docs / (4 x 2) = 6 steps per epoch
+    common = ["--data_path", data, "--epochs", "2", "--max_seq_len", "64", "--batch_size", "4",
+              "--accumulation_steps", "2", "--learning_rate", "2e-3"]
+    full, _ = run_pretrain(tmp_path / "full", *common, "--max_steps", "9")
+    first, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "4")  # stops mid-epoch 1
+    resumed, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "9", "--from_resume", "1")
+    assert [r["step"] for r in full] == list(range(1, 10))
+    assert [r["step"] for r in resumed] == list(range(1, 10))  # the resumed run appends to the metrics file
+    for a, b in zip(full, resumed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
+        assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"] and a["epoch"] == b["epoch"]
+    assert full[-1]["epoch"] == 1  # crossed the epoch boundary
+
+
+def expect_rejected(tmp_path, args, needle):
+    out = os.path.join(str(tmp_path), "out")
+    proc = python(SCRIPT, [*TINY_MODEL, "--save_dir", out, "--checkpoint_dir", out, *args], timeout=120)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert lines and lines[-1].startswith("error:") and needle in lines[-1], lines[-3:]
+    assert "Epoch:" not in proc.stdout  # rejected before training
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--data_path", "/nonexistent/data.jsonl"], "does not exist"),
+    (["--max_seq_len", "1"], "--max_seq_len"),
+    (["--dtype", "float8"], "--dtype float8 is unknown"),
+    (["--hidden_size", "66"], "not divisible"),
+    (["--num_key_value_heads", "3"], "num_key_value_heads"),
+    (["--use_moe", "1", "--num_experts", "2", "--num_experts_per_tok", "3"], "num_experts_per_tok"),
+    (["--from_weight", "/nonexistent/w.pth"], "does not exist"),
+    (["--save_dir", "/proc/forbidden"], "not writable"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    expect_rejected(tmp_path, args, needle)
+
+
+def test_empty_and_malformed_data_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    expect_rejected(tmp_path, ["--data_path", str(empty)], "is empty")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": broken\n')
+    expect_rejected(tmp_path, ["--data_path", str(bad)], "bad.jsonl:2")
+
+
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU supports bf16")
+def test_bf16_rejected_on_cpu_without_it(tmp_path):
+    expect_rejected(tmp_path, ["--dtype", "bfloat16", "--device", "cpu"], "--dtype bfloat16 is not supported")
