@@ -1,0 +1,302 @@
+"""trainer/parallel/data.py and utils.py against the single-process result.
+
+One 2-process gloo job trains a tiny MiniMind 3 AdamW steps (with gradient clipping) under every
+data-parallel variant on a global batch of 4 split 2/2; the single-process run on the full batch is
+the reference. The same job checks full-state gathering across pipeline stages.
+"""
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tests.launch import spawn
+from trainer.parallel.data import grad_reduce_factor, validate_data_parallel
+from trainer.parallel.utils import (TIED_EMBEDDING, clean_fqn, clip_grad_norm_, full_model_state_dict,
+                                    full_optimizer_state_dict, load_full_state)
+
+# lr 1e-3: Adam divides by sqrt(v), so float reduction-order noise on near-zero grads grows with lr.
+STEPS, BATCH, SEQ, VOCAB, LR, MAX_NORM = 3, 4, 32, 128, 1e-3, 0.5
+VARIANTS = {  # name: (zero_stage, grad_compression, apply_data_parallel extras)
+    "ddp": (0, "none", {}),
+    "ddp_bf16": (0, "bf16", {}),
+    "ddp_powersgd_warmup": (0, "powersgd", dict(powersgd_rank=1, powersgd_start_iter=10)),
+    "ddp_powersgd": (0, "powersgd", dict(powersgd_rank=1, powersgd_start_iter=2)),
+    "zero1": (1, "none", {}),
+    "zero2": (2, "none", {}),
+    "zero3": (3, "none", {}),
+}
+
+
+def make_model():
+    from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            vocab_size=VOCAB, max_position_embeddings=SEQ)
+    return MiniMindForCausalLM(config)
+
+
+def make_batches():
+    """STEPS global batches (input_ids, labels); some labels masked so ranks hold unequal token counts."""
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(STEPS):
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+        labels = ids.clone()
+        labels[0, :7] = -100
+        labels[3, 20:] = -100
+        batches.append((ids, labels))
+    return batches
+
+
+def num_items(labels):
+    return int((labels[:, 1:] != -100).sum())  # targets = labels shifted left, -100 appended
+
+
+def train_reference():
+    """Single process, full batch: weights, optimizer state and grad norms after STEPS steps."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    norms = []
+    for ids, labels in make_batches():
+        model(ids, labels=labels, num_items_in_batch=num_items(labels)).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer, norms
+
+
+def _wrap_variant(dims, zero_stage, compression, extras):
+    from trainer.parallel.data import apply_data_parallel, build_optimizer
+    model = apply_data_parallel(make_model(), dims.dp_cp_mesh, zero_stage, compression, **extras)
+    return model, build_optimizer(model.parameters(), LR, zero_stage, dims=dims)
+
+
+def _train_variant(dims, zero_stage, compression, extras):
+    model, optimizer = _wrap_variant(dims, zero_stage, compression, extras)
+    factor = grad_reduce_factor(dims.dp, dims.cp)
+    norms, first_grads = [], None
+    for ids, labels in make_batches():
+        rows = slice(dims.dp_rank, None, dims.dp)  # DistributedSampler: rank r takes r::dp
+        out = model(ids[rows], labels=labels[rows], num_items_in_batch=num_items(labels))
+        (out.loss * factor).backward()
+        if first_grads is None and zero_stage == 0:  # DDP grads are full tensors
+            first_grads = {clean_fqn(n): p.grad.clone() for n, p in model.named_parameters()}
+        norms.append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer, norms, first_grads
+
+
+def _stage_parts(model, rank):
+    """A hand split into two pipeline stages with the full model's FQNs; the last keeps a tied copy."""
+    part = nn.Module()
+    part.model = nn.Module()
+    part.model.layers = nn.ModuleDict({str(rank): model.model.layers[rank]})
+    if rank == 0:
+        part.model.embed_tokens = model.model.embed_tokens
+    else:
+        part.model.norm = model.model.norm
+        part.lm_head = nn.Linear(64, VOCAB, bias=False)  # its own copy of the tied weight
+    return part
+
+
+def _dp_worker(rank, world_size, ref_path, out_path):
+    from trainer.parallel.mesh import ParallelDims
+    dims = ParallelDims.build(world_size, device_type="cpu")
+    results = {}
+    for name, (zero_stage, compression, extras) in VARIANTS.items():
+        model, optimizer, norms, first_grads = _train_variant(dims, zero_stage, compression, extras)
+        model_sd = full_model_state_dict(model)
+        optim_sd = full_optimizer_state_dict(model, optimizer)
+        if zero_stage in (1, 3):  # round trip into a fresh model of the same layout, gathered again
+            fresh, fresh_opt = _wrap_variant(dims, zero_stage, compression, extras)
+            load_full_state(fresh, fresh_opt, _bcast(model_sd), _bcast(optim_sd))
+            results[name + "_reloaded"] = (full_model_state_dict(fresh), full_optimizer_state_dict(fresh, fresh_opt))
+        results[name] = (model_sd, optim_sd, norms)
+        results[name + "_grads"] = first_grads
+
+    # Pipeline-style gather: the world acts as a pp group of 2 stages holding the reference state.
+    ref = torch.load(ref_path)
+    part = _stage_parts(make_model(), rank)
+    optimizer = torch.optim.AdamW(part.parameters(), lr=LR)
+    load_full_state(part, optimizer, ref["model"], ref["optim"], tied_aliases=TIED_EMBEDDING)
+    results["pp_gather"] = (full_model_state_dict(part, pp_group=dist.group.WORLD),
+                            full_optimizer_state_dict(part, optimizer, pp_group=dist.group.WORLD,
+                                                      tied_aliases=TIED_EMBEDDING))
+    for fqn, p in part.named_parameters():
+        p.grad = ref["grads"][TIED_EMBEDDING.get(fqn, fqn)].clone()
+    tied_copy = [part.lm_head.weight] if rank == 1 else []
+    norm = clip_grad_norm_(part.parameters(), MAX_NORM, pp_group=dist.group.WORLD, exclude=tied_copy)
+    results[f"pp_clip{rank}"] = (float(norm), {fqn: p.grad for fqn, p in part.named_parameters()})
+    if rank == 1:
+        torch.save({k: v for k, v in results.items() if k == "pp_clip1"}, out_path + ".rank1")
+    dist.barrier()
+    if rank == 0:
+        results.update(torch.load(out_path + ".rank1"))
+        torch.save(results, out_path)
+
+
+def _bcast(obj):
+    """Give every rank rank 0's object (load_full_state takes the whole dict on every rank)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp")
+    model, optimizer, norms = train_reference()
+    ids, labels = make_batches()[0]
+    model(ids, labels=labels, num_items_in_batch=num_items(labels)).loss.backward()
+    grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
+    fresh = make_model()
+    fresh(ids, labels=labels, num_items_in_batch=num_items(labels)).loss.backward()
+    first_grads = {fqn: p.grad.clone() for fqn, p in fresh.named_parameters()}
+    ref = {"model": full_model_state_dict(model), "optim": full_optimizer_state_dict(model, optimizer),
+           "norms": norms, "grads": grads, "first_grads": first_grads}
+    torch.save(ref, tmp / "ref.pt")
+    spawn(_dp_worker, 2, str(tmp / "ref.pt"), str(tmp / "dp.pt"), timeout=240)
+    return ref, torch.load(tmp / "dp.pt")
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _optim_tensors(osd):
+    return {(fqn, key): v for fqn, s in osd["state"].items() for key, v in s.items()}
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "zero3"])
+def test_matches_single_process(runs, name):
+    ref, dp = runs
+    model_sd, optim_sd, norms = dp[name]
+    assert _max_diff(model_sd, ref["model"]) < 1e-5
+    assert model_sd["lm_head.weight"].equal(model_sd["model.embed_tokens.weight"])
+    assert norms == pytest.approx(ref["norms"], rel=1e-5)
+    assert min(ref["norms"]) > MAX_NORM  # clipping was active in every step
+    assert _max_diff(_optim_tensors(optim_sd), _optim_tensors(ref["optim"])) < 1e-5
+    assert [g["params"] for g in optim_sd["param_groups"]] == [g["params"] for g in ref["optim"]["param_groups"]]
+
+
+def test_ddp_gradients_match_single_process(runs):
+    ref, dp = runs
+    assert _max_diff(dp["ddp_grads"], ref["first_grads"]) < 1e-7
+
+
+def test_bf16_compression_close_to_fp32(runs):
+    ref, dp = runs
+    fp32, bf16 = ref["first_grads"], dp["ddp_bf16_grads"]
+    assert _max_diff(bf16, fp32) > 0  # the hook really compressed
+    for fqn, g in fp32.items():  # bf16 keeps 8 significant bits: error within 2^-7 of the tensor's scale
+        assert float((bf16[fqn] - g).abs().max()) <= 2 ** -7 * float(g.abs().max()), fqn
+    assert dp["ddp_bf16"][2] == pytest.approx(dp["ddp"][2], rel=2 ** -7)
+
+
+def test_powersgd_warmup_is_exact_then_compresses(runs):
+    ref, dp = runs
+    warmup, plain, active = dp["ddp_powersgd_warmup"][0], dp["ddp"][0], dp["ddp_powersgd"][0]
+    assert all(warmup[k].equal(plain[k]) for k in plain)  # start_powerSGD_iter > steps: plain all-reduce
+    diff = _max_diff(active, plain)
+    assert 0 < diff and all(torch.isfinite(v).all() for v in active.values())
+    assert dp["ddp_powersgd"][2][0] == pytest.approx(dp["ddp"][2][0], rel=1e-6)  # step 1 still uncompressed
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3"])
+def test_reload_into_same_layout_round_trips(runs, name):
+    _, dp = runs
+    model_sd, optim_sd, _ = dp[name]
+    reloaded_model, reloaded_optim = dp[name + "_reloaded"]
+    assert all(reloaded_model[k].equal(v) for k, v in model_sd.items())
+    a, b = _optim_tensors(reloaded_optim), _optim_tensors(optim_sd)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_zero3_state_loads_into_plain_model(runs):
+    """Full state saved by the zero-3 run resumes a plain single-process model + AdamW."""
+    ref, dp = runs
+    model_sd, optim_sd = copy.deepcopy(dp["zero3"][:2])  # the optimizer may keep the loaded tensors
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    load_full_state(model, optimizer, model_sd, optim_sd)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(model.state_dict()[k].equal(v) for k, v in model_sd.items())
+    for fqn, p in model.named_parameters():
+        for key, v in optim_sd["state"][fqn].items():
+            assert optimizer.state[p][key].equal(v)
+    # The next step matches the reference model's next step.
+    reference = make_model()
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    load_full_state(reference, reference_opt, ref["model"], copy.deepcopy(ref["optim"]))
+    for m, opt in ((model, optimizer), (reference, reference_opt)):
+        ids, labels = make_batches()[0]
+        m(ids, labels=labels).loss.backward()
+        opt.step()
+    assert _max_diff(model.state_dict(), reference.state_dict()) < 1e-5
+
+
+def test_pipeline_gather_and_clip(runs):
+    ref, dp = runs
+    model_sd, optim_sd = dp["pp_gather"]
+    assert model_sd.keys() == ref["model"].keys() and all(model_sd[k].equal(v) for k, v in ref["model"].items())
+    assert _optim_tensors(optim_sd).keys() == _optim_tensors(ref["optim"]).keys()
+    assert all(v.equal(_optim_tensors(ref["optim"])[k]) for k, v in _optim_tensors(optim_sd).items())
+    # Clip across two stages, the tied copy counted once, equals torch's on the whole model.
+    grads = {k: g.clone() for k, g in ref["grads"].items()}
+    model = make_model()
+    for fqn, p in model.named_parameters():
+        p.grad = grads[fqn]
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    for rank in (0, 1):
+        norm, clipped = dp[f"pp_clip{rank}"]
+        assert norm == pytest.approx(float(expected), rel=1e-6)
+        for fqn, g in clipped.items():
+            assert torch.allclose(g, grads[TIED_EMBEDDING.get(fqn, fqn)], rtol=1e-6, atol=1e-9)
+
+
+def test_one_optimizer_over_two_parts():
+    """Interleaved pipelines hold several parts and one optimizer: state still keyed by full FQNs."""
+    model, optimizer, _ = train_reference()
+    expected = full_optimizer_state_dict(model, optimizer)
+    part_a, part_b = nn.Module(), nn.Module()
+    part_a.model, part_b.model = nn.Module(), nn.Module()
+    part_a.model.embed_tokens = model.model.embed_tokens
+    part_a.model.layers = nn.ModuleDict({"0": model.model.layers[0]})
+    part_b.model.layers = nn.ModuleDict({"1": model.model.layers[1]})
+    part_b.model.norm, part_b.lm_head = model.model.norm, model.lm_head
+    got = full_optimizer_state_dict([part_a, part_b], [optimizer])
+    assert _optim_tensors(got).keys() == _optim_tensors(expected).keys()
+    fresh = torch.optim.AdamW(model.parameters(), lr=LR)
+    load_full_state([part_a, part_b], [fresh], None, got)
+    assert all(fresh.state[p]["exp_avg"].equal(optimizer.state[p]["exp_avg"]) for p in model.parameters())
+
+
+def test_clip_plain_matches_torch():
+    model = make_model()
+    ids, labels = make_batches()[0]
+    model(ids, labels=labels).loss.backward()
+    twin = copy.deepcopy(model)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        b.grad = a.grad.clone()
+    for max_norm in (1e-3, 1e3):
+        norm = clip_grad_norm_(model.parameters(), max_norm)
+        expected = torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
+        assert float(norm) == pytest.approx(float(expected), rel=1e-6)
+        assert all(torch.allclose(a.grad, b.grad, rtol=1e-6) for a, b in zip(model.parameters(), twin.parameters()))
+    inf_norm = clip_grad_norm_(model.parameters(), 1.0, norm_type=math.inf)
+    assert float(inf_norm) == pytest.approx(float(torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0, math.inf)))
+
+
+def test_validate_data_parallel():
+    assert validate_data_parallel(0, "none") is None
+    assert validate_data_parallel(3, "none", dp=2, tp=2) is None
+    assert "0, 1, 2, 3" in validate_data_parallel(4, "none")
+    assert "none, bf16, powersgd" in validate_data_parallel(0, "fp8")
+    assert "--zero_stage 0 or 1" in validate_data_parallel(2, "powersgd")
+    assert "use --zero_stage 2 or 3" in validate_data_parallel(1, "none", dp=2, tp=2)
+    assert grad_reduce_factor(2, 2) == 4

@@ -1,0 +1,79 @@
+"""trainer/parallel/mesh.py: layout validation and group membership on a real 4-process gloo mesh."""
+import json
+import os
+
+import pytest
+import torch.distributed as dist
+
+from tests.launch import spawn
+from trainer.parallel.mesh import ParallelDims, validate_layout
+
+
+def test_validate_layout():
+    assert validate_layout(8, tp=2, pp=2) == (2, None)
+    assert validate_layout(4, dp=2, tp=2) == (2, None)
+    dp, message = validate_layout(6, tp=4)
+    assert dp is None and "not divisible by tp*pp*cp" in message and "\n" not in message
+    dp, message = validate_layout(4, dp=4, tp=2)
+    assert dp is None and "launch 8 processes" in message
+    dp, message = validate_layout(4, cp=0)
+    assert dp is None and "--cp must be an integer >= 1" in message
+
+
+def test_single_process_dims():
+    dims = ParallelDims.build(1)
+    assert (dims.dp, dims.pp, dims.cp, dims.tp, dims.dp_cp) == (1, 1, 1, 1, 1)
+    assert dims.dp_group is None and dims.world_mesh is None
+    assert dims.summary() == "world 1 (single process)"
+    with pytest.raises(ValueError, match="not divisible"):
+        ParallelDims.build(3, tp=2)
+
+
+def _rank(dp, pp, cp, tp, sizes):
+    """Hand-computed global rank: tp fastest, then cp, then pp, then dp."""
+    _, PP, CP, TP = sizes
+    return ((dp * PP + pp) * CP + cp) * TP + tp
+
+
+def _groups_worker(rank, world_size, out_dir):
+    from trainer.parallel.mesh import _flatten_with_new_groups
+    result = {}
+    for name, layout in {"dp2_tp2": dict(tp=2), "pp2_cp2": dict(pp=2, cp=2)}.items():
+        dims = ParallelDims.build(world_size, device_type="cpu", **layout)
+        groups = {d: dist.get_process_group_ranks(getattr(dims, f"{d}_group"))
+                  for d in ("dp", "pp", "cp", "tp", "dp_cp")}
+        fallback = _flatten_with_new_groups(dims.world_mesh, ("dp", "cp"), "dp_cp")
+        groups["dp_cp_fallback"] = dist.get_process_group_ranks(fallback.get_group())
+        coords = [dims.dp_rank, dims.pp_rank, dims.cp_rank, dims.tp_rank]
+        result[name] = {"groups": groups, "coords": coords, "sizes": [dims.dp, dims.pp, dims.cp, dims.tp],
+                        "summary": dims.summary()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_mesh_groups(tmp_path):
+    spawn(_groups_worker, 4, str(tmp_path), timeout=90)
+    for rank in range(4):
+        result = json.load(open(tmp_path / f"rank{rank}.json"))
+        for name, expected_sizes in {"dp2_tp2": (2, 1, 1, 2), "pp2_cp2": (1, 2, 2, 1)}.items():
+            r = result[name]
+            assert tuple(r["sizes"]) == expected_sizes
+            dp, pp, cp, tp = r["coords"]
+            assert _rank(dp, pp, cp, tp, expected_sizes) == rank
+            D, P, C, T = expected_sizes
+            expected = {
+                "dp": [_rank(i, pp, cp, tp, expected_sizes) for i in range(D)],
+                "pp": [_rank(dp, i, cp, tp, expected_sizes) for i in range(P)],
+                "cp": [_rank(dp, pp, i, tp, expected_sizes) for i in range(C)],
+                "tp": [_rank(dp, pp, cp, i, expected_sizes) for i in range(T)],
+                "dp_cp": sorted(_rank(i, pp, j, tp, expected_sizes) for i in range(D) for j in range(C)),
+            }
+            expected["dp_cp_fallback"] = expected["dp_cp"]
+            assert r["groups"] == expected, (name, rank)
+    # Hand-computed lists for the record (rank 0's view).
+    r0 = json.load(open(tmp_path / "rank0.json"))
+    assert r0["dp2_tp2"]["groups"]["tp"] == [0, 1] and r0["dp2_tp2"]["groups"]["dp"] == [0, 2]
+    assert r0["pp2_cp2"]["groups"]["cp"] == [0, 1] and r0["pp2_cp2"]["groups"]["pp"] == [0, 2]
+    assert r0["pp2_cp2"]["groups"]["dp_cp"] == [0, 1]
+    assert r0["dp2_tp2"]["summary"].startswith("world 4 = dp 2 x pp 1 x cp 1 x tp 2")
+    assert "tp [0, 1]" in r0["dp2_tp2"]["summary"]

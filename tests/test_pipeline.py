@@ -1,0 +1,122 @@
+"""Pipeline parallel (pp=2 on gloo) against the single-process model: loss, gradients, one AdamW step."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.launch import spawn
+from trainer.parallel.pipeline import (PipelineStageModule, build_pipeline, params_for_grad_norm,
+                                       pipeline_loss_fn, pipeline_stage_ranges, pipeline_step, pp_validate,
+                                       sync_tied_grads)
+
+VOCAB, SEQ, BATCH, TOL = 128, 32, 4, 1e-5
+
+
+def tiny_model(moe, layers):
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=layers, vocab_size=VOCAB, num_attention_heads=4,
+                            num_key_value_heads=2, use_moe=moe, num_experts=4, num_experts_per_tok=2,
+                            router_aux_loss_coef=0.1, tie_word_embeddings=True)
+    return MiniMindForCausalLM(config).float()
+
+
+def make_batch():
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = input_ids.clone()
+    labels[0, :5] = -100  # some positions carry no loss
+    labels[2, 20:] = -100
+    return input_ids, F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def assert_close(actual, expected, what):
+    diff = (actual - expected).abs().max().item()
+    assert diff <= TOL, f"{what}: max abs diff {diff}"
+
+
+def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches):
+    model = tiny_model(moe, layers)
+    reference = copy.deepcopy(model)  # deepcopy keeps lm_head tied to embed_tokens
+    input_ids, targets = make_batch()
+    num_items = (targets != -100).sum()
+
+    out = reference(input_ids, shift_labels=targets, num_items_in_batch=num_items)
+    (out.loss + out.aux_loss).backward()
+    # Adam's first step is lr*g/(|g|+eps): eps=1e-6 keeps fp32 round-off in near-zero grads from being amplified 1e6x
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
+    reference_optimizer.step()
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    loss_fn = pipeline_loss_fn(num_items, aux_weight=(BATCH // num_microbatches) / BATCH)
+    schedule, modules, has_first, has_last = build_pipeline(model, mesh, schedule_name, num_microbatches,
+                                                            loss_fn, "cpu")
+    assert (has_first, has_last) == (rank == 0, rank == 1)
+    losses = pipeline_step(schedule, input_ids, targets, has_first, has_last)
+    sync_tied_grads(modules, mesh)
+
+    if has_last:
+        assert len(losses) == num_microbatches
+        assert_close(torch.stack(losses).sum(), out.loss + out.aux_loss, "total loss")
+        ce, aux = loss_fn.pop_step(num_microbatches)
+        assert_close(ce, out.loss, "CE part")
+        assert_close(aux, out.aux_loss, "aux part")
+    names = set()
+    for module in modules:
+        for name, param in module.named_parameters():
+            names.add(name)
+            assert_close(param.grad, reference.get_parameter(name).grad, f"grad of {name}")
+    everyone = [None, None]
+    dist.all_gather_object(everyone, sorted(names))
+    assert set().union(*everyone) == set(dict(reference.named_parameters(remove_duplicate=False)))
+
+    unique_params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    optimizer = torch.optim.AdamW(unique_params, lr=1e-2, eps=1e-6)
+    optimizer.step()
+    for module in modules:
+        for name, param in module.named_parameters():
+            assert_close(param.detach(), reference.get_parameter(name).detach(), f"weight {name} after AdamW")
+
+
+def _pipeline_worker(rank, world_size, moe, cases):
+    for schedule_name, num_microbatches in cases:
+        layers = 4 if schedule_name == "interleaved1f1b" else 2
+        _pipeline_case(rank, moe, layers, schedule_name, num_microbatches)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_pipeline_matches_single_process(moe):
+    cases = [(s, n) for s in ("gpipe", "1f1b", "interleaved1f1b") for n in (4, 2)]
+    spawn(_pipeline_worker, 2, moe, cases, timeout=100)
+
+
+def test_stage_ranges_and_validation():
+    assert pipeline_stage_ranges(4, 2) == [(0, 2), (2, 4)]
+    assert pipeline_stage_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert pp_validate(4, 2, "1f1b", 2) is None
+    assert pp_validate(4, 2, "interleaved1f1b", 4) is None
+    assert "layers" in pp_validate(3, 2, "interleaved1f1b", 4)
+    assert "layers" in pp_validate(1, 2, "gpipe", 4)
+    assert "micro-batches" in pp_validate(4, 2, "1f1b", 1)
+    assert "multiple" in pp_validate(8, 2, "interleaved1f1b", 5)
+    assert "pp_schedule" in pp_validate(4, 2, "zb", 4)
+
+
+def test_stage_modules_chain_to_full_model():
+    """Without any process group: chained stage modules give the model's logits, names and aux."""
+    model = tiny_model(True, 3).eval()
+    input_ids, _ = make_batch()
+    stages = [PipelineStageModule(model, s, e, s == 0, e == 3) for s, e in pipeline_stage_ranges(3, 2)]
+    positions = torch.arange(5, 5 + SEQ)  # a context-parallel style override
+    for stage in stages:
+        stage.position_ids = positions
+    with torch.no_grad():
+        hidden, aux = stages[1](*stages[0](input_ids))
+        out = model(input_ids, position_ids=positions[None])
+    assert torch.allclose(hidden, out.logits, atol=1e-6) and torch.allclose(aux, out.aux_loss.reshape(1))
+    names = {n for stage in stages for n in dict(stage.named_parameters())}
+    assert names == set(dict(model.named_parameters(remove_duplicate=False)))
+    assert len(params_for_grad_norm(stages)) == len(list(model.parameters()))  # tied weight counted once

@@ -1,0 +1,265 @@
+"""Context parallelism: causal ring attention over a cp process group, applied from outside the model.
+
+The sequence is cut into 2*cp chunks; cp rank r holds chunk r and chunk 2*cp-1-r (head + tail), so every
+rank does the same amount of causal attention work. K/V blocks travel around the ring with point-to-point
+send/recv and the partial outputs are merged by log-sum-exp. torch's experimental
+`torch.distributed.tensor.experimental.context_parallel` does not run on CPU (gloo), hence this own
+version (see ARCHITECTURE.md); the per-block kernels are torch's own fused attention ops.
+"""
+import functools
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+
+# the autograd-aware all_reduce is deprecated in favour of a functional collective that has no autograd for it
+warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_reduce is deprecated",
+                        category=FutureWarning)
+
+
+# ----------------------------------------------------------------------------- sequence sharding
+def shard_sequence(tensor, cp_rank, cp_size, dim=1):
+    """Return this cp rank's part of `tensor` along `dim`: chunk cp_rank and chunk 2*cp_size-1-cp_rank."""
+    if cp_size == 1:
+        return tensor
+    if tensor.shape[dim] % (2 * cp_size):
+        raise ValueError(f"sequence length {tensor.shape[dim]} must be divisible by 2*cp = {2 * cp_size}")
+    chunks = tensor.chunk(2 * cp_size, dim)
+    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim)
+
+
+def unshard_sequence(shards, dim=1):
+    """Inverse of shard_sequence: rebuild the full sequence from all ranks' shards, given in cp rank order."""
+    cp_size = len(shards)
+    if cp_size == 1:
+        return shards[0]
+    heads, tails = zip(*(shard.chunk(2, dim) for shard in shards))
+    return torch.cat(list(heads) + list(reversed(tails)), dim)
+
+
+def context_position_ids(seq_len, cp_rank, cp_size, device=None):
+    """Global positions (for RoPE) of the tokens this cp rank holds, shape (1, seq_len // cp_size) like the model's default."""
+    return shard_sequence(torch.arange(seq_len, device=device).unsqueeze(0), cp_rank, cp_size, dim=1)
+
+
+# ----------------------------------------------------------------------------- per-block kernels
+_FAILED_KERNELS = set()  # (kernel, device type, dtype, head dim) that raised once: don't retry them every block
+
+
+def _fused_kernels(q):
+    """Candidate fused ops returning (out, lse) for this device, best first."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        yield "flash_cpu", lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)[:2]
+    if q.device.type == "cuda":
+        if q.dtype in (torch.float16, torch.bfloat16) and hasattr(aten, "_scaled_dot_product_flash_attention"):
+            yield "flash_cuda", lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale)[:2]
+        if hasattr(aten, "_scaled_dot_product_efficient_attention"):
+            def efficient(q, k, v, causal, scale):
+                out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                        scale=scale)[:2]
+                return out, lse[..., :q.shape[-2]]  # its lse is padded to a multiple of 32 rows
+            yield "efficient_cuda", efficient
+
+
+def _scores(q, k, causal, scale):
+    """q k^T * scale in the compute dtype, with the (top-left aligned) causal mask applied."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+def _block_forward(q, k, v, causal, scale):
+    """Attention of a q block over one (GQA-expanded) k/v block -> (out, lse) in the compute dtype."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    for name, kernel in _fused_kernels(q):
+        key = (name, q.device.type, q.dtype, q.shape[-1])
+        if key in _FAILED_KERNELS:
+            continue
+        try:
+            out, lse = kernel(q, k, v, causal, scale)
+            return out.to(compute), lse.to(compute)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError):
+            _FAILED_KERNELS.add(key)  # unsupported dtype / head dim / build: use the next kernel
+    # math fallback: scores -> logsumexp -> softmax
+    scores = _scores(q.to(compute), k.to(compute), causal, scale)
+    lse = scores.logsumexp(-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(compute)), lse
+
+
+def _block_backward(dout, q, k, v, lse, delta, causal, scale):
+    """Gradients of one block from the final lse and delta = rowsum(dO * O); all in the compute dtype.
+
+    Plain math (dS = P * (dP - delta)) per block in fp32 or better: correctness first; because P is
+    rebuilt from the global lse, the blocks' gradients add up to the exact full-attention gradient.
+    """
+    probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    dv = torch.matmul(probs.transpose(-1, -2), dout)
+    dscores = probs * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(dscores, k) * scale
+    dk = torch.matmul(dscores.transpose(-1, -2), q) * scale
+    return dq, dk, dv
+
+
+def _expand_kv(kv, n_rep):
+    """(B, Hkv, L, D) -> (B, Hkv*n_rep, L, D), kv head j serving q heads j*n_rep .. (j+1)*n_rep-1."""
+    return kv if n_rep == 1 else kv.repeat_interleave(n_rep, dim=1)
+
+
+def _reduce_kv_grad(grad, n_rep):
+    """Sum the gradients of the q heads that share one kv head (inverse of _expand_kv)."""
+    return grad if n_rep == 1 else grad.unflatten(1, (-1, n_rep)).sum(2)
+
+
+# ----------------------------------------------------------------------------- ring
+def _rank_size(group):
+    if not dist.is_initialized():
+        return 0, 1  # single process: the ring is just the local block
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _ring_exchange(send, recv, group, tag):
+    """Post send -> next rank and recv <- previous rank; return the requests to wait on.
+
+    Hand-written ring send/recv: torch has no ring-attention collective that runs on gloo and nccl.
+    """
+    rank, size = _rank_size(group)
+    group = group or dist.group.WORLD
+    next_rank = dist.get_global_rank(group, (rank + 1) % size)
+    prev_rank = dist.get_global_rank(group, (rank - 1) % size)
+    ops = [dist.P2POp(dist.isend, send, next_rank, group, tag), dist.P2POp(dist.irecv, recv, prev_rank, group, tag)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _block_plan(src, rank, half):
+    """(q rows, kv columns, causal) that rank's (head, tail) chunks attend to in src's (head, tail) chunks."""
+    everything, head, tail = slice(None), slice(0, half), slice(half, None)
+    if src == rank:
+        return everything, everything, True  # both local chunks, ascending global order: plain causal
+    if src < rank:
+        return everything, head, False  # src's head precedes both of ours; src's tail follows both
+    return tail, everything, False  # only our tail comes after src's chunks, and after both of them
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal GQA attention over a sequence sharded head+tail across the cp group."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        rank, size = _rank_size(group)
+        scale, n_rep, half = q.shape[-1] ** -0.5, q.shape[1] // k.shape[1], q.shape[2] // 2
+        compute = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(q.shape, dtype=compute, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=compute, device=q.device)
+        kv = torch.stack([k, v])  # one message per step; un-repeated heads travel, expanded per block
+        for step in range(size):
+            if step < size - 1:
+                next_kv = torch.empty_like(kv)
+                requests = _ring_exchange(kv, next_kv, group, tag=0)  # overlaps with this block's compute
+            rows, cols, causal = _block_plan((rank - step) % size, rank, half)
+            block_out, block_lse = _block_forward(q[:, :, rows], _expand_kv(kv[0][:, :, cols], n_rep),
+                                                  _expand_kv(kv[1][:, :, cols], n_rep), causal, scale)
+            old_lse = lse[:, :, rows]
+            new_lse = torch.logaddexp(old_lse, block_lse)  # log-sum-exp merge of partial softmaxes
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1)
+                               + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+            lse[:, :, rows] = new_lse
+            if step < size - 1:
+                for request in requests:
+                    request.wait()
+                kv = next_kv
+        ctx.group = group
+        ctx.save_for_backward(q, k, v, out, lse)  # out kept in the compute dtype for an exact delta
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        rank, size = _rank_size(group)
+        scale, n_rep, half = q.shape[-1] ** -0.5, q.shape[1] // k.shape[1], q.shape[2] // 2
+        compute = out.dtype
+        dout = dout.to(compute)
+        delta = (dout * out).sum(-1)
+        qc = q.to(compute)
+        dq = torch.zeros_like(qc)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=compute, device=kv.device)  # dK/dV of the block we hold
+        for step in range(size):
+            requests = []
+            if step < size - 1:
+                next_kv = torch.empty_like(kv)
+                requests += _ring_exchange(kv, next_kv, group, tag=0)
+            rows, cols, causal = _block_plan((rank - step) % size, rank, half)
+            dq_block, dk_block, dv_block = _block_backward(
+                dout[:, :, rows], qc[:, :, rows], _expand_kv(kv[0][:, :, cols].to(compute), n_rep),
+                _expand_kv(kv[1][:, :, cols].to(compute), n_rep), lse[:, :, rows], delta[:, :, rows],
+                causal, scale)
+            dq[:, :, rows] += dq_block
+            dkv[0][:, :, cols] += _reduce_kv_grad(dk_block, n_rep)
+            dkv[1][:, :, cols] += _reduce_kv_grad(dv_block, n_rep)
+            if size > 1:
+                # dK/dV travel with their block; after the last step each rank receives its own
+                next_dkv = torch.empty_like(dkv)
+                requests += _ring_exchange(dkv, next_dkv, group, tag=1)
+            for request in requests:
+                request.wait()
+            if size > 1:
+                kv, dkv = (next_kv if step < size - 1 else kv), next_dkv
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q, k, v, cp_group):
+    """Causal ring attention. q (B, Hq, L_local, D), k/v (B, Hkv, L_local, D), sharded by shard_sequence."""
+    if q.shape[2] != k.shape[2] or q.shape[2] % 2:
+        raise ValueError(f"ring attention needs equal, even local q/k lengths, got {q.shape[2]} and {k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    return RingAttention.apply(q, k, v, cp_group)
+
+
+def make_ring_attn_fn(cp_group):
+    """An `attn_fn(q, k, v, attention_mask=None)` for the model's Attention modules, using ring attention."""
+    def ring_attn_fn(q, k, v, attention_mask=None):
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("context parallel supports causal attention without padding masks; "
+                             "train with attention_mask=None (packed or fully padded-with-labels batches)")
+        return ring_attention(q, k, v, cp_group)
+    return ring_attn_fn
+
+
+def _all_reduce_sum(tensor, group):
+    """Autograd-aware sum over the cp group (its backward all-reduces the gradients too)."""
+    return dist_nn.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def apply_context_parallel(model, cp_mesh):
+    """Swap in ring attention and cp-wide MoE router statistics on a plain model, in place.
+
+    cp_mesh: a 1-D DeviceMesh (e.g. mesh["cp"]) or a ProcessGroup. Inputs, targets and position_ids
+    must be sharded with shard_sequence / context_position_ids. The router-stat all-reduce's backward
+    sums gradients over the group, so each cp rank's objective should weight the (replicated) MoE aux
+    loss by 1/cp for the ranks' summed gradients to equal the single-process ones.
+    """
+    group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
+    cp_size = _rank_size(group)[1]
+    attn_fn = make_ring_attn_fn(group)
+    reduce_fn = functools.partial(_all_reduce_sum, group=group)
+    num_attention = 0
+    for module in model.modules():
+        if hasattr(module, "attn_fn"):
+            module.attn_fn = attn_fn
+            num_attention += 1
+        if hasattr(module, "reduce_router_stats"):
+            module.reduce_router_stats = reduce_fn
+            module.seq_len_scale = cp_size  # local token counts are normalised by the full length
+    if num_attention == 0:
+        raise ValueError("apply_context_parallel found no module with an `attn_fn` attribute to replace")
+    return model

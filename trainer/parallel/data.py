@@ -1,0 +1,131 @@
+"""Data parallelism: DDP (ZeRO 0), DDP + ZeroRedundancyOptimizer (ZeRO 1), FSDP2 (ZeRO 2 and 3).
+
+Gradient semantics: DDP and FSDP2 AVERAGE gradients over the data-parallel group (dp, or dp x cp
+when context parallel is on). The training step wants the gradient of the loss of the whole global
+batch, i.e. the SUM of the per-rank gradients of `ce_sum / num_items` (num_items counted over all
+ranks). So the trainer multiplies each rank's loss by `grad_reduce_factor(dp, cp)` = dp * cp; the
+average of the scaled gradients is then exactly the single-process gradient.
+"""
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+try:  # public path since torch 2.6 (2.11, 2.13)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4 / 2.5
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+ZERO_STAGES = (0, 1, 2, 3)
+GRAD_COMPRESSIONS = ("none", "bf16", "powersgd")
+
+
+def grad_reduce_factor(dp, cp=1):
+    """Factor the trainer multiplies each rank's loss by so averaged gradients equal summed ones."""
+    return dp * cp
+
+
+def validate_data_parallel(zero_stage, grad_compression="none", dp=1, tp=1, pp=1):
+    """Return one line saying what to change for a bad combination, else None (call before any collective).
+
+    dp: size of the gradient-reduction group (dp * cp); pp composes with every stage (one wrap per stage).
+    """
+    if zero_stage not in ZERO_STAGES:
+        return f"--zero_stage must be one of 0, 1, 2, 3 (got {zero_stage})"
+    if grad_compression not in GRAD_COMPRESSIONS:
+        return f"--grad_compression must be one of {', '.join(GRAD_COMPRESSIONS)} (got {grad_compression})"
+    if grad_compression != "none" and zero_stage >= 2:
+        return (f"--grad_compression {grad_compression} uses DDP communication hooks, which FSDP "
+                f"(--zero_stage {zero_stage}) does not have; use --zero_stage 0 or 1, or --grad_compression none")
+    if tp > 1 and zero_stage <= 1 and dp > 1:
+        # DDP cannot broadcast/all-reduce DTensor parameters (torchtitan rejects DDP + TP as well).
+        return (f"--zero_stage {zero_stage} (DDP) cannot be combined with --tp {tp}; "
+                f"use --zero_stage 2 or 3 (FSDP2 composes with tensor parallel)")
+    return None
+
+
+def _bf16_compress_hook(state, bucket):
+    """torch's bf16_compress_hook under another name: DDP refuses that name on CPU-only builds even
+    though gloo all-reduces bfloat16 fine; the hook itself is unchanged."""
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def _register_compression(ddp_model, group, grad_compression, powersgd_rank, powersgd_start_iter):
+    if grad_compression == "bf16":
+        nccl = dist.get_backend(group) == "nccl"
+        ddp_model.register_comm_hook(group, default_hooks.bf16_compress_hook if nccl else _bf16_compress_hook)
+    elif grad_compression == "powersgd":
+        # Until start_powerSGD_iter the hook does a plain (exact) all-reduce: the warm-up phase.
+        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=powersgd_start_iter)
+        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def _decoder_blocks(model):
+    """The decoder blocks to shard one by one: model.model.layers (ModuleList, or a pipeline stage's
+    ModuleDict keyed by original index, with removed layers possibly None)."""
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        return []
+    blocks = layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers
+    return [b for b in blocks if b is not None]
+
+
+def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,
+                        powersgd_start_iter=1000, param_dtype=None, reduce_dtype=None,
+                        find_unused_parameters=False):
+    """Wrap `model` (or one pipeline model part) for data parallelism over the 1-D `dp_mesh`.
+
+    dp_mesh: the dp mesh, or the flattened dp_cp mesh when context parallel is on (a ParallelDims
+    stands for its dp_cp_mesh).
+    zero_stage 0/1: DistributedDataParallel over dp_mesh's group (stage 1 also needs
+    build_optimizer(..., zero_stage=1)); grad_compression none | bf16 | powersgd via DDP comm hooks.
+    zero_stage 2/3: FSDP2 fully_shard on each decoder block then the root; parameters stay sharded
+    between steps, and stage 3 also frees the gathered parameters after each forward.
+    param_dtype/reduce_dtype: FSDP2 mixed precision (None keeps fp32).
+    Returns the wrapped module (DDP) or the same module, now an FSDPModule. A size-1 mesh returns
+    `model` unchanged.
+    """
+    message = validate_data_parallel(zero_stage, grad_compression)
+    if message:
+        raise ValueError(message)
+    dp_mesh = getattr(dp_mesh, "dp_cp_mesh", dp_mesh)  # accept a ParallelDims
+    if dp_mesh is None or dp_mesh.size() == 1:
+        return model
+    if zero_stage <= 1:
+        group = dp_mesh.get_group()
+        device = next(model.parameters()).device
+        device_ids = [device.index] if device.type == "cuda" else None
+        ddp_model = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
+                                            find_unused_parameters=find_unused_parameters)
+        _register_compression(ddp_model, group, grad_compression, powersgd_rank, powersgd_start_iter)
+        return ddp_model
+
+    reshard = zero_stage == 3  # ZeRO-2: keep gathered params from forward to backward
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in _decoder_blocks(model):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    # The root group takes everything left: embed_tokens, norm and lm_head. A tied lm_head.weight is
+    # the same Parameter as embed_tokens.weight; FSDP2 manages it once and re-ties both attributes.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    return model
+
+
+def build_optimizer(params, lr, zero_stage=0, dp_group=None, fused=None, dims=None, **adamw_kwargs):
+    """AdamW, or for zero_stage 1 ZeroRedundancyOptimizer(AdamW) sharding its state over dp_group.
+
+    params: an iterable of parameters or of param-group dicts. dp_group: the gradient-reduction
+    group (dp_cp); a ParallelDims as `dims` stands for its dp_cp_group. Stage 1 still needs DDP from
+    apply_data_parallel for the gradient all-reduce. fused=None keeps AdamW's default kernel.
+    """
+    params = list(params)
+    if dims is not None:
+        dp_group = dims.dp_cp_group
+    if fused is not None:
+        adamw_kwargs["fused"] = fused
+    if zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group,
+                                       lr=lr, **adamw_kwargs)
+    return torch.optim.AdamW(params, lr=lr, **adamw_kwargs)

@@ -1,0 +1,269 @@
+"""Pipeline parallelism: split a plain MiniMindForCausalLM into stages for torch.distributed.pipelining.
+
+Each pp rank keeps the layers of its stage(s) (contiguous, balanced ranges) under the same attribute
+paths as the full model, so parameter FQNs (`model.layers.3.mlp...`) are unchanged for checkpoints,
+tensor-parallel plans and optimizers. Schedules: GPipe, 1F1B, and interleaved 1F1B with 2 virtual
+stages per rank (stage ids rank and rank + pp).
+
+Stage i -> i+1 carries a tuple `(hidden_states, aux)`, `aux` a shape-(1,) float32 running sum of the
+MoE layers' sequence-level aux losses for the micro-batch (zero for dense models). The last stage
+returns `(logits, aux)` and `PipelineLoss` turns it into `ce_sum / num_items + aux * aux_weight`.
+
+Tied embeddings: with tie_word_embeddings, `lm_head.weight is model.embed_tokens.weight`. The first
+stage owns embed_tokens, the last stage lm_head; when they sit on different ranks each rank keeps its
+own copy of the one weight. `sync_tied_grads` sums the two copies' gradients (point-to-point between
+the first and last rank) after backward, so both copies see the full gradient and identical optimizer
+updates keep them equal. Count that weight once in a global grad norm (`params_for_grad_norm`).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
+VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
+
+
+# ----------------------------------------------------------------------------- layout and validation
+def pipeline_stage_ranges(num_layers, num_stages):
+    """Contiguous, balanced [start, end) layer ranges, one per stage; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        end = start + base + (1 if stage < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def pp_validate(num_layers, pp_size, schedule, num_microbatches):
+    """None when the pipeline layout is valid, else one line saying what to change."""
+    if schedule not in SCHEDULES:
+        return f"--pp_schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}"
+    num_stages = pp_size * VIRTUAL_STAGES[schedule]
+    if num_layers < num_stages:
+        return (f"{schedule} with pp={pp_size} needs >= {num_stages} layers (one per stage), model has "
+                f"{num_layers}; lower --pp or use more layers")
+    # every schedule: pre-2.13 torch's single-stage schedules (GPipe too) reject fewer micro-batches than stages
+    if num_microbatches < pp_size:
+        return (f"{schedule} needs >= pp={pp_size} micro-batches per step, got {num_microbatches}; "
+                "raise the micro-batch count")
+    rounds = max(1, num_microbatches // pp_size)
+    if schedule == "interleaved1f1b" and num_microbatches % rounds:
+        return (f"interleaved1f1b needs the micro-batch count ({num_microbatches}) to be a multiple of "
+                f"micro-batches // pp = {rounds}; use a multiple of pp={pp_size}")
+    return None
+
+
+# ----------------------------------------------------------------------------- stage module
+class PipelineStageModule(nn.Module):
+    """Layers [start, end) of a MiniMindForCausalLM, holding the same submodules under the same names.
+
+    forward: first stage `(input_ids) -> (hidden, aux)`, middle `(hidden, aux) -> (hidden, aux)`,
+    last `(hidden, aux) -> (logits, aux)`. Set `position_ids` (1-D, this rank's positions) for context
+    parallel; None means arange(L).
+    """
+
+    def __init__(self, model, start, end, is_first, is_last):
+        super().__init__()
+        inner = model.model
+        self.model = nn.Module()  # container so names read `model.<...>` like the full model
+        if is_first:
+            self.model.embed_tokens = inner.embed_tokens
+            self.model.dropout = inner.dropout
+        # a ModuleDict keyed by str(i) gives the same FQNs as the full model's ModuleList
+        self.model.layers = nn.ModuleDict({str(i): inner.layers[i] for i in range(start, end)})
+        self.model.rotary_emb = inner.rotary_emb
+        if is_last:
+            self.model.norm = inner.norm
+            self.lm_head = model.lm_head
+        self.layer_range, self.is_first, self.is_last = (start, end), is_first, is_last
+        self.tied = model.lm_head.weight is inner.embed_tokens.weight
+        self.position_ids = None
+
+    def forward(self, x, aux=None):
+        if self.is_first:
+            hidden = self.model.dropout(self.model.embed_tokens(x))
+            # a grad-requiring start value keeps the aux output differentiable on every stage (uniform p2p)
+            aux = torch.zeros(1, device=hidden.device, dtype=torch.float32, requires_grad=torch.is_grad_enabled())
+        else:
+            hidden = x
+        positions = self.position_ids
+        if positions is None:
+            positions = torch.arange(hidden.shape[1], device=hidden.device)
+        position_embeddings = self.model.rotary_emb(hidden, positions.to(hidden.device).view(1, -1))
+        for layer in self.model.layers.values():
+            hidden = layer(hidden, position_embeddings)
+            layer_aux = getattr(layer.mlp, "aux_loss", None)
+            if torch.is_tensor(layer_aux):
+                aux = aux + layer_aux.float().reshape(1)
+        if self.is_last:
+            hidden = self.lm_head(self.model.norm(hidden))
+        return hidden, aux
+
+
+# ----------------------------------------------------------------------------- loss
+class PipelineLoss:
+    """Last-stage loss_fn(output, targets) for the schedule: `(ce_sum / num_items + aux * aux_weight) * grad_scale`.
+
+    num_items: target tokens of the whole step (all micro-batches, all dp ranks); aux_weight:
+    micro-batch samples / global samples; grad_scale: the dp*cp factor when gradients are averaged.
+    Update the attributes before each step. Records per-micro-batch CE (`ce_sum / num_items`) and
+    weighted aux (`aux * aux_weight`) for logging; read them with `pop_step`.
+    """
+
+    def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0):
+        self.num_items, self.aux_weight, self.grad_scale = num_items, aux_weight, grad_scale
+        self.ce_parts, self.aux_parts = [], []
+
+    def __call__(self, output, targets):
+        logits, aux = output
+        ce_sum = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
+        ce = ce_sum / self.num_items
+        weighted_aux = aux.sum() * self.aux_weight
+        self.ce_parts.append(ce.detach())
+        self.aux_parts.append(weighted_aux.detach())
+        return (ce + weighted_aux) * self.grad_scale
+
+    def pop_step(self, num_microbatches):
+        """(sum of CE parts, sum of weighted aux parts) of the last step's micro-batches; clears the record.
+
+        Only the last `num_microbatches` records count: torch >= 2.13 also calls the loss once while
+        inferring shapes on the first step.
+        """
+        ce = torch.stack(self.ce_parts[-num_microbatches:]).sum()
+        aux = torch.stack(self.aux_parts[-num_microbatches:]).sum()
+        self.ce_parts, self.aux_parts = [], []
+        return ce, aux
+
+
+def pipeline_loss_fn(num_items, aux_weight, grad_scale=1.0):
+    """The loss the trainer hands to build_pipeline (a PipelineLoss; update num_items each step)."""
+    return PipelineLoss(num_items, aux_weight, grad_scale)
+
+
+# ----------------------------------------------------------------------------- schedule
+def split_model(model, pp_group, schedule_name):
+    """This pp rank's stage modules (sharing parameters with `model`) and their stage ids."""
+    pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    num_stages = pp_size * VIRTUAL_STAGES[schedule_name]
+    ranges = pipeline_stage_ranges(len(model.model.layers), num_stages)
+    stage_ids = list(range(pp_rank, num_stages, pp_size))  # rank r holds r, r+pp, ... (torch's layout)
+    modules = [PipelineStageModule(model, *ranges[s], s == 0, s == num_stages - 1) for s in stage_ids]
+    return modules, stage_ids, num_stages
+
+
+def make_schedule(parts, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device, pp_group):
+    """PipelineStages over the (possibly TP/DP-wrapped) stage modules, and the schedule driving them."""
+    stages = [PipelineStage(m, s, num_stages, torch.device(device), group=pp_group) for m, s in zip(parts, stage_ids)]
+    stage_arg = stages if schedule_name == "interleaved1f1b" else stages[0]
+    # scale_grads=False: the loss is already normalised by the step's token count
+    return SCHEDULES[schedule_name](stage_arg, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def build_pipeline(model, pp_mesh, schedule_name, num_microbatches, loss_fn, device):
+    """Split `model` for this pp rank and build the schedule.
+
+    pp_mesh: a 1-D DeviceMesh or a ProcessGroup. Returns (schedule, stage_modules, has_first_stage,
+    has_last_stage). The stage modules share parameters with `model`; drop `model` afterwards so the
+    other stages' layers are freed.
+    """
+    pp_group = pp_mesh.get_group() if isinstance(pp_mesh, DeviceMesh) else pp_mesh
+    modules, stage_ids, num_stages = split_model(model, pp_group, schedule_name)
+    schedule = make_schedule(modules, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device, pp_group)
+    return schedule, modules, modules[0].is_first, modules[-1].is_last
+
+
+class Pipeline:
+    """What the trainer needs of pipeline parallelism: the split, the schedule, the step, tied weights."""
+
+    def __init__(self, model, pp_group, schedule_name, num_microbatches, device):
+        self.pp_group, self.schedule_name, self.device = pp_group, schedule_name, device
+        self.num_microbatches = num_microbatches
+        self.stage_modules, self.stage_ids, self.num_stages = split_model(model, pp_group, schedule_name)
+        self.has_first = self.stage_modules[0].is_first
+        self.has_last = self.stage_modules[-1].is_last
+        self.loss_fn = PipelineLoss()
+        self.schedule = None
+
+    def make_schedule(self, parts):
+        self.parts = parts
+        self.schedule = make_schedule(parts, self.stage_ids, self.num_stages, self.schedule_name,
+                                      self.num_microbatches, self.loss_fn, self.device, self.pp_group)
+        return self.schedule
+
+    def set_positions(self, position_ids):
+        for module in self.stage_modules:
+            module.position_ids = position_ids
+
+    def step(self, run, inputs, targets, num_items, aux_weight, grad_factor, shard_for_context):
+        """One optimizer step's forward+backward: the micro-batches go through the schedule as one batch."""
+        (x, t), positions = shard_for_context(run, [torch.cat(inputs).to(self.device), torch.cat(targets).to(self.device)])
+        self.set_positions(None if positions is None else positions[0])
+        self.loss_fn.num_items, self.loss_fn.aux_weight, self.loss_fn.grad_scale = num_items, aux_weight, grad_factor
+        pipeline_step(self.schedule, x, t, self.has_first, self.has_last)
+        if not self.has_last:
+            return torch.zeros(()), torch.zeros(())
+        return self.loss_fn.pop_step(self.num_microbatches)
+
+    def sync_tied_grads(self):
+        sync_tied_grads(self.stage_modules, self.pp_group)
+
+    def duplicate_params(self):
+        """Parameters to leave out of the global grad norm (the last stage's tied lm_head copy)."""
+        counted = {id(p) for p in params_for_grad_norm(self.stage_modules)}
+        return [p for m in self.stage_modules for p in m.parameters() if id(p) not in counted]
+
+
+def pipeline_step(schedule, input_ids, targets, has_first_stage, has_last_stage):
+    """One forward+backward of all micro-batches; returns the per-micro-batch losses (empty off the last stage)."""
+    losses = []
+    args = (input_ids,) if has_first_stage else ()
+    schedule.step(*args, target=targets if has_last_stage else None, losses=losses if has_last_stage else None)
+    return losses
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # DTensor (TP/FSDP): its local shard
+
+
+def sync_tied_grads(stage_modules, pp_group):
+    """Sum the tied embed_tokens / lm_head gradient over the first and last pp rank (after backward, before clipping).
+
+    No-op for untied weights, on middle ranks, and when one rank holds both ends (one shared Parameter).
+    """
+    if isinstance(pp_group, DeviceMesh):
+        pp_group = pp_group.get_group()
+    first = next((m for m in stage_modules if m.is_first), None)
+    last = next((m for m in stage_modules if m.is_last), None)
+    if (first is None) == (last is None) or not stage_modules[0].tied:
+        return
+    weight = first.model.embed_tokens.weight if first is not None else last.lm_head.weight
+    peer = dist.get_world_size(pp_group) - 1 if first is not None else 0
+    peer = dist.get_global_rank(pp_group, peer)
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    grad = _local(weight.grad)
+    received = torch.empty_like(grad)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, grad, peer, pp_group),
+                                    dist.P2POp(dist.irecv, received, peer, pp_group)])
+    for work in works:
+        work.wait()
+    grad.add_(received)  # a + b == b + a in IEEE: both copies get bit-identical gradients
+
+
+def params_for_grad_norm(stage_modules):
+    """This rank's parameters to count in a global grad norm: the last stage's tied lm_head copy is skipped
+    (the first stage counts it), and a parameter shared by two local stages is listed once."""
+    has_first = any(m.is_first for m in stage_modules)
+    seen, params = set(), []
+    for module in stage_modules:
+        skip = module.lm_head.weight if (module.is_last and module.tied and not has_first) else None
+        for p in module.parameters():
+            if p is not skip and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params

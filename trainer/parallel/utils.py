@@ -1,0 +1,284 @@
+"""Distributed helpers shared by the trainer and the checkpoint code: gradient clipping over any
+layout, and full (gathered, fp32, FQN-keyed) model/optimizer state that loads into any layout.
+
+State dict format (what get_model_state_dict / get_optimizer_state_dict return with
+full_state_dict=True on the single-process model):
+  model:     {fqn: tensor}                          e.g. "model.layers.0.self_attn.q_proj.weight"
+  optimizer: {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [fqn]}]}
+A tied lm_head.weight appears in the model state (as in nn.Module.state_dict) but not in the
+optimizer state, which holds the shared parameter once under model.embed_tokens.weight.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+# alias -> canonical FQN of a weight a pipeline stage keeps a synchronised copy of (tied embeddings).
+TIED_EMBEDDING = {"lm_head.weight": "model.embed_tokens.weight"}
+_WRAPPER_NAMES = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
+
+
+# ----------------------------------------------------------------------------- gradient clipping
+
+def _group_norm(grads, norm_type, error_if_nonfinite, foreach):
+    """Norm of grads that share one type/mesh/placement; a DTensor norm is reduced over its mesh."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _total_norm(grads, norm_type, error_if_nonfinite, foreach, device):
+    # DTensors on different meshes/placements (TP vs FSDP vs plain) cannot be stacked together.
+    groups = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else ("plain", g.device)
+        groups.setdefault(key, []).append(g)
+    norms = [_group_norm(gs, norm_type, error_if_nonfinite, foreach) for gs in groups.values()]
+    if not norms:  # e.g. a pipeline stage whose parameters all got no gradient
+        return torch.zeros((), device=device)
+    norms = torch.stack([n.to(device, torch.float32) for n in norms])
+    if math.isinf(norm_type):
+        return norms.max()
+    return norms.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None, exclude=None,
+                    error_if_nonfinite=False, foreach=None):
+    """Clip gradients by their total norm over ALL ranks; return that norm (same as torch's on one process).
+
+    DTensor grads (FSDP2, TP) are reduced over their mesh; pp_group sums the norms of the pipeline
+    stages. exclude: parameters still clipped but left out of the norm, e.g. a pipeline stage's copy
+    of the tied embedding, so each weight counts once.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    excluded = {id(p) for p in (exclude or ())}
+    counted = [p.grad for p in params if id(p) not in excluded]
+    device = params[0].grad.device if params else torch.device("cpu")
+    total = _total_norm(counted, float(norm_type), error_if_nonfinite, foreach, device)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+        else:
+            total = total.pow(norm_type)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+            total = total.pow(1.0 / norm_type)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
+    by_device = {}
+    for p in params:  # scale the local shards in place; no communication needed
+        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        by_device.setdefault(local.device, []).append(local)
+    for device, tensors in by_device.items():
+        torch._foreach_mul_(tensors, clip_coef.to(device))
+    return total
+
+
+# ----------------------------------------------------------------------------- full state dicts
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _unwrap(module):
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _merged_view(modules):
+    """One module whose parameter names are the full-model FQNs of several pipeline parts.
+
+    Parts share leaf modules (rotary_emb) and differ in containers (model.layers keyed by original
+    index); shared objects are kept, containers present in several parts become fresh merged ones.
+    """
+    unique = list({id(m): m for m in map(_unwrap, modules)}.values())
+    if len(unique) == 1:
+        return unique[0]
+    if any(m._parameters or m._buffers for m in unique):
+        raise ValueError("pipeline parts disagree on a module that holds tensors itself")
+    view = torch.nn.Module()
+    names = list(dict.fromkeys(n for m in unique for n in m._modules))
+    for name in names:
+        view.add_module(name, _merged_view([m._modules[name] for m in unique if m._modules.get(name) is not None]))
+    return view
+
+
+def _optimizer_pairs(model_parts, optimizers):
+    """(module, optimizer) pairs: one optimizer per part, or one optimizer over all parts."""
+    parts, optims = _as_list(model_parts), _as_list(optimizers)
+    if len(optims) == 1 and len(parts) > 1:
+        return [(_merged_view(parts), optims[0])]
+    if len(optims) != len(parts):
+        raise ValueError(f"got {len(optims)} optimizers for {len(parts)} model parts; pass one per part or one for all")
+    return list(zip(parts, optims))
+
+
+def _pp_size(pp_group):
+    return dist.get_world_size(pp_group) if pp_group is not None and dist.is_initialized() else 1
+
+
+def _is_rank0():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _full_options(pp_group):
+    # cpu_offload keeps the gathered copy on global rank 0 only, which never holds a later stage.
+    return StateDictOptions(full_state_dict=True, cpu_offload=_pp_size(pp_group) == 1)
+
+
+def _cpu_fp32(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu")
+        return t.float() if t.is_floating_point() else t
+    if isinstance(obj, dict):
+        return {k: _cpu_fp32(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu_fp32(v) for v in obj]
+    return obj
+
+
+def _gather_pp(obj, pp_group):
+    """List of every pipeline stage's obj on global rank 0 (None elsewhere)."""
+    if _pp_size(pp_group) == 1:
+        return [obj]
+    if 0 not in dist.get_process_group_ranks(pp_group):
+        return None  # only global rank 0's pp group carries the state anyone keeps
+    root = dist.get_global_rank(pp_group, 0)
+    out = [None] * dist.get_world_size(pp_group) if dist.get_rank() == root else None
+    dist.gather_object(obj, out, dst=root, group=pp_group)
+    return out
+
+
+def clean_fqn(name):
+    """Drop wrapper prefixes (DDP, torch.compile, activation checkpointing, FSDP1) from a parameter name."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
+
+
+def full_model_state_dict(model_parts, pp_group=None):
+    """Full fp32 CPU model state keyed by FQN on global rank 0 (None on other ranks).
+
+    model_parts: a module or the list of this rank's pipeline model parts (each keeps the full
+    model's FQNs). A collective: every rank must call it.
+    """
+    options = _full_options(pp_group)
+    local = {}
+    for part in _as_list(model_parts):
+        local.update(_cpu_fp32(get_model_state_dict(part, options=options)))
+    stages = _gather_pp(local, pp_group)
+    if not _is_rank0():
+        return None
+    merged = {}
+    for stage in stages:
+        for k, v in stage.items():
+            merged.setdefault(k, v)  # a tied copy on a later stage equals the first one
+    return merged
+
+
+def _zero_state_dict(part, optim):
+    """FQN-keyed full state of a ZeroRedundancyOptimizer via consolidate_state_dict (collective)."""
+    optim.consolidate_state_dict(to=0)
+    if dist.get_rank(optim.process_group) != 0:
+        return {}
+    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    index_to_fqn = [names[id(p)] for g in optim.param_groups for p in g["params"]]
+    sd = optim.state_dict()
+    return {"state": {index_to_fqn[i]: s for i, s in sd["state"].items()},
+            "param_groups": [dict(g, params=[index_to_fqn[i] for i in g["params"]]) for g in sd["param_groups"]]}
+
+
+def _merge_optim(into, osd, tied_aliases):
+    if not osd:
+        return
+    for k, v in osd["state"].items():
+        into["state"].setdefault(k, v)
+    for i, group in enumerate(osd["param_groups"]):
+        if i == len(into["param_groups"]):
+            into["param_groups"].append(dict(group, params=[]))
+        into["param_groups"][i]["params"] += [k for k in group["params"] if k not in into["param_groups"][i]["params"]]
+    for alias, canonical in (tied_aliases or {}).items():  # keep the shared weight once, as one process does
+        if alias in into["state"] and canonical in into["state"]:
+            del into["state"][alias]
+            for group in into["param_groups"]:
+                group["params"] = [k for k in group["params"] if k != alias]
+
+
+def full_optimizer_state_dict(model_parts, optimizers, pp_group=None, tied_aliases=None):
+    """Full fp32 CPU optimizer state keyed by FQN on global rank 0 (None on other ranks).
+
+    optimizers: one per model part, or one over all parts. ZeroRedundancyOptimizer (ZeRO-1) is gathered with
+    consolidate_state_dict. tied_aliases (e.g. TIED_EMBEDDING when a later pipeline stage keeps a
+    copy of the tied embedding): alias entries are dropped in favour of the canonical FQN.
+    A collective: every rank must call it.
+    """
+    options = _full_options(pp_group)
+    local = {"state": {}, "param_groups": []}
+    for part, optim in _optimizer_pairs(model_parts, optimizers):
+        if isinstance(optim, ZeroRedundancyOptimizer):
+            osd = _zero_state_dict(part, optim)
+        else:
+            osd = get_optimizer_state_dict(part, optim, options=options)
+        _merge_optim(local, _cpu_fp32(osd), tied_aliases)
+    stages = _gather_pp(local, pp_group)
+    if not _is_rank0():
+        return None
+    merged = {"state": {}, "param_groups": []}
+    for stage in stages:
+        _merge_optim(merged, stage, tied_aliases)
+    return merged
+
+
+def _with_aliases(optim_sd, tied_aliases):
+    """Copy of optim_sd where each alias FQN also carries its canonical weight's state and group."""
+    state = dict(optim_sd["state"])
+    groups = [dict(g, params=list(g["params"])) for g in optim_sd["param_groups"]]
+    for alias, canonical in (tied_aliases or {}).items():
+        if canonical in state and alias not in state:
+            state[alias] = state[canonical]
+            next(g for g in groups if canonical in g["params"])["params"].append(alias)
+    return {"state": state, "param_groups": groups}
+
+
+def _load_zero(part, optim, optim_sd):
+    """Load an FQN-keyed full state into a ZeroRedundancyOptimizer (each rank keeps its shard)."""
+    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    fqns = [names[id(p)] for g in optim.param_groups for p in g["params"]]
+    state, groups, index = {}, [], 0
+    for group in optim.param_groups:
+        first = names[id(group["params"][0])]
+        saved = next(g for g in optim_sd["param_groups"] if first in g["params"])
+        groups.append(dict(saved, params=list(range(index, index + len(group["params"])))))
+        index += len(group["params"])
+    for i, fqn in enumerate(fqns):
+        if fqn in optim_sd["state"]:
+            state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in optim_sd["state"][fqn].items()}
+    optim.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_full_state(model_parts, optimizers, model_sd, optim_sd=None, tied_aliases=None):
+    """Load a full FQN-keyed state (from full_*_state_dict) into any layout; each part takes its keys.
+
+    Every rank passes the whole dicts (e.g. torch.load(map_location="cpu") on every rank);
+    sharded/DTensor parameters take their own slice. model_sd=None skips the model (already loaded
+    into the plain model before wrapping); optimizers/optim_sd=None skips the optimizer.
+    Like Optimizer.load_state_dict, the optimizer may keep optim_sd's tensors: do not reuse the dict.
+    """
+    options = StateDictOptions(full_state_dict=True, strict=True)
+    for part in _as_list(model_parts) if model_sd is not None else []:
+        keys = get_model_state_dict(part, options=StateDictOptions(full_state_dict=False)).keys()
+        missing = [k for k in keys if k not in model_sd]
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} model keys, e.g. {missing[:3]}")
+        set_model_state_dict(part, {k: model_sd[k] for k in keys}, options=options)
+    if optimizers is None or optim_sd is None:
+        return
+    optim_sd = _with_aliases(optim_sd, tied_aliases)
+    for part, optim in _optimizer_pairs(model_parts, optimizers):
+        if isinstance(optim, ZeroRedundancyOptimizer):
+            _load_zero(part, optim, optim_sd)
+        else:
+            set_optimizer_state_dict(part, optim, optim_state_dict=optim_sd, options=options)
