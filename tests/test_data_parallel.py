@@ -130,12 +130,10 @@ def _dp_worker(rank, world_size, ref_path, out_path):
         p.grad = ref["grads"][TIED_EMBEDDING.get(fqn, fqn)].clone()
     tied_copy = [part.lm_head.weight] if rank == 1 else []
     norm = clip_grad_norm_(part.parameters(), MAX_NORM, pp_group=dist.group.WORLD, exclude=tied_copy)
-    results[f"pp_clip{rank}"] = (float(norm), {fqn: p.grad for fqn, p in part.named_parameters()})
-    if rank == 1:
-        torch.save({k: v for k, v in results.items() if k == "pp_clip1"}, out_path + ".rank1")
-    dist.barrier()
+    clipped = [None] * world_size if rank == 0 else None
+    dist.gather_object((float(norm), {fqn: p.grad for fqn, p in part.named_parameters()}), clipped, dst=0)
     if rank == 0:
-        results.update(torch.load(out_path + ".rank1"))
+        results.update({f"pp_clip{r}": c for r, c in enumerate(clipped)})
         torch.save(results, out_path)
 
 

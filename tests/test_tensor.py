@@ -115,4 +115,5 @@ def test_tp_validate():
     assert tp_validate(config, 1) is None and tp_validate(config, 2) is None
     assert "num_key_value_heads" in tp_validate(config, 4)
     assert "vocab_size" in tp_validate(MiniMindConfig(**dict(TINY, vocab_size=511)), 2)
+    assert "max_seq_len" in tp_validate(config, 2, seq_len=33) and tp_validate(config, 2, seq_len=32) is None
     assert "moe_intermediate_size" in tp_validate(MiniMindConfig(**dict(MOE, moe_intermediate_size=99)), 2)

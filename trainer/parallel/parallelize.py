@@ -32,7 +32,7 @@ def check_parallel_args(args, config, world_size):
     args.dp = dp
     if args.tp > 1:
         from trainer.parallel.tensor import tp_validate
-        message = tp_validate(config, args.tp)
+        message = tp_validate(config, args.tp, seq_len=args.max_seq_len // args.cp if args.sequence_parallel else None)
         if message:
             raise ConfigError(message)
     if args.cp > 1 and args.max_seq_len % (2 * args.cp):
@@ -121,8 +121,7 @@ def wrap_model(run, args, config, model_state=None):
                 block.compile()
     if run.dims is not None and run.dims.dp * run.dims.cp > 1:
         from trainer.parallel.data import apply_data_parallel
-        parts = [apply_data_parallel(part, run.dims, args.zero_stage, args.grad_compression,
-                                     find_unused_parameters=config.use_moe) for part in parts]  # idle experts
+        parts = [apply_data_parallel(part, run.dims, args.zero_stage, args.grad_compression) for part in parts]
         run.has_dtensor = run.has_dtensor or args.zero_stage >= 2
     run.model_parts = parts
     if args.pp > 1:
@@ -140,10 +139,16 @@ def full_state(run, optimizer):
     from trainer.parallel.utils import full_model_state_dict, full_optimizer_state_dict
     pp_group = run.group("pp") if run.size("pp") > 1 else None
     model_sd = full_model_state_dict(run.model_parts, pp_group=pp_group)
-    optim_sd = full_optimizer_state_dict(run.model_parts, [optimizer], pp_group=pp_group)
+    optim_sd = full_optimizer_state_dict(run.model_parts, [optimizer], pp_group=pp_group, tied_aliases=tied_aliases(run))
     return model_sd, optim_sd
+
+
+def tied_aliases(run):
+    """Under pp the tied embedding has a copy on the last stage; its optimizer state is saved once."""
+    from trainer.parallel.utils import TIED_EMBEDDING
+    return TIED_EMBEDDING if run.pipeline is not None and run.model.config.tie_word_embeddings else None
 
 
 def load_optimizer(run, optimizer, optim_sd):
     from trainer.parallel.utils import load_full_state
-    load_full_state(run.model_parts, [optimizer], None, optim_sd)
+    load_full_state(run.model_parts, [optimizer], None, optim_sd, tied_aliases=tied_aliases(run))

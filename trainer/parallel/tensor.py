@@ -9,14 +9,15 @@ torchtitan's `parallelize_llama`. Per block:
   MoE: every expert (and shared expert) sharded like the dense MLP; router `mlp.gate` replicated.
 Embedding is vocab-parallel (RowwiseParallel) and lm_head column-parallel with vocab-sharded
 logits, so cross-entropy runs under `loss_parallel()` without gathering the full logits.
-After this call every parameter is a DTensor on `tp_mesh` (leftover ones are Replicate), so a
-plain AdamW and `clip_grad_norm_` work on them unchanged.
+With sequence_parallel the norms run on sequence shards (SequenceParallel), attention/MLP inputs are
+all-gathered and o_proj/down_proj reduce-scatter back to the sequence-sharded residual stream.
+After this call every parameter is a DTensor on `tp_mesh` (norms and router are Replicate) and
+every grad has its parameter's placement, so plain AdamW and `clip_grad_norm_` work unchanged.
 """
 from contextlib import nullcontext
 from functools import partial
 
 import torch
-import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -54,7 +55,7 @@ class ReplicateParallel(ParallelStyle):
 
 
 class PrepareHiddenInput(ParallelStyle):
-    """Redistribute a module's first input (hidden states) and pass it on as a local tensor.
+    """Redistribute a module's hidden-states input (first positional or `hidden_states=`) to a local tensor.
 
     Other arguments (RoPE cos/sin, mask, cache) pass through untouched, whatever their number,
     which PrepareModuleInput cannot express without pinning the call's arity.
@@ -77,10 +78,15 @@ class PrepareHiddenInput(ParallelStyle):
         return args, {**kwargs, "hidden_states": convert(kwargs["hidden_states"])}
 
 
-def tp_validate(config, tp_size):
-    """One-line error message if `config` cannot be split over `tp_size` ranks, else None."""
+def tp_validate(config, tp_size, seq_len=None):
+    """One-line error message if `config` cannot be split over `tp_size` ranks, else None.
+
+    Pass `seq_len` (the training sequence length) when sequence parallel is on: it is split over tp.
+    """
     if tp_size <= 1:
         return None
+    if seq_len is not None and seq_len % tp_size:
+        return f"sequence parallel needs max_seq_len ({seq_len}) divisible by --tp {tp_size}"
     dims = {"num_attention_heads": config.num_attention_heads,
             "num_key_value_heads": config.num_key_value_heads,
             "vocab_size": config.vocab_size}
@@ -123,7 +129,7 @@ def _block_plan(prefix, block, sequence_parallel):
     attn = f"{prefix}.self_attn"
     plan.update({f"{attn}.q_proj": ColwiseParallel(), f"{attn}.k_proj": ColwiseParallel(),
                  f"{attn}.v_proj": ColwiseParallel(),
-                 # per-head norm over local heads; its weight grad is summed over the tp group by DTensor
+                 # per-head norm on the local heads; its Partial weight grad is summed by _reduce_partial_grad
                  f"{attn}.q_norm": SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True),
                  f"{attn}.k_norm": SequenceParallel(sequence_dim=HEADS_DIM, use_local_output=True),
                  f"{attn}.o_proj": RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())})
