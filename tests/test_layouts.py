@@ -18,12 +18,16 @@ from tests.launch import ROOT, TINY_MODEL, demo_slice, free_port, python, read_m
 SCRIPT = "trainer/train_pretrain.py"
 STEPS = 10
 GLOBAL_BATCH = 4  # samples per micro-batch over all dp ranks; 2 micro-batches per step
+# lr 1e-3: Adam divides by sqrt(v)+1e-8, so on near-zero gradients it magnifies the last-bit
+# differences of a different summation order; at 2e-3 one embedding entry drifted 1.05e-4 in 10
+# steps while every loss still matched to 1e-5. The weight tolerance below stays 1e-4.
 MODELS = {"dense": [], "moe": ["--use_moe", "1", "--num_experts", "4", "--num_experts_per_tok", "2"]}
 
 # name: (nproc, flags)
 LAYOUTS = {
     "dp2": (2, []),
     "tp2": (2, ["--tp", "2"]),
+    "tp2_sequence_parallel": (2, ["--tp", "2", "--sequence_parallel", "1"]),
     "pp2": (2, ["--pp", "2"]),
     "cp2": (2, ["--cp", "2"]),
     "dp2xtp2": (4, ["--tp", "2"]),
@@ -49,7 +53,7 @@ def dp_size(nproc, flags):
 
 def run_args(workdir, data, model, dp, extra=()):
     return [*TINY_MODEL, *MODELS[model], "--data_path", data, "--max_seq_len", "32",
-            "--batch_size", str(GLOBAL_BATCH // dp), "--accumulation_steps", "2", "--learning_rate", "2e-3",
+            "--batch_size", str(GLOBAL_BATCH // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3",
             "--log_interval", "1", "--save_dir", os.path.join(workdir, "out"),
             "--checkpoint_dir", os.path.join(workdir, "ckpt"), "--metrics_file", os.path.join(workdir, "m.jsonl"), *extra]
 
@@ -126,7 +130,7 @@ def test_resume_under_a_different_layout(resume_layout, data, reference, tmp_pat
 
 @pytest.mark.parametrize("nproc,flags,needle", [
     (2, ["--tp", "3"], "not divisible by tp*pp*cp"),
-    (2, ["--tp", "2", "--num_key_value_heads", "1"], "divisible"),
+    (2, ["--tp", "2", "--num_key_value_heads", "1"], "must divide num_key_value_heads"),
     (2, ["--cp", "2", "--max_seq_len", "34"], "divisible by 2*cp"),
     (2, ["--pp", "2", "--num_hidden_layers", "1"], "layers"),
     (2, ["--pp", "2", "--accumulation_steps", "1"], "micro"),

@@ -1,4 +1,5 @@
 """End-to-end runs of trainer/train_pretrain.py: quick start, learning, exact resume, bad input."""
+import math
 import os
 
 import pytest
@@ -85,3 +86,34 @@ def test_empty_and_malformed_data_files(tmp_path):
 @pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU supports bf16")
 def test_bf16_rejected_on_cpu_without_it(tmp_path):
     expect_rejected(tmp_path, ["--dtype", "bfloat16", "--device", "cpu"], "--dtype bfloat16 is not supported")
+
+
+def test_validation_loss_matches_an_independent_evaluation(tmp_path):
+    from torch.utils.data import DataLoader
+    from transformers import AutoTokenizer
+
+    from dataset.lm_dataset import PretrainDataset
+    from tests.launch import ROOT
+    train_data, eval_data = demo_slice(tmp_path, "pretrain", 64), demo_slice(tmp_path, "pretrain", 100, name="eval.jsonl")
+    metrics = os.path.join(str(tmp_path), "out", "metrics.jsonl")
+    records, out = run_pretrain(tmp_path, "--data_path", train_data, "--eval_data_path", eval_data, "--eval_interval", "3",
+                                "--eval_batches", "4", "--max_seq_len", "64", "--batch_size", "4",
+                                "--accumulation_steps", "1", "--max_steps", "6", "--save_dtype", "float32")
+    import json
+    evals = [r for r in map(json.loads, open(metrics)) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6, 6]  # every 3 steps, and once at the end
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = MiniMindForCausalLM(config).eval()
+    model.load_state_dict(torch.load(os.path.join(out, "pretrain_64.pth")))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    loader = DataLoader(PretrainDataset(eval_data, tokenizer, max_length=64), batch_size=4, drop_last=True)
+    ce_sum = count = 0.0
+    with torch.no_grad():
+        for i, (input_ids, labels) in enumerate(loader):
+            if i == 4:
+                break
+            n = (labels[:, 1:] != -100).sum().item()
+            ce_sum += model(input_ids, labels=labels).loss.item() * n
+            count += n
+    assert evals[-1]["eval_loss"] == pytest.approx(ce_sum / count, rel=1e-5)
+    assert evals[-1]["eval_ppl"] == pytest.approx(math.exp(ce_sum / count), rel=1e-5)

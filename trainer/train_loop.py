@@ -297,10 +297,12 @@ def train(args, config, run, train_ds, eval_ds=None):
                 ce_total, aux_total = world_sum([float(ce) if run.counts_loss else 0.0,
                                                  float(aux) if run.counts_loss else 0.0], device)
                 elapsed = max(time.time() - window_start, 1e-9)
-                mem = world_max(run, peak_mem_gb(device))
+                mem_per_rank = per_rank(run, peak_mem_gb(device))
+                mem = max(mem_per_rank)
                 record = dict(step=global_step, epoch=epoch, loss=ce_total, aux_loss=aux_total, lr=lr, tokens=tokens_seen,
                               tokens_per_sec=window_tokens / elapsed,
                               mfu=flops_per_token * window_positions / elapsed / peak, peak_mem_gb=mem,
+                              peak_mem_gb_per_rank=[round(m, 4) for m in mem_per_rank],
                               elapsed_s=time.time() - start_time)
                 window_start, window_tokens, window_positions = time.time(), 0, 0
                 if is_main_process():
@@ -338,12 +340,14 @@ def dp_sum(run, value):
     return int(t.item())
 
 
-def world_max(run, value):
+def per_rank(run, value):
+    """One float from every rank, in rank order (e.g. each rank's peak memory)."""
     if not dist.is_initialized():
-        return value
+        return [value]
     t = torch.tensor([value], dtype=torch.float64, device=run.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    gathered = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return [g.item() for g in gathered]
 
 
 def shard_for_context(run, tensors):

@@ -51,6 +51,10 @@ def check_parallel_args(args, config, world_size):
     message = validate_data_parallel(args.zero_stage, args.grad_compression, dp=args.dp * args.cp, tp=args.tp, pp=args.pp)
     if message:
         raise ConfigError(message)
+    if args.sequence_parallel and args.tp == 1:
+        raise ConfigError("--sequence_parallel 1 needs --tp > 1")
+    if args.sequence_parallel and args.pp > 1:
+        raise ConfigError("--sequence_parallel 1 with --pp > 1 is not supported yet; drop one of them")
     if args.pp > 1 and args.eval_data_path:
         raise ConfigError("--eval_data_path with --pp > 1 is not supported yet; validate with a pp=1 run")
     if args.pp > 1 and args.use_compile:
@@ -109,7 +113,9 @@ def wrap_model(run, args, config, model_state=None):
     if args.tp > 1:
         from trainer.parallel.tensor import apply_tensor_parallel
         for part in parts:
-            apply_tensor_parallel(part, run.dims.tp_mesh, sequence_parallel=bool(args.sequence_parallel))
+            # a pipeline schedule computes the loss itself: gather the last stage's logits there
+            apply_tensor_parallel(part, run.dims.tp_mesh, sequence_parallel=bool(args.sequence_parallel),
+                                  loss_parallel=args.pp == 1)
         run.has_dtensor = True
     if args.cp > 1:
         from trainer.parallel.context import apply_context_parallel

@@ -246,6 +246,9 @@ def sync_tied_grads(stage_modules, pp_group):
     peer = dist.get_global_rank(pp_group, peer)
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
+    if getattr(weight.grad, "placements", None) not in (None, getattr(weight, "placements", None)):
+        # tp: the embedding's grad may come back Replicate; both ends must exchange the same shard
+        weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
     grad = _local(weight.grad)
     received = torch.empty_like(grad)
     works = dist.batch_isend_irecv([dist.P2POp(dist.isend, grad, peer, pp_group),

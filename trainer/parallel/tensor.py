@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from functools import partial
 
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -176,20 +177,25 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel
     inside `tp_loss_context(True)`; with False the logits are gathered (Replicate, plain tensor).
     `output.loss` is always a plain tensor.
     """
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    inner = model.model
+    embed, lm_head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
+    tied = embed is not None and lm_head is not None and lm_head.weight is embed.weight
     seq = Shard(1)
-    plan = {
+    plan = {}  # a pipeline stage holds only some of these parts; plan the ones present
+    if embed is not None:
         # vocab-parallel embedding: masked lookup, then all-reduce (or reduce-scatter to the sequence)
         # with SP it stays a DTensor so MiniMindModel derives positions from the full sequence length
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(),
-                                              output_layouts=seq if sequence_parallel else Replicate(),
-                                              use_local_output=not sequence_parallel),
-        "model.norm": SequenceParallel() if sequence_parallel else ReplicateParallel(),
-        "lm_head": ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(),
-                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                   use_local_output=not loss_parallel),
-    }
-    for i, block in enumerate(model.model.layers):
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(),
+                                                     output_layouts=seq if sequence_parallel else Replicate(),
+                                                     use_local_output=not sequence_parallel)
+    if getattr(inner, "norm", None) is not None:
+        plan["model.norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
+    if lm_head is not None:
+        plan["lm_head"] = ColwiseParallel(input_layouts=seq if sequence_parallel else Replicate(),
+                                          output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                          use_local_output=not loss_parallel)
+    layers = inner.layers.items() if isinstance(inner.layers, nn.ModuleDict) else enumerate(inner.layers)
+    for i, block in layers:
         plan.update(_block_plan(f"model.layers.{i}", block, sequence_parallel))
     parallelize_module(model, tp_mesh, plan)
 
