@@ -138,6 +138,33 @@ def _build_cache(out_dir, data_path, chunks, token_dtype, bad_lines):
         raise
 
 
+# ----------------------------------------------------------------------------- pretokenized shards
+# scripts/pretokenize.py writes <prefix>.bin (tokens), <prefix>.idx (int64 document offsets),
+# <prefix>.mask (uint8 loss mask, SFT only) and <prefix>.json (meta): the token cache's arrays, renamed.
+SHARD_SUFFIX = ".bin"
+
+
+def shard_files(prefix):
+    """Paths of a pretokenized shard's files, keyed as in the token cache."""
+    return {"tokens": prefix + ".bin", "offsets": prefix + ".idx", "mask": prefix + ".mask", "meta": prefix + ".json"}
+
+
+def _open_shard(token_path, kind, tokenizer):
+    """(meta, files) of a pretokenized shard; refuses a shard of another kind or tokenizer."""
+    files = shard_files(token_path[:-len(SHARD_SUFFIX)])
+    for name in ("offsets", "meta"):
+        if not os.path.isfile(files[name]):
+            raise FileNotFoundError(f"{token_path}: pretokenized shard without {files[name]}; "
+                                    "rebuild it with scripts/pretokenize.py")
+    with open(files["meta"]) as f:
+        meta = json.load(f)
+    if meta.get("kind") != kind:
+        raise ValueError(f"{token_path} holds {meta.get('kind')} data, not {kind}")
+    if meta.get("tokenizer") != _tokenizer_fingerprint(tokenizer):
+        raise ValueError(f"{token_path} was tokenized with another tokenizer; rebuild it with scripts/pretokenize.py")
+    return meta, files
+
+
 class _TokenCacheDataset(Dataset):
     """Common part: validate arguments, build or reuse the cache, memmap it lazily."""
 
@@ -155,16 +182,22 @@ class _TokenCacheDataset(Dataset):
         self.data_path, self.tokenizer, self.max_length = data_path, tokenizer, max_length
         self.pad_token_id = tokenizer.pad_token_id
         self.token_dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32
-        self.cache_path = _cache_dir_for(self.kind, data_path, tokenizer, skip_bad_lines,
-                                         cache_dir or DEFAULT_CACHE_DIR)
-        if not os.path.exists(os.path.join(self.cache_path, "meta.json")):
-            bad_lines = _BadLines(data_path, skip_bad_lines)
-            _build_cache(self.cache_path, data_path, self._tokenized_chunks(bad_lines),
-                         self.token_dtype, bad_lines)
-        with open(os.path.join(self.cache_path, "meta.json")) as f:
-            self.meta = json.load(f)
+        if data_path.endswith(SHARD_SUFFIX):  # pretokenized by scripts/pretokenize.py: no cache to build
+            self.cache_path = None
+            self.meta, files = _open_shard(data_path, self.kind, tokenizer)
+        else:
+            self.cache_path = _cache_dir_for(self.kind, data_path, tokenizer, skip_bad_lines,
+                                             cache_dir or DEFAULT_CACHE_DIR)
+            if not os.path.exists(os.path.join(self.cache_path, "meta.json")):
+                bad_lines = _BadLines(data_path, skip_bad_lines)
+                _build_cache(self.cache_path, data_path, self._tokenized_chunks(bad_lines),
+                             self.token_dtype, bad_lines)
+            with open(os.path.join(self.cache_path, "meta.json")) as f:
+                self.meta = json.load(f)
+            files = {name: os.path.join(self.cache_path, f"{name}.bin") for name in ("tokens", "offsets", "mask")}
+        self._token_file, self._mask_file = files["tokens"], files["mask"]
         self.num_bad_lines = self.meta["num_bad_lines"]
-        self.offsets = np.fromfile(os.path.join(self.cache_path, "offsets.bin"), dtype=np.int64)
+        self.offsets = np.fromfile(files["offsets"], dtype=np.int64)
         self._tokens = self._mask = None
 
     def _tokenized_chunks(self, bad_lines):
@@ -173,11 +206,9 @@ class _TokenCacheDataset(Dataset):
     def _arrays(self):
         """Open the memmaps on first use in each process (DataLoader workers included)."""
         if self._tokens is None:
-            self._tokens = np.memmap(os.path.join(self.cache_path, "tokens.bin"),
-                                     dtype=self.meta["token_dtype"], mode="r")
-            mask_path = os.path.join(self.cache_path, "mask.bin")
-            if os.path.exists(mask_path):
-                self._mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
+            self._tokens = np.memmap(self._token_file, dtype=self.meta["token_dtype"], mode="r")
+            if os.path.exists(self._mask_file):
+                self._mask = np.memmap(self._mask_file, dtype=np.uint8, mode="r")
         return self._tokens, self._mask
 
     def __getstate__(self):
@@ -201,6 +232,7 @@ class PretrainDataset(_TokenCacheDataset):
 
     packing=False: one document per sample, truncated (eos kept) and padded to max_length.
     packing=True: all documents concatenated and cut into full rows of max_length (remainder dropped).
+    data_path may also be a pretokenized `<prefix>.bin` shard from scripts/pretokenize.py.
     """
 
     kind = "pretrain"

@@ -57,6 +57,7 @@ class MiniMindConfig(PretrainedConfig):
         norm_topk_prob=True,
         router_aux_loss_coef=0.01,
         n_shared_experts=0,
+        loss_chunk_size=0,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -88,6 +89,8 @@ class MiniMindConfig(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         self.router_aux_loss_coef = router_aux_loss_coef
         self.n_shared_experts = n_shared_experts
+        # > 0: with labels, lm_head + cross-entropy run over chunks of this many tokens and `logits` is None
+        self.loss_chunk_size = loss_chunk_size
 
     def validate(self):
         """Return a one-line message saying what to change, or None if the config is usable."""
@@ -353,6 +356,65 @@ class MiniMindModel(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# Chunked lm_head + cross-entropy (the loss path without full-batch logits)
+# ----------------------------------------------------------------------------------------------
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Summed CE of `hidden @ weight.T` over chunks of rows; gradients are formed chunk by chunk in forward.
+
+    Only one chunk's fp32 logits exist at a time, and backward just scales the stored gradients, so no
+    logits are kept or recomputed (the idea of Liger-Kernel's fused linear cross-entropy). Under autocast
+    the matmuls run in the autocast dtype, as the unchunked `lm_head` would.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        rows = torch.arange(min(chunk_size, hidden.shape[0]), device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+            logits = F.linear(h, weight).float()
+            ce_sum += F.cross_entropy(logits, t, reduction="sum")
+            grad_logits = torch.softmax(logits, dim=-1)  # d(sum CE)/d logits = softmax - one_hot(target)
+            del logits
+            grad_logits[rows[:len(t)], t] -= 1
+            grad_logits = grad_logits.to(weight.dtype)  # as the lm_head backward sees it (autocast casts in mm)
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk_size] = torch.mm(grad_logits, weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += torch.mm(grad_logits.t().to(h.dtype), h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return ce_sum
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
+        grad_weight = grad_weight * grad_output if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None
+
+
+def chunked_cross_entropy(hidden, weight, targets, chunk_size):
+    """sum over targets != -100 of CE(hidden @ weight.T, target), never materialising all logits at once.
+
+    hidden (..., H), weight (V, H), targets (...) with -100 = ignore. Ignored positions (padding) are
+    dropped before the lm_head, so they cost no matmul.
+    """
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    keep = (targets != -100).nonzero().squeeze(1)
+    hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
+    ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):  # no grad needed: plain chunked loop
+        logits = F.linear(hidden[start:start + chunk_size], weight).float()
+        ce_sum += F.cross_entropy(logits, targets[start:start + chunk_size], reduction="sum")
+    return ce_sum
+
+
+# ----------------------------------------------------------------------------------------------
 # Causal LM
 # ----------------------------------------------------------------------------------------------
 class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
@@ -400,20 +462,32 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache, inputs_embeds=inputs_embeds,
             cache_position=kwargs.get("cache_position"))
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-
-        loss = None
+        loss = logits = None
         if shift_labels is None and labels is not None:  # targets[t] = labels[t + 1], -100 at the end
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
+        if self._use_chunked_loss(hidden_states, shift_labels, logits_to_keep):
+            ce_sum = chunked_cross_entropy(hidden_states, self.lm_head.weight, shift_labels,
+                                           self.config.loss_chunk_size)
+        else:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden_states[:, keep, :])
+            if shift_labels is not None:
+                ce_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
+                                         ignore_index=-100, reduction="sum")
         if shift_labels is not None:
-            ce_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
-                                     ignore_index=-100, reduction="sum")
             if num_items_in_batch is None:
                 num_items_in_batch = (shift_labels != -100).sum().clamp(min=1)
             loss = ce_sum / num_items_in_batch
         return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
                                          past_key_values=past_key_values if use_cache else None)
+
+    def _use_chunked_loss(self, hidden_states, shift_labels, logits_to_keep):
+        """Chunked CE only for a loss-only call on plain tensors: tensor parallel (DTensor) keeps the full path."""
+        lm_head = self.lm_head
+        return (getattr(self.config, "loss_chunk_size", 0) > 0 and shift_labels is not None
+                and isinstance(logits_to_keep, int) and logits_to_keep == 0
+                and type(lm_head) is nn.Linear and not lm_head._forward_hooks and not lm_head._forward_pre_hooks
+                and not hasattr(lm_head.weight, "placements") and not hasattr(hidden_states, "placements"))
 
 
 try:  # lets AutoConfig / AutoModelForCausalLM resolve model_type "minimind"

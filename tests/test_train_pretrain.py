@@ -38,7 +38,7 @@ def test_quick_start_tiny_learns_on_demo_corpus(tmp_path):
 
 def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path):
     data = demo_slice(tmp_path, "pretrain", 48)  # 48 docs / (4 x 2) = 6 steps per epoch
-    common = ["--data_path", data, "--epochs", "2", "--max_seq_len", "64", "--batch_size", "4",
+    common = ["--data_path", data, "--packing", "0", "--epochs", "2", "--max_seq_len", "64", "--batch_size", "4",
               "--accumulation_steps", "2", "--learning_rate", "2e-3"]
     full, _ = run_pretrain(tmp_path / "full", *common, "--max_steps", "9")
     first, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "4")  # stops mid-epoch 1
@@ -106,7 +106,8 @@ def test_validation_loss_matches_an_independent_evaluation(tmp_path):
     model = MiniMindForCausalLM(config).eval()
     model.load_state_dict(torch.load(os.path.join(out, "pretrain_64.pth")))
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-    loader = DataLoader(PretrainDataset(eval_data, tokenizer, max_length=64), batch_size=4, drop_last=True)
+    # the trainer builds the eval set like the training set: packed rows by default
+    loader = DataLoader(PretrainDataset(eval_data, tokenizer, max_length=64, packing=True), batch_size=4, drop_last=True)
     ce_sum = count = 0.0
     with torch.no_grad():
         for i, (input_ids, labels) in enumerate(loader):

@@ -49,7 +49,7 @@ def add_train_args(parser, **defaults):
     a("--eval_data_path", default=None)
     a("--eval_interval", type=int, default=0, help="optimizer steps between validation runs (0: only at the end)")
     a("--eval_batches", type=int, default=50)
-    a("--packing", type=int, default=0, choices=[0, 1])
+    a("--packing", type=int, default=0, choices=[0, 1], help="pretraining: join documents with eos into full rows (default 1 there)")
     a("--skip_bad_lines", type=int, default=0, choices=[0, 1])
     a("--tokenizer_path", default="model")
     a("--from_weight", default="none", help="weight prefix in save_dir, a .pth path, or none")
@@ -60,7 +60,11 @@ def add_train_args(parser, **defaults):
     a("--save_dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     a("--use_wandb", action="store_true")
     a("--wandb_project", default="MiniMind")
-    a("--use_compile", type=int, default=0, choices=[0, 1])
+    a("--use_compile", type=int, default=0, choices=[0, 1], help="torch.compile each decoder block")
+    a("--grad_checkpointing", type=int, default=0, choices=[0, 1],
+      help="recompute each decoder block in backward (less activation memory, ~1/3 more compute)")
+    a("--loss_chunk_size", type=int, default=1024,
+      help="lm_head + cross-entropy over chunks of this many tokens, never the full logits (0: off)")
     a("--dist_timeout", type=int, default=60, help="seconds before a hung collective fails")
     parallel.add_parallel_args(parser)
     parser.set_defaults(**defaults)
@@ -71,7 +75,8 @@ def build_config(args):
     return MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                           num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                           use_moe=bool(args.use_moe), num_experts=args.num_experts,
-                          num_experts_per_tok=args.num_experts_per_tok, max_position_embeddings=max(32768, args.max_seq_len))
+                          num_experts_per_tok=args.num_experts_per_tok, max_position_embeddings=max(32768, args.max_seq_len),
+                          loss_chunk_size=args.loss_chunk_size)
 
 
 def check_args(args, config):

@@ -13,7 +13,7 @@ from trainer.trainer_utils import repo_path  # noqa: E402
 
 def main():
     args = parse_args("MiniMind Pretraining", save_weight="pretrain", learning_rate=5e-4, max_seq_len=340,
-                      batch_size=32, accumulation_steps=8, epochs=1)
+                      batch_size=32, accumulation_steps=8, epochs=1, packing=1)
     # 1. set-up: checks, process group, mesh, seed
     if args.data_path is None:
         from dataset.demo_data import ensure_demo_data

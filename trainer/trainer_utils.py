@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from model.model_minimind import MiniMindForCausalLM  # noqa: E402
 
 
 class ConfigError(Exception):
@@ -204,10 +204,13 @@ def peak_flops(device, dtype):
         a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         for _ in range(3):
             a @ b
-        reps, start = 10, time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        peak = 2 * n ** 3 * reps / (time.perf_counter() - start)
+        best, reps = float("inf"), 10
+        for _ in range(3):  # best of three: a shared machine's load only ever slows a probe down
+            start = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            best = min(best, time.perf_counter() - start)
+        peak = 2 * n ** 3 * reps / best
     _PEAK_CACHE[key] = peak
     return peak
 

@@ -1,9 +1,9 @@
 """Applies the parallel dimensions to a plain model in a fixed order (torchtitan's parallelize_llama).
 
-Order: pipeline split -> tensor parallel -> context parallel -> compile -> data parallel (DDP / ZeRO).
+Order: pipeline split -> tensor parallel -> context parallel -> activation checkpointing -> compile
+-> data parallel (DDP / ZeRO).
 Every function here is a no-op for a single process, so the single-process path is the plain model.
 """
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -121,10 +121,14 @@ def wrap_model(run, args, config, model_state=None):
         from trainer.parallel.context import apply_context_parallel
         for part in parts:
             apply_context_parallel(part, run.dims.cp_mesh)
-    if args.use_compile:
+    if args.grad_checkpointing:
+        from trainer.perf import apply_activation_checkpointing
         for part in parts:
-            for block in part.model.layers:
-                block.compile()
+            apply_activation_checkpointing(part)
+    if args.use_compile:
+        from trainer.perf import compile_blocks
+        for part in parts:
+            compile_blocks(part)
     if run.dims is not None and run.dims.dp * run.dims.cp > 1:
         from trainer.parallel.data import apply_data_parallel
         parts = [apply_data_parallel(part, run.dims, args.zero_stage, args.grad_compression) for part in parts]

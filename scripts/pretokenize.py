@@ -1,0 +1,67 @@
+"""Tokenize a JSONL/parquet corpus once into a token shard that training reads through numpy.memmap.
+
+    python scripts/pretokenize.py --data_path dataset/pretrain_demo.jsonl            # -> dataset/pretrain_demo.bin
+    python trainer/train_pretrain.py --data_path dataset/pretrain_demo.bin ...
+
+Writes, per input file, <prefix>.bin (uint16 tokens, uint32 when the vocabulary exceeds 65536),
+<prefix>.idx (int64 document offsets, num_docs + 1), <prefix>.mask (uint8 loss mask, SFT only) and
+<prefix>.json (meta, including the tokenizer fingerprint the dataset checks on load). Documents are
+bos + text + eos, exactly as PretrainDataset tokenizes them on the fly (the same code builds both).
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from dataset.lm_dataset import SFTDataset, PretrainDataset, _tokenizer_fingerprint, shard_files  # noqa: E402
+
+
+def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_lines=False):
+    """Tokenize `data_path` into the shard `out_prefix`.{bin,idx,json}; returns the meta dict."""
+    out_dir = os.path.dirname(os.path.abspath(out_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".pretokenize_", dir=out_dir)  # same filesystem: the moves are renames
+    try:
+        dataset_class = PretrainDataset if kind == "pretrain" else SFTDataset
+        ds = dataset_class(data_path, tokenizer, max_length=2, skip_bad_lines=skip_bad_lines, cache_dir=work)
+        files = shard_files(out_prefix)
+        for name in ("tokens", "offsets", "mask"):
+            source = os.path.join(ds.cache_path, f"{name}.bin")
+            if os.path.exists(source):
+                os.replace(source, files[name])
+            elif os.path.exists(files[name]):
+                os.remove(files[name])  # a stale mask from an earlier shard of the same name
+        meta = dict(ds.meta, kind=kind, tokenizer=_tokenizer_fingerprint(tokenizer))
+        with open(files["meta"], "w") as f:
+            json.dump(meta, f, indent=1)
+        return meta
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_path", nargs="+", required=True, help="JSONL or parquet file(s); one shard each")
+    parser.add_argument("--out_dir", default=None, help="where shards go (default: beside each input)")
+    parser.add_argument("--tokenizer_path", default=os.path.join(ROOT, "model"))
+    parser.add_argument("--kind", default="pretrain", choices=["pretrain", "sft"])
+    parser.add_argument("--skip_bad_lines", type=int, default=0, choices=[0, 1])
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+    for path in args.data_path:
+        stem = os.path.splitext(os.path.basename(path))[0]
+        prefix = os.path.join(args.out_dir or os.path.dirname(os.path.abspath(path)), stem)
+        meta = pretokenize(path, prefix, tokenizer, args.kind, bool(args.skip_bad_lines))
+        print(f"{path} -> {prefix}.bin: {meta['num_docs']} documents, {meta['num_tokens']} tokens "
+              f"({meta['token_dtype']}), {meta['num_bad_lines']} bad lines skipped")
+
+
+if __name__ == "__main__":
+    main()

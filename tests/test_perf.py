@@ -1,0 +1,204 @@
+"""trainer/perf.py, the chunked cross-entropy and pretokenized shards, each against the plain path."""
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from dataset.lm_dataset import PretrainDataset, SFTDataset
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, chunked_cross_entropy
+from trainer.perf import apply_activation_checkpointing, compile_blocks, set_loss_chunk_size
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 300
+
+
+def tiny_model(use_moe=False, seed=0):
+    torch.manual_seed(seed)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            vocab_size=VOCAB, use_moe=use_moe, num_experts=4, num_experts_per_tok=2)
+    return MiniMindForCausalLM(config)
+
+
+def batch(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(3, VOCAB, (3, 40), generator=g)
+    targets = F.pad(x[:, 1:], (0, 1), value=-100)
+    targets[1, 25:] = -100  # padding: ignored targets
+    return x, targets
+
+
+def loss_and_grads(model, x, targets):
+    """Trainer-style loss (CE sum / items + aux) and a copy of every gradient, by FQN."""
+    model.zero_grad(set_to_none=True)
+    out = model(x, shift_labels=targets, num_items_in_batch=int((targets != -100).sum()) + 5)
+    (out.loss + out.aux_loss).backward()
+    return out, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(out, grads, ref_out, ref_grads, tol=1e-5):
+    assert abs(out.loss.item() - ref_out.loss.item()) < tol
+    assert abs(out.aux_loss.item() - ref_out.aux_loss.item()) < tol
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=tol, rtol=tol, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- chunked CE
+@pytest.mark.parametrize("use_moe", [False, True])
+@pytest.mark.parametrize("chunk", [7, 16, 1000])
+def test_chunked_loss_and_grads_equal_full_path(use_moe, chunk):
+    model = tiny_model(use_moe)
+    x, targets = batch()
+    ref_out, ref_grads = loss_and_grads(model, x, targets)
+    assert ref_out.logits is not None
+    set_loss_chunk_size(model, chunk)
+    out, grads = loss_and_grads(model, x, targets)
+    assert out.logits is None  # loss-only call: no full logits
+    assert_same(out, grads, ref_out, ref_grads)
+
+
+def test_chunked_loss_labels_no_grad_and_generation():
+    model = tiny_model()
+    x, _ = batch()
+    ref = model(x, labels=x)
+    set_loss_chunk_size(model, 16)
+    with torch.no_grad():
+        out = model(x, labels=x)
+    assert abs(out.loss.item() - ref.loss.item()) < 1e-5
+    assert model(x).logits.shape == (3, 40, VOCAB)  # no labels: logits as before (generation)
+
+
+def test_chunked_cross_entropy_all_ignored_is_zero():
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    weight = torch.randn(11, 8, requires_grad=True)
+    loss = chunked_cross_entropy(hidden, weight, torch.full((2, 5), -100), 4)
+    loss.backward()
+    assert loss.item() == 0.0 and hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
+
+
+def test_chunked_loss_under_bf16_autocast_matches():
+    model = tiny_model()
+    x, targets = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_out, ref_grads = loss_and_grads(model, x, targets)
+        set_loss_chunk_size(model, 16)
+        out, grads = loss_and_grads(model, x, targets)
+    assert abs(out.loss.item() - ref_out.loss.item()) < 1e-3
+    for name in grads:  # bf16 rounding happens per chunk instead of once
+        scale = ref_grads[name].abs().max().item() + 1e-6
+        assert (grads[name] - ref_grads[name]).abs().max().item() < 0.05 * scale, name
+
+
+# ---------------------------------------------------------------------------------------------- checkpointing
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_activation_checkpointing_same_loss_grads_and_names(use_moe):
+    model = tiny_model(use_moe)
+    x, targets = batch()
+    ref_out, ref_grads = loss_and_grads(model, x, targets)
+    keys = list(model.state_dict())
+    ckpt_model = apply_activation_checkpointing(tiny_model(use_moe))  # same seed: same weights
+    assert list(ckpt_model.state_dict()) == keys
+    out, grads = loss_and_grads(ckpt_model, x, targets)
+    assert_same(out, grads, ref_out, ref_grads)
+    # combined with the chunked loss
+    set_loss_chunk_size(ckpt_model, 16)
+    out, grads = loss_and_grads(ckpt_model, x, targets)
+    assert_same(out, grads, ref_out, ref_grads)
+
+
+def test_activation_checkpointing_survives_deepcopy_and_eval():
+    model = apply_activation_checkpointing(tiny_model())
+    copied = copy.deepcopy(model)
+    block = copied.model.layers[0]
+    assert block.forward.__self__ is block  # rebound to the copy, not the original block
+    x, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x).logits, model(x).logits)
+
+
+def test_compile_blocks_keeps_fqns_and_values():
+    """torch.compile on CPU compiles with a C++ toolchain: tiny model; skipped if it takes over 60 s."""
+    model = tiny_model()
+    x, targets = batch()
+    ref_out, ref_grads = loss_and_grads(model, x, targets)
+    keys = list(model.state_dict())
+    compiled = compile_blocks(tiny_model())
+    assert list(compiled.state_dict()) == keys
+    start = time.time()
+    try:
+        out, grads = loss_and_grads(compiled, x, targets)
+    except Exception as e:  # no working compiler toolchain on this machine
+        pytest.skip(f"torch.compile unavailable here: {type(e).__name__}")
+    if time.time() - start > 60:
+        pytest.skip("torch.compile took over 60 s on this machine")
+    assert_same(out, grads, ref_out, ref_grads, tol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------- pretokenized
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+
+
+def write_corpus(path, n=40):
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "你好", "世界", "x = 1", "def f():"]
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(1, 60))))},
+                               ensure_ascii=False) + "\n")
+    return str(path)
+
+
+def pretokenize(args):
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretokenize.py")] + args, check=True,
+                   capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_pretokenized_dataset_equals_on_the_fly(tokenizer, tmp_path, packing):
+    source = write_corpus(tmp_path / "corpus.jsonl")
+    pretokenize(["--data_path", source, "--out_dir", str(tmp_path / "shards")])
+    shard = tmp_path / "shards" / "corpus.bin"
+    assert shard.exists() and (tmp_path / "shards" / "corpus.idx").exists()
+    on_the_fly = PretrainDataset(source, tokenizer, max_length=32, packing=packing, cache_dir=str(tmp_path / "cache"))
+    from_shard = PretrainDataset(str(shard), tokenizer, max_length=32, packing=packing)
+    assert len(from_shard) == len(on_the_fly) > 0
+    for i in range(len(on_the_fly)):
+        for a, b in zip(from_shard[i], on_the_fly[i]):
+            assert torch.equal(a, b)
+    assert np.memmap(shard, dtype=np.uint16, mode="r").size == on_the_fly.offsets[-1]
+
+
+def test_pretokenized_sft_equals_on_the_fly(tokenizer, tmp_path):
+    conversation = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there."}]
+    source = tmp_path / "chat.jsonl"
+    source.write_text("\n".join(json.dumps({"conversations": conversation}) for _ in range(3)) + "\n")
+    pretokenize(["--data_path", str(source), "--kind", "sft"])
+    on_the_fly = SFTDataset(str(source), tokenizer, max_length=64, cache_dir=str(tmp_path / "cache"))
+    from_shard = SFTDataset(str(tmp_path / "chat.bin"), tokenizer, max_length=64)
+    for a, b in zip(from_shard[2], on_the_fly[2]):
+        assert torch.equal(a, b)
+
+
+def test_pretokenized_shard_checks_kind_and_tokenizer(tokenizer, tmp_path):
+    source = write_corpus(tmp_path / "corpus.jsonl", n=5)
+    pretokenize(["--data_path", source])
+    meta_path = tmp_path / "corpus.json"
+    with pytest.raises(ValueError, match="pretrain data, not sft"):
+        SFTDataset(str(tmp_path / "corpus.bin"), tokenizer, max_length=16)
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(dict(meta, tokenizer="other")))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        PretrainDataset(str(tmp_path / "corpus.bin"), tokenizer, max_length=16)
+    os.remove(tmp_path / "corpus.idx")
+    with pytest.raises(FileNotFoundError, match="corpus.idx"):
+        PretrainDataset(str(tmp_path / "corpus.bin"), tokenizer, max_length=16)
