@@ -165,19 +165,20 @@ def build_optimizer(args, run):
     return parallel.build_optimizer(params, args, run, fused)
 
 
-def checkpoint_state(run, optimizer, scaler, epoch, step_in_epoch, global_step, tracker_id, args):
+def checkpoint_state(run, optimizer, scaler, epoch, step_in_epoch, global_step, tokens_seen, tracker_id, args):
     """Full (gathered, fp32) resume state; collective over all ranks, complete on rank 0 only."""
     model_sd, optim_sd = parallel.full_state(run, optimizer)
     if not is_main_process():
         return None
     return dict(model=model_sd, optimizer=optim_sd, scaler=scaler.state_dict(), epoch=epoch,
-                step_in_epoch=step_in_epoch, global_step=global_step, rng=rng_state(), tracker_id=tracker_id,
+                step_in_epoch=step_in_epoch, global_step=global_step, tokens_seen=tokens_seen, rng=rng_state(),
+                tracker_id=tracker_id,
                 world_size=dist.get_world_size() if dist.is_initialized() else 1,
                 global_batch=args.batch_size * args.accumulation_steps * args.dp, args=vars(args).copy())
 
 
-def save_all(args, config, run, optimizer, scaler, epoch, step_in_epoch, global_step, tracker_id):
-    state = checkpoint_state(run, optimizer, scaler, epoch, step_in_epoch, global_step, tracker_id, args)
+def save_all(args, config, run, optimizer, scaler, epoch, step_in_epoch, global_step, tokens_seen, tracker_id):
+    state = checkpoint_state(run, optimizer, scaler, epoch, step_in_epoch, global_step, tokens_seen, tracker_id, args)
     if state is not None:
         state["args"].pop("torch_dtype", None)
         save_dtype = getattr(torch, args.save_dtype)
@@ -235,7 +236,7 @@ def train(args, config, run, train_ds, eval_ds=None):
         if ckpt["global_batch"] != global_batch:
             raise ConfigError(f"checkpoint was saved with a global batch of {ckpt['global_batch']} samples, this run "
                               f"has {global_batch} (batch_size x accumulation_steps x dp); match it to resume exactly")
-    parallel.wrap_model(run, args, config, ckpt["model"] if ckpt else None)  # pp split -> tp -> cp -> compile -> dp
+    parallel.wrap_model(run, args, config, ckpt["model"] if ckpt else None)  # pp split -> tp -> cp -> ... -> dp
     optimizer = build_optimizer(args, run)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=(dtype == torch.float16))
     start_epoch = step_in_epoch = global_step = 0
@@ -260,7 +261,7 @@ def train(args, config, run, train_ds, eval_ds=None):
         os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
         if ckpt is None and os.path.exists(metrics_path):
             os.remove(metrics_path)  # a fresh run starts a fresh metrics file; a resumed one appends
-    tokens_seen = ckpt["args"].get("_tokens_seen", 0) if ckpt else 0
+    tokens_seen = ckpt["tokens_seen"] if ckpt else 0
     start_time = time.time()
     Logger(f"{steps_per_epoch} optimizer steps per epoch, global batch "
            f"{args.batch_size * accum * args.dp} x {args.max_seq_len} tokens, dtype {dtype}")
@@ -321,8 +322,7 @@ def train(args, config, run, train_ds, eval_ds=None):
             if eval_ds is not None and args.eval_interval and global_step % args.eval_interval == 0:
                 log_eval(args, run, eval_ds, global_step, metrics_path, tracker)
             if global_step % args.save_interval == 0 or last:
-                args._tokens_seen = tokens_seen
-                save_all(args, config, run, optimizer, scaler, epoch, step_in_epoch, global_step, tracker_id)
+                save_all(args, config, run, optimizer, scaler, epoch, step_in_epoch, global_step, tokens_seen, tracker_id)
             if global_step == args.max_steps:
                 break
         progress.close()
