@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from model.model_minimind import MiniMindConfig
 from trainer.trainer_utils import (ConfigError, Logger, get_lr, init_distributed_mode, is_main_process, lm_checkpoint,
-                                   model_flops_per_token, peak_flops, repo_path, resolve_dtype, rng_state,
+                                   lm_head_flops_per_token, model_flops_per_token, peak_flops, repo_path, resolve_dtype, rng_state,
                                    set_rng_state, setup_seed, SkipBatchSampler, weight_name, atomic_save)
 from trainer.parallel import parallelize as parallel
 
@@ -254,7 +254,10 @@ def train(args, config, run, train_ds, eval_ds=None):
     accum = args.accumulation_steps
     steps_per_epoch = len(train_ds) // args.dp // args.batch_size // accum
     total_steps = args.epochs * steps_per_epoch
-    flops_per_token = model_flops_per_token(config, args.max_seq_len)
+    head_flops = lm_head_flops_per_token(config)
+    body_flops = model_flops_per_token(config, args.max_seq_len) - head_flops
+    # the chunked loss runs the lm_head on target tokens only (not under tp or on a pipeline's last stage)
+    head_on_targets_only = config.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1
     peak = peak_flops(device, dtype) * (dist.get_world_size() if dist.is_initialized() else 1)
     metrics_path = repo_path(args.metrics_file or os.path.join(args.save_dir, f"{args.save_weight}_metrics.jsonl"))
     if is_main_process():
@@ -277,7 +280,7 @@ def train(args, config, run, train_ds, eval_ds=None):
                             num_workers=args.num_workers, pin_memory=device.startswith("cuda"))
         batches = iter(loader)
         progress = make_progress(steps_per_epoch, step_in_epoch, epoch, args)
-        window_start, window_tokens, window_positions = time.time(), 0, 0
+        window_start, window_tokens, window_flops = time.time(), 0, 0.0
         while step_in_epoch < steps_per_epoch:
             micro = [next(batches) for _ in range(accum)]
             lr = get_lr(global_step, total_steps, args.learning_rate, args.warmup_steps)
@@ -296,7 +299,8 @@ def train(args, config, run, train_ds, eval_ds=None):
             step_in_epoch += 1
             tokens_seen += num_items
             window_tokens += num_items
-            window_positions += args.batch_size * args.dp * accum * args.max_seq_len
+            positions = args.batch_size * args.dp * accum * args.max_seq_len
+            window_flops += body_flops * positions + head_flops * (num_items if head_on_targets_only else positions)
             progress.update(1)
             last = step_in_epoch == steps_per_epoch or global_step == args.max_steps
             if global_step % args.log_interval == 0 or last:
@@ -307,10 +311,10 @@ def train(args, config, run, train_ds, eval_ds=None):
                 mem = max(mem_per_rank)
                 record = dict(step=global_step, epoch=epoch, loss=ce_total, aux_loss=aux_total, lr=lr, tokens=tokens_seen,
                               tokens_per_sec=window_tokens / elapsed,
-                              mfu=flops_per_token * window_positions / elapsed / peak, peak_mem_gb=mem,
+                              mfu=window_flops / elapsed / peak, peak_mem_gb=mem,
                               peak_mem_gb_per_rank=[round(m, 4) for m in mem_per_rank],
                               elapsed_s=time.time() - start_time)
-                window_start, window_tokens, window_positions = time.time(), 0, 0
+                window_start, window_tokens, window_flops = time.time(), 0, 0.0
                 if is_main_process():
                     progress.write(f"Epoch:[{epoch + 1}/{args.epochs}]({step_in_epoch}/{steps_per_epoch}) "
                                    f"loss:{ce_total:.6f} aux_loss:{aux_total:.6f} lr:{lr:.3e} "

@@ -185,6 +185,11 @@ def model_flops_per_token(config, seq_len):
     return 6 * params + attn_flops
 
 
+def lm_head_flops_per_token(config):
+    """The lm_head's share of model_flops_per_token (the chunked loss runs it on target tokens only)."""
+    return 6 * config.vocab_size * config.hidden_size
+
+
 _PEAK_CACHE = {}
 
 
