@@ -147,11 +147,15 @@ def load_datasets(args, make_dataset):
         eval_ds = make_dataset(repo_path(args.eval_data_path)) if args.eval_data_path else None
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e))
-    global_batch = args.batch_size * args.accumulation_steps * args.dp
-    if len(train_ds) < global_batch:
+    if len(train_ds) < global_batch(args):
         raise ConfigError(f"{args.data_path} has {len(train_ds)} samples, fewer than one global batch "
-                          f"({global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
+                          f"({global_batch(args)} = batch_size x accumulation_steps x dp); lower --batch_size")
     return train_ds, eval_ds
+
+
+def global_batch(args):
+    """Samples per optimizer step over all data-parallel ranks."""
+    return args.batch_size * args.accumulation_steps * args.dp
 
 
 def step_targets(labels):
@@ -174,7 +178,7 @@ def checkpoint_state(run, optimizer, scaler, epoch, step_in_epoch, global_step, 
                 step_in_epoch=step_in_epoch, global_step=global_step, tokens_seen=tokens_seen, rng=rng_state(),
                 tracker_id=tracker_id,
                 world_size=dist.get_world_size() if dist.is_initialized() else 1,
-                global_batch=args.batch_size * args.accumulation_steps * args.dp, args=vars(args).copy())
+                global_batch=global_batch(args), args=vars(args).copy())
 
 
 def save_all(args, config, run, optimizer, scaler, epoch, step_in_epoch, global_step, tokens_seen, tracker_id):
@@ -232,10 +236,9 @@ def train(args, config, run, train_ds, eval_ds=None):
     device, dtype = run.device, args.torch_dtype
     ckpt = lm_checkpoint(config, weight=args.save_weight, save_dir=args.checkpoint_dir) if args.from_resume else None
     if ckpt is not None:
-        global_batch = args.batch_size * args.accumulation_steps * args.dp
-        if ckpt["global_batch"] != global_batch:
+        if ckpt["global_batch"] != global_batch(args):
             raise ConfigError(f"checkpoint was saved with a global batch of {ckpt['global_batch']} samples, this run "
-                              f"has {global_batch} (batch_size x accumulation_steps x dp); match it to resume exactly")
+                              f"has {global_batch(args)} (batch_size x accumulation_steps x dp); match it to resume exactly")
     parallel.wrap_model(run, args, config, ckpt["model"] if ckpt else None)  # pp split -> tp -> cp -> ... -> dp
     optimizer = build_optimizer(args, run)
     scaler = torch.amp.GradScaler(torch.device(device).type, enabled=(dtype == torch.float16))
@@ -267,7 +270,7 @@ def train(args, config, run, train_ds, eval_ds=None):
     tokens_seen = ckpt["tokens_seen"] if ckpt else 0
     start_time = time.time()
     Logger(f"{steps_per_epoch} optimizer steps per epoch, global batch "
-           f"{args.batch_size * accum * args.dp} x {args.max_seq_len} tokens, dtype {dtype}")
+           f"{global_batch(args)} x {args.max_seq_len} tokens, dtype {dtype}")
 
     for epoch in range(start_epoch, args.epochs):
         if step_in_epoch >= steps_per_epoch:
@@ -299,7 +302,7 @@ def train(args, config, run, train_ds, eval_ds=None):
             step_in_epoch += 1
             tokens_seen += num_items
             window_tokens += num_items
-            positions = args.batch_size * args.dp * accum * args.max_seq_len
+            positions = global_batch(args) * args.max_seq_len
             window_flops += body_flops * positions + head_flops * (num_items if head_on_targets_only else positions)
             progress.update(1)
             last = step_in_epoch == steps_per_epoch or global_step == args.max_steps
@@ -378,9 +381,9 @@ def forward_backward(run, inputs, targets, num_items, args, autocast, scaler):
     gradient is multiplied by dp*cp because DDP/FSDP average over those ranks.
     """
     from trainer.parallel.tensor import tp_loss_context
-    global_samples = args.batch_size * args.dp * args.accumulation_steps
-    aux_weight = args.batch_size / global_samples / run.size("cp")  # every cp rank adds the (shared) aux
-    grad_factor = run.size("dp") * run.size("cp")
+    from trainer.parallel.data import grad_reduce_factor
+    aux_weight = args.batch_size / global_batch(args) / run.size("cp")  # every cp rank adds the (shared) aux
+    grad_factor = grad_reduce_factor(run.size("dp"), run.size("cp"))
     if run.schedule is not None:
         return run.pipeline.step(run, inputs, targets, num_items, aux_weight, grad_factor, shard_for_context)
     model = run.model_parts[0]
