@@ -51,11 +51,6 @@ def check_parallel_args(args, config, world_size):
     message = validate_data_parallel(args.zero_stage, args.grad_compression, dp=args.dp * args.cp, tp=args.tp, pp=args.pp)
     if message:
         raise ConfigError(message)
-    if args.use_moe and args.tp > 1 and args.pp > 1:
-        # known issue: the first pipeline step intermittently deadlocks (gloo) when tensor-parallel
-        # MoE experts run inside pipeline stages; refuse rather than risk a hung run
-        raise ConfigError("--use_moe 1 with both --tp > 1 and --pp > 1 is not supported yet (intermittent "
-                          "deadlock); use tp or pp for MoE models, not both")
     if args.sequence_parallel and args.tp == 1:
         raise ConfigError("--sequence_parallel 1 needs --tp > 1")
     if args.sequence_parallel and args.pp > 1:
@@ -113,7 +108,11 @@ def wrap_model(run, args, config, model_state=None):
     parts = [model]
     if args.pp > 1:
         from trainer.parallel.pipeline import Pipeline
-        run.pipeline = Pipeline(model, run.group("pp"), args.pp_schedule, args.accumulation_steps, run.device)
+        from trainer.trainer_utils import resolve_dtype
+        dtype = resolve_dtype(args.dtype, args.device)
+        run.pipeline = Pipeline(model, run.group("pp"), args.pp_schedule, args.accumulation_steps, run.device,
+                                micro_batch_shape=(args.batch_size, args.max_seq_len // args.cp),
+                                autocast_dtype=None if dtype == torch.float32 else dtype)
         parts = run.pipeline.stage_modules
     if args.tp > 1:
         from trainer.parallel.tensor import apply_tensor_parallel

@@ -14,7 +14,14 @@ stage owns embed_tokens, the last stage lm_head; when they sit on different rank
 own copy of the one weight. `sync_tied_grads` sums the two copies' gradients (point-to-point between
 the first and last rank) after backward, so both copies see the full gradient and identical optimizer
 updates keep them equal. Count that weight once in a global grad norm (`params_for_grad_norm`).
+
+Stage shapes are given to PipelineStage up front (`stage_io_examples`): every micro-batch is
+(micro_batch, seq_len) tokens. Left to infer them, torch 2.13 runs each stage once on uninitialised
+inputs; MoE routing on that garbage differs between tensor-parallel ranks, whose expert all-reduces
+then disagree in size and hang (older torch inferred on zeros, which routes alike everywhere).
 """
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -82,8 +89,14 @@ class PipelineStageModule(nn.Module):
         self.layer_range, self.is_first, self.is_last = (start, end), is_first, is_last
         self.tied = model.lm_head.weight is inner.embed_tokens.weight
         self.position_ids = None
+        self.autocast_dtype = None  # bf16/fp16: the stage runs under torch.autocast (the schedule calls forward)
 
     def forward(self, x, aux=None):
+        device_type = x.device.type
+        with torch.autocast(device_type, self.autocast_dtype) if self.autocast_dtype else nullcontext():
+            return self._forward(x, aux)
+
+    def _forward(self, x, aux):
         if self.is_first:
             hidden = self.model.dropout(self.model.embed_tokens(x))
             # a grad-requiring start value keeps the aux output differentiable on every stage (uniform p2p)
@@ -155,16 +168,48 @@ def split_model(model, pp_group, schedule_name):
     return modules, stage_ids, num_stages
 
 
-def make_schedule(parts, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device, pp_group):
-    """PipelineStages over the (possibly TP/DP-wrapped) stage modules, and the schedule driving them."""
-    stages = [PipelineStage(m, s, num_stages, torch.device(device), group=pp_group) for m, s in zip(parts, stage_ids)]
+def stage_io_examples(module, micro_batch, seq_len, hidden_size, vocab_size, logits_dtype=torch.float32):
+    """(input_args, output_args) meta tensors of one micro-batch through `module` (a PipelineStageModule).
+
+    Inputs: token ids on the first stage, else (hidden, aux); outputs: (hidden, aux), or (logits, aux)
+    on the last stage (full vocab: under a pipeline tp gathers the logits). Hidden states stay fp32
+    under autocast (fp32 residual stream); the logits take the autocast dtype.
+    """
+    def meta(*shape, dtype=torch.float32, grad=True):
+        return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+    if module.is_first:
+        inputs = (meta(micro_batch, seq_len, dtype=torch.long, grad=False),)
+    else:
+        inputs = (meta(micro_batch, seq_len, hidden_size), meta(1))
+    if module.is_last:
+        head = meta(micro_batch, seq_len, vocab_size, dtype=logits_dtype)
+    else:
+        head = meta(micro_batch, seq_len, hidden_size)
+    return inputs, (head, meta(1))
+
+
+def make_schedule(parts, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device, pp_group,
+                  micro_batch_shape, config, autocast_dtype=None):
+    """PipelineStages over the (possibly TP/DP-wrapped) stage modules, and the schedule driving them.
+
+    micro_batch_shape: (samples, tokens) of every micro-batch on this rank (tokens after context
+    parallel's split); the stages get their shapes from it instead of inferring them on the first step.
+    """
+    stages = []
+    for part, stage_id in zip(parts, stage_ids):
+        module = getattr(part, "module", part)  # DDP keeps the stage module under .module
+        module.autocast_dtype = autocast_dtype
+        inputs, outputs = stage_io_examples(module, *micro_batch_shape, config.hidden_size, config.vocab_size,
+                                            autocast_dtype or torch.float32)
+        stages.append(PipelineStage(part, stage_id, num_stages, torch.device(device), input_args=inputs,
+                                    output_args=outputs, group=pp_group))
     stage_arg = stages if schedule_name == "interleaved1f1b" else stages[0]
     # scale_grads=False: the loss is already normalised by the step's token count
     return SCHEDULES[schedule_name](stage_arg, num_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def build_pipeline(model, pp_mesh, schedule_name, num_microbatches, loss_fn, device):
-    """Split `model` for this pp rank and build the schedule.
+def build_pipeline(model, pp_mesh, schedule_name, num_microbatches, loss_fn, device, micro_batch_shape):
+    """Split `model` for this pp rank and build the schedule (fp32; micro_batch_shape as in make_schedule).
 
     pp_mesh: a 1-D DeviceMesh or a ProcessGroup. Returns (schedule, stage_modules, has_first_stage,
     has_last_stage). The stage modules share parameters with `model`; drop `model` afterwards so the
@@ -172,16 +217,19 @@ def build_pipeline(model, pp_mesh, schedule_name, num_microbatches, loss_fn, dev
     """
     pp_group = pp_mesh.get_group() if isinstance(pp_mesh, DeviceMesh) else pp_mesh
     modules, stage_ids, num_stages = split_model(model, pp_group, schedule_name)
-    schedule = make_schedule(modules, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device, pp_group)
+    schedule = make_schedule(modules, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device,
+                             pp_group, micro_batch_shape, model.config)
     return schedule, modules, modules[0].is_first, modules[-1].is_last
 
 
 class Pipeline:
     """What the trainer needs of pipeline parallelism: the split, the schedule, the step, tied weights."""
 
-    def __init__(self, model, pp_group, schedule_name, num_microbatches, device):
+    def __init__(self, model, pp_group, schedule_name, num_microbatches, device, micro_batch_shape,
+                 autocast_dtype=None):
         self.pp_group, self.schedule_name, self.device = pp_group, schedule_name, device
-        self.num_microbatches = num_microbatches
+        self.num_microbatches, self.micro_batch_shape = num_microbatches, micro_batch_shape
+        self.config, self.autocast_dtype = model.config, autocast_dtype
         self.stage_modules, self.stage_ids, self.num_stages = split_model(model, pp_group, schedule_name)
         self.has_first = self.stage_modules[0].is_first
         self.has_last = self.stage_modules[-1].is_last
@@ -191,7 +239,8 @@ class Pipeline:
     def make_schedule(self, parts):
         self.parts = parts
         self.schedule = make_schedule(parts, self.stage_ids, self.num_stages, self.schedule_name,
-                                      self.num_microbatches, self.loss_fn, self.device, self.pp_group)
+                                      self.num_microbatches, self.loss_fn, self.device, self.pp_group,
+                                      self.micro_batch_shape, self.config, self.autocast_dtype)
         return self.schedule
 
     def set_positions(self, position_ids):
