@@ -221,7 +221,7 @@ def evaluate(args, run, eval_ds):
                 break
             targets = step_targets(labels)
             n = float((targets != -100).sum())
-            ce, _ = forward_only(run, input_ids, targets, args)
+            ce = forward_only(run, input_ids, targets)
             ce_sum += ce if run.counts_loss else 0.0
             count += n if run.counts_items else 0.0
     for part in run.model_parts:
@@ -408,15 +408,13 @@ def local_value(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def forward_only(run, input_ids, targets, args):
-    """Summed CE over the batch's targets on this rank (for validation)."""
+def forward_only(run, input_ids, targets):
+    """Summed CE over the batch's targets on this rank (for validation; pp > 1 is refused up front)."""
     from trainer.parallel.tensor import tp_loss_context
-    if run.schedule is not None:
-        return run.pipeline.eval_step(run, input_ids, targets, shard_for_context), 0.0
     (x, t), positions = shard_for_context(run, [input_ids.to(run.device), targets.to(run.device)])
     with tp_loss_context(run.has_dtensor and run.size("tp") > 1):
         out = run.model_parts[0](x, position_ids=positions, shift_labels=t, num_items_in_batch=1)
-    return float(local_value(out.loss)), 0.0
+    return float(local_value(out.loss))
 
 
 def clip_grad_norm_(run, max_norm):
