@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig  # noqa: E402
 from trainer.train_loop import add_train_args  # noqa: E402
-from trainer.trainer_utils import model_flops_per_token, peak_flops  # noqa: E402
+from trainer.trainer_utils import model_flops_per_token, peak_flops, step_flops  # noqa: E402
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
 # the benchmark's default model: MiniMind's small config
@@ -132,8 +132,11 @@ def bench_one(label, flags, args, peaks, world):
                             num_experts=flags.get("num_experts", 4), num_experts_per_tok=flags.get("num_experts_per_tok", 1))
     flops = model_flops_per_token(config, flags["max_seq_len"])
     dp = world // (flags.get("tp", 1) * flags.get("pp", 1) * flags.get("cp", 1))
-    positions_per_sec = flags["batch_size"] * flags["accumulation_steps"] * dp * flags["max_seq_len"] / stats["step_time_median"]
-    stats["mfu_vs_fp32_peak"] = flops * positions_per_sec / (peaks["float32"] * world)
+    positions = flags["batch_size"] * flags["accumulation_steps"] * dp * flags["max_seq_len"]
+    # counted as the trainer counts them: the chunked loss (default 1024) runs the lm_head on targets only
+    head_on_targets_only = flags.get("loss_chunk_size", 1024) > 0 and flags.get("tp", 1) == 1 and flags.get("pp", 1) == 1
+    step = step_flops(config, flags["max_seq_len"], positions, stats["tokens_per_step"], head_on_targets_only)
+    stats["mfu_vs_fp32_peak"] = step / stats["step_time_median"] / (peaks["float32"] * world)
     stats["target_mfu_vs_fp32_peak"] = flops * stats["tokens_per_sec"] / (peaks["float32"] * world)  # padding excluded
     result = dict(label=label, time=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=round(time.time() - start, 1),
                   config=flags, warmup=args.warmup, nproc=args.nproc, **stats, peak_flops=peaks,

@@ -95,3 +95,20 @@ def test_tiny_real_bench_run(tmp_path):
     line = json.loads(results.read_text().splitlines()[-1])
     assert line["steps"] == 2 and line["tokens_per_sec"] > 0 and line["peak_mem_gb"] > 0
     assert line["config"]["packing"] == 1 and line["torch"] and line["machine"]
+
+
+def test_step_flops_counts_the_model_matmuls():
+    """MFU's FLOPs: 6 x every Linear weight of the real model (lm_head included) + causal attention,
+    with the lm_head counted on target tokens only when the chunked loss skips the rest."""
+    import torch.nn as nn
+    from model.model_minimind import MiniMindForCausalLM
+    from trainer.trainer_utils import step_flops
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = MiniMindForCausalLM(config)
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    seq = 32
+    attention = 2 * 6 * 64 * seq  # layers x (QK^T + AV: 4*q_dim*seq/2 causal, x3 fwd+bwd)
+    per_token = 6 * matmul_weights + attention
+    head = 6 * config.vocab_size * 64
+    assert step_flops(config, seq, 100, 40, False) == 100 * per_token
+    assert step_flops(config, seq, 100, 40, True) == 100 * (per_token - head) + 40 * head

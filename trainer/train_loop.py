@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from model.model_minimind import MiniMindConfig
 from trainer.trainer_utils import (ConfigError, Logger, get_lr, init_distributed_mode, is_main_process, lm_checkpoint,
-                                   lm_head_flops_per_token, model_flops_per_token, peak_flops, repo_path, resolve_dtype, rng_state,
+                                   peak_flops, repo_path, resolve_dtype, rng_state, step_flops,
                                    set_rng_state, setup_seed, SkipBatchSampler, weight_name, atomic_save)
 from trainer.parallel import parallelize as parallel
 
@@ -257,8 +257,6 @@ def train(args, config, run, train_ds, eval_ds=None):
     accum = args.accumulation_steps
     steps_per_epoch = len(train_ds) // args.dp // args.batch_size // accum
     total_steps = args.epochs * steps_per_epoch
-    head_flops = lm_head_flops_per_token(config)
-    body_flops = model_flops_per_token(config, args.max_seq_len) - head_flops
     # the chunked loss runs the lm_head on target tokens only (not under tp or on a pipeline's last stage)
     head_on_targets_only = config.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1
     peak = peak_flops(device, dtype) * (dist.get_world_size() if dist.is_initialized() else 1)
@@ -303,7 +301,7 @@ def train(args, config, run, train_ds, eval_ds=None):
             tokens_seen += num_items
             window_tokens += num_items
             positions = global_batch(args) * args.max_seq_len
-            window_flops += body_flops * positions + head_flops * (num_items if head_on_targets_only else positions)
+            window_flops += step_flops(config, args.max_seq_len, positions, num_items, head_on_targets_only)
             progress.update(1)
             last = step_in_epoch == steps_per_epoch or global_step == args.max_steps
             if global_step % args.log_interval == 0 or last:

@@ -190,6 +190,14 @@ def lm_head_flops_per_token(config):
     return 6 * config.vocab_size * config.hidden_size
 
 
+def step_flops(config, seq_len, positions, target_tokens, head_on_targets_only):
+    """Training FLOPs of `positions` tokens of which `target_tokens` carry a label: the body runs on every
+    position; the lm_head too, unless the chunked loss runs it on target tokens only."""
+    head = lm_head_flops_per_token(config)
+    body = model_flops_per_token(config, seq_len) - head
+    return body * positions + head * (target_tokens if head_on_targets_only else positions)
+
+
 _PEAK_CACHE = {}
 
 
