@@ -286,6 +286,17 @@ def print_plan(args, flags):
 
 
 # ---------------------------------------------------------------------------------------------- main
+def given_trainer_flags(parser, rest):
+    """The trainer flags among `rest` (only those given, as a dict); anything else is a usage error."""
+    trainer = add_train_args(argparse.ArgumentParser())
+    for action in trainer._actions:
+        action.default = argparse.SUPPRESS  # keep only the trainer flags given on the command line
+    given, unknown = trainer.parse_known_args(rest)
+    if unknown:
+        parser.error(f"unknown flags (neither {parser.prog} nor trainer): {' '.join(unknown)}")
+    return vars(given)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = parser.add_argument
@@ -300,13 +311,7 @@ def parse_args(argv=None):
     a("--repeats", type=int, default=1, help="alternate baseline/config runs this many times (median ratio)")
     a("--peak_fp32", type=float, default=None, help="fp32 peak FLOP/s for MFU (default: measured now, noisy on a busy machine)")
     args, rest = parser.parse_known_args(argv)
-    trainer = add_train_args(argparse.ArgumentParser())
-    for action in trainer._actions:
-        action.default = argparse.SUPPRESS  # keep only the trainer flags given on the command line
-    given, unknown = trainer.parse_known_args(rest)
-    if unknown:
-        parser.error(f"unknown flags (neither bench nor trainer): {' '.join(unknown)}")
-    flags = dict(BENCH_DEFAULTS, **vars(given))
+    flags = dict(BENCH_DEFAULTS, **given_trainer_flags(parser, rest))
     args.results_path = os.path.join(ROOT, args.results) if not os.path.isabs(args.results) else args.results
     return args, flags
 

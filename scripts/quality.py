@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
-from scripts.bench import BENCH_DEFAULTS, trainer_command  # noqa: E402
+from scripts.bench import BENCH_DEFAULTS, given_trainer_flags, trainer_command  # noqa: E402
 from trainer.train_loop import add_train_args, build_config, step_targets  # noqa: E402
 from trainer.trainer_utils import init_model  # noqa: E402
 
@@ -73,13 +73,7 @@ def main():
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--results", default="out/quality.jsonl")
     args, rest = parser.parse_known_args()
-    trainer = add_train_args(argparse.ArgumentParser())
-    for action in trainer._actions:
-        action.default = argparse.SUPPRESS  # keep only the trainer flags given on the command line
-    given, unknown = trainer.parse_known_args(rest)
-    if unknown:
-        parser.error(f"unknown flags: {' '.join(unknown)}")
-    flags = dict(BENCH_DEFAULTS, dtype="float32", seed=42, **vars(given))
+    flags = dict(BENCH_DEFAULTS, dtype="float32", seed=42, **given_trainer_flags(parser, rest))
     config = build_config(add_train_args(argparse.ArgumentParser()).parse_args(
         [f"--{k}={v}" for k, v in flags.items() if k != "device"]))
     tmp = tempfile.mkdtemp(prefix="quality_")
