@@ -108,11 +108,9 @@ def wrap_model(run, args, config, model_state=None):
     parts = [model]
     if args.pp > 1:
         from trainer.parallel.pipeline import Pipeline
-        from trainer.trainer_utils import resolve_dtype
-        dtype = resolve_dtype(args.dtype, args.device)
         run.pipeline = Pipeline(model, run.group("pp"), args.pp_schedule, args.accumulation_steps, run.device,
                                 micro_batch_shape=(args.batch_size, args.max_seq_len // args.cp),
-                                autocast_dtype=None if dtype == torch.float32 else dtype)
+                                autocast_dtype=None if args.torch_dtype == torch.float32 else args.torch_dtype)
         parts = run.pipeline.stage_modules
     if args.tp > 1:
         from trainer.parallel.tensor import apply_tensor_parallel
