@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig  # noqa: E402
-from trainer.train_loop import add_train_args  # noqa: E402
+from trainer.train_loop import add_train_args, build_config, uses_chunked_loss  # noqa: E402
 from trainer.trainer_utils import model_flops_per_token, peak_flops, step_flops  # noqa: E402
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
@@ -126,16 +126,13 @@ def bench_one(label, flags, args, peaks, world):
     start = time.time()
     records = run_trainer(flags, args.warmup, args.steps, args.nproc, log_path)
     stats = step_stats(records, args.warmup)
-    config = MiniMindConfig(hidden_size=flags["hidden_size"], num_hidden_layers=flags["num_hidden_layers"],
-                            num_attention_heads=flags["num_attention_heads"],
-                            num_key_value_heads=flags["num_key_value_heads"], use_moe=bool(flags.get("use_moe", 0)),
-                            num_experts=flags.get("num_experts", 4), num_experts_per_tok=flags.get("num_experts_per_tok", 1))
-    flops = model_flops_per_token(config, flags["max_seq_len"])
-    dp = world // (flags.get("tp", 1) * flags.get("pp", 1) * flags.get("cp", 1))
-    positions = flags["batch_size"] * flags["accumulation_steps"] * dp * flags["max_seq_len"]
-    # counted as the trainer counts them: the chunked loss (default 1024) runs the lm_head on targets only
-    head_on_targets_only = flags.get("loss_chunk_size", 1024) > 0 and flags.get("tp", 1) == 1 and flags.get("pp", 1) == 1
-    step = step_flops(config, flags["max_seq_len"], positions, stats["tokens_per_step"], head_on_targets_only)
+    run = trainer_args(flags)
+    config = build_config(run)
+    flops = model_flops_per_token(config, run.max_seq_len)
+    dp = world // (run.tp * run.pp * run.cp)
+    positions = run.batch_size * run.accumulation_steps * dp * run.max_seq_len
+    # counted as the trainer counts them
+    step = step_flops(config, run.max_seq_len, positions, stats["tokens_per_step"], uses_chunked_loss(run))
     stats["mfu_vs_fp32_peak"] = step / stats["step_time_median"] / (peaks["float32"] * world)
     stats["target_mfu_vs_fp32_peak"] = flops * stats["tokens_per_sec"] / (peaks["float32"] * world)  # padding excluded
     result = dict(label=label, time=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=round(time.time() - start, 1),
@@ -261,31 +258,34 @@ def plan_table():
 
 
 def print_plan(args, flags):
-    config = MiniMindConfig(hidden_size=flags["hidden_size"], num_hidden_layers=flags["num_hidden_layers"],
-                            num_attention_heads=flags["num_attention_heads"],
-                            num_key_value_heads=flags["num_key_value_heads"], use_moe=bool(flags.get("use_moe", 0)),
-                            num_experts=flags.get("num_experts", 4), num_experts_per_tok=flags.get("num_experts_per_tok", 1))
-    tp, pp, cp = flags.get("tp", 1), flags.get("pp", 1), flags.get("cp", 1)
+    run = trainer_args(flags)
+    config = build_config(run)
+    tp, pp, cp = run.tp, run.pp, run.cp
     if args.nproc % (tp * pp * cp):
         raise SystemExit(f"error: --nproc {args.nproc} is not divisible by tp*pp*cp = {tp * pp * cp}")
     dp = args.nproc // (tp * pp * cp)
-    act_bytes = 4 if flags.get("dtype", "auto") == "float32" else 2
-    zero_stage = flags.get("zero_stage", 0)
+    act_bytes = 4 if run.dtype == "float32" else 2
+    zero_stage = run.zero_stage
     if (tp > 1 or pp > 1) and dp * cp > 1 and zero_stage == 0:
         zero_stage = 2  # as the trainer does: tp/pp with data parallel runs FSDP2
-    flags["zero_stage"] = zero_stage
-    plan = plan_layout(config, flags["max_seq_len"], flags["batch_size"], flags["accumulation_steps"], dp, tp, pp, cp,
-                       zero_stage, flags.get("pp_schedule", "1f1b"), act_bytes,
-                       bool(flags.get("grad_checkpointing", 0)), bool(flags.get("sequence_parallel", 0)),
-                       flags.get("loss_chunk_size", 0))
-    print(json.dumps(dict(layout=dict(nproc=args.nproc, dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=flags.get("zero_stage", 0),
-                                      pp_schedule=flags.get("pp_schedule", "1f1b"), act_bytes=act_bytes,
-                                      micro_batch=flags["batch_size"], seq_len=flags["max_seq_len"],
-                                      num_microbatches=flags["accumulation_steps"]), **plan), indent=1))
+    plan = plan_layout(config, run.max_seq_len, run.batch_size, run.accumulation_steps, dp, tp, pp, cp,
+                       zero_stage, run.pp_schedule, act_bytes, bool(run.grad_checkpointing), bool(run.sequence_parallel),
+                       run.loss_chunk_size if uses_chunked_loss(run) else 0)  # full logits where the trainer has them
+    print(json.dumps(dict(layout=dict(nproc=args.nproc, dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage,
+                                      pp_schedule=run.pp_schedule, act_bytes=act_bytes,
+                                      micro_batch=run.batch_size, seq_len=run.max_seq_len,
+                                      num_microbatches=run.accumulation_steps), **plan), indent=1))
     return plan
 
 
 # ---------------------------------------------------------------------------------------------- main
+def trainer_args(flags):
+    """The trainer's argument namespace for `flags` (a dict of trainer flags), its defaults for the rest."""
+    args = add_train_args(argparse.ArgumentParser()).parse_args([])
+    vars(args).update(flags)
+    return args
+
+
 def given_trainer_flags(parser, rest):
     """The trainer flags among `rest` (only those given, as a dict); anything else is a usage error."""
     trainer = add_train_args(argparse.ArgumentParser())

@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
-from scripts.bench import BENCH_DEFAULTS, given_trainer_flags, trainer_command  # noqa: E402
-from trainer.train_loop import add_train_args, build_config, step_targets  # noqa: E402
+from scripts.bench import BENCH_DEFAULTS, given_trainer_flags, trainer_args, trainer_command  # noqa: E402
+from trainer.train_loop import build_config, step_targets  # noqa: E402
 from trainer.trainer_utils import init_model  # noqa: E402
 
 RUNS = {"baseline": dict(packing=0, loss_chunk_size=0),
@@ -51,9 +51,9 @@ def split_corpus(tmp, heldout):
     return paths
 
 
-def heldout_loss(config, weights, path, seq_len, tmp):
-    """Mean CE per target token of `weights` over the documents of `path`, one document per row."""
-    model, tokenizer = init_model(config, "model", weights, "out", "cpu")
+def heldout_loss(config, save_dir, path, seq_len, tmp):
+    """Mean CE per target token of the pretrain weights in `save_dir` over the documents of `path`, one per row."""
+    model, tokenizer = init_model(config, "model", "pretrain", save_dir, "cpu")
     dataset = PretrainDataset(path, tokenizer, max_length=seq_len, packing=False, cache_dir=tmp)
     total = count = 0.0
     model.eval()
@@ -74,8 +74,7 @@ def main():
     parser.add_argument("--results", default="out/quality.jsonl")
     args, rest = parser.parse_known_args()
     flags = dict(BENCH_DEFAULTS, dtype="float32", seed=42, **given_trainer_flags(parser, rest))
-    config = build_config(add_train_args(argparse.ArgumentParser()).parse_args(
-        [f"--{k}={v}" for k, v in flags.items() if k != "device"]))
+    config = build_config(trainer_args(flags))
     tmp = tempfile.mkdtemp(prefix="quality_")
     results = os.path.join(ROOT, args.results)
     os.makedirs(os.path.dirname(results), exist_ok=True)
@@ -93,11 +92,10 @@ def main():
                 sys.exit(f"error: the {name} run failed; log {os.path.join(tmp, name + '.log')}")
             with open(run_flags["metrics_file"]) as f:
                 steps = [r for r in map(json.loads, f) if "step" in r and "loss" in r]
-            weights = os.path.join(work, "out", os.listdir(os.path.join(work, "out"))[0])
             row = dict(run=name, steps=args.steps, train_loss=steps[-1]["loss"],
                        train_loss_last10=sum(r["loss"] for r in steps[-10:]) / len(steps[-10:]),
                        target_tokens=steps[-1]["tokens"],
-                       heldout_loss=heldout_loss(config, weights, heldout_path, flags["max_seq_len"], tmp),
+                       heldout_loss=heldout_loss(config, run_flags["save_dir"], heldout_path, flags["max_seq_len"], tmp),
                        flags={k: v for k, v in run_flags.items() if k not in ("metrics_file", "save_dir", "checkpoint_dir", "data_path")},
                        torch=torch.__version__)
             rows[name] = row

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from model.model_minimind import MiniMindConfig
-from scripts.bench import parse_args, plan_layout, step_stats, trainer_command
+from scripts.bench import parse_args, plan_layout, print_plan, step_stats, trainer_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,3 +130,13 @@ def test_quality_script_same_batches_same_quality(tmp_path):
     assert fast["train_loss"] == pytest.approx(base["train_loss"], rel=1e-5)
     assert fast["heldout_loss"] == pytest.approx(base["heldout_loss"], rel=1e-5)
     assert 7.0 < base["heldout_loss"] < 9.5  # near ln(6400) = 8.76 after 4 steps: a real CE, not a placeholder
+
+
+def test_plan_counts_logits_as_the_trainer_keeps_them(capsys):
+    """--plan follows the trainer's loss path: one chunk of logits (default 1024 rows) in one process,
+    the whole micro-batch's vocab-sharded logits under tp (the chunked loss is off there)."""
+    tokens, vocab = 32 * 64, 6400
+    args, flags = parse_args(["--plan", "--max_seq_len", "64", "--batch_size", "32"])
+    assert print_plan(args, flags)["memory_gb"]["logits"] * 2**30 == 2 * 4 * 1024 * vocab
+    args, flags = parse_args(["--plan", "--nproc", "2", "--tp", "2", "--max_seq_len", "64", "--batch_size", "32"])
+    assert print_plan(args, flags)["memory_gb"]["logits"] * 2**30 == 2 * 4 * tokens * vocab / 2

@@ -158,6 +158,12 @@ def global_batch(args):
     return args.batch_size * args.accumulation_steps * args.dp
 
 
+def uses_chunked_loss(args):
+    """Whether the loss runs chunked (lm_head on target tokens only, no full logits): not under tp, whose
+    logits are vocab-sharded, nor with pp, whose schedule computes the loss from the last stage's logits."""
+    return args.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1
+
+
 def step_targets(labels):
     """Targets aligned with inputs: labels shifted left by one, -100 appended (so sequences can be sharded)."""
     return F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -257,8 +263,7 @@ def train(args, config, run, train_ds, eval_ds=None):
     accum = args.accumulation_steps
     steps_per_epoch = len(train_ds) // args.dp // args.batch_size // accum
     total_steps = args.epochs * steps_per_epoch
-    # the chunked loss runs the lm_head on target tokens only (not under tp or on a pipeline's last stage)
-    head_on_targets_only = config.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1
+    head_on_targets_only = uses_chunked_loss(args)
     peak = peak_flops(device, dtype) * (dist.get_world_size() if dist.is_initialized() else 1)
     metrics_path = repo_path(args.metrics_file or os.path.join(args.save_dir, f"{args.save_weight}_metrics.jsonl"))
     if is_main_process():
