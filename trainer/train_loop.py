@@ -339,8 +339,8 @@ def train(args, config, run, train_ds, eval_ds=None):
         if global_step == args.max_steps:
             break
         step_in_epoch = 0
-    if eval_ds is not None:
-        log_eval(args, run, eval_ds, global_step, metrics_path, tracker)
+    if eval_ds is not None and not (args.eval_interval and global_step % args.eval_interval == 0):
+        log_eval(args, run, eval_ds, global_step, metrics_path, tracker)  # unless the last step just did
     Logger(f"Done: {global_step} steps, weights in {os.path.join(repo_path(args.save_dir), weight_name(args.save_weight, config))}.pth")
     if dist.is_initialized():
         dist.destroy_process_group()
