@@ -155,6 +155,11 @@ def test_bad_profile_steps_name_the_flag(spec):
     assert "\n" not in str(error.value)
 
 
+def test_profile_steps_parse():
+    assert parse_profile_steps("5:7") == (5, 7)
+    assert parse_profile_steps("3:3") == (3, 3)
+
+
 def run_profiled(out_dir, spec, start_step, last_step):
     """Optimizer steps start_step+1..last_step of a tiny model, with a StepProfiler; returns the trace events."""
     torch.manual_seed(0)
