@@ -23,7 +23,7 @@ def eval_record(step, loss):
     return dict(step=step, eval_loss=loss, eval_ppl=float(np.exp(loss)))
 
 
-def first_run(old, resumed):
+def after_resume(old, resumed):
     """The records a reader should see after a resume: the first run's up to the resume step, then the new ones."""
     resumed_steps = {r["step"] for r in resumed}
     return {r["step"]: r for r in old if r["step"] not in resumed_steps} | {r["step"]: r for r in resumed}
@@ -82,8 +82,8 @@ def test_tensorboard_scalars_every_step_and_per_rank_after_resume(tmp_path):
         tracker.log(r)
     tracker.close()
 
-    train = first_run([r for r in first if "loss" in r], [r for r in resumed if "loss" in r])
-    evals = first_run([r for r in first if "eval_loss" in r], [r for r in resumed if "eval_loss" in r])
+    train = after_resume([r for r in first if "loss" in r], [r for r in resumed if "loss" in r])
+    evals = after_resume([r for r in first if "eval_loss" in r], [r for r in resumed if "eval_loss" in r])
     assert read_jsonl(tmp_path / "m.jsonl") == [r for r in first if r["step"] <= 2] + resumed
 
     events = EventAccumulator(str(tmp_path / "tb"))
@@ -120,6 +120,8 @@ def read_swanlab_scalars(run_dir):
 def test_swanlab_offline_run_and_resume_continue_the_same_run(tmp_path, monkeypatch):
     monkeypatch.delenv("SWANLAB_API_KEY", raising=False)  # as in CI: not logged in, no TTY
     monkeypatch.delenv("SWANLAB_MODE", raising=False)
+    monkeypatch.setenv("SWANLAB_ROOT", str(tmp_path / "no_login"))  # no saved `swanlab login` either
+    monkeypatch.chdir(tmp_path)  # nor a project-level .swanlab/.netrc
     first = [train_record(s, 9.0 - s / 10) for s in (1, 2, 3)] + [eval_record(3, 8.6)]
     tracker = Tracker(tmp_path / "m.jsonl", use_wandb=True, wandb_project="MiniMind-test", console=False,
                       config={"hidden_size": 64, "dtype": torch.float32})
