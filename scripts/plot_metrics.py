@@ -1,0 +1,99 @@
+"""Plot one or more --metrics_file JSONL files: loss, eval loss, lr, tokens/s, MFU and memory against step.
+
+    python scripts/plot_metrics.py out/pretrain_768_metrics.jsonl --out plot.png
+    python scripts/plot_metrics.py a.jsonl b.jsonl --labels dp2,tp2 --out compare.png
+
+Several files are drawn as one line each in every panel (compare layouts, resumes, configs). A step logged
+twice (a resumed run's file written before truncation existed) keeps its last record. Panels without data are left out.
+"""
+import argparse
+import json
+import math
+import os
+
+import pandas as pd
+from matplotlib.figure import Figure  # a plain Figure renders PNGs through Agg; no pyplot, no display
+
+# (column, panel title, y scale factor, y label)
+PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "validation loss"),
+          ("lr", "learning rate", 1, "lr"), ("tokens_per_sec", "tokens/s", 1, "target tokens / s"),
+          ("mfu", "MFU", 100, "% of peak FLOPs"), ("peak_mem_gb", "peak memory", 1, "GB (max over ranks)")]
+PANEL_SIZE = (4.5, 3.2)  # inches per panel; the PNG is columns*4.5 x rows*3.2 inches at --dpi
+COLUMNS = 3
+
+
+def load_metrics(path):
+    """A metrics JSONL as a DataFrame sorted by step, one row per (step, kind): training and eval records apart."""
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"line {number} is not JSON") from None
+    frame = pd.DataFrame.from_records(records)
+    if frame.empty or "step" not in frame:
+        raise ValueError("no records with a step")
+    frame["kind"] = frame["eval_loss"].notna().map({True: "eval", False: "train"}) if "eval_loss" in frame else "train"
+    frame = frame.drop_duplicates(["step", "kind"], keep="last")
+    return frame.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def plot(frames, labels):
+    """A figure with one panel per metric that has data; each (label, frame) is one line per panel."""
+    panels = [p for p in PANELS if any(p[0] in f and f[p[0]].notna().any() for f in frames)]
+    if not panels:
+        raise ValueError("no plottable metrics (loss, eval_loss, lr, tokens_per_sec, mfu, peak_mem_gb) in the files")
+    columns = min(COLUMNS, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    fig = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows))
+    axes = fig.subplots(rows, columns, squeeze=False)
+    for ax, (column, title, scale, ylabel) in zip(axes.flat, panels):
+        for frame, label in zip(frames, labels):
+            if column in frame:
+                data = frame[frame[column].notna()]
+                ax.plot(data["step"], data[column] * scale, label=label, marker="." if len(data) < 30 else None)
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(frames) > 1:
+            ax.legend(fontsize="small")
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Plot --metrics_file JSONL files (one line per file in each panel)",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("files", nargs="+", help="metrics JSONL files written by the trainer")
+    parser.add_argument("--out", default="metrics.png", help="PNG to write")
+    parser.add_argument("--labels", default=None, help="comma-separated legend names, one per file; unset: the file names")
+    parser.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNG")
+    args = parser.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [os.path.basename(f) for f in args.files]
+    if len(labels) != len(args.files):
+        parser.exit(2, f"error: --labels has {len(labels)} names for {len(args.files)} files; give one per file\n")
+    frames = []
+    for path in args.files:
+        if not os.path.isfile(path):
+            parser.exit(2, f"error: metrics file {path} not found; pass a --metrics_file the trainer wrote\n")
+        try:
+            frames.append(load_metrics(path))
+        except ValueError as e:  # empty file or not JSON lines
+            parser.exit(2, f"error: {path} is not a metrics JSONL ({e}); pass a --metrics_file the trainer wrote\n")
+    try:
+        fig = plot(frames, labels)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}; pass a --metrics_file the trainer wrote\n")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    fig.savefig(args.out, dpi=args.dpi)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Tracker sinks read back with their own libraries (JSONL, TensorBoard event files, swanlab run files) and StepProfiler."""
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from trainer.tracking import StepProfiler, Tracker, parse_profile_steps, truncate_metrics
+
+
+def train_record(step, loss):
+    """A training record shaped like the trainer's (two ranks)."""
+    return dict(step=step, epoch=0, loss=loss, aux_loss=0.0, lr=5e-4 / step, tokens=124 * step,
+                tokens_per_sec=3000.0 + step, mfu=0.1 + step / 100, peak_mem_gb=0.42 + step / 1000,
+                peak_mem_gb_per_rank=[0.41 + step / 1000, 0.42 + step / 1000], elapsed_s=0.04 * step)
+
+
+def eval_record(step, loss):
+    return dict(step=step, eval_loss=loss, eval_ppl=float(np.exp(loss)))
+
+
+def after_resume(old, resumed):
+    """The records a reader should see after a resume: the first run's up to the resume step, then the new ones."""
+    resumed_steps = {r["step"] for r in resumed}
+    return {r["step"]: r for r in old if r["step"] not in resumed_steps} | {r["step"]: r for r in resumed}
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_jsonl_records_and_console_line(tmp_path, capsys):
+    records = [train_record(1, 8.7625303), eval_record(1, 8.75), train_record(2, 8.7586021)]
+    tracker = Tracker(tmp_path / "m.jsonl")
+    for r in records:
+        tracker.log(r)
+    assert read_jsonl(tmp_path / "m.jsonl") == records  # flushed while the tracker is still open
+    tracker.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("step 1 | epoch 0 | loss 8.762530 | aux_loss 0.000000 | lr 5.000e-04 | tokens/s 3001 "
+                        "| mfu 11.0% | mem 0.42GB")
+    assert lines[1] == "step 1 | eval_loss 8.7500 | ppl 6310.69"
+    assert len(lines) == 3
+
+
+def test_truncate_metrics_keeps_steps_up_to_n(tmp_path):
+    path = tmp_path / "m.jsonl"
+    records = [train_record(s, 9.0 - s) for s in range(1, 6)] + [eval_record(2, 8.0), eval_record(4, 7.0)]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+        f.write('{"step": 6, "loss": 3.')  # a crash mid-write
+    truncate_metrics(str(path), 3)
+    assert read_jsonl(path) == [r for r in records if r["step"] <= 3]
+    truncate_metrics(str(tmp_path / "absent.jsonl"), 3)  # a fresh run has no file yet
+    assert not os.path.exists(tmp_path / "absent.jsonl")
+
+
+def test_only_the_main_process_writes(tmp_path):
+    tracker = Tracker(tmp_path / "m.jsonl", is_main=False, tensorboard_dir=tmp_path / "tb", use_wandb=True,
+                      resume_id="abc123")
+    tracker.log(train_record(1, 9.0))
+    tracker.close()
+    assert os.listdir(tmp_path) == []
+    assert tracker.run_id == "abc123"  # non-main ranks keep the checkpoint's id unchanged
+
+
+def test_tensorboard_scalars_every_step_and_per_rank_after_resume(tmp_path):
+    first = [train_record(s, 9.0 - s / 10) for s in range(1, 5)] + [eval_record(2, 8.5), eval_record(4, 8.4)]
+    tracker = Tracker(tmp_path / "m.jsonl", tensorboard_dir=str(tmp_path / "tb"), console=False)
+    for r in first:
+        tracker.log(r)
+    tracker.close()
+    # the run crashed after step 4 and resumes from its step-2 checkpoint: steps 3-4 run again with new values
+    resumed = [train_record(s, 7.0 - s / 10) for s in (3, 4)] + [eval_record(4, 8.1)]
+    tracker = Tracker(tmp_path / "m.jsonl", tensorboard_dir=str(tmp_path / "tb"), console=False, resume_step=2)
+    for r in resumed:
+        tracker.log(r)
+    tracker.close()
+
+    train = after_resume([r for r in first if "loss" in r], [r for r in resumed if "loss" in r])
+    evals = after_resume([r for r in first if "eval_loss" in r], [r for r in resumed if "eval_loss" in r])
+    assert read_jsonl(tmp_path / "m.jsonl") == [r for r in first if r["step"] <= 2] + resumed
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    expected = {name: {s: r[name] for s, r in train.items()}
+                for name in ("loss", "aux_loss", "lr", "tokens", "tokens_per_sec", "mfu", "peak_mem_gb", "elapsed_s")}
+    for rank in (0, 1):
+        expected[f"peak_mem_gb_per_rank/rank{rank}"] = {s: r["peak_mem_gb_per_rank"][rank] for s, r in train.items()}
+    expected["eval_loss"] = {s: r["eval_loss"] for s, r in evals.items()}
+    expected["eval_ppl"] = {s: r["eval_ppl"] for s, r in evals.items()}
+    assert set(events.Tags()["scalars"]) == set(expected) | {"epoch"}
+    for name, by_step in expected.items():
+        got = {e.step: e.value for e in events.Scalars(name)}
+        # TensorBoard stores float32: the logged value rounded once, exactly
+        assert got == {s: float(np.float32(v)) for s, v in by_step.items()}, name
+
+
+def read_swanlab_scalars(run_dir):
+    """{key: {step: value}} from a swanlab run's record file (the same reader `swanlab sync` uses)."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+    reader = DataStoreReader()
+    reader.open(glob.glob(os.path.join(run_dir, "run-*.swanlab"))[0])
+    scalars = {}
+    for data in reader:
+        record = Record()
+        record.ParseFromString(data)
+        if record.HasField("scalar"):
+            scalars.setdefault(record.scalar.key, {})[record.scalar.step] = record.scalar.value.number
+    reader.close()
+    return scalars
+
+
+def test_swanlab_offline_run_and_resume_continue_the_same_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("SWANLAB_API_KEY", raising=False)  # as in CI: not logged in, no TTY
+    monkeypatch.delenv("SWANLAB_MODE", raising=False)
+    monkeypatch.setenv("SWANLAB_ROOT", str(tmp_path / "no_login"))  # no saved `swanlab login` either
+    monkeypatch.chdir(tmp_path)  # nor a project-level .swanlab/.netrc
+    first = [train_record(s, 9.0 - s / 10) for s in (1, 2, 3)] + [eval_record(3, 8.6)]
+    tracker = Tracker(tmp_path / "m.jsonl", use_wandb=True, wandb_project="MiniMind-test", console=False,
+                      config={"hidden_size": 64, "dtype": torch.float32})
+    for r in first:
+        tracker.log(r)
+    tracker.close()
+    run_id = tracker.run_id
+    assert run_id
+    resumed = [train_record(s, 7.0 - s / 10) for s in (4, 5)]
+    tracker = Tracker(tmp_path / "m.jsonl", use_wandb=True, wandb_project="MiniMind-test", console=False,
+                      resume_id=run_id, resume_step=3)
+    for r in resumed:
+        tracker.log(r)
+    tracker.close()
+    assert tracker.run_id == run_id
+
+    run_dirs = sorted(glob.glob(str(tmp_path / "swanlog" / f"run-*-{run_id}")))
+    assert len(run_dirs) == 2  # one local directory per process lifetime, both under the same run id
+    for run_dir, records in zip(run_dirs, (first, resumed)):
+        got = read_swanlab_scalars(run_dir)
+        train = [r for r in records if "loss" in r]
+        assert got["loss"] == {r["step"]: r["loss"] for r in train}
+        assert got["lr"] == {r["step"]: r["lr"] for r in train}
+        for rank in (0, 1):
+            assert got[f"peak_mem_gb_per_rank/rank{rank}"] == {r["step"]: r["peak_mem_gb_per_rank"][rank] for r in train}
+    assert read_swanlab_scalars(run_dirs[0])["eval_loss"] == {3: 8.6}
+
+
+@pytest.mark.parametrize("spec", ["5:3", "x", "3", "0:2", "1:2:3", "a:b"])
+def test_bad_profile_steps_name_the_flag(spec):
+    with pytest.raises(ValueError, match="--profile_steps") as error:
+        StepProfiler(spec, "unused", "cpu")
+    assert "\n" not in str(error.value)
+
+
+def test_profile_steps_parse():
+    assert parse_profile_steps("5:7") == (5, 7)
+    assert parse_profile_steps("3:3") == (3, 3)
+
+
+def run_profiled(out_dir, spec, start_step, last_step):
+    """Optimizer steps start_step+1..last_step of a tiny model, with a StepProfiler; returns the trace events."""
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = MiniMindForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    profiler = StepProfiler(spec, str(out_dir), "cpu", start_step=start_step)
+    for step in range(start_step + 1, last_step + 1):
+        ids = torch.randint(0, config.vocab_size, (2, 32))
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        profiler.step(step)
+    profiler.close()
+    traces = glob.glob(os.path.join(out_dir, "rank0.*.pt.trace.json"))
+    assert len(traces) == 1
+    with open(traces[0]) as f:
+        return json.load(f)["traceEvents"]
+
+
+def profiled_steps(events):
+    marks = sorted(int(e["name"].split("#")[1]) for e in events if e.get("name", "").startswith("ProfilerStep#"))
+    optimizer_steps = [e for e in events if e.get("name") == "Optimizer.step#AdamW.step"]
+    return marks, optimizer_steps
+
+
+def test_step_profiler_traces_only_the_requested_steps(tmp_path):
+    events = run_profiled(tmp_path / "a", "2:3", start_step=0, last_step=5)
+    marks, optimizer_steps = profiled_steps(events)
+    assert marks == [2, 3]
+    assert len(optimizer_steps) == 2  # steps 1, 4, 5 left out
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    assert all(any(a <= e["ts"] <= b for a, b in windows) for e in optimizer_steps)
+    assert any(e.get("name") == "[memory]" for e in events)  # profile_memory is on
+    # a run resumed from step 2 profiles what is left of 2:4, from its first step
+    marks, optimizer_steps = profiled_steps(run_profiled(tmp_path / "b", "2:4", start_step=2, last_step=5))
+    assert marks == [3, 4] and len(optimizer_steps) == 2
+
+
+def test_step_profiler_off_writes_nothing(tmp_path):
+    profiler = StepProfiler(None, str(tmp_path / "p"), "cpu")
+    for step in range(1, 4):
+        profiler.step(step)
+    profiler.close()
+    assert not os.path.exists(tmp_path / "p")

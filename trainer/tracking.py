@@ -1,0 +1,207 @@
+"""Where metrics go: the metrics JSONL (always), the console, TensorBoard and swanlab; and --profile_steps traces.
+
+`Tracker.log(record)` is the one call the loop makes per logged step. Only the main process writes.
+swanlab (MiniMind's --use_wandb) runs online when logged in and offline otherwise, its files under
+`<metrics file's folder>/swanlog/` (upload later with `swanlab sync DIR`); never a prompt.
+"""
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+# Console line: (record key, format) in print order; other keys are left to the JSONL and the dashboards.
+CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", "aux_loss {:.6f}"),
+                   ("lr", "lr {:.3e}"), ("tokens_per_sec", "tokens/s {:.0f}"), ("mfu", "mfu {:.1%}"),
+                   ("peak_mem_gb", "mem {:.2f}GB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}")]
+
+
+def truncate_metrics(path, step):
+    """Keep only the records with step <= `step` (on resume, so each step is logged once); drops a cut-off last line."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash mid-write
+            if isinstance(record, dict) and record.get("step", step + 1) <= step:
+                kept.append(json.dumps(record) + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of it
+
+
+def scalars(record):
+    """The record's numbers as dashboard scalars: lists become `name/rank0`, `name/rank1`, ...; `step` is the x axis."""
+    out = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        if isinstance(value, (list, tuple)):
+            out.update({f"{key}/rank{i}": float(v) for i, v in enumerate(value)})
+        elif isinstance(value, (int, float)):
+            out[key] = float(value)
+    return out
+
+
+def console_line(record):
+    """'step 12 | epoch 0 | loss 8.762530 | ... | mem 0.42GB': the record's known keys, in a fixed order."""
+    parts = [f"step {record['step']}"]
+    parts += [fmt.format(record[key]) for key, fmt in CONSOLE_FORMATS if record.get(key) is not None]
+    return " | ".join(parts)
+
+
+def start_swanlab(project, run_name, resume_id, config, log_dir):
+    """A swanlab run: online when logged in (SWANLAB_API_KEY or `swanlab login`), else offline; None if not installed."""
+    try:
+        import swanlab  # optional dependency: only --use_wandb needs it
+    except ImportError:
+        print("--use_wandb: swanlab is not installed (pip install swanlab); continuing without it", flush=True)
+        return None
+    kwargs = dict(project=project, name=run_name, id=resume_id, resume="allow" if resume_id else None,
+                  log_dir=log_dir, config=config)
+    try:
+        return swanlab.init(settings=swanlab.Settings(interactive=False), **kwargs)  # never prompts on a TTY-less job
+    except Exception as e:  # not logged in, or the service is unreachable: keep the run, log it locally
+        print(f"swanlab: no online run ({str(e).rstrip('.')}); logging offline under {log_dir}, "
+              "upload later with `swanlab sync <run dir>`", flush=True)
+        return swanlab.init(mode="offline", **kwargs)
+
+
+class Tracker:
+    """Every enabled sink for the run's records: metrics JSONL (always), console, TensorBoard, swanlab.
+
+    resume_id: the swanlab run id saved in the checkpoint (`.run_id`), so a resumed run continues that run.
+    resume_step: the step the run resumes from; later records are dropped from the JSONL and TensorBoard.
+    """
+
+    def __init__(self, metrics_path, *, is_main=True, console=True, tensorboard_dir=None, use_wandb=False,
+                 wandb_project="MiniMind", run_name=None, resume_id=None, config=None, resume_step=None):
+        self.run_id = resume_id
+        self.is_main = is_main
+        self.console = console
+        self._file = self._writer = self._swanlab = None
+        if not is_main:
+            return
+        metrics_path = os.path.abspath(metrics_path)
+        os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
+        if resume_step is not None:
+            truncate_metrics(metrics_path, resume_step)
+        self._file = open(metrics_path, "a")
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency: needs the tensorboard package
+            purge_step = None if resume_step is None else resume_step + 1  # TensorBoard hides older events from here on
+            self._writer = SummaryWriter(tensorboard_dir, purge_step=purge_step)
+        if use_wandb:
+            plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                     for k, v in (config or {}).items()}
+            self._swanlab = start_swanlab(wandb_project, run_name, resume_id, plain,
+                                          os.path.join(os.path.dirname(metrics_path), "swanlog"))
+            if self._swanlab is not None:
+                self.run_id = self._swanlab.id
+
+    def log(self, record):
+        """Write one record (it has "step") to every enabled sink; the JSONL line is flushed before returning."""
+        if not self.is_main:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.console:
+            tqdm.write(console_line(record))  # keeps a tqdm progress bar intact
+        values = scalars(record)
+        if self._writer is not None:
+            for name, value in values.items():
+                self._writer.add_scalar(name, value, record["step"])
+            self._writer.flush()
+        if self._swanlab is not None:
+            self._swanlab.log(values, step=record["step"])
+
+    def close(self):
+        """Flush and close every sink (safe to call twice)."""
+        if self._file is not None:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self._swanlab is not None:
+            self._swanlab.finish()
+        self._file = self._writer = self._swanlab = None
+
+
+def parse_profile_steps(spec):
+    """'A:B' -> (A, B): the optimizer steps to profile, 1-based and inclusive."""
+    message = f"--profile_steps {spec!r}: give A:B, the first and last optimizer step to profile, 1 <= A <= B (e.g. 5:7)"
+    try:
+        first, last = (int(part) for part in spec.split(":"))
+    except ValueError:
+        raise ValueError(message) from None
+    if not 1 <= first <= last:
+        raise ValueError(message)
+    return first, last
+
+
+class StepProfiler:
+    """--profile_steps A:B: a torch.profiler trace of optimizer steps A..B (CPU, CUDA on GPU, memory) under out_dir.
+
+    Each rank writes `rank<r>.<time>.pt.trace.json` (tensorboard_trace_handler): open it in Perfetto or TensorBoard.
+    Steps are marked `ProfilerStep#<global step>`. start_step: the global step the loop starts from (resume).
+    """
+
+    def __init__(self, spec, out_dir, device, start_step=0):
+        self.steps = None if spec is None else parse_profile_steps(spec)
+        self.out_dir = out_dir
+        self.device = torch.device(device)
+        self._profiler = self._step_range = None
+        if self.steps is not None:
+            self._start_if_profiled(start_step + 1)
+
+    def _start_if_profiled(self, next_step):
+        first, last = self.steps
+        if not first <= next_step <= last:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        handler = torch.profiler.tensorboard_trace_handler(self.out_dir, worker_name=f"rank{rank}")
+        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True,
+                                                on_trace_ready=handler)
+        self._profiler.start()
+        self._mark(next_step)
+
+    def _mark(self, step):
+        self._step_range = torch.profiler.record_function(f"ProfilerStep#{step}")
+        self._step_range.__enter__()
+
+    def _end_mark(self):
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+
+    def step(self, global_step):
+        """Call once after each optimizer step with that step's number; starts, marks and ends the trace."""
+        if self.steps is None:
+            return
+        if self._profiler is None:
+            self._start_if_profiled(global_step + 1)
+            return
+        self._end_mark()
+        if global_step >= self.steps[1]:
+            self.close()
+        else:
+            self._mark(global_step + 1)
+
+    def close(self):
+        """End the trace early (e.g. training stopped inside A..B) and write it; a no-op when not profiling."""
+        if self._profiler is None:
+            return
+        self._end_mark()
+        self._profiler.stop()  # writes the trace through on_trace_ready
+        self._profiler = None
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"profile of steps {self.steps[0]}..{self.steps[1]} written to {self.out_dir} "
+                  "(open the .pt.trace.json in ui.perfetto.dev)", flush=True)
