@@ -1,6 +1,8 @@
 """The committed tokenizer (model/tokenizer.json + tokenizer_config.json) loads and behaves like MiniMind-3's."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -127,3 +129,31 @@ def test_chat_template_renders_like_minimind3(tokenizer, case):
 def test_committed_config_matches_script(tokenizer):
     with open(os.path.join(MODEL_DIR, "tokenizer_config.json"), encoding="utf-8") as f:
         assert json.load(f) == tokenizer_config()
+
+
+def test_training_is_deterministic(tmp_path):
+    """Two fresh processes (different hash seeds) train byte-identical tokenizers with all 36 added tokens
+    at MiniMind-3's ids, on a corpus that holds tool rows as JSON strings and as lists."""
+    pretrain, sft = tmp_path / "p.jsonl", tmp_path / "s.jsonl"
+    pretrain.write_text("".join(json.dumps({"text": f"document {i}: 你好 def f(x): return x ** {i}"}) + "\n"
+                                for i in range(200)), encoding="utf-8")
+    tool_calls = [{"name": "gcd", "arguments": {"a": 12, "b": 18}}]
+    sft.write_text("".join(json.dumps({"conversations": [
+        {"role": "user", "content": "gcd?"},
+        {"role": "assistant", "content": "", "reasoning_content": "use gcd",
+         "tool_calls": json.dumps(tool_calls) if i % 2 else tool_calls}]}) + "\n" for i in range(20)), encoding="utf-8")
+    code = ("import sys; sys.path.insert(0, %r); from scripts.train_tokenizer import train_tokenizer, iter_texts; "
+            "sys.stdout.write(train_tokenizer(iter_texts(sys.argv[1], sys.argv[2]), 600).to_str())" % ROOT)
+    outputs = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-c", code, str(pretrain), str(sft)], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1]
+    state = json.loads(outputs[0])
+    with open(MINIMIND3_CONFIG, encoding="utf-8") as f:
+        reference = json.load(f)["added_tokens_decoder"]
+    assert [(t["id"], t["content"], t["special"]) for t in state["added_tokens"]] == \
+        [(int(i), e["content"], e["special"]) for i, e in reference.items()]
