@@ -125,12 +125,11 @@ def _tool_schema(name, description, **params):
         "type": "object", "properties": properties, "required": list(params)}}}
 
 
-DEMO_TOOLS = [
-    _tool_schema("gcd", "Greatest common divisor of two integers.",
-                 a=("integer", "first integer"), b=("integer", "second integer")),
-    _tool_schema("unicode_name", "Official Unicode name of one character.", char=("string", "a single character")),
-    _tool_schema("weekday", "Day of the week of a date.", date=("string", "ISO date, YYYY-MM-DD")),
-]
+DEMO_TOOLS = {  # each tool row offers only the tool it calls, so rows fit the default --max_seq_len 340
+    "gcd": _tool_schema("gcd", "Greatest common divisor.", a=("integer", "an integer"), b=("integer", "an integer")),
+    "unicode_name": _tool_schema("unicode_name", "Unicode name of a character.", char=("string", "one character")),
+    "weekday": _tool_schema("weekday", "Day of the week of a date.", date=("string", "YYYY-MM-DD")),
+}
 
 
 def _tool_question(rng):
@@ -160,15 +159,16 @@ def tool_records(n=NUM_TOOL_CONVERSATIONS, seed=0):
     rng, records = random.Random(seed), []
     for i in range(n):
         question, call, result, answer = _tool_question(rng)
-        as_text = i % 2 == 0
+        tools, as_text = [DEMO_TOOLS[call["name"]]], i % 2 == 0
         records.append({"conversations": [
             {"role": "system", "content": "You are a helpful assistant with tools.",
-             "tools": json.dumps(DEMO_TOOLS, ensure_ascii=False) if as_text else DEMO_TOOLS},
+             "tools": json.dumps(tools, ensure_ascii=False) if as_text else tools},
             {"role": "user", "content": question},
             {"role": "assistant", "content": "", "reasoning_content": f"I can answer this with the {call['name']} tool.",
              "tool_calls": json.dumps([call], ensure_ascii=False) if as_text else [call]},
             {"role": "tool", "content": json.dumps(result, ensure_ascii=False)},
-            {"role": "assistant", "content": answer, "reasoning_content": f"The tool returned {result}."},
+            {"role": "assistant", "content": answer,
+             "reasoning_content": f"The tool returned {json.dumps(result, ensure_ascii=False)}."},
         ]})
     return records
 

@@ -396,3 +396,19 @@ def test_ensure_demo_data_builds_once(tmp_path):
     assert path == os.path.join(tmp_path, "sft_demo.jsonl") and os.path.getsize(path) > 0
     mtime = os.stat(path).st_mtime_ns
     assert ensure_demo_data("sft", tmp_path) == path and os.stat(path).st_mtime_ns == mtime
+
+
+def test_demo_tool_rows_fit_the_default_sft_length(tokenizer, tmp_path):
+    """Every tool-call and reasoning row of the SFT demo is whole within train_sft.py's default
+    --max_seq_len 340, so the default run learns its final answer and <|im_end|>."""
+    path = ensure_demo_data("sft", tmp_path)
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line)["conversations"] for line in f]
+    ds = SFTDataset(path, tokenizer, max_length=340, cache_dir=tmp_path / "cache")
+    special_rows = [i for i, conv in enumerate(rows) if any("reasoning_content" in m for m in conv)]
+    assert len(special_rows) == 96
+    for i in special_rows:
+        input_ids, labels = ds[i]
+        runs = labelled_runs(tokenizer, input_ids, labels)
+        assert len(runs) == sum(m["role"] == "assistant" for m in rows[i])
+        assert runs[-1].endswith(rows[i][-1]["content"] + "<|im_end|>")
