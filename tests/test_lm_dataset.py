@@ -37,7 +37,8 @@ GCD_CALLS = [{"name": "gcd", "arguments": {"a": 12, "b": 18}}]
 TOOL_CONVERSATION = [
     {"role": "system", "content": "You are a helpful assistant.", "tools": json.dumps(GCD_TOOLS)},
     {"role": "user", "content": "gcd(12, 18)?"},
-    {"role": "assistant", "content": "", "reasoning_content": "Call the gcd tool.", "tool_calls": json.dumps(GCD_CALLS)},
+    {"role": "assistant", "content": "", "reasoning_content": "Call the gcd tool.",
+     "tool_calls": json.dumps(GCD_CALLS)},
     {"role": "tool", "content": '{"gcd": 6}'},
     {"role": "assistant", "content": "It is 6.", "reasoning_content": "The tool says 6."},
 ]
@@ -218,7 +219,8 @@ def test_sft_tool_call_conversation_hand_checked(tokenizer, tokenizer_format, tm
     assert tok.decode(input_ids[:len(ids)]) == "".join(text for text, _ in TOOL_CONVERSATION_PIECES)
     assert input_ids.tolist() == ids + [tok.pad_token_id] * (320 - len(ids))
     assert got_labels.tolist() == labels + [-100] * (320 - len(ids))
-    assert labelled_runs(tok, input_ids, got_labels) == [text for text, labelled in TOOL_CONVERSATION_PIECES if labelled]
+    expected_runs = [text for text, labelled in TOOL_CONVERSATION_PIECES if labelled]
+    assert labelled_runs(tok, input_ids, got_labels) == expected_runs
 
 
 def test_sft_tools_as_json_strings_or_lists_are_the_same(tokenizer, tmp_path):
@@ -380,7 +382,8 @@ def test_demo_data_is_deterministic(tmp_path):
             assert [m["role"] for m in conv] == ["user", "assistant"] * (len(conv) // 2)
     # tool results are the standard library's answers, e.g. gcd(a, b) for the gcd tool
     for conv in tool_rows:
-        call = json.loads(conv[2]["tool_calls"])[0] if isinstance(conv[2]["tool_calls"], str) else conv[2]["tool_calls"][0]
+        calls = conv[2]["tool_calls"]
+        call = (json.loads(calls) if isinstance(calls, str) else calls)[0]
         if call["name"] == "gcd":
             assert json.loads(conv[3]["content"]) == {"gcd": math.gcd(call["arguments"]["a"], call["arguments"]["b"])}
     assert {isinstance(c[0]["tools"], str) for c in tool_rows} == {True, False}  # JSON strings and lists

@@ -42,7 +42,8 @@ def test_added_tokens_have_minimind3_ids_and_flags(tokenizer):
         [21, 22, 23, 24, 25, 26, 27, 35]
     # tags are not special: skipping special tokens on decode keeps reasoning and tool calls parseable
     ids = tokenizer.encode("<|im_start|>assistant\n<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call><|im_end|>")
-    assert tokenizer.decode(ids, skip_special_tokens=True) == "assistant\n<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call>"
+    assert tokenizer.decode(ids, skip_special_tokens=True) == \
+        "assistant\n<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call>"
 
 
 def test_special_tokens_are_single_ids_and_not_added_by_default(tokenizer):
@@ -91,8 +92,8 @@ def test_generation_prompt(tokenizer):
     assert tokenizer.apply_chat_template(messages, tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n"
 
 
-TOOLS = [{"type": "function", "function": {"name": "weekday", "description": "Day of the week.",
-                                           "parameters": {"type": "object", "properties": {"date": {"type": "string"}}}}},
+TOOLS = [{"type": "function", "function": {"name": "weekday", "description": "Day of the week.", "parameters": {
+              "type": "object", "properties": {"date": {"type": "string"}}}}},
          {"name": "gcd", "description": "中文 description", "parameters": {"type": "object"}}]
 TEMPLATE_CASES = [  # (messages, tools, extra template arguments)
     ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], None, {}),
