@@ -3,7 +3,7 @@ Embedded default corpora, built from text that ships with the installed software
 
 - pretrain_demo.jsonl  {"text": ...}: Python's own documentation (pydoc topics + standard-library
   docstrings, read with `ast`, nothing imported) mixed with chatterbot-corpus dialogues.
-- sft_demo.jsonl       {"conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}:
+- sft_demo_v2.jsonl    {"conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}:
   chatterbot-corpus English and Chinese dialogues, plus MiniMind-3-style rows with reasoning_content
   (arithmetic worked out step by step) and tool calls (tools over standard-library facts: gcd,
   Unicode character names, weekdays, computed here), tools/tool_calls as JSON strings and as lists.
@@ -23,8 +23,9 @@ import warnings
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 PRETRAIN_DEMO = os.path.join(DATASET_DIR, "pretrain_demo.jsonl")
-SFT_DEMO = os.path.join(DATASET_DIR, "sft_demo.jsonl")
-DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo.jsonl"}
+SFT_DEMO = os.path.join(DATASET_DIR, "sft_demo_v2.jsonl")
+# v2 of the SFT demo adds tool-call and reasoning rows; a new name, so a checkout's older build is not reused
+DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl"}
 
 CHATTERBOT_LANGUAGES = ("english", "chinese")
 NUM_TOOL_CONVERSATIONS = 48       # tool-call rows in the SFT demo: enough that every short run meets some

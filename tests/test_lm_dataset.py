@@ -366,10 +366,10 @@ def test_demo_data_is_deterministic(tmp_path):
         env = dict(os.environ, PYTHONHASHSEED=str(i + 1), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=str(tmp_path), env=env))
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    for name in ("pretrain_demo.jsonl", "sft_demo.jsonl"):
+    for name in ("pretrain_demo.jsonl", "sft_demo_v2.jsonl"):
         with open(tmp_path / "run0" / name, "rb") as a, open(tmp_path / "run1" / name, "rb") as b:
             assert a.read() == b.read()
-    with open(tmp_path / "run0" / "sft_demo.jsonl", encoding="utf-8") as f:
+    with open(tmp_path / "run0" / "sft_demo_v2.jsonl", encoding="utf-8") as f:
         conversations = [json.loads(line)["conversations"] for line in f]
     assert len(conversations) > 1000
     tool_rows = [c for c in conversations if c[0]["role"] == "system"]
@@ -396,7 +396,7 @@ def test_demo_data_is_deterministic(tmp_path):
 
 def test_ensure_demo_data_builds_once(tmp_path):
     path = ensure_demo_data("sft", tmp_path)
-    assert path == os.path.join(tmp_path, "sft_demo.jsonl") and os.path.getsize(path) > 0
+    assert path == os.path.join(tmp_path, "sft_demo_v2.jsonl") and os.path.getsize(path) > 0
     mtime = os.stat(path).st_mtime_ns
     assert ensure_demo_data("sft", tmp_path) == path and os.stat(path).st_mtime_ns == mtime
 
