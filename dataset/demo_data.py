@@ -3,25 +3,33 @@ Embedded default corpora, built from text that ships with the installed software
 
 - pretrain_demo.jsonl  {"text": ...}: Python's own documentation (pydoc topics + standard-library
   docstrings, read with `ast`, nothing imported) mixed with chatterbot-corpus dialogues.
-- sft_demo.jsonl       {"conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}:
-  chatterbot-corpus English and Chinese dialogues.
+- sft_demo_v2.jsonl    {"conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}:
+  chatterbot-corpus English and Chinese dialogues, plus MiniMind-3-style rows with reasoning_content
+  (arithmetic worked out step by step) and tool calls (tools over standard-library facts: gcd,
+  Unicode character names, weekdays, computed here), tools/tool_calls as JSON strings and as lists.
 
 Both are a pure function of the installed Python and packages: same bytes on every such machine.
 Run `python dataset/demo_data.py` to build both, or call `ensure_demo_data("pretrain" | "sft")`.
 """
 import ast
+import datetime
 import json
+import math
 import os
 import random
 import sysconfig
+import unicodedata
 import warnings
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 PRETRAIN_DEMO = os.path.join(DATASET_DIR, "pretrain_demo.jsonl")
-SFT_DEMO = os.path.join(DATASET_DIR, "sft_demo.jsonl")
-DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo.jsonl"}
+SFT_DEMO = os.path.join(DATASET_DIR, "sft_demo_v2.jsonl")
+# v2 of the SFT demo adds tool-call and reasoning rows; a new name, so a checkout's older build is not reused
+DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl"}
 
 CHATTERBOT_LANGUAGES = ("english", "chinese")
+NUM_TOOL_CONVERSATIONS = 48       # tool-call rows in the SFT demo: enough that every short run meets some
+NUM_REASONING_CONVERSATIONS = 48  # rows with reasoning_content
 MIN_DOCSTRING_CHARS = 200   # shorter docstrings are mostly one-line signatures, not prose
 MAX_CHUNK_CHARS = 2000      # pydoc topics are cut into paragraph chunks of at most about this size
 # stdlib folders that hold tests, third-party code, GUIs demos or binaries rather than documentation
@@ -111,13 +119,89 @@ def pretrain_records(stdlib_dir=None):
     return [{"text": t} for t in texts]
 
 
+def _tool_schema(name, description, **params):
+    """OpenAI-style function schema with string/integer parameters, all required."""
+    properties = {key: {"type": kind, "description": text} for key, (kind, text) in params.items()}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": list(params)}}}
+
+
+DEMO_TOOLS = {  # each tool row offers only the tool it calls, so rows fit the default --max_seq_len 340
+    "gcd": _tool_schema("gcd", "Greatest common divisor.", a=("integer", "an integer"), b=("integer", "an integer")),
+    "unicode_name": _tool_schema("unicode_name", "Unicode name of a character.", char=("string", "one character")),
+    "weekday": _tool_schema("weekday", "Day of the week of a date.", date=("string", "YYYY-MM-DD")),
+}
+
+
+def _tool_question(rng):
+    """(question, tool call, tool result, answer) with the result computed by the standard library."""
+    kind = rng.choice(["gcd", "unicode_name", "weekday"])
+    if kind == "gcd":
+        a, b = rng.randrange(12, 1000), rng.randrange(12, 1000)
+        result = math.gcd(a, b)
+        return (f"What is the greatest common divisor of {a} and {b}?", {"name": kind, "arguments": {"a": a, "b": b}},
+                {"gcd": result}, f"The greatest common divisor of {a} and {b} is {result}.")
+    if kind == "unicode_name":
+        char = chr(rng.choice([rng.randrange(0x41, 0x5B), rng.randrange(0x3B1, 0x3CA), rng.randrange(0x4E00, 0x4E80)]))
+        result = unicodedata.name(char)
+        return (f"What is the Unicode name of the character {char}?", {"name": kind, "arguments": {"char": char}},
+                {"name": result}, f"The character {char} is called {result}.")
+    date = datetime.date(2000, 1, 1) + datetime.timedelta(days=rng.randrange(0, 12000))
+    result = date.strftime("%A")
+    return (f"Which day of the week was {date.isoformat()}?", {"name": kind, "arguments": {"date": date.isoformat()}},
+            {"weekday": result}, f"{date.isoformat()} was a {result}.")
+
+
+def tool_records(n=NUM_TOOL_CONVERSATIONS, seed=0):
+    """Tool-use conversations (system with tools, user, assistant call, tool result, answer).
+
+    Every other row stores tools/tool_calls as JSON strings, as MiniMind-3's sft_t2t does, the rest as lists.
+    """
+    rng, records = random.Random(seed), []
+    for i in range(n):
+        question, call, result, answer = _tool_question(rng)
+        tools, as_text = [DEMO_TOOLS[call["name"]]], i % 2 == 0
+        records.append({"conversations": [
+            {"role": "system", "content": "You are a helpful assistant with tools.",
+             "tools": json.dumps(tools, ensure_ascii=False) if as_text else tools},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "",
+             "reasoning_content": f"I can answer this with the {call['name']} tool.",
+             "tool_calls": json.dumps([call], ensure_ascii=False) if as_text else [call]},
+            {"role": "tool", "content": json.dumps(result, ensure_ascii=False)},
+            {"role": "assistant", "content": answer,
+             "reasoning_content": f"The tool returned {json.dumps(result, ensure_ascii=False)}."},
+        ]})
+    return records
+
+
+def reasoning_records(n=NUM_REASONING_CONVERSATIONS, seed=1):
+    """Two-number sums and products, worked out digit by digit in reasoning_content."""
+    rng, records = random.Random(seed), []
+    for _ in range(n):
+        a, b = rng.randrange(11, 100), rng.randrange(11, 100)
+        if rng.random() < 0.5:
+            steps = f"{a} + {b}: tens {a // 10 * 10} + {b // 10 * 10} = {a // 10 * 10 + b // 10 * 10}, " \
+                    f"ones {a % 10} + {b % 10} = {a % 10 + b % 10}, total {a + b}."
+            question, answer = f"What is {a} + {b}?", f"{a} + {b} = {a + b}."
+        else:
+            steps = f"{a} * {b} = {a} * {b // 10 * 10} + {a} * {b % 10} = {a * (b // 10 * 10)} + {a * (b % 10)} " \
+                    f"= {a * b}."
+            question, answer = f"What is {a} * {b}?", f"{a} * {b} = {a * b}."
+        records.append({"conversations": [{"role": "user", "content": question},
+                                          {"role": "assistant", "content": answer, "reasoning_content": steps}]})
+    return records
+
+
 def sft_records():
-    """chatterbot dialogues as alternating user/assistant turns, ending on an assistant turn."""
+    """chatterbot dialogues as alternating user/assistant turns ending on an assistant turn, plus the
+    tool-use and reasoning rows, shuffled together."""
     records = []
     for conv in chatterbot_conversations():
         conv = conv[:len(conv) // 2 * 2]  # a trailing user turn has no answer to learn from
         roles = ["user", "assistant"] * (len(conv) // 2)
         records.append({"conversations": [{"role": r, "content": c} for r, c in zip(roles, conv)]})
+    records += tool_records() + reasoning_records()
     random.Random(0).shuffle(records)
     return records
 

@@ -8,6 +8,16 @@ The cache key covers the file (path, size, mtime), the tokenizer and the format 
 
 Both datasets return `(input_ids, labels)` LongTensors of length max_length, labels aligned with
 input_ids (the trainer shifts them) and -100 where there is no loss.
+
+What SFT labels: exactly what the assistant generates after its role header, in every assistant turn:
+    <think>\n{reasoning_content}\n</think>\n\n{content}<tool_call>...</tool_call><|im_end|>
+that is the reasoning with its think tags (an empty think block where there is no reasoning, as
+MiniMind-3's template renders it), the content, the tool calls, and the eos closing the turn.
+Not labelled: the system prompt and tools schema, user turns, tool responses (rendered as user turns:
+they come from the environment, not the model), the role header "<|im_start|>assistant\n" (the prompt
+supplies it), the "\n" after <|im_end|> (generation stops at eos) and padding. Why: the loss is the
+model's own output given everything it is shown, so it learns to reason, answer, call tools and stop.
+Unlike MiniMind, empty think blocks are never dropped at random: the cache is a pure function of the file.
 """
 import hashlib
 import json
@@ -20,7 +30,7 @@ from torch.utils.data import Dataset
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: SFT labels cover think blocks and tool calls; tools rendered
 CHUNK_DOCS = 1024  # documents per tokenizer batch call: big enough for speed, small enough for memory
 
 
@@ -58,14 +68,48 @@ def _check_text(value):
     return None if isinstance(value, str) else f"'text' must be a string, got {type(value).__name__}"
 
 
-def _check_conversation(value):
+def _json_list(value, name):
+    """A list given as such or as its JSON text (MiniMind-3's sft_t2t stores tools and tool_calls as strings)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"'{name}' is not valid JSON ({e})") from None
+    if not isinstance(value, list):
+        raise ValueError(f"'{name}' must be a list (or its JSON string), got {type(value).__name__}")
+    return value
+
+
+def _chat_messages(value):
+    """(messages, tools) for apply_chat_template from one 'conversations' value; ValueError says what is wrong.
+
+    Null fields are dropped (parquet and `datasets` fill absent ones with null); a missing content is "";
+    'tools' (on any message, MiniMind-3 puts it on the system one) and 'tool_calls' are decoded from JSON.
+    """
     if not isinstance(value, (list, tuple)) or not value:
-        return "'conversations' must be a non-empty list of messages"
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            return f"message {i} of 'conversations' needs string 'role' and 'content'"
-    return None
+        raise ValueError("'conversations' must be a non-empty list of messages")
+    messages, tools = [], None
+    for i, raw in enumerate(value):
+        if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
+            raise ValueError(f"message {i} of 'conversations' needs a string 'role'")
+        message = {key: v for key, v in raw.items() if v is not None}
+        try:
+            if message.pop("tools", ""):
+                tools = _json_list(raw["tools"], "tools")
+            if message.get("tool_calls", "") != "":
+                message["tool_calls"] = _json_list(message["tool_calls"], "tool_calls")
+            else:
+                message.pop("tool_calls", None)
+        except ValueError as e:
+            raise ValueError(f"message {i}: {e}") from None
+        message.setdefault("content", "")
+        for field in ("content", "reasoning_content"):
+            if not isinstance(message.get(field, ""), str):
+                raise ValueError(f"message {i}: '{field}' must be a string, got {type(message[field]).__name__}")
+        messages.append(message)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("no assistant message: nothing to learn from")
+    return messages, tools
 
 
 class _BadLines:
@@ -278,9 +322,12 @@ class PretrainDataset(_TokenCacheDataset):
 
 
 class SFTDataset(_TokenCacheDataset):
-    """Chat data ({"conversations": [{"role", "content"}, ...]} JSONL or parquet) in the chat template.
+    """Chat data ({"conversations": [message, ...]} JSONL or parquet) rendered with the chat template.
 
-    Loss only on assistant turns: their content tokens and the eos (<|im_end|>) closing them.
+    Messages are MiniMind-3's: role, content, and optionally reasoning_content, tools (the function
+    schemas, on the system message) and tool_calls (on assistant messages), the last two as lists or
+    as JSON strings. The schemas go to apply_chat_template(tools=...), so the template renders them.
+    Labelling is described in the module docstring.
     """
 
     kind = "sft"
@@ -290,45 +337,42 @@ class SFTDataset(_TokenCacheDataset):
             raise TypeError("SFTDataset needs a fast tokenizer (it maps assistant text to tokens by offsets)")
         super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir)
 
-    def _render(self, messages, add_generation_prompt=False):
+    def _render(self, messages, tools, add_generation_prompt=False):
         """Chat template text of `messages`, or None where the template rejects the partial list."""
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception:
             return None
 
-    def _assistant_spans(self, messages, text):
+    def _assistant_spans(self, messages, tools, text):
         """Character spans [start, end) in `text` of what each assistant turn generates, eos included.
 
-        That is the text after the generation prompt up to and including the eos closing the turn:
-        for ChatML exactly `content<|im_end|>`. Found by rendering the conversation up to each turn.
+        A turn starts after its role header, the first line of the template's generation prompt
+        ("<|im_start|>assistant\\n"), searched from where the conversation before the turn ends, and
+        runs to the first eos after it (within the turn as rendered alone, where that is a prefix).
         """
         eos, spans, cursor = self.tokenizer.eos_token, [], 0
+        default_header = f"{self.tokenizer.bos_token}assistant\n"
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = self._render(messages[:k], add_generation_prompt=True)
-            turn = self._render(messages[:k + 1])
-            if prompt is not None and turn is not None and text.startswith(turn):
-                # the generated part starts where the text leaves the generation prompt
-                start = len(prompt) if turn.startswith(prompt) else len(os.path.commonprefix([prompt, turn]))
-                eos_pos = turn.rfind(eos, start)
-                end = eos_pos + len(eos) if eos_pos >= 0 else len(turn.rstrip())
-            else:  # template renders earlier turns differently later on: locate the content itself
-                if prompt is not None and text.startswith(prompt):
-                    cursor = max(cursor, len(prompt))
-                content = message["content"]
-                start = text.find(content, cursor)
-                if start < 0:  # templates may strip the content
-                    content = content.strip()
-                    start = text.find(content, cursor)
-                if start < 0:
-                    raise ValueError(f"assistant message {k} not found in the chat template output")
-                end = start + len(content)
-                eos_pos = text.find(eos, end)
-                if eos_pos >= 0 and not text[end:eos_pos].strip():
-                    end = eos_pos + len(eos)
+            before = self._render(messages[:k], tools)
+            prompt = self._render(messages[:k], tools, add_generation_prompt=True)
+            turn = self._render(messages[:k + 1], tools)
+            header = default_header
+            if before is not None and text.startswith(before):
+                cursor = max(cursor, len(before))
+                if prompt is not None and prompt.startswith(before) and len(prompt) > len(before):
+                    first_line, newline, _ = prompt[len(before):].partition("\n")
+                    header = first_line + newline
+            start = text.find(header, cursor)
+            if start < 0:
+                raise ValueError(f"assistant message {k} not found in the chat template output")
+            start += len(header)
+            bound = len(turn) if turn is not None and text.startswith(turn) and len(turn) > start else len(text)
+            eos_pos = text.find(eos, start, bound)
+            end = eos_pos + len(eos) if eos_pos >= 0 else len(text[:bound].rstrip())
             spans.append((start, end))
             cursor = end
         return spans
@@ -336,12 +380,15 @@ class SFTDataset(_TokenCacheDataset):
     def _tokenized_chunks(self, bad_lines):
         texts, spans = [], []
         for lineno, value, error in _iter_field(self.data_path, "conversations"):
-            error = error or _check_conversation(value)
             if not error:
                 try:
-                    messages = [dict(m) for m in value]
-                    text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-                    spans.append(self._assistant_spans(messages, text))
+                    messages, tools = _chat_messages(value)
+                except ValueError as e:
+                    error = str(e)
+            if not error:
+                try:
+                    text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+                    spans.append(self._assistant_spans(messages, tools, text))
                     texts.append(text)
                 except Exception as e:  # a template may reject e.g. an unexpected role order
                     error = f"cannot apply the chat template ({e})"

@@ -1,5 +1,6 @@
 """PretrainDataset / SFTDataset against hand-built token sequences, plus the cache and the demo data."""
 import json
+import math
 import os
 import pickle
 import subprocess
@@ -9,6 +10,7 @@ import sysconfig
 import pandas as pd
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 import dataset.lm_dataset as lm_dataset
@@ -16,6 +18,7 @@ from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MINIMIND3_CONFIG = os.path.join(ROOT, "tests", "fixtures", "minimind3_tokenizer_config.json")
 BOS, EOS, PAD = 1, 2, 0
 
 TEXTS = ["Hello world, this is a tiny document.", "你好，世界！", "x = [i ** 2 for i in range(10)]  # squares"]
@@ -25,6 +28,36 @@ CONVERSATION = [
     {"role": "assistant", "content": "Hi there."},
     {"role": "user", "content": "再说一次"},
     {"role": "assistant", "content": "你好！"},
+]
+# MiniMind-3 sft_t2t style: schema on the system message, reasoning, a tool call, its result, the answer;
+# tools and tool_calls as JSON strings, as MiniMind-3's files store them
+GCD_TOOLS = [{"type": "function", "function": {"name": "gcd", "description": "Greatest common divisor.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+GCD_CALLS = [{"name": "gcd", "arguments": {"a": 12, "b": 18}}]
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant.", "tools": json.dumps(GCD_TOOLS)},
+    {"role": "user", "content": "gcd(12, 18)?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Call the gcd tool.",
+     "tool_calls": json.dumps(GCD_CALLS)},
+    {"role": "tool", "content": '{"gcd": 6}'},
+    {"role": "assistant", "content": "It is 6.", "reasoning_content": "The tool says 6."},
+]
+# its rendering, written out by hand from MiniMind-3's template; True marks what the assistant generates
+TOOL_CONVERSATION_PIECES = [
+    ("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\n"
+     "You may call one or more functions to assist with the user query.\n\n"
+     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+     '{"type": "function", "function": {"name": "gcd", "description": "Greatest common divisor.", "parameters": '
+     '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}'
+     "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+     "<|im_start|>user\ngcd(12, 18)?<|im_end|>\n<|im_start|>assistant\n", False),
+    ('<think>\nCall the gcd tool.\n</think>\n\n<tool_call>\n{"name": "gcd", "arguments": {"a": 12, "b": 18}}\n'
+     "</tool_call><|im_end|>", True),
+    ('\n<|im_start|>user\n<tool_response>\n{"gcd": 6}\n</tool_response><|im_end|>\n<|im_start|>assistant\n', False),
+    ("<think>\nThe tool says 6.\n</think>\n\nIt is 6.<|im_end|>", True),
+    ("\n", False),
 ]
 
 
@@ -95,16 +128,8 @@ def test_pretrain_parquet_equals_jsonl(tokenizer, tmp_path):
 
 # ----------------------------------------------------------------------------- SFT
 
-def hand_built_conversation(tokenizer):
-    """ChatML written out by hand, in (text, labelled) pieces; boundaries fall on special tokens or '\\n'."""
-    pieces = [
-        ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hi.<|im_end|>\n"
-         "<|im_start|>assistant\n", False),
-        ("Hi there.<|im_end|>", True),
-        ("\n<|im_start|>user\n再说一次<|im_end|>\n<|im_start|>assistant\n", False),
-        ("你好！<|im_end|>", True),
-        ("\n", False),
-    ]
+def pieces_to_ids(tokenizer, pieces):
+    """(ids, labels) of (text, labelled) pieces; boundaries fall on added tokens or before '\\n<|im_start|>'."""
     ids, labels = [], []
     for text, labelled in pieces:
         piece_ids = encode(tokenizer, text)
@@ -115,21 +140,39 @@ def hand_built_conversation(tokenizer):
     return ids, labels
 
 
-def test_sft_labels_only_assistant_content_and_im_end(tokenizer, tmp_path):
+def labelled_runs(tokenizer, input_ids, labels):
+    """Decoded runs of consecutive labelled tokens."""
+    runs, run = [], []
+    for token, label in zip(input_ids.tolist() + [PAD], labels.tolist() + [-100]):
+        if label != -100:
+            assert label == token
+            run.append(token)
+        elif run:
+            runs, run = runs + [tokenizer.decode(run)], []
+    return runs
+
+
+def hand_built_conversation(tokenizer):
+    """CONVERSATION in MiniMind-3's ChatML, written out by hand (an empty think block opens each answer)."""
+    return pieces_to_ids(tokenizer, [
+        ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hi.<|im_end|>\n"
+         "<|im_start|>assistant\n", False),
+        ("<think>\n\n</think>\n\nHi there.<|im_end|>", True),
+        ("\n<|im_start|>user\n再说一次<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<think>\n\n</think>\n\n你好！<|im_end|>", True),
+        ("\n", False),
+    ])
+
+
+def test_sft_labels_only_what_the_assistant_generates(tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": CONVERSATION}])
     ds = SFTDataset(path, tokenizer, max_length=64, cache_dir=tmp_path / "cache")
     ids, labels = hand_built_conversation(tokenizer)
     input_ids, got_labels = ds[0]
     assert input_ids.tolist() == ids + [PAD] * (64 - len(ids))
     assert got_labels.tolist() == labels + [-100] * (64 - len(ids))
-    # decoded labelled runs are exactly the assistant contents, each closed by <|im_end|>
-    runs, run = [], []
-    for token, label in zip(input_ids.tolist(), got_labels.tolist()):
-        if label != -100:
-            run.append(token)
-        elif run:
-            runs, run = runs + [tokenizer.decode(run)], []
-    assert runs == ["Hi there.<|im_end|>", "你好！<|im_end|>"]
+    assert labelled_runs(tokenizer, input_ids, got_labels) == \
+        ["<think>\n\n</think>\n\nHi there.<|im_end|>", "<think>\n\n</think>\n\n你好！<|im_end|>"]
 
 
 def test_sft_truncation(tokenizer, tmp_path):
@@ -140,18 +183,70 @@ def test_sft_truncation(tokenizer, tmp_path):
     assert input_ids.tolist() == ids[:n] and got_labels.tolist() == labels[:n]
 
 
-def test_sft_with_think_template(tokenizer, tmp_path):
-    """A MiniMind-style template that wraps answers in an empty <think></think>: only content+eos is labelled."""
+def minimind3_tokenizer(tmp_path):
+    """A tokenizer folder in MiniMind-3's format: its tokenizer_config.json (added tokens, chat template)
+    verbatim from tests/fixtures, and a small byte-level BPE trained here with its 36 added tokens."""
+    with open(MINIMIND3_CONFIG, encoding="utf-8") as f:
+        config = json.load(f)
+    added = config["added_tokens_decoder"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=[added[str(i)]["content"] for i in range(len(added))],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(TEXTS + [text for text, _ in TOOL_CONVERSATION_PIECES], trainer=trainer)
+    bpe.decoder = decoders.ByteLevel()
+    state = json.loads(bpe.to_str())
+    for entry in state["added_tokens"]:  # MiniMind-3's flags: tags and buffers are not special
+        entry["special"] = added[str(entry["id"])]["special"]
+    folder = tmp_path / "minimind3_tokenizer"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(state), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+@pytest.mark.parametrize("tokenizer_format", ["ours", "minimind3"])
+def test_sft_tool_call_conversation_hand_checked(tokenizer, tokenizer_format, tmp_path):
+    """Rendering and labels of a reasoning + tool-call conversation, token by token, with our tokenizer and
+    with a MiniMind-3-format one: the same text, the assistant's generated spans only."""
+    tok = tokenizer if tokenizer_format == "ours" else minimind3_tokenizer(tmp_path)
+    assert tok.convert_tokens_to_ids(["<tool_call>", "</tool_call>", "<think>", "</think>"]) == [21, 22, 25, 26]
+    path = write_jsonl(tmp_path / "tools.jsonl", [{"conversations": TOOL_CONVERSATION}])
+    ds = SFTDataset(path, tok, max_length=320, cache_dir=tmp_path / "cache")
+    ids, labels = pieces_to_ids(tok, TOOL_CONVERSATION_PIECES)
+    assert len(ids) <= 320
+    input_ids, got_labels = ds[0]
+    assert tok.decode(input_ids[:len(ids)]) == "".join(text for text, _ in TOOL_CONVERSATION_PIECES)
+    assert input_ids.tolist() == ids + [tok.pad_token_id] * (320 - len(ids))
+    assert got_labels.tolist() == labels + [-100] * (320 - len(ids))
+    expected_runs = [text for text, labelled in TOOL_CONVERSATION_PIECES if labelled]
+    assert labelled_runs(tok, input_ids, got_labels) == expected_runs
+
+
+def test_sft_tools_as_json_strings_or_lists_are_the_same(tokenizer, tmp_path):
+    as_lists = [dict(m) for m in TOOL_CONVERSATION]
+    as_lists[0]["tools"], as_lists[2]["tool_calls"] = GCD_TOOLS, GCD_CALLS
+    strings = SFTDataset(write_jsonl(tmp_path / "strings.jsonl", [{"conversations": TOOL_CONVERSATION}]),
+                         tokenizer, max_length=320, cache_dir=tmp_path / "cache")
+    lists = SFTDataset(write_jsonl(tmp_path / "lists.jsonl", [{"conversations": as_lists}]),
+                       tokenizer, max_length=320, cache_dir=tmp_path / "cache")
+    assert all(torch.equal(a, b) for a, b in zip(strings[0], lists[0]))
+    # parquet (null-filled struct fields, as `datasets` reads sft_t2t) gives the same sample as well
+    parquet = str(tmp_path / "tools.parquet")
+    pd.DataFrame({"conversations": [TOOL_CONVERSATION, CONVERSATION]}).to_parquet(parquet)
+    from_parquet = SFTDataset(parquet, tokenizer, max_length=320, cache_dir=tmp_path / "cache")
+    assert all(torch.equal(a, b) for a, b in zip(strings[0], from_parquet[0]))
+
+
+def test_sft_plain_chatml_template(tmp_path):
+    """A template without think blocks (MiniMind2-era plain ChatML): exactly content + eos is labelled."""
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     tok.chat_template = (
-        "{%- for m in messages %}{%- if m.role == 'assistant' %}"
-        "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
-        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
     path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": CONVERSATION}])
     input_ids, labels = SFTDataset(path, tok, max_length=96, cache_dir=tmp_path / "cache")[0]
-    labelled = labels[labels != -100].tolist()
-    assert labelled == encode(tok, "Hi there.<|im_end|>") + encode(tok, "你好！<|im_end|>")
+    assert labelled_runs(tok, input_ids, labels) == ["Hi there.<|im_end|>", "你好！<|im_end|>"]
 
 
 def test_sft_parquet_equals_jsonl(tokenizer, tmp_path):
@@ -220,6 +315,27 @@ def test_skip_bad_lines_counts(tokenizer, tmp_path):
     assert len(ds) == 1 and ds.num_bad_lines == 2
 
 
+def test_bad_tool_rows(tokenizer, tmp_path):
+    broken_calls = [dict(m) for m in TOOL_CONVERSATION]
+    broken_calls[2]["tool_calls"] = '[{"name": "gcd", "arguments": '  # cut-off JSON
+    broken_tools = [dict(m) for m in TOOL_CONVERSATION]
+    broken_tools[0]["tools"] = {"name": "gcd"}
+    rows = [{"conversations": TOOL_CONVERSATION}, {"conversations": broken_calls},
+            {"conversations": CONVERSATION}, {"conversations": broken_tools}]
+    path = write_jsonl(tmp_path / "bad_tools.jsonl", rows)
+    with pytest.raises(ValueError, match=r"bad_tools\.jsonl:2: message 2: 'tool_calls' is not valid JSON"):
+        SFTDataset(path, tokenizer, max_length=64, cache_dir=tmp_path / "cache")
+    path = write_jsonl(tmp_path / "bad_tools.jsonl", [rows[0], rows[2], rows[3]])
+    with pytest.raises(ValueError, match=r"bad_tools\.jsonl:3: message 0: 'tools' must be a list"):
+        SFTDataset(path, tokenizer, max_length=64, cache_dir=tmp_path / "cache")
+    path = write_jsonl(tmp_path / "bad_tools.jsonl", rows)
+    ds = SFTDataset(path, tokenizer, max_length=320, skip_bad_lines=True, cache_dir=tmp_path / "cache")
+    assert len(ds) == 2 and ds.num_bad_lines == 2
+    good = SFTDataset(write_jsonl(tmp_path / "good.jsonl", [rows[0], rows[2]]), tokenizer, max_length=320,
+                      cache_dir=tmp_path / "cache")
+    assert all(torch.equal(a, b) for i in range(2) for a, b in zip(ds[i], good[i]))
+
+
 def test_missing_and_empty_files(tokenizer, tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
@@ -250,14 +366,27 @@ def test_demo_data_is_deterministic(tmp_path):
         env = dict(os.environ, PYTHONHASHSEED=str(i + 1), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, "-c", code, str(out)], cwd=str(tmp_path), env=env))
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    for name in ("pretrain_demo.jsonl", "sft_demo.jsonl"):
+    for name in ("pretrain_demo.jsonl", "sft_demo_v2.jsonl"):
         with open(tmp_path / "run0" / name, "rb") as a, open(tmp_path / "run1" / name, "rb") as b:
             assert a.read() == b.read()
-    with open(tmp_path / "run0" / "sft_demo.jsonl", encoding="utf-8") as f:
+    with open(tmp_path / "run0" / "sft_demo_v2.jsonl", encoding="utf-8") as f:
         conversations = [json.loads(line)["conversations"] for line in f]
     assert len(conversations) > 1000
+    tool_rows = [c for c in conversations if c[0]["role"] == "system"]
+    reasoning_rows = [c for c in conversations if c[0]["role"] == "user" and "reasoning_content" in c[1]]
+    assert len(tool_rows) == len(reasoning_rows) == 48
     for conv in conversations:
-        assert [m["role"] for m in conv] == ["user", "assistant"] * (len(conv) // 2)
+        if conv in tool_rows:
+            assert [m["role"] for m in conv] == ["system", "user", "assistant", "tool", "assistant"]
+        else:
+            assert [m["role"] for m in conv] == ["user", "assistant"] * (len(conv) // 2)
+    # tool results are the standard library's answers, e.g. gcd(a, b) for the gcd tool
+    for conv in tool_rows:
+        calls = conv[2]["tool_calls"]
+        call = (json.loads(calls) if isinstance(calls, str) else calls)[0]
+        if call["name"] == "gcd":
+            assert json.loads(conv[3]["content"]) == {"gcd": math.gcd(call["arguments"]["a"], call["arguments"]["b"])}
+    assert {isinstance(c[0]["tools"], str) for c in tool_rows} == {True, False}  # JSON strings and lists
     with open(tmp_path / "run0" / "pretrain_demo.jsonl", encoding="utf-8") as f:
         texts = [json.loads(line)["text"] for line in f]
     assert len(texts) > 1000 and sum(map(len, texts)) > 500_000
@@ -267,6 +396,22 @@ def test_demo_data_is_deterministic(tmp_path):
 
 def test_ensure_demo_data_builds_once(tmp_path):
     path = ensure_demo_data("sft", tmp_path)
-    assert path == os.path.join(tmp_path, "sft_demo.jsonl") and os.path.getsize(path) > 0
+    assert path == os.path.join(tmp_path, "sft_demo_v2.jsonl") and os.path.getsize(path) > 0
     mtime = os.stat(path).st_mtime_ns
     assert ensure_demo_data("sft", tmp_path) == path and os.stat(path).st_mtime_ns == mtime
+
+
+def test_demo_tool_rows_fit_the_default_sft_length(tokenizer, tmp_path):
+    """Every tool-call and reasoning row of the SFT demo is whole within train_sft.py's default
+    --max_seq_len 340, so the default run learns its final answer and <|im_end|>."""
+    path = ensure_demo_data("sft", tmp_path)
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line)["conversations"] for line in f]
+    ds = SFTDataset(path, tokenizer, max_length=340, cache_dir=tmp_path / "cache")
+    special_rows = [i for i, conv in enumerate(rows) if any("reasoning_content" in m for m in conv)]
+    assert len(special_rows) == 96
+    for i in special_rows:
+        input_ids, labels = ds[i]
+        runs = labelled_runs(tokenizer, input_ids, labels)
+        assert len(runs) == sum(m["role"] == "assistant" for m in rows[i])
+        assert runs[-1].endswith(rows[i][-1]["content"] + "<|im_end|>")

@@ -1,5 +1,8 @@
-"""The committed tokenizer (model/tokenizer.json + tokenizer_config.json) loads and behaves like MiniMind's."""
+"""The committed tokenizer (model/tokenizer.json + tokenizer_config.json) loads and behaves like MiniMind-3's."""
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
@@ -8,6 +11,7 @@ from scripts.train_tokenizer import tokenizer_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "model")
+MINIMIND3_CONFIG = os.path.join(ROOT, "tests", "fixtures", "minimind3_tokenizer_config.json")
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +27,23 @@ def test_vocab_and_special_tokens(tokenizer):
     ids = (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
     assert ids == (0, 0, 1, 2)
     assert tokenizer.model_max_length == 32768
+
+
+def test_added_tokens_have_minimind3_ids_and_flags(tokenizer):
+    """Ids 0-35 hold MiniMind-3's added tokens (its public tokenizer_config.json, tests/fixtures)."""
+    with open(MINIMIND3_CONFIG, encoding="utf-8") as f:
+        reference = json.load(f)["added_tokens_decoder"]
+    assert len(reference) == 36
+    for token_id, entry in reference.items():
+        assert tokenizer.convert_tokens_to_ids(entry["content"]) == int(token_id)
+        assert tokenizer.encode(entry["content"]) == [int(token_id)]  # one token, never split
+    assert tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+                                            "<think>", "</think>", "<|buffer1|>", "<|buffer9|>"]) == \
+        [21, 22, 23, 24, 25, 26, 27, 35]
+    # tags are not special: skipping special tokens on decode keeps reasoning and tool calls parseable
+    ids = tokenizer.encode("<|im_start|>assistant\n<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call><|im_end|>")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == \
+        "assistant\n<think>\nx\n</think>\n\n<tool_call>\n{}\n</tool_call>"
 
 
 def test_special_tokens_are_single_ids_and_not_added_by_default(tokenizer):
@@ -52,24 +73,88 @@ def test_chat_template_two_turns(tokenizer):
         {"role": "user", "content": "What is 2+2?"},
         {"role": "assistant", "content": "4."},
         {"role": "user", "content": "你好"},
-        {"role": "assistant", "content": "你好！"},
+        {"role": "assistant", "content": "你好！", "reasoning_content": "A greeting."},
     ]
     expected = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                 "<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
-                "<|im_start|>assistant\n4.<|im_end|>\n"
+                "<|im_start|>assistant\n<think>\n\n</think>\n\n4.<|im_end|>\n"
                 "<|im_start|>user\n你好<|im_end|>\n"
-                "<|im_start|>assistant\n你好！<|im_end|>\n")
+                "<|im_start|>assistant\n<think>\nA greeting.\n</think>\n\n你好！<|im_end|>\n")
     assert tokenizer.apply_chat_template(messages, tokenize=False) == expected
 
 
 def test_generation_prompt(tokenizer):
     messages = [{"role": "user", "content": "hi"}]
     assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, open_thinking=True) == \
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n"
     assert tokenizer.apply_chat_template(messages, tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n"
 
 
+TOOLS = [{"type": "function", "function": {"name": "weekday", "description": "Day of the week.", "parameters": {
+              "type": "object", "properties": {"date": {"type": "string"}}}}},
+         {"name": "gcd", "description": "中文 description", "parameters": {"type": "object"}}]
+TEMPLATE_CASES = [  # (messages, tools, extra template arguments)
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], None, {}),
+    ([{"role": "system", "content": "sys"}, {"role": "user", "content": "q"},
+      {"role": "assistant", "content": "\n\nlead", "reasoning_content": "\nwhy\n"}], None, {}),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>\ninline\n</think>\n\nanswer"}],
+     None, {}),
+    ([{"role": "user", "content": "day?"},  # tools without a system message, two calls, two results
+      {"role": "assistant", "content": "Checking.", "tool_calls": [
+          {"type": "function", "function": {"name": "weekday", "arguments": '{"date": "2024-01-01"}'}},
+          {"name": "gcd", "arguments": {"a": 4, "b": 6}}]},
+      {"role": "tool", "content": "Monday"}, {"role": "tool", "content": "2"},
+      {"role": "assistant", "content": "Monday; 2."}], TOOLS, {}),
+    ([{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+      {"role": "assistant", "content": "", "tool_calls": [{"name": "gcd", "arguments": {"a": 1, "b": 1}}]},
+      {"role": "tool", "content": "1"}, {"role": "system", "content": "late system"}], TOOLS, {}),
+    ([{"role": "user", "content": "q"}], None, {"add_generation_prompt": True}),
+    ([{"role": "user", "content": "q"}], TOOLS, {"add_generation_prompt": True, "open_thinking": True}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TEMPLATE_CASES)))
+def test_chat_template_renders_like_minimind3(tokenizer, case):
+    """Our template renders as MiniMind-3's (verbatim in tests/fixtures) does, character for character."""
+    messages, tools, extra = TEMPLATE_CASES[case]
+    with open(MINIMIND3_CONFIG, encoding="utf-8") as f:
+        reference_template = json.load(f)["chat_template"]
+    ours = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **extra)
+    theirs = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=reference_template,
+                                           **extra)
+    assert ours == theirs
+
+
 def test_committed_config_matches_script(tokenizer):
-    import json
     with open(os.path.join(MODEL_DIR, "tokenizer_config.json"), encoding="utf-8") as f:
         assert json.load(f) == tokenizer_config()
+
+
+def test_training_is_deterministic(tmp_path):
+    """Two fresh processes (different hash seeds) train byte-identical tokenizers with all 36 added tokens
+    at MiniMind-3's ids, on a corpus that holds tool rows as JSON strings and as lists."""
+    pretrain, sft = tmp_path / "p.jsonl", tmp_path / "s.jsonl"
+    pretrain.write_text("".join(json.dumps({"text": f"document {i}: 你好 def f(x): return x ** {i}"}) + "\n"
+                                for i in range(200)), encoding="utf-8")
+    tool_calls = [{"name": "gcd", "arguments": {"a": 12, "b": 18}}]
+    sft.write_text("".join(json.dumps({"conversations": [
+        {"role": "user", "content": "gcd?"},
+        {"role": "assistant", "content": "", "reasoning_content": "use gcd",
+         "tool_calls": json.dumps(tool_calls) if i % 2 else tool_calls}]}) + "\n" for i in range(20)), encoding="utf-8")
+    code = ("import sys; sys.path.insert(0, %r); from scripts.train_tokenizer import train_tokenizer, iter_texts; "
+            "sys.stdout.write(train_tokenizer(iter_texts(sys.argv[1], sys.argv[2]), 600).to_str())" % ROOT)
+    outputs = []
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, "-c", code, str(pretrain), str(sft)], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1]
+    state = json.loads(outputs[0])
+    with open(MINIMIND3_CONFIG, encoding="utf-8") as f:
+        reference = json.load(f)["added_tokens_decoder"]
+    assert [(t["id"], t["content"], t["special"]) for t in state["added_tokens"]] == \
+        [(int(i), e["content"], e["special"]) for i, e in reference.items()]

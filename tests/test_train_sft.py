@@ -1,6 +1,9 @@
 """End-to-end SFT: starts from pretrained weights, assistant-only loss, same loop as pretraining."""
+import json
+import math
 import os
 
+import pytest
 import torch
 from torch.utils.data import DistributedSampler
 from transformers import AutoTokenizer
@@ -8,6 +11,7 @@ from transformers import AutoTokenizer
 from dataset.lm_dataset import SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics
+from tests.test_lm_dataset import GCD_CALLS, GCD_TOOLS, TOOL_CONVERSATION, TOOL_CONVERSATION_PIECES, pieces_to_ids
 
 
 def test_sft_starts_from_pretrained_weights_and_learns(tmp_path):
@@ -45,3 +49,26 @@ def test_sft_without_pretrained_weights_is_rejected(tmp_path):
     proc = python("trainer/train_sft.py", [*TINY_MODEL, "--save_dir", str(tmp_path), "--checkpoint_dir", str(tmp_path)])
     assert proc.returncode == 2
     assert "pretrain_64.pth does not exist" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_sft_trains_on_minimind3_tool_rows(tmp_path):
+    """An sft_t2t-style file (reasoning, tools, tool calls, tool results; JSON strings and lists) trains: the
+    steps see exactly the hand-counted assistant tokens, and the loss starts near ln(vocab) and stays finite."""
+    as_lists = [dict(m) for m in TOOL_CONVERSATION]
+    as_lists[0]["tools"], as_lists[2]["tool_calls"] = GCD_TOOLS, GCD_CALLS
+    data = tmp_path / "sft_t2t.jsonl"
+    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in [TOOL_CONVERSATION, as_lists] * 4))
+    metrics = tmp_path / "m.jsonl"
+    proc = python("trainer/train_sft.py", [
+        "--data_path", data, "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+        "--num_key_value_heads", "2", "--max_steps", "2", "--batch_size", "2", "--accumulation_steps", "1",
+        "--max_seq_len", "256", "--dtype", "float32", "--from_weight", "none", "--save_dir", tmp_path / "out",
+        "--checkpoint_dir", tmp_path / "ckpt", "--metrics_file", metrics, "--log_interval", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(metrics))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    _, labels = pieces_to_ids(tokenizer, TOOL_CONVERSATION_PIECES)
+    targets_per_row = sum(label != -100 for label in labels[1:256])  # the trainer shifts labels by one
+    assert [r["tokens"] for r in records] == [2 * targets_per_row, 4 * targets_per_row]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert records[0]["loss"] == pytest.approx(math.log(len(tokenizer)), rel=0.05)  # random init
