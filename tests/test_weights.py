@@ -175,24 +175,32 @@ def test_qwen3_folders_read_as_minimind(tmp_path):
     assert read_weights(str(tmp_path / "dense"))[1]["rope_theta"] == 5e5
 
 
+def write_minimind_folder(folder, reference):
+    """Write `reference` (a tiny dense Qwen3) as MiniMind's export does: its config field names, tied lm_head left out."""
+    cfg = reference.config
+    folder.mkdir()
+    state = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="minimind", architectures=["MiniMindForCausalLM"], hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers, use_moe=False, vocab_size=cfg.vocab_size,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6), rms_norm_eps=1e-6, tie_word_embeddings=True,
+        inference_rope_scaling=False, rope_scaling=None, flash_attn=True, num_experts=4, num_experts_per_tok=1,
+        moe_intermediate_size=cfg.intermediate_size, router_aux_loss_coef=5e-4,
+        auto_map={"AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"})))
+    return folder
+
+
 def test_minimind_format_folder_reads_with_its_config(tmp_path):
-    """A folder as MiniMind's own export writes it: its field names, tied lm_head left out, no modeling file needed."""
+    """A folder as MiniMind's own export writes it loads without running its modeling file."""
     torch.manual_seed(0)
     reference = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=256,
                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                              head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
                                              tie_word_embeddings=True)).eval()
-    folder = tmp_path / "minimind-3"
-    folder.mkdir()
-    state = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(dict(
-        model_type="minimind", architectures=["MiniMindForCausalLM"], hidden_size=64, num_hidden_layers=2,
-        use_moe=False, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=256, rope_parameters=dict(rope_type="default", rope_theta=1e6), rms_norm_eps=1e-6,
-        tie_word_embeddings=True, inference_rope_scaling=False, rope_scaling=None, flash_attn=True,
-        num_experts=4, num_experts_per_tok=1, moe_intermediate_size=256, router_aux_loss_coef=5e-4,
-        auto_map={"AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"})))
+    folder = write_minimind_folder(tmp_path / "minimind-3", reference)
     state_dict, config = read_weights(str(folder))
     assert config["rope_theta"] == 1e6 and config["intermediate_size"] == 256 and "auto_map" not in config
     model = load_weights(MiniMindForCausalLM(MiniMindConfig(**config)).eval(), str(folder))
