@@ -178,7 +178,7 @@ _FLAG_RULES = (
 )
 
 
-def _flag_for(name, file_shape, model_shape, inferred, config):
+def _flag_for(name, file_shape, inferred, config):
     """The flag (with the weights' value) that makes `name` fit; hidden size and head_dim are checked first."""
     if inferred["hidden_size"] != config.hidden_size:
         return f"--hidden_size {inferred['hidden_size']}"
@@ -203,7 +203,8 @@ def shape_mismatch(state_dict, model, path):
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if inferred["use_moe"] != bool(config.use_moe):
         name = "model.layers.0.mlp.gate.weight" if inferred["use_moe"] else "model.layers.0.mlp.gate_proj.weight"
-        return f"{path}: {name} shows a {'MoE' if inferred['use_moe'] else 'dense'} model; pass --use_moe {int(inferred['use_moe'])}"
+        kind = "MoE" if inferred["use_moe"] else "dense"
+        return f"{path}: {name} shows a {kind} model; pass --use_moe {int(inferred['use_moe'])}"
     if inferred["num_hidden_layers"] != config.num_hidden_layers:
         return (f"{path}: the weights have {inferred['num_hidden_layers']} layers (model.layers.0-"
                 f"{inferred['num_hidden_layers'] - 1}), the model {config.num_hidden_layers}; "
@@ -215,11 +216,13 @@ def shape_mismatch(state_dict, model, path):
             return f"{path}: tensor {name} is missing; these are not weights of this model architecture"
         file_shape = tuple(sd[name].shape)
         if file_shape != shape:
-            flag = _flag_for(name, file_shape, shape, inferred, config)
-            return f"{path}: tensor {name} has shape {list(file_shape)} in the file but {list(shape)} in the model; pass {flag}"
+            flag = _flag_for(name, file_shape, inferred, config)
+            return (f"{path}: tensor {name} has shape {list(file_shape)} in the file but {list(shape)} in the model; "
+                    f"pass {flag}")
     extra = sorted(set(sd) - set(expected))
     if extra:
-        return f"{path}: tensor {extra[0]} has no place in this model ({len(extra)} unexpected); check --use_moe / shared experts"
+        return (f"{path}: tensor {extra[0]} has no place in this model ({len(extra)} unexpected); "
+                "check --use_moe / shared experts")
     return None
 
 

@@ -140,6 +140,8 @@ def export(args):
     copy_tokenizer(tokenizer_dir, args.out_dir)
     params = sum(p.numel() for p in out_model.parameters()) / 1e6
     print(f"wrote {type(out_model).__name__} ({params:.2f}M params, {save_dtype}) to {args.out_dir}")
+    # in this process transformers 5 prefers our registered MiniMind class to the folder's copy of the same file;
+    # tests/test_convert_model.py loads the folder's own code in a fresh interpreter
     diff = max_logit_diff(model, args.out_dir, config.vocab_size, trust_remote_code=args.format == "minimind")
     print(f"verify: max abs logits diff {diff:.3g} (folder via AutoModelForCausalLM vs source, fp32)")
     return diff

@@ -53,9 +53,11 @@ def load_model(args):
     else:
         flags = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
                      num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-                     use_moe=bool(args.use_moe), num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok)
-        path = (os.path.abspath(args.weight) if args.weight.endswith(".pth") else
-                os.path.join(typed_or_default(args.save_dir, "out"), weight_name(args.weight, MiniMindConfig(**flags)) + ".pth"))
+                     use_moe=bool(args.use_moe), num_experts=args.num_experts,
+                     num_experts_per_tok=args.num_experts_per_tok)
+        name = weight_name(args.weight, MiniMindConfig(**flags)) + ".pth"
+        path = os.path.abspath(args.weight) if args.weight.endswith(".pth") else \
+            os.path.join(typed_or_default(args.save_dir, "out"), name)
         if not os.path.isfile(path):
             raise WeightsError(f"{path} does not exist; train it first or pass --weight/--hidden_size/--load_from")
         fields = dict(flags, **infer_config(read_weights(path)[0]))  # shapes (intermediate, head_dim...) from the file
