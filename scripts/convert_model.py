@@ -20,7 +20,6 @@ import shutil
 import sys
 
 import torch
-import transformers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -34,11 +33,6 @@ MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the t
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "moe_intermediate_size", "num_experts")
 HIDDEN_FLAGS = ("num_experts_per_tok", "rope_theta")  # not visible in the tensors of a bare .pth
-
-
-def _dtype_kwarg(dtype):
-    """from_pretrained's dtype argument: `dtype` in transformers 5, `torch_dtype` in 4.x."""
-    return {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": dtype}
 
 
 def source_config(state_dict, saved_config, args):
@@ -104,7 +98,7 @@ def max_logit_diff(reference, folder, vocab_size, trust_remote_code=False):
     """Load `folder` with AutoModelForCausalLM (fp32) and return max |logits - reference's logits| on a fixed batch."""
     from transformers import AutoModelForCausalLM
     loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code,
-                                                  **_dtype_kwarg(torch.float32)).eval()
+                                                  dtype=torch.float32).eval()  # `dtype`: transformers >= 4.56
     ids = torch.randint(0, vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return (reference(ids).logits.float() - loaded(ids).logits.float()).abs().max().item()

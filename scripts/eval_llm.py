@@ -74,7 +74,8 @@ def render_prompt(tokenizer, messages, chat, open_thinking):
 
 def reply(model, tokenizer, text, args):
     """Stream the continuation of `text` to stdout; return it decoded."""
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(args.device)
+    # no token_type_ids: transformers 4.x tokenizers return them and generate() rejects them
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False).to(args.device)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 \
         else dict(do_sample=False)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
