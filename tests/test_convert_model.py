@@ -13,7 +13,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3Fo
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
-from tests.launch import ROOT
+from tests.launch import ROOT, TINY_MODEL, demo_slice, python
 from tests.test_weights import write_minimind_folder
 
 VOCAB = 6400  # the tokenizers copied are model/'s
@@ -160,3 +160,26 @@ def test_cli_resolves_typed_paths_against_the_cwd(tmp_path):
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and missing.stderr.strip() == \
         f"error: {tmp_path / 'nope.pth'} does not exist; pass a .pth file, a resume checkpoint or a Hugging Face folder"
+
+
+def test_export_from_the_trainers_own_resume_checkpoint(tmp_path, capsys):
+    """A checkpoint written by trainer/train_pretrain.py (top-2 MoE, its own --tokenizer_path) exports faithfully."""
+    tok = custom_tokenizer(tmp_path)
+    ckpt_dir = tmp_path / "ckpt"
+    proc = python("trainer/train_pretrain.py", [
+        *TINY_MODEL, "--use_moe", "1", "--num_experts_per_tok", "2", "--tokenizer_path", str(tok),
+        "--data_path", demo_slice(tmp_path, "pretrain", 8), "--max_seq_len", "32", "--batch_size", "4",
+        "--accumulation_steps", "1", "--max_steps", "2", "--save_dir", str(tmp_path / "out"),
+        "--checkpoint_dir", str(ckpt_dir), "--metrics_file", str(tmp_path / "m.jsonl")], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (ckpt,) = ckpt_dir.glob("*_resume.pth")
+    assert convert_main(["--weight", str(ckpt), "--out_dir", str(tmp_path / "hf")]) == 0
+    assert "verify: max abs logits diff" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.num_experts_per_tok == 2
+    assert (tmp_path / "hf" / "tokenizer_config.json").read_bytes() == (tok / "tokenizer_config.json").read_bytes()
+    trained = torch.load(tmp_path / "out" / "pretrain_64_moe.pth")  # the fp32 weights the same run saved
+    model = MiniMindForCausalLM(tiny(use_moe=True, num_experts_per_tok=2)).eval()
+    model.load_state_dict(trained, strict=True)
+    with torch.no_grad():
+        assert (model(ids()).logits - hf.float()(ids()).logits).abs().max().item() <= TOL
