@@ -164,6 +164,19 @@ def infer_config(state_dict):
     return inferred
 
 
+def weight_fields(state_dict, saved_config=None):
+    """MiniMindConfig fields the weights fix: their saved config, with what the tensors show on top."""
+    fields = dict(saved_config or {})
+    fields.update(infer_config(state_dict))
+    return fields
+
+
+def flag_conflicts(fields, flags):
+    """One '--name value (the weights have w)' per given flag (not None) that disagrees with the weights' fields."""
+    return [f"--{name} {value} (the weights have {fields[name]})" for name, value in flags.items()
+            if value is not None and name in fields and fields[name] != value]
+
+
 # tensor-name fragment -> (config field, flag) a mismatch in that tensor points to, most specific first
 _FLAG_RULES = (
     ("mlp.gate.weight", "num_experts", "--num_experts"),

@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.weights import (WeightsError, clean_state_dict, infer_config, minimind_to_hf,  # noqa: E402
-                           read_checkpoint, read_weights, shape_mismatch)
+from model.weights import (WeightsError, clean_state_dict, flag_conflicts, minimind_to_hf,  # noqa: E402
+                           read_checkpoint, read_weights, shape_mismatch, weight_fields)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations
@@ -37,15 +37,12 @@ HIDDEN_FLAGS = ("num_experts_per_tok", "rope_theta")  # not visible in the tenso
 
 def source_config(state_dict, saved_config, args):
     """MiniMindConfig of the weights: saved config + tensor shapes; flags may only fill in or agree."""
-    fields = dict(saved_config or {})
-    fields.update(infer_config(state_dict))
-    for name in SHAPE_FLAGS + HIDDEN_FLAGS + ("use_moe",):
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if name in fields and fields[name] != value:
-            raise WeightsError(f"--{name} {value} does not match the weights ({fields[name]}); drop the flag")
-        fields[name] = value
+    fields = weight_fields(state_dict, saved_config)
+    flags = {name: getattr(args, name) for name in SHAPE_FLAGS + HIDDEN_FLAGS + ("use_moe",)}
+    conflicts = flag_conflicts(fields, flags)
+    if conflicts:
+        raise WeightsError(f"{conflicts[0]}: the model is defined by the weights; drop the flag")
+    fields.update({name: value for name, value in flags.items() if value is not None})
     if fields["use_moe"] and "num_experts_per_tok" not in fields:
         raise WeightsError(f"{args.weight} is a MoE .pth without a config, so its top-k is unknown; "
                            "pass --num_experts_per_tok (or export from the resume checkpoint)")

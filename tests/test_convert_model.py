@@ -137,9 +137,9 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
     torch.save(model.state_dict(), tmp_path / "moe.pth")
     ckpt = resume_checkpoint(tmp_path / "r.pth", model, os.path.join(ROOT, "model"))
     cases = [(["--weight", str(tmp_path / "moe.pth")], "top-k is unknown; pass --num_experts_per_tok"),
-             (["--weight", str(ckpt), "--num_experts_per_tok", "1"], "--num_experts_per_tok 1 does not match the "
-                                                                     "weights (2); drop the flag"),
-             (["--weight", str(ckpt), "--hidden_size", "768"], "--hidden_size 768 does not match the weights (64)"),
+             (["--weight", str(ckpt), "--num_experts_per_tok", "1"], "--num_experts_per_tok 1 (the weights have 2): "
+                                                                     "the model is defined by the weights; drop the flag"),
+             (["--weight", str(ckpt), "--hidden_size", "768"], "--hidden_size 768 (the weights have 64)"),
              (["--weight", str(ckpt), "--tokenizer_path", str(tmp_path)], "holds no tokenizer.json")]
     for argv, expected in cases:
         assert convert_main(argv + ["--out_dir", str(tmp_path / "hf")]) == 2

@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import WeightsError, infer_config, load_weights, read_checkpoint, read_weights, shape_mismatch
+from model.weights import (WeightsError, flag_conflicts, infer_config, load_weights, read_checkpoint, read_weights,
+                           shape_mismatch, weight_fields)
 
 VOCAB = 512
 
@@ -223,3 +224,16 @@ def test_unusable_inputs_are_one_line_errors(tmp_path):
         with pytest.raises(WeightsError) as e:
             read_weights(path)
         assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_weight_fields_and_flag_conflicts():
+    """What --from_weight needs: the weights' fields (tensors over saved config) and the flags that disagree."""
+    config = tiny(use_moe=True, num_experts_per_tok=2, moe_intermediate_size=96)
+    torch.manual_seed(0)
+    state_dict = MiniMindForCausalLM(config).state_dict()
+    stale = dict(config.to_dict(), moe_intermediate_size=128)  # a saved config the tensors contradict
+    fields = weight_fields(state_dict, stale)
+    assert (fields["moe_intermediate_size"], fields["num_experts_per_tok"], fields["num_experts"]) == (96, 2, 4)
+    flags = dict(hidden_size=64, num_experts_per_tok=1, moe_intermediate_size=None, use_moe=1, num_hidden_layers=4)
+    assert flag_conflicts(fields, flags) == ["--num_experts_per_tok 1 (the weights have 2)",
+                                             "--num_hidden_layers 4 (the weights have 2)"]
