@@ -1,6 +1,6 @@
 """MiniMind: a small Qwen3-style decoder (dense or MoE) as a Hugging Face PreTrainedModel.
 
-Numerically follows transformers' Qwen3 / Qwen3-MoE (scripts/convert_model.py maps weights both ways).
+Numerically follows transformers' Qwen3 / Qwen3-MoE (model/weights.py maps weights both ways).
 No distributed code: parallelism is applied from outside through the hooks documented in docs/design.md
 (`Attention.attn_fn`, `MOEFeedForward.reduce_router_stats` / `seq_len_scale`, shape-derived head counts).
 """
@@ -24,7 +24,10 @@ except ImportError:  # transformers 4.x
 # Config
 # ----------------------------------------------------------------------------------------------
 class MiniMindConfig(PretrainedConfig):
-    """MiniMind hyper-parameters (MiniMind's names and defaults). Check with `validate()`, never raises here."""
+    """MiniMind hyper-parameters: minimind-3's names and defaults (63.9M dense, 198.4M with use_moe).
+
+    Check with `validate()`, never raises here. MoE experts default to intermediate_size, as in minimind-3.
+    """
 
     model_type = "minimind"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -55,7 +58,7 @@ class MiniMindConfig(PretrainedConfig):
         num_experts_per_tok=1,
         moe_intermediate_size=None,
         norm_topk_prob=True,
-        router_aux_loss_coef=0.01,
+        router_aux_loss_coef=5e-4,
         n_shared_experts=0,
         loss_chunk_size=0,
         **kwargs,
@@ -67,8 +70,8 @@ class MiniMindConfig(PretrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
-        if intermediate_size is None:  # SwiGLU keeps ~8/3 * hidden, rounded up to a multiple of 64
-            intermediate_size = 64 * ((int(hidden_size * 8 / 3) + 63) // 64)
+        if intermediate_size is None:  # minimind-3's rule: ceil(hidden * pi / 64) * 64 (2432 at 768)
+            intermediate_size = math.ceil(hidden_size * math.pi / 64) * 64
         self.intermediate_size = intermediate_size
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps

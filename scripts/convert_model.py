@@ -1,12 +1,20 @@
-"""Convert MiniMind weights to / from Hugging Face Qwen3 (dense) and Qwen3-MoE.
+"""Convert MiniMind weights to and from Hugging Face folders.
 
+Export (a .pth or a resume checkpoint -> folder: Qwen3 / Qwen3-MoE by default, or MiniMind's own format):
     python scripts/convert_model.py --weight out/pretrain_768.pth --out_dir out/hf_model
-    python scripts/convert_model.py --to minimind --out_dir out/hf_model --weight out/from_hf_768.pth
+    python scripts/convert_model.py --weight checkpoints/full_sft_768_resume.pth --out_dir out/mm --format minimind
+Import (a Qwen3 / Qwen3-MoE / MiniMind `model_type: minimind` folder -> .pth):
+    python scripts/convert_model.py --to minimind --out_dir path/to/folder --weight out/from_hf_768.pth
 
-The Hugging Face folder loads with AutoModelForCausalLM.from_pretrained / AutoTokenizer.from_pretrained.
-Relative paths resolve against the repository root, not the current directory.
+Every model field comes from the weights (their saved config, else the tensor shapes); flags only fill what a
+bare .pth cannot say (top-k, rope_theta) and must agree with the rest. The tokenizer copied is the one the run
+used (the checkpoint's saved --tokenizer_path) or --tokenizer_path. After an export the folder is loaded back
+with AutoModelForCausalLM and its logits compared with the source model (fp32; above 1e-4 the script exits 1).
+Typed relative paths resolve against the current directory, the defaults against the repository root.
 """
 import argparse
+import glob
+import json
 import os
 import shutil
 import sys
@@ -16,227 +24,184 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from model.model_minimind import MiniMindConfig  # noqa: E402
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from model.weights import (WeightsError, clean_state_dict, flag_conflicts, minimind_to_hf,  # noqa: E402
+                           read_checkpoint, read_weights, shape_mismatch, weight_fields)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
-def _rope_theta(hf_config):
-    """rope_theta of a Qwen3 config (transformers 5 keeps it in rope_parameters, 4.x as an attribute)."""
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} / rope_scaling has no MiniMind equivalent; only plain RoPE converts")
-    return rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
+MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations
+SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "moe_intermediate_size", "num_experts")
+HIDDEN_FLAGS = ("num_experts_per_tok", "rope_theta")  # not visible in the tensors of a bare .pth
 
 
-def _hf_moe_is_fused(hf_config):
-    """True if this transformers' Qwen3-MoE stores experts as fused 3-D params (transformers >= 5)."""
-    from transformers import Qwen3MoeForCausalLM
-    with torch.device("meta"):
-        keys = Qwen3MoeForCausalLM(hf_config).state_dict().keys()
-    return "model.layers.0.mlp.experts.gate_up_proj" in keys
+def source_config(state_dict, saved_config, args):
+    """MiniMindConfig of the weights: saved config + tensor shapes; flags may only fill in or agree."""
+    fields = weight_fields(state_dict, saved_config)
+    flags = {name: getattr(args, name) for name in SHAPE_FLAGS + HIDDEN_FLAGS + ("use_moe",)}
+    conflicts = flag_conflicts(fields, flags)
+    if conflicts:
+        raise WeightsError(f"{conflicts[0]}: the model is defined by the weights; drop the flag")
+    fields.update({name: value for name, value in flags.items() if value is not None})
+    if fields["use_moe"] and "num_experts_per_tok" not in fields:
+        raise WeightsError(f"{args.weight} is a MoE .pth without a config, so its top-k is unknown; "
+                           "pass --num_experts_per_tok (or export from the resume checkpoint)")
+    if "rope_theta" not in fields:
+        print(f"note: a .pth does not store rope_theta; using {MiniMindConfig().rope_theta:g} (the trainer's); "
+              "--rope_theta to change")
+    fields["loss_chunk_size"] = 0  # an inference model returns logits
+    return MiniMindConfig(**fields)
 
 
-def _clean_state_dict(state_dict, tie):
-    """Drop wrapper prefixes (DDP 'module.', torch.compile '_orig_mod.') and fill a missing tied lm_head."""
-    out = {}
-    for k, v in state_dict.items():
-        for prefix in ("module.", "_orig_mod."):
-            k = k[len(prefix):] if k.startswith(prefix) else k
-        out[k] = v
-    if tie and "lm_head.weight" not in out:  # tied checkpoints may store the embedding only
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
-
-
-def minimind_to_hf(state_dict, config):
-    """MiniMind (state_dict, MiniMindConfig) -> (Qwen3Config or Qwen3MoeConfig, HF state_dict)."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
-    state_dict = _clean_state_dict(state_dict, config.tie_word_embeddings)
-    common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, hidden_act=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings,
-        initializer_range=getattr(config, "initializer_range", 0.02),
-        attention_bias=False, attention_dropout=0.0,
-        use_sliding_window=False, sliding_window=None,  # plain full causal attention in every layer
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-    )
-    if not config.use_moe:
-        return Qwen3Config(max_window_layers=config.num_hidden_layers, **common), dict(state_dict)
-
-    if config.n_shared_experts > 0:
-        raise ValueError(f"n_shared_experts={config.n_shared_experts}: Qwen3-MoE has no shared experts, "
-                         "only MoE models with n_shared_experts=0 convert")
-    hf_config = Qwen3MoeConfig(
-        num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-        moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
-        router_aux_loss_coef=config.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[], **common)
-    if not _hf_moe_is_fused(hf_config):  # transformers 4.x: per-expert Linear names equal MiniMind's
-        return hf_config, dict(state_dict)
-
-    hf_sd = {k: v for k, v in state_dict.items() if ".mlp.experts." not in k}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}.mlp.experts"
-        experts = range(config.num_experts)
-        # fused layout: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
-        hf_sd[f"{p}.gate_up_proj"] = torch.stack([
-            torch.cat([state_dict[f"{p}.{e}.gate_proj.weight"], state_dict[f"{p}.{e}.up_proj.weight"]], dim=0)
-            for e in experts])
-        hf_sd[f"{p}.down_proj"] = torch.stack([state_dict[f"{p}.{e}.down_proj.weight"] for e in experts])
-    return hf_config, hf_sd
-
-
-def hf_to_minimind(hf_state_dict, hf_config):
-    """HF Qwen3 / Qwen3-MoE (state_dict, config) -> (MiniMindConfig, MiniMind state_dict)."""
-    if getattr(hf_config, "attention_bias", False):
-        raise ValueError("attention_bias=True has no MiniMind equivalent (all Linear layers are bias-free)")
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if getattr(hf_config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
-        raise ValueError("sliding-window attention has no MiniMind equivalent; only full attention converts")
-    heads = hf_config.num_attention_heads
-    kwargs = dict(
-        vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
-        intermediate_size=hf_config.intermediate_size, num_hidden_layers=hf_config.num_hidden_layers,
-        num_attention_heads=heads, num_key_value_heads=hf_config.num_key_value_heads or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
-        hidden_act=hf_config.hidden_act, max_position_embeddings=hf_config.max_position_embeddings,
-        rms_norm_eps=hf_config.rms_norm_eps, rope_theta=_rope_theta(hf_config),
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        initializer_range=getattr(hf_config, "initializer_range", 0.02),
-    )
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):  # keep MiniMind's defaults where HF has none
-        if getattr(hf_config, name, None) is not None:
-            kwargs[name] = getattr(hf_config, name)
-    moe = hf_config.model_type == "qwen3_moe"
-    if moe:
-        if getattr(hf_config, "decoder_sparse_step", 1) != 1 or getattr(hf_config, "mlp_only_layers", None):
-            raise ValueError("Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
-                             "has no MiniMind equivalent: MiniMind MoE is MoE in every layer")
-        kwargs.update(use_moe=True, num_experts=hf_config.num_experts,
-                      num_experts_per_tok=hf_config.num_experts_per_tok,
-                      moe_intermediate_size=hf_config.moe_intermediate_size, norm_topk_prob=hf_config.norm_topk_prob,
-                      router_aux_loss_coef=hf_config.router_aux_loss_coef, n_shared_experts=0)
-    elif hf_config.model_type != "qwen3":
-        raise ValueError(f"model_type {hf_config.model_type!r}: only qwen3 and qwen3_moe convert to MiniMind")
-    config = MiniMindConfig(**kwargs)
-
-    state_dict = _clean_state_dict(hf_state_dict, config.tie_word_embeddings)
-    out = {k: v for k, v in state_dict.items() if not (k.endswith("rotary_emb.inv_freq") or
-                                                       k.endswith("mlp.experts.gate_up_proj") or
-                                                       k.endswith("mlp.experts.down_proj"))}
-    if moe:
-        inter = config.moe_intermediate_size
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}.mlp.experts"
-            if f"{p}.gate_up_proj" not in state_dict:
-                continue  # unfused (transformers 4.x) names already match MiniMind's
-            gate_up, down = state_dict[f"{p}.gate_up_proj"], state_dict[f"{p}.down_proj"]
-            for e in range(config.num_experts):
-                out[f"{p}.{e}.gate_proj.weight"] = gate_up[e, :inter].clone()
-                out[f"{p}.{e}.up_proj.weight"] = gate_up[e, inter:].clone()
-                out[f"{p}.{e}.down_proj.weight"] = down[e].clone()
-    return config, out
-
-
-def config_from_state_dict(state_dict, num_experts_per_tok=1, **overrides):
-    """Infer a MiniMindConfig from weight shapes; `overrides` (MiniMind flags) must agree with what is inferred."""
-    sd = _clean_state_dict(state_dict, tie=False)
-    vocab, hidden = sd["model.embed_tokens.weight"].shape
-    head_dim = sd["model.layers.0.self_attn.q_norm.weight"].shape[0]
-    layers = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("model.layers."))
-    use_moe = "model.layers.0.mlp.gate.weight" in sd
-    inferred = dict(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, head_dim=head_dim,
-        num_attention_heads=sd["model.layers.0.self_attn.q_proj.weight"].shape[0] // head_dim,
-        num_key_value_heads=sd["model.layers.0.self_attn.k_proj.weight"].shape[0] // head_dim,
-        tie_word_embeddings="lm_head.weight" not in sd or
-                            torch.equal(sd["lm_head.weight"], sd["model.embed_tokens.weight"]),
-        use_moe=use_moe,
-    )
-    if use_moe:
-        num_experts = sd["model.layers.0.mlp.gate.weight"].shape[0]
-        shared = {k.split(".")[5] for k in sd if k.startswith("model.layers.0.mlp.shared_experts.")}
-        inferred.update(num_experts=num_experts, n_shared_experts=len(shared),
-                        moe_intermediate_size=sd["model.layers.0.mlp.experts.0.gate_proj.weight"].shape[0],
-                        num_experts_per_tok=num_experts_per_tok)
+def tokenizer_source(args, saved_args):
+    """The tokenizer folder the run used: --tokenizer_path, else the checkpoint's saved one, else model/."""
+    if args.tokenizer_path:
+        path = os.path.abspath(args.tokenizer_path)
+    elif saved_args and saved_args.get("tokenizer_path"):
+        saved = saved_args["tokenizer_path"]
+        candidates = [saved] if os.path.isabs(saved) else [os.path.abspath(saved), os.path.join(ROOT, saved)]
+        path = next((p for p in candidates if os.path.isdir(p)), None)
+        if path is None:
+            raise WeightsError(f"the checkpoint was trained with --tokenizer_path {saved}, which is not found here; "
+                               "pass --tokenizer_path")
     else:
-        inferred.update(intermediate_size=sd["model.layers.0.mlp.gate_proj.weight"].shape[0])
-    for name, value in overrides.items():
-        if value is not None and name in inferred and inferred[name] != value:
-            raise ValueError(f"--{name} {value} does not match the weights ({inferred[name]}); drop the flag or fix it")
-    return MiniMindConfig(**inferred)
+        path = os.path.join(ROOT, "model")
+        print(f"note: {args.weight} records no tokenizer; copying {path} (--tokenizer_path if the run used another)")
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        raise WeightsError(f"{path} holds no tokenizer.json; pass the run's tokenizer folder with --tokenizer_path")
+    return path
 
 
-def _resolve(path):
-    return path if os.path.isabs(path) else os.path.join(ROOT, path)
+def copy_tokenizer(src, out_dir):
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    names += [os.path.basename(p) for p in glob.glob(os.path.join(src, "*.jinja"))]
+    for name in names:
+        shutil.copy(os.path.join(src, name), os.path.join(out_dir, name))
+    print(f"tokenizer: copied {', '.join(names)} from {src}")
 
 
-def _load_weights(path):
-    """A plain state dict, or the 'model' entry of a resume checkpoint."""
-    obj = torch.load(path, map_location="cpu", weights_only=True)
-    return obj["model"] if isinstance(obj, dict) and isinstance(obj.get("model"), dict) else obj
+def write_rope_both_ways(out_dir, rope_theta):
+    """transformers 4.x reads `rope_theta`, 5.x `rope_parameters`: write both so each major reads the same value."""
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["rope_theta"] = rope_theta
+    config["rope_parameters"] = dict(config.get("rope_parameters") or {}, rope_type="default", rope_theta=rope_theta)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
-def to_hf(args):
-    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
-    state_dict = _load_weights(_resolve(args.weight))
-    config = config_from_state_dict(
-        state_dict, num_experts_per_tok=args.num_experts_per_tok, hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_hidden_layers, use_moe=None if args.use_moe is None else bool(args.use_moe),
-        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-        num_experts=args.num_experts)
-    if args.rope_theta is not None:
-        config.rope_theta = args.rope_theta
-    hf_config, hf_sd = minimind_to_hf(state_dict, config)
-    dtype = hf_sd["model.embed_tokens.weight"].dtype
-    model_cls = Qwen3MoeForCausalLM if config.use_moe else Qwen3ForCausalLM
-    model = model_cls(hf_config)
-    model.load_state_dict(hf_sd, strict=True)
-    out_dir = _resolve(args.out_dir)
-    model.to(dtype).save_pretrained(out_dir)
-    for name in TOKENIZER_FILES:
-        src = os.path.join(ROOT, "model", name)
-        if os.path.exists(src):
-            shutil.copy(src, os.path.join(out_dir, name))
-    print(f"wrote {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) to {out_dir}")
-
-
-def to_minimind(args):
+def max_logit_diff(reference, folder, vocab_size, trust_remote_code=False):
+    """Load `folder` with AutoModelForCausalLM (fp32) and return max |logits - reference's logits| on a fixed batch."""
     from transformers import AutoModelForCausalLM
-    hf_dir = _resolve(args.out_dir)
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir)
-    config, state_dict = hf_to_minimind(hf_model.state_dict(), hf_model.config)
-    weight = _resolve(args.weight)
-    os.makedirs(os.path.dirname(weight) or ".", exist_ok=True)
-    torch.save({k: v.contiguous() for k, v in state_dict.items()}, weight)
-    flags = (f"--hidden_size {config.hidden_size} --num_hidden_layers {config.num_hidden_layers} "
-             f"--use_moe {int(config.use_moe)}")
-    print(f"wrote MiniMind weights to {weight} (load with {flags}; full config: {config.to_json_string()})")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust_remote_code,
+                                                  dtype=torch.float32).eval()  # `dtype`: transformers >= 4.56
+    ids = torch.randint(0, vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (reference(ids).logits.float() - loaded(ids).logits.float()).abs().max().item()
+
+
+def export(args):
+    """A .pth / resume checkpoint -> Qwen3(-MoE) or MiniMind-format folder; returns the verified logits diff."""
+    state_dict, saved_config, saved_args = read_checkpoint(args.weight)
+    config = source_config(state_dict, saved_config, args)
+    tokenizer_dir = tokenizer_source(args, saved_args)
+    model = MiniMindForCausalLM(config).eval()
+    message = shape_mismatch(state_dict, model, args.weight)
+    if message:
+        raise WeightsError(message)
+    state_dict = clean_state_dict(state_dict, True)
+    save_dtype = state_dict["model.embed_tokens.weight"].dtype
+    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    os.makedirs(args.out_dir, exist_ok=True)
+    if args.format == "minimind":
+        out_model = MiniMindForCausalLM(config)
+        out_model.load_state_dict(model.state_dict())
+        out_model.config.auto_map = {"AutoConfig": "model_minimind.MiniMindConfig",
+                                     "AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"}
+        out_model.to(save_dtype).save_pretrained(args.out_dir)
+        shutil.copy(os.path.join(ROOT, "model", "model_minimind.py"), args.out_dir)  # the trust_remote_code module
+    else:
+        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+        hf_config, hf_sd = minimind_to_hf(model.state_dict(), config)
+        out_model = (Qwen3MoeForCausalLM if config.use_moe else Qwen3ForCausalLM)(hf_config)
+        out_model.load_state_dict(hf_sd, strict=True)
+        out_model.to(save_dtype).save_pretrained(args.out_dir)
+        write_rope_both_ways(args.out_dir, config.rope_theta)
+    copy_tokenizer(tokenizer_dir, args.out_dir)
+    params = sum(p.numel() for p in out_model.parameters()) / 1e6
+    print(f"wrote {type(out_model).__name__} ({params:.2f}M params, {save_dtype}) to {args.out_dir}")
+    # in this process transformers 5 prefers our registered MiniMind class to the folder's copy of the same file;
+    # tests/test_convert_model.py loads the folder's own code in a fresh interpreter
+    diff = max_logit_diff(model, args.out_dir, config.vocab_size, trust_remote_code=args.format == "minimind")
+    print(f"verify: max abs logits diff {diff:.3g} (folder via AutoModelForCausalLM vs source, fp32)")
+    return diff
+
+
+def import_folder(args):
+    """A Qwen3(-MoE) / MiniMind-format folder -> MiniMind .pth; returns the verified logits diff (None if skipped)."""
+    state_dict, fields = read_weights(args.out_dir)
+    config = MiniMindConfig(**fields)
+    model = MiniMindForCausalLM(config).eval()
+    message = shape_mismatch(state_dict, model, args.out_dir)
+    if message:
+        raise WeightsError(message)
+    state_dict = clean_state_dict(state_dict, True)
+    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    os.makedirs(os.path.dirname(args.weight) or ".", exist_ok=True)
+    torch.save({k: v.contiguous() for k, v in state_dict.items()}, args.weight)
+    flags = " ".join(f"--{k} {int(v) if isinstance(v, bool) else v}" for k, v in fields.items()
+                     if k in SHAPE_FLAGS + HIDDEN_FLAGS + ("use_moe",))
+    print(f"wrote MiniMind weights to {args.weight} (flags: {flags})")
+    with open(os.path.join(args.out_dir, "config.json")) as f:
+        native = json.load(f).get("model_type") != "minimind"
+    if not (native or args.trust_remote_code):
+        print("verify: skipped (a minimind folder runs its own code: pass --trust_remote_code 1 to compare)")
+        return None
+    diff = max_logit_diff(model, args.out_dir, config.vocab_size, trust_remote_code=not native)
+    print(f"verify: max abs logits diff {diff:.3g} (our model vs the folder via AutoModelForCausalLM, fp32)")
+    return diff
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Convert MiniMind weights <-> Hugging Face folders")
+    parser.add_argument("--to", choices=["hf", "minimind"], default="hf",
+                        help="hf: export weights to a folder; minimind: import a folder to a .pth")
+    parser.add_argument("--format", choices=["qwen3", "minimind"], default="qwen3",
+                        help="export format: Qwen3 / Qwen3-MoE, or MiniMind's (trust_remote_code)")
+    parser.add_argument("--weight", default=None,
+                        help="MiniMind .pth or resume checkpoint (export input / import output); default out/pretrain_768.pth")
+    parser.add_argument("--out_dir", "--hf_dir", dest="out_dir", default=None,
+                        help="Hugging Face folder (export output / import input); default out/hf_model")
+    parser.add_argument("--tokenizer_path", default=None, help="default: the checkpoint's saved --tokenizer_path")
+    parser.add_argument("--trust_remote_code", type=int, default=0, choices=[0, 1],
+                        help="import: run a minimind folder's own code to compare logits")
+    for name in SHAPE_FLAGS + ("num_experts_per_tok",):  # must agree with the weights; only needed for a bare .pth
+        parser.add_argument(f"--{name}", type=int, default=None)
+    parser.add_argument("--use_moe", type=int, default=None, choices=[0, 1])
+    parser.add_argument("--rope_theta", type=float, default=None)
+    args = parser.parse_args(argv)
+    # typed paths resolve against the current directory, defaults against the repository root
+    args.weight = os.path.abspath(args.weight) if args.weight else os.path.join(ROOT, "out", "pretrain_768.pth")
+    args.out_dir = os.path.abspath(args.out_dir) if args.out_dir else os.path.join(ROOT, "out", "hf_model")
+    return args
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Convert MiniMind .pth <-> Hugging Face Qwen3 folder")
-    parser.add_argument("--to", choices=["hf", "minimind"], default="hf", help="direction of conversion")
-    parser.add_argument("--weight", default="out/pretrain_768.pth",
-                        help="MiniMind .pth (input for --to hf, output for --to minimind)")
-    parser.add_argument("--out_dir", "--hf_dir", dest="out_dir", default="out/hf_model",
-                        help="Hugging Face folder (output for --to hf, input for --to minimind)")
-    # MiniMind flags: shapes are read from the weights, flags given must agree with them
-    parser.add_argument("--hidden_size", type=int, default=None)
-    parser.add_argument("--num_hidden_layers", type=int, default=None)
-    parser.add_argument("--use_moe", type=int, default=None, choices=[0, 1])
-    parser.add_argument("--num_attention_heads", type=int, default=None)
-    parser.add_argument("--num_key_value_heads", type=int, default=None)
-    parser.add_argument("--num_experts", type=int, default=None)
-    parser.add_argument("--num_experts_per_tok", type=int, default=1, help="top-k (not visible in the weights)")
-    parser.add_argument("--rope_theta", type=float, default=None, help="default: MiniMindConfig's")
-    args = parser.parse_args(argv)
-    to_hf(args) if args.to == "hf" else to_minimind(args)
+    """Run the conversion; returns the exit code (2: bad input, 1: exported logits differ, 0: ok)."""
+    args = parse_args(argv)
+    try:
+        if args.use_moe is not None:
+            args.use_moe = bool(args.use_moe)
+        diff = export(args) if args.to == "hf" else import_folder(args)
+    except WeightsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if diff is not None and diff > MAX_LOGIT_DIFF:
+        print(f"error: logits differ by {diff:.3g} > {MAX_LOGIT_DIFF:g}; the converted folder is wrong", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

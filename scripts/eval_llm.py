@@ -1,5 +1,14 @@
-"""Generate text from trained weights, streaming: `python scripts/eval_llm.py --weight pretrain --prompt "..."`."""
+"""Chat with / generate from trained weights, streaming.
+
+    python scripts/eval_llm.py --weight pretrain --prompt "The Python interpreter"
+    python scripts/eval_llm.py --load_from out/hf_model --interactive 1        # any HF folder: ours, MiniMind's, Qwen3
+    python scripts/eval_llm.py --load_from ./minimind-3 --open_thinking 1 --prompt "Why is the sky blue?"
+
+--interactive 1 reads turns from stdin and keeps the conversation history (an empty line or EOF ends it).
+Typed relative paths resolve against the current directory, the defaults against the repository root.
+"""
 import argparse
+import json
 import os
 import sys
 
@@ -7,38 +16,82 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from transformers import AutoTokenizer, TextStreamer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.trainer_utils import repo_path, weight_name  # noqa: E402
+from model.weights import WeightsError, infer_config, load_weights, read_checkpoint, read_weights  # noqa: E402
+from trainer.trainer_utils import weight_name  # noqa: E402
+
+
+def typed_or_default(value, default):
+    """A path the user typed resolves against the cwd; the default against the repository root."""
+    return os.path.abspath(value) if value else os.path.join(ROOT, default)
+
+
+def load_folder(folder):
+    """A Hugging Face folder: MiniMind-format ones through our model (no remote code runs), others via transformers."""
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise WeightsError(f"{folder} has no config.json; --load_from takes a Hugging Face model folder")
+    with open(config_path) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type == "minimind":
+        _, fields = read_weights(folder)
+        return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), folder)
+    return AutoModelForCausalLM.from_pretrained(folder).float()
 
 
 def load_model(args):
-    """Weights from out/<weight>_<hidden>[_moe].pth, or from a resume checkpoint (its config included)."""
+    """--load_from folder, --checkpoint (a resume checkpoint, config included) or out/<weight>_<hidden>[_moe].pth."""
+    if args.load_from:
+        return load_folder(args.load_from)
     if args.checkpoint:
-        ckpt = torch.load(repo_path(args.checkpoint), map_location="cpu", weights_only=False)
-        config = MiniMindConfig(**{k: v for k, v in ckpt["config"].items() if k not in ("model_type", "transformers_version")})
-        state = ckpt["model"]
+        path = os.path.abspath(args.checkpoint)
+        _, fields, _ = read_checkpoint(path)
+        if fields is None:
+            raise WeightsError(f"{path} is not a resume checkpoint (no config); pass it with --weight instead")
     else:
-        config = MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-                                num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-                                use_moe=bool(args.use_moe), num_experts=args.num_experts,
-                                num_experts_per_tok=args.num_experts_per_tok)
-        path = os.path.join(repo_path(args.save_dir), weight_name(args.weight, config) + ".pth")
+        flags = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                     num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                     use_moe=bool(args.use_moe), num_experts=args.num_experts,
+                     num_experts_per_tok=args.num_experts_per_tok)
+        name = weight_name(args.weight, MiniMindConfig(**flags)) + ".pth"
+        path = os.path.abspath(args.weight) if args.weight.endswith(".pth") else \
+            os.path.join(typed_or_default(args.save_dir, "out"), name)
         if not os.path.isfile(path):
-            sys.exit(f"error: {path} does not exist; train it first or pass --weight/--hidden_size/--checkpoint")
-        state = torch.load(path, map_location="cpu")
-    model = MiniMindForCausalLM(config)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    return model.eval().to(args.device)
+            raise WeightsError(f"{path} does not exist; train it first or pass --weight/--hidden_size/--load_from")
+        fields = dict(flags, **infer_config(read_weights(path)[0]))  # shapes (intermediate, head_dim...) from the file
+    return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path)
+
+
+def render_prompt(tokenizer, messages, chat, open_thinking):
+    """The text the model continues: the chat template (with MiniMind's enable_thinking switch) or bos + raw text."""
+    if not chat:
+        return (tokenizer.bos_token or "") + messages[-1]["content"]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=bool(open_thinking))  # templates without it ignore it
+
+
+def reply(model, tokenizer, text, args):
+    """Stream the continuation of `text` to stdout; return it decoded."""
+    # no token_type_ids: transformers 4.x tokenizers return them and generate() rejects them
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False).to(args.device)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 \
+        else dict(do_sample=False)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, streamer=streamer,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
+    return tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
 
 
 def main():
-    parser = argparse.ArgumentParser(description="MiniMind text generation")
-    parser.add_argument("--save_dir", default="out")
-    parser.add_argument("--weight", default="pretrain", help="weight prefix: pretrain, full_sft, ...")
+    parser = argparse.ArgumentParser(description="MiniMind text generation and chat")
+    parser.add_argument("--load_from", default=None, help="a Hugging Face folder (ours, MiniMind's, Qwen3) instead of --weight")
+    parser.add_argument("--save_dir", default=None, help="where --weight files are (default: the repo's out/)")
+    parser.add_argument("--weight", default="pretrain", help="weight prefix (pretrain, full_sft, ...) or a .pth path")
     parser.add_argument("--checkpoint", default=None, help="a checkpoints/*_resume.pth instead of --weight")
-    parser.add_argument("--tokenizer_path", default="model")
+    parser.add_argument("--tokenizer_path", default=None, help="default: the --load_from folder, else the repo's model/")
     parser.add_argument("--hidden_size", type=int, default=768)
     parser.add_argument("--num_hidden_layers", type=int, default=8)
     parser.add_argument("--num_attention_heads", type=int, default=8)
@@ -47,28 +100,42 @@ def main():
     parser.add_argument("--num_experts", type=int, default=4)
     parser.add_argument("--num_experts_per_tok", type=int, default=1)
     parser.add_argument("--prompt", default=None, help="text to continue (or a chat turn with --chat 1)")
+    parser.add_argument("--interactive", type=int, default=0, choices=[0, 1], help="multi-turn chat from stdin, with history")
     parser.add_argument("--chat", type=int, default=None, help="apply the chat template (default: on unless pretrain)")
+    parser.add_argument("--open_thinking", type=int, default=0, choices=[0, 1], help="enable_thinking for the template")
     parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.85)
+    parser.add_argument("--temperature", type=float, default=0.85, help="0: greedy")
     parser.add_argument("--top_p", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(repo_path(args.tokenizer_path))
-    model = load_model(args)
-    chat = args.chat if args.chat is not None else args.weight != "pretrain"
+    if args.load_from:
+        args.load_from = os.path.abspath(args.load_from)
+    tokenizer_dir = typed_or_default(args.tokenizer_path, "model") if args.tokenizer_path or not args.load_from \
+        else args.load_from
+    try:
+        model = load_model(args).eval().to(args.device)
+    except WeightsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    chat = bool(args.chat if args.chat is not None else (args.load_from or args.weight != "pretrain"))
+    if args.interactive:
+        messages = []
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line.strip()})
+            print(f"\n>>> {line.strip()}\n", end="", flush=True)
+            answer = reply(model, tokenizer, render_prompt(tokenizer, messages, chat, args.open_thinking), args)
+            messages = messages + [{"role": "assistant", "content": answer}] if chat else []
+        return
     prompts = [args.prompt] if args.prompt else ["The Python interpreter", "What is a list comprehension?", "你好"]
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     for prompt in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True) if chat else tokenizer.bos_token + prompt
-        inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(args.device)
         print(f"\n>>> {prompt}\n", end="", flush=True)
-        with torch.no_grad():
-            model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
-                           temperature=args.temperature, top_p=args.top_p, streamer=streamer,
-                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        reply(model, tokenizer, render_prompt(tokenizer, [{"role": "user", "content": prompt}], chat,
+                                              args.open_thinking), args)
 
 
 if __name__ == "__main__":

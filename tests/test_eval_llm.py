@@ -1,10 +1,15 @@
-"""scripts/eval_llm.py generates from saved weights: its greedy output equals transformers' greedy decode."""
+"""scripts/eval_llm.py generates from weights and HF folders: its greedy output equals transformers' generate()."""
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from scripts.convert_model import main as convert_main
+from scripts.eval_llm import render_prompt
 from tests.launch import ROOT, python
 
 
@@ -28,3 +33,74 @@ def test_eval_llm_streams_the_greedy_continuation(tmp_path):
                                           "--max_new_tokens", "12", "--device", "cpu"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expected.strip() and expected.strip() in proc.stdout, (expected, proc.stdout)
+
+
+def greedy_reply(model, tokenizer, messages, max_new_tokens):
+    """transformers' own generate() on the chat template: the reference for eval_llm's output."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def exported_folder(tmp_path, fmt):
+    """A tiny model exported by convert_model.py (Qwen3-MoE top-2, or MiniMind's own format)."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            use_moe=True, num_experts_per_tok=2, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(config)
+    torch.save(dict(model=model.state_dict(), config=config.to_dict(),
+                    args=dict(tokenizer_path=os.path.join(ROOT, "model"))), tmp_path / "sft_resume.pth")
+    assert convert_main(["--weight", str(tmp_path / "sft_resume.pth"), "--out_dir", str(tmp_path / fmt),
+                         "--format", fmt]) == 0
+    return tmp_path / fmt
+
+
+@pytest.mark.parametrize("fmt", ["qwen3", "minimind"])
+def test_load_from_folder_equals_transformers_generate(tmp_path, fmt):
+    folder = exported_folder(tmp_path, fmt)
+    reference = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected = greedy_reply(reference, tokenizer, [{"role": "user", "content": "What is a list?"}], 12)
+    proc = python("scripts/eval_llm.py", ["--load_from", str(folder), "--prompt", "What is a list?",
+                                          "--temperature", "0", "--max_new_tokens", "12", "--device", "cpu"], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert expected.strip() and expected.strip() in proc.stdout, (expected, proc.stdout)
+
+
+def test_interactive_mode_keeps_the_history(tmp_path):
+    folder = exported_folder(tmp_path, "qwen3")
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    turns = ["Hello there", "And then?"]
+    first = greedy_reply(reference, tokenizer, [{"role": "user", "content": turns[0]}], 10)
+    history = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": first},
+               {"role": "user", "content": turns[1]}]
+    second = greedy_reply(reference, tokenizer, history, 10)
+    alone = greedy_reply(reference, tokenizer, [{"role": "user", "content": turns[1]}], 10)
+    assert second != alone  # otherwise this test could not tell history from no history
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eval_llm.py"), "--load_from", "qwen3",
+                           "--interactive", "1", "--temperature", "0", "--max_new_tokens", "10", "--device", "cpu"],
+                          input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert out.index(first.strip()) < out.index(">>> And then?") < out.index(second.strip()), (first, second, out)
+
+
+def test_open_thinking_reaches_the_chat_template(tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                               "{% if enable_thinking %}<think>{% else %}<think></think>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_prompt(tokenizer, messages, chat=True, open_thinking=1) == "<user>hi<think>"
+    assert render_prompt(tokenizer, messages, chat=True, open_thinking=0) == "<user>hi<think></think>"
+    assert render_prompt(tokenizer, messages, chat=False, open_thinking=1) == tokenizer.bos_token + "hi"
+
+
+def test_bad_folder_is_one_error_line(tmp_path):
+    proc = python("scripts/eval_llm.py", ["--load_from", str(tmp_path), "--prompt", "x", "--device", "cpu"], timeout=180)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {tmp_path} has no config.json; --load_from takes a Hugging Face model folder"

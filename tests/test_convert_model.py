@@ -1,0 +1,196 @@
+"""scripts/convert_model.py: exports load in transformers with the source's logits, imports give our model the same."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+                          __version__ as transformers_version)
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from scripts.convert_model import main as convert_main
+from tests.launch import ROOT, TINY_MODEL, demo_slice, python
+from tests.test_weights import write_minimind_folder
+
+VOCAB = 6400  # the tokenizers copied are model/'s
+TOL = 1e-4  # fp32: the two implementations differ only in summation order
+
+
+def tiny(**kw):
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                initializer_range=0.1)
+    return MiniMindConfig(**dict(base, **kw))
+
+
+def source_model(config, seed=0):
+    torch.manual_seed(seed)
+    return MiniMindForCausalLM(config).eval()
+
+
+def ids():
+    return torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(7))
+
+
+def logits_diff(model, folder, **kw):
+    loaded = AutoModelForCausalLM.from_pretrained(folder, **kw).float().eval()
+    with torch.no_grad():
+        return (model(ids()).logits - loaded(ids()).logits).abs().max().item()
+
+
+def custom_tokenizer(tmp_path):
+    """model/'s tokenizer copied elsewhere and made distinguishable, as a run with --tokenizer_path would use."""
+    tok = tmp_path / "my_tokenizer"
+    shutil.copytree(os.path.join(ROOT, "model"), tok, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 4242
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok
+
+
+def resume_checkpoint(path, model, tokenizer_path):
+    """What the trainer's lm_checkpoint writes: weights, config, typed args and RNG state (numpy included)."""
+    torch.save(dict(model=model.state_dict(), config=model.config.to_dict(), format_version=1,
+                    args=dict(tokenizer_path=str(tokenizer_path), num_experts_per_tok=1),
+                    rng=dict(numpy=np.random.get_state(), torch=torch.get_rng_state())), path)
+    return path
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_export_resume_checkpoint_with_its_tokenizer(tmp_path, capsys, use_moe):
+    model = source_model(tiny(use_moe=use_moe, num_experts_per_tok=2, rope_theta=1e6))
+    tok = custom_tokenizer(tmp_path)
+    ckpt = resume_checkpoint(tmp_path / "pretrain_64_resume.pth", model, tok)
+    out = tmp_path / "hf"
+    assert convert_main(["--weight", str(ckpt), "--out_dir", str(out)]) == 0
+    assert "verify: max abs logits diff" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    assert type(hf) is (Qwen3MoeForCausalLM if use_moe else Qwen3ForCausalLM)
+    if use_moe:  # from the checkpoint's config, not the args' or the CLI's default of 1
+        assert hf.config.num_experts_per_tok == 2
+    assert logits_diff(model, out) <= TOL
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (tok / name).read_bytes()
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 4242
+
+
+def test_exported_config_reads_rope_theta_under_this_transformers(tmp_path):
+    model = source_model(tiny())
+    torch.save({k: v.half() for k, v in model.state_dict().items()}, tmp_path / "pretrain_64.pth")  # as saved
+    assert convert_main(["--weight", str(tmp_path / "pretrain_64.pth"), "--out_dir", str(tmp_path / "hf")]) == 0
+    raw = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert raw["rope_theta"] == 1e6 and raw["rope_parameters"]["rope_theta"] == 1e6  # 4.x and 5.x keys
+    config = AutoConfig.from_pretrained(tmp_path / "hf")
+    read = config.rope_parameters["rope_theta"] if transformers_version.startswith("5.") else config.rope_theta
+    assert read == 1e6
+
+
+def test_format_minimind_loads_with_trust_remote_code(tmp_path):
+    """Load the folder in a fresh interpreter, where only the folder's own modeling file can define the model."""
+    model = source_model(tiny(use_moe=True, num_experts_per_tok=2, n_shared_experts=1))  # Qwen3-MoE cannot hold this
+    ckpt = resume_checkpoint(tmp_path / "sft_resume.pth", model, os.path.join(ROOT, "model"))
+    out = tmp_path / "mm"
+    assert convert_main(["--weight", str(ckpt), "--out_dir", str(out), "--format", "minimind"]) == 0
+    assert json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == \
+        "model_minimind.MiniMindForCausalLM"
+    torch.save(ids(), tmp_path / "ids.pt")
+    script = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
+              "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).float().eval()\n"
+              "assert type(m).__module__.startswith('transformers_modules'), type(m).__module__\n"
+              "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n")
+    subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")],
+                   check=True, cwd=tmp_path, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with torch.no_grad():
+        assert (model(ids()).logits - torch.load(tmp_path / "logits.pt")).abs().max().item() <= TOL
+
+
+def test_import_minimind_format_folder(tmp_path):
+    torch.manual_seed(0)
+    reference = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=256,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
+                                             tie_word_embeddings=True)).eval()
+    folder = write_minimind_folder(tmp_path / "minimind-3", reference)
+    assert convert_main(["--to", "minimind", "--out_dir", str(folder), "--weight", str(tmp_path / "mm3.pth")]) == 0
+    model = MiniMindForCausalLM(tiny(intermediate_size=256)).eval()
+    model.load_state_dict(torch.load(tmp_path / "mm3.pth"), strict=True)
+    with torch.no_grad():
+        assert (model(ids()).logits - reference(ids()).logits).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_qwen3_round_trip_is_exact(tmp_path, use_moe):
+    model = source_model(tiny(use_moe=use_moe, num_experts_per_tok=2))
+    torch.save(model.state_dict(), tmp_path / "w.pth")
+    assert convert_main(["--weight", str(tmp_path / "w.pth"), "--out_dir", str(tmp_path / "hf"),
+                         "--num_experts_per_tok", "2"]) == 0
+    assert convert_main(["--to", "minimind", "--out_dir", str(tmp_path / "hf"), "--weight", str(tmp_path / "b.pth")]) == 0
+    back, original = torch.load(tmp_path / "b.pth"), model.state_dict()
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
+
+
+def test_bad_input_is_one_error_line(tmp_path, capsys):
+    model = source_model(tiny(use_moe=True, num_experts_per_tok=2))
+    torch.save(model.state_dict(), tmp_path / "moe.pth")
+    ckpt = resume_checkpoint(tmp_path / "r.pth", model, os.path.join(ROOT, "model"))
+    cases = [(["--weight", str(tmp_path / "moe.pth")], "top-k is unknown; pass --num_experts_per_tok"),
+             (["--weight", str(ckpt), "--num_experts_per_tok", "1"], "--num_experts_per_tok 1 (the weights have 2): "
+                                                                     "the model is defined by the weights; drop the flag"),
+             (["--weight", str(ckpt), "--hidden_size", "768"], "--hidden_size 768 (the weights have 64)"),
+             (["--weight", str(ckpt), "--tokenizer_path", str(tmp_path)], "holds no tokenizer.json")]
+    for argv, expected in cases:
+        assert convert_main(argv + ["--out_dir", str(tmp_path / "hf")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and expected in err and "\n" not in err, err
+
+
+def test_cli_resolves_typed_paths_against_the_cwd(tmp_path):
+    """Run as a program from outside the repository: relative --weight / --out_dir are the cwd's."""
+    torch.save(source_model(tiny()).state_dict(), tmp_path / "w.pth")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_model.py"), "--weight", "w.pth",
+                           "--out_dir", "hf_here", "--tokenizer_path", os.path.join(ROOT, "model")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "hf_here" / "model.safetensors").is_file()
+    missing = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_model.py"), "--weight", "nope.pth"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and missing.stderr.strip() == \
+        f"error: {tmp_path / 'nope.pth'} does not exist; pass a .pth file, a resume checkpoint or a Hugging Face folder"
+
+
+def test_export_from_the_trainers_own_resume_checkpoint(tmp_path, capsys):
+    """A checkpoint written by trainer/train_pretrain.py (top-2 MoE, its own --tokenizer_path) exports faithfully."""
+    tok = custom_tokenizer(tmp_path)
+    ckpt_dir = tmp_path / "ckpt"
+    proc = python("trainer/train_pretrain.py", [
+        *TINY_MODEL, "--use_moe", "1", "--num_experts_per_tok", "2", "--tokenizer_path", str(tok),
+        "--data_path", demo_slice(tmp_path, "pretrain", 8), "--max_seq_len", "32", "--batch_size", "4",
+        "--accumulation_steps", "1", "--max_steps", "2", "--save_dir", str(tmp_path / "out"),
+        "--checkpoint_dir", str(ckpt_dir), "--metrics_file", str(tmp_path / "m.jsonl")], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (ckpt,) = ckpt_dir.glob("*_resume.pth")
+    assert convert_main(["--weight", str(ckpt), "--out_dir", str(tmp_path / "hf")]) == 0
+    assert "verify: max abs logits diff" in capsys.readouterr().out
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert hf.config.num_experts_per_tok == 2
+    assert (tmp_path / "hf" / "tokenizer_config.json").read_bytes() == (tok / "tokenizer_config.json").read_bytes()
+    trained = torch.load(tmp_path / "out" / "pretrain_64_moe.pth")  # the fp32 weights the same run saved
+    model = MiniMindForCausalLM(tiny(use_moe=True, num_experts_per_tok=2)).eval()
+    model.load_state_dict(trained, strict=True)
+    with torch.no_grad():
+        assert (model(ids()).logits - hf.float()(ids()).logits).abs().max().item() <= TOL
+
+
+def test_a_wrong_export_exits_non_zero(tmp_path, capsys, monkeypatch):
+    """The verification catches issue 9's silent bug: a config read with rope_theta 10000 instead of 1e6."""
+    import scripts.convert_model as convert
+    write_rope = convert.write_rope_both_ways
+    monkeypatch.setattr(convert, "write_rope_both_ways", lambda out_dir, rope_theta: write_rope(out_dir, 10000.0))
+    torch.save(source_model(tiny()).state_dict(), tmp_path / "w.pth")
+    assert convert_main(["--weight", str(tmp_path / "w.pth"), "--out_dir", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' progress bars
+    assert err.startswith("error: logits differ by ") and err.endswith("the converted folder is wrong"), err
