@@ -65,11 +65,12 @@ def load_model(args):
 
 
 def render_prompt(tokenizer, messages, chat, open_thinking):
-    """The text the model continues: the chat template (with MiniMind's enable_thinking switch) or bos + raw text."""
+    """The text the model continues: the chat template (with the thinking switch) or bos + raw text."""
     if not chat:
         return (tokenizer.bos_token or "") + messages[-1]["content"]
+    # MiniMind-3's template reads open_thinking, Qwen3's enable_thinking; a template ignores the one it lacks
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=bool(open_thinking))  # templates without it ignore it
+                                         open_thinking=bool(open_thinking), enable_thinking=bool(open_thinking))
 
 
 def reply(model, tokenizer, text, args):
@@ -102,7 +103,7 @@ def main():
     parser.add_argument("--prompt", default=None, help="text to continue (or a chat turn with --chat 1)")
     parser.add_argument("--interactive", type=int, default=0, choices=[0, 1], help="multi-turn chat from stdin, with history")
     parser.add_argument("--chat", type=int, default=None, help="apply the chat template (default: on unless pretrain)")
-    parser.add_argument("--open_thinking", type=int, default=0, choices=[0, 1], help="enable_thinking for the template")
+    parser.add_argument("--open_thinking", type=int, default=0, choices=[0, 1], help="leave the think block open for the model to reason (open_thinking / enable_thinking in the template)")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.85, help="0: greedy")
     parser.add_argument("--top_p", type=float, default=0.85)

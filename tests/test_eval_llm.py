@@ -98,6 +98,10 @@ def test_open_thinking_reaches_the_chat_template(tmp_path):
     assert render_prompt(tokenizer, messages, chat=True, open_thinking=1) == "<user>hi<think>"
     assert render_prompt(tokenizer, messages, chat=True, open_thinking=0) == "<user>hi<think></think>"
     assert render_prompt(tokenizer, messages, chat=False, open_thinking=1) == tokenizer.bos_token + "hi"
+    ours = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))  # MiniMind-3's switch is open_thinking
+    header = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert render_prompt(ours, messages, chat=True, open_thinking=1) == header + "<think>\n"
+    assert render_prompt(ours, messages, chat=True, open_thinking=0) == header + "<think>\n\n</think>\n\n"
 
 
 def test_bad_folder_is_one_error_line(tmp_path):
