@@ -21,14 +21,14 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
 import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig  # noqa: E402
-from trainer.train_loop import add_train_args, build_config, uses_chunked_loss  # noqa: E402
-from trainer.trainer_utils import model_flops_per_token, peak_flops, step_flops  # noqa: E402
+from trainer.config import add_train_args, build_config, data_parallel_mode, resolve, typed_or_default  # noqa: E402
+from trainer.metrics import model_flops_per_token, peak_flops, step_flops  # noqa: E402
+from trainer.trainer_utils import ROOT, ConfigError  # noqa: E402
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
 # the benchmark's default model: MiniMind's small config
@@ -127,12 +127,10 @@ def bench_one(label, flags, args, peaks, world):
     records = run_trainer(flags, args.warmup, args.steps, args.nproc, log_path)
     stats = step_stats(records, args.warmup)
     run = trainer_args(flags)
-    config = build_config(run)
-    flops = model_flops_per_token(config, run.max_seq_len)
-    dp = world // (run.tp * run.pp * run.cp)
-    positions = run.batch_size * run.accumulation_steps * dp * run.max_seq_len
+    config, plan = build_config(run), resolve(run, world)
+    flops = model_flops_per_token(config, plan.seq_len)
     # counted as the trainer counts them
-    step = step_flops(config, run.max_seq_len, positions, stats["tokens_per_step"], uses_chunked_loss(run))
+    step = step_flops(config, plan.seq_len, plan.global_batch * plan.seq_len, stats["tokens_per_step"], plan.chunked_loss)
     stats["mfu_vs_fp32_peak"] = step / stats["step_time_median"] / (peaks["float32"] * world)
     stats["target_mfu_vs_fp32_peak"] = flops * stats["tokens_per_sec"] / (peaks["float32"] * world)  # padding excluded
     result = dict(label=label, time=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=round(time.time() - start, 1),
@@ -242,10 +240,8 @@ def plan_table():
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for gpus, layouts in SCALING_LAYOUTS.items():
             for layout in layouts:
-                tp, pp, cp, zero = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1), layout.get("zero_stage", 0)
-                if tp > 1 or pp > 1:
-                    zero = max(zero, 2)  # the trainer switches tp/pp + dp to FSDP2
-                dp = gpus // (tp * pp * cp)
+                tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
+                dp, zero, _ = data_parallel_mode(gpus, tp, pp, cp, layout.get("zero_stage", 0))  # as the trainer runs it
                 schedule = layout.get("pp_schedule", "1f1b")
                 plan = plan_layout(config, seq_len, micro_batch, micro_batches, dp, tp, pp, cp, zero, schedule, act_bytes=2)
                 mem, comm = plan["memory_gb"], plan["comm_gb_per_step"]
@@ -260,28 +256,24 @@ def plan_table():
 def print_plan(args, flags):
     run = trainer_args(flags)
     config = build_config(run)
-    tp, pp, cp = run.tp, run.pp, run.cp
-    if args.nproc % (tp * pp * cp):
-        raise SystemExit(f"error: --nproc {args.nproc} is not divisible by tp*pp*cp = {tp * pp * cp}")
-    dp = args.nproc // (tp * pp * cp)
-    act_bytes = 4 if run.dtype == "float32" else 2
-    zero_stage = run.zero_stage
-    if (tp > 1 or pp > 1) and dp * cp > 1 and zero_stage == 0:
-        zero_stage = 2  # as the trainer does: tp/pp with data parallel runs FSDP2
-    plan = plan_layout(config, run.max_seq_len, run.batch_size, run.accumulation_steps, dp, tp, pp, cp,
-                       zero_stage, run.pp_schedule, act_bytes, bool(run.grad_checkpointing), bool(run.sequence_parallel),
-                       run.loss_chunk_size if uses_chunked_loss(run) else 0)  # full logits where the trainer has them
-    print(json.dumps(dict(layout=dict(nproc=args.nproc, dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero_stage,
-                                      pp_schedule=run.pp_schedule, act_bytes=act_bytes,
-                                      micro_batch=run.batch_size, seq_len=run.max_seq_len,
-                                      num_microbatches=run.accumulation_steps), **plan), indent=1))
+    try:
+        t = resolve(run, args.nproc)  # the TrainPlan: the layout exactly as the trainer would run it
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
+    act_bytes = 4 if t.dtype == torch.float32 else 2
+    plan = plan_layout(config, t.seq_len, t.micro_batch, t.num_microbatches, t.dp, t.tp, t.pp, t.cp, t.zero_stage,
+                       t.pp_schedule, act_bytes, t.grad_checkpointing, t.sequence_parallel,
+                       run.loss_chunk_size if t.chunked_loss else 0)  # full logits where the trainer has them
+    print(json.dumps(dict(layout=dict(nproc=args.nproc, dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, zero_stage=t.zero_stage,
+                                      pp_schedule=t.pp_schedule, act_bytes=act_bytes, micro_batch=t.micro_batch,
+                                      seq_len=t.seq_len, num_microbatches=t.num_microbatches), **plan), indent=1))
     return plan
 
 
 # ---------------------------------------------------------------------------------------------- main
 def trainer_args(flags):
     """The trainer's argument namespace for `flags` (a dict of trainer flags), its defaults for the rest."""
-    args = add_train_args(argparse.ArgumentParser()).parse_args([])
+    args = add_train_args(argparse.ArgumentParser()).parse_args([])  # the trainer's own defaults
     vars(args).update(flags)
     return args
 
@@ -306,13 +298,13 @@ def parse_args(argv=None):
     a("--baseline", action="store_true", help="also run the reference mode (fp32, no packing/compile/checkpointing)")
     a("--plan", action="store_true", help="print the memory/communication plan of the layout; no training")
     a("--plan_table", action="store_true", help="print docs/scaling.md's tables (plan for 3 models x layouts)")
-    a("--results", default="out/bench.jsonl", help="JSONL file the results are appended to")
+    a("--results", default=None, help="JSONL file the results are appended to (default: out/bench.jsonl in the repo)")
     a("--label", default="run")
     a("--repeats", type=int, default=1, help="alternate baseline/config runs this many times (median ratio)")
     a("--peak_fp32", type=float, default=None, help="fp32 peak FLOP/s for MFU (default: measured now, noisy on a busy machine)")
     args, rest = parser.parse_known_args(argv)
     flags = dict(BENCH_DEFAULTS, **given_trainer_flags(parser, rest))
-    args.results_path = os.path.join(ROOT, args.results) if not os.path.isabs(args.results) else args.results
+    args.results_path = typed_or_default(args.results, os.path.join("out", "bench.jsonl"))
     return args, flags
 
 

@@ -23,8 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -32,8 +31,9 @@ from torch.utils.data import DataLoader  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
 from scripts.bench import BENCH_DEFAULTS, given_trainer_flags, trainer_args, trainer_command  # noqa: E402
-from trainer.train_loop import build_config, step_targets  # noqa: E402
-from trainer.trainer_utils import init_model  # noqa: E402
+from trainer.config import build_config, typed_or_default  # noqa: E402
+from trainer.train_loop import step_targets  # noqa: E402
+from trainer.trainer_utils import ROOT, init_model  # noqa: E402
 
 RUNS = {"baseline": dict(packing=0, loss_chunk_size=0),
         "fast-same": dict(packing=0, loss_chunk_size=1024),
@@ -71,12 +71,12 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--heldout", type=int, default=300, help="documents kept out of training")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
-    parser.add_argument("--results", default="out/quality.jsonl")
+    parser.add_argument("--results", default=None, help="JSONL the rows are appended to (default: out/quality.jsonl in the repo)")
     args, rest = parser.parse_known_args()
     flags = dict(BENCH_DEFAULTS, dtype="float32", seed=42, **given_trainer_flags(parser, rest))
     config = build_config(trainer_args(flags))
     tmp = tempfile.mkdtemp(prefix="quality_")
-    results = os.path.join(ROOT, args.results)
+    results = typed_or_default(args.results, os.path.join("out", "quality.jsonl"))
     os.makedirs(os.path.dirname(results), exist_ok=True)
     try:
         train_path, heldout_path = split_corpus(tmp, args.heldout)

@@ -1,14 +1,19 @@
 """Launch real multi-process (gloo, CPU) jobs from tests, always with a timeout."""
+import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dataset.demo_data import ensure_demo_data
+from trainer.parallel.pipeline import make_schedule, split_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,7 +48,6 @@ def spawn(fn, world_size, *args, timeout=120):
     error_dir = tempfile.mkdtemp()
     ctx = mp.start_processes(_worker, args=(world_size, free_port(), fn, args, error_dir),
                              nprocs=world_size, join=False, start_method="spawn")
-    import time
     deadline = time.time() + timeout
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.time())):
@@ -66,11 +70,11 @@ def torchrun(script, nproc, args, timeout=300, env=None):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 
 
-def python(script, args, timeout=300, env=None):
-    """Run `python script args` in one process; return CompletedProcess."""
+def python(script, args, timeout=300, env=None, cwd=ROOT):
+    """Run `python script args` in one process (in `cwd`, default the repo root); return CompletedProcess."""
     cmd = [sys.executable, os.path.join(ROOT, script), *map(str, args)]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
 
 
 TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
@@ -79,15 +83,12 @@ TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attentio
 
 def read_metrics(path):
     """Per-step training records of a --metrics_file (validation records are skipped)."""
-    import json
     with open(path) as f:
         return [r for r in map(json.loads, f) if "loss" in r]
 
 
 def demo_slice(tmp_path, kind, n_lines, name=None):
     """The first n_lines of the embedded demo corpus, as a small data file for tests."""
-    sys.path.insert(0, ROOT)
-    from dataset.demo_data import ensure_demo_data
     path = os.path.join(str(tmp_path), name or f"{kind}_{n_lines}.jsonl")
     with open(ensure_demo_data(kind)) as src, open(path, "w") as dst:
         for i, line in enumerate(src):
@@ -95,3 +96,16 @@ def demo_slice(tmp_path, kind, n_lines, name=None):
                 break
             dst.write(line)
     return path
+
+
+def build_pipeline(model, pp_mesh, schedule_name, num_microbatches, loss_fn, device, micro_batch_shape):
+    """Split `model` for this pp rank and build its schedule, unwrapped and fp32 (pipeline unit tests).
+
+    Returns (schedule, stage_modules, has_first_stage, has_last_stage); the trainer goes through
+    parallelize(), which wraps the stages (tp, dp) between the split and the schedule.
+    """
+    pp_group = pp_mesh.get_group()
+    modules, stage_ids, num_stages = split_model(model, pp_group, schedule_name)
+    schedule = make_schedule(modules, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device,
+                             pp_group, micro_batch_shape, model.config)
+    return schedule, modules, modules[0].is_first, modules[-1].is_last

@@ -5,9 +5,11 @@ import subprocess
 import sys
 
 import pytest
+import torch.nn as nn
 
-from model.model_minimind import MiniMindConfig
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.bench import parse_args, plan_layout, print_plan, step_stats, trainer_command
+from trainer.metrics import step_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,9 +102,6 @@ def test_tiny_real_bench_run(tmp_path):
 def test_step_flops_counts_the_model_matmuls():
     """MFU's FLOPs: 6 x every Linear weight of the real model (lm_head included) + causal attention,
     with the lm_head counted on target tokens only when the chunked loss skips the rest."""
-    import torch.nn as nn
-    from model.model_minimind import MiniMindForCausalLM
-    from trainer.trainer_utils import step_flops
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     model = MiniMindForCausalLM(config)
     matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))

@@ -13,9 +13,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tests.launch import spawn
+from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, validate_data_parallel
-from trainer.parallel.utils import (TIED_EMBEDDING, clean_fqn, clip_grad_norm_, full_model_state_dict,
-                                    full_optimizer_state_dict, load_full_state)
+from trainer.parallel.state_dict import (TIED_EMBEDDING, clean_fqn, full_model_state_dict, full_optimizer_state_dict,
+                                         load_full_state)
 
 # lr 1e-3: Adam divides by sqrt(v), so float reduction-order noise on near-zero grads grows with lr.
 STEPS, BATCH, SEQ, VOCAB, LR, MAX_NORM = 3, 4, 32, 128, 1e-3, 0.5

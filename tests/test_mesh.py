@@ -27,6 +27,14 @@ def test_single_process_dims():
     assert dims.summary() == "world 1 (single process)"
     with pytest.raises(ValueError, match="not divisible"):
         ParallelDims.build(3, tp=2)
+    assert dims.group("dp_cp") is None and dims.mesh("tp") is None and dims.counts_loss and dims.counts_items
+
+
+def test_unknown_dimension_name_raises():
+    dims = ParallelDims.build(1)
+    for lookup in (dims.group, dims.mesh):
+        with pytest.raises(KeyError, match="tpp"):
+            lookup("tpp")  # a typo fails loudly instead of answering "size 1"
 
 
 def _rank(dp, pp, cp, tp, sizes):
@@ -40,13 +48,14 @@ def _groups_worker(rank, world_size, out_dir):
     result = {}
     for name, layout in {"dp2_tp2": dict(tp=2), "pp2_cp2": dict(pp=2, cp=2)}.items():
         dims = ParallelDims.build(world_size, device_type="cpu", **layout)
-        groups = {d: dist.get_process_group_ranks(getattr(dims, f"{d}_group"))
+        groups = {d: dist.get_process_group_ranks(dims.group(d))
                   for d in ("dp", "pp", "cp", "tp", "dp_cp")}
         fallback = _flatten_with_new_groups(dims.world_mesh, ("dp", "cp"), "dp_cp")
         groups["dp_cp_fallback"] = dist.get_process_group_ranks(fallback.get_group())
         coords = [dims.dp_rank, dims.pp_rank, dims.cp_rank, dims.tp_rank]
         result[name] = {"groups": groups, "coords": coords, "sizes": [dims.dp, dims.pp, dims.cp, dims.tp],
-                        "summary": dims.summary()}
+                        "summary": dims.summary(), "counts": [dims.counts_loss, dims.counts_items],
+                        "tp_mesh_ranks": dims.mesh("tp").mesh.tolist()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -70,6 +79,9 @@ def test_mesh_groups(tmp_path):
             }
             expected["dp_cp_fallback"] = expected["dp_cp"]
             assert r["groups"] == expected, (name, rank)
+            assert r["tp_mesh_ranks"] == expected["tp"]
+            # the loss counts on the last pp stage's tp rank 0; token counts also on cp rank 0 only
+            assert r["counts"] == [pp == P - 1 and tp == 0, pp == P - 1 and tp == 0 and cp == 0]
     # Hand-computed lists for the record (rank 0's view).
     r0 = json.load(open(tmp_path / "rank0.json"))
     assert r0["dp2_tp2"]["groups"]["tp"] == [0, 1] and r0["dp2_tp2"]["groups"]["dp"] == [0, 2]

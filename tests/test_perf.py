@@ -1,4 +1,4 @@
-"""trainer/perf.py, the chunked cross-entropy and pretokenized shards, each against the plain path."""
+"""trainer/parallel/perf.py, the chunked cross-entropy and pretokenized shards, each against the plain path."""
 import copy
 import json
 import os
@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, chunked_cross_entropy
-from trainer.perf import apply_activation_checkpointing, compile_blocks, set_loss_chunk_size
+from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 300
@@ -59,7 +59,7 @@ def test_chunked_loss_and_grads_equal_full_path(use_moe, chunk):
     x, targets = batch()
     ref_out, ref_grads = loss_and_grads(model, x, targets)
     assert ref_out.logits is not None
-    set_loss_chunk_size(model, chunk)
+    model.config.loss_chunk_size = chunk
     out, grads = loss_and_grads(model, x, targets)
     assert out.logits is None  # loss-only call: no full logits
     assert_same(out, grads, ref_out, ref_grads)
@@ -69,7 +69,7 @@ def test_chunked_loss_labels_no_grad_and_generation():
     model = tiny_model()
     x, _ = batch()
     ref = model(x, labels=x)
-    set_loss_chunk_size(model, 16)
+    model.config.loss_chunk_size = 16
     with torch.no_grad():
         out = model(x, labels=x)
     assert abs(out.loss.item() - ref.loss.item()) < 1e-5
@@ -89,7 +89,7 @@ def test_chunked_loss_under_bf16_autocast_matches():
     x, targets = batch()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref_out, ref_grads = loss_and_grads(model, x, targets)
-        set_loss_chunk_size(model, 16)
+        model.config.loss_chunk_size = 16
         out, grads = loss_and_grads(model, x, targets)
     assert abs(out.loss.item() - ref_out.loss.item()) < 1e-3
     for name in grads:  # bf16 rounding happens per chunk instead of once
@@ -109,7 +109,7 @@ def test_activation_checkpointing_same_loss_grads_and_names(use_moe):
     out, grads = loss_and_grads(ckpt_model, x, targets)
     assert_same(out, grads, ref_out, ref_grads)
     # combined with the chunked loss
-    set_loss_chunk_size(ckpt_model, 16)
+    ckpt_model.config.loss_chunk_size = 16
     out, grads = loss_and_grads(ckpt_model, x, targets)
     assert_same(out, grads, ref_out, ref_grads)
 

@@ -36,12 +36,22 @@ def test_quick_start_tiny_learns_on_demo_corpus(tmp_path):
     model.load_state_dict(weights)  # a plain full state dict, loadable by one process
 
 
-def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path):
+def to_format1(path, drop=()):
+    """Rewrite a resume file as format 1 wrote it (flat counters, no train_state), minus `drop` keys."""
+    ckpt = torch.load(path, weights_only=False)
+    flat = {k: v for k, v in ckpt.pop("train_state").items() if k not in drop}
+    torch.save(dict(ckpt, format_version=1, **flat), path)
+
+
+@pytest.mark.parametrize("saved_format", [2, 1])
+def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path, saved_format):
     data = demo_slice(tmp_path, "pretrain", 48)  # 48 docs / (4 x 2) = 6 steps per epoch
     common = ["--data_path", data, "--packing", "0", "--epochs", "2", "--max_seq_len", "64", "--batch_size", "4",
               "--accumulation_steps", "2", "--learning_rate", "2e-3"]
     full, _ = run_pretrain(tmp_path / "full", *common, "--max_steps", "9")
     first, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "4")  # stops mid-epoch 1
+    if saved_format == 1:  # a checkpoint of the previous format resumes the same
+        to_format1(str(tmp_path / "split" / "ckpt" / "pretrain_64_resume.pth"))
     resumed, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "9", "--from_resume", "1")
     assert [r["step"] for r in full] == list(range(1, 10))
     assert [r["step"] for r in resumed] == list(range(1, 10))  # the resumed run appends to the metrics file
@@ -49,6 +59,41 @@ def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
         assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"] and a["epoch"] == b["epoch"]
     assert full[-1]["epoch"] == 1  # crossed the epoch boundary
+
+
+def test_checkpoint_without_tokens_seen_is_one_line(tmp_path):
+    """A resume file of commit 7ec8d16 (format 1, no tokens_seen) once raised KeyError; now one error line."""
+    data = demo_slice(tmp_path, "pretrain", 48)
+    common = ["--data_path", data, "--max_seq_len", "64", "--batch_size", "4", "--accumulation_steps", "1"]
+    run_pretrain(tmp_path, *common, "--max_steps", "1")
+    to_format1(str(tmp_path / "ckpt" / "pretrain_64_resume.pth"), drop=("tokens_seen",))
+    proc = python(SCRIPT, [*TINY_MODEL, "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+                           *common, "--max_steps", "2", "--from_resume", "1"], timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[-1].startswith("error:") and "checkpoint format 1 without tokens_seen" in lines[-1]
+
+
+def test_typed_paths_follow_the_cwd(tmp_path):
+    """Run from outside the repo with relative paths: outputs land beside the user, under the default names."""
+    demo_slice(tmp_path, "pretrain", 32, name="d.jsonl")
+    proc = python(SCRIPT, [*TINY_MODEL, "--data_path", "d.jsonl", "--save_dir", "o", "--checkpoint_dir", "c",
+                           "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps", "1", "--max_steps", "2",
+                           "--log_interval", "1"], timeout=300, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(tmp_path / "o" / "pretrain_64_metrics.jsonl"))  # keyed by the weight name
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["loss"] == pytest.approx(math.log(6400), rel=0.05)  # random init: ~ln(vocab)
+    assert (tmp_path / "o" / "pretrain_64.pth").is_file() and (tmp_path / "c" / "pretrain_64_resume.pth").is_file()
+
+
+def test_help_shows_every_default():
+    proc = python(SCRIPT, ["--help"], timeout=120)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    for flag, default in [("--seed", "42"), ("--loss_chunk_size", "1024"), ("--save_weight", "pretrain"),
+                          ("--packing", "1"), ("--tensorboard_dir", "None")]:
+        assert flag in text and f"(default: {default})" in text.split(flag, 2)[-1].split(" --", 1)[0], flag
 
 
 def expect_rejected(tmp_path, args, needle):

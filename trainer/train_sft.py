@@ -2,29 +2,29 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
 from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.lm_dataset import SFTDataset  # noqa: E402
-from trainer.train_loop import load_datasets, main_guard, parse_args, setup, train  # noqa: E402
-from trainer.trainer_utils import repo_path  # noqa: E402
+from trainer.config import main_guard, parse_args  # noqa: E402
+from trainer.train_loop import build_trainer, load_datasets, setup, train  # noqa: E402
 
 
 def main():
     args = parse_args("MiniMind Full SFT", save_weight="full_sft", from_weight="pretrain", learning_rate=1e-5,
                       max_seq_len=340, batch_size=16, accumulation_steps=1, epochs=2)
-    # 1. set-up: checks, process group, mesh, seed
-    if args.data_path is None:
-        from dataset.demo_data import ensure_demo_data
-        args.data_path = ensure_demo_data("sft")  # the embedded chat corpus, built on first use
-    config, run = setup(args)
-    # 2. tokenizer and data
-    tokenizer = AutoTokenizer.from_pretrained(repo_path(args.tokenizer_path))
-    train_ds, eval_ds = load_datasets(args, lambda path: SFTDataset(
-        path, tokenizer, max_length=args.max_seq_len, skip_bad_lines=bool(args.skip_bad_lines)))
-    # 3-7. model, optimizer, resume, parallel wrap, loop
-    train(args, config, run, train_ds, eval_ds)
+    # 1. set-up: checks -> TrainPlan, process group, mesh, seed
+    config, plan, dims = setup(args)
+    # 2. tokenizer and data (the embedded chat corpus unless --data_path)
+    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
+    train_ds, eval_ds = load_datasets(plan, lambda path: SFTDataset(
+        path, tokenizer, max_length=args.max_seq_len, skip_bad_lines=bool(args.skip_bad_lines),
+        cache_dir=plan.cache_dir), demo_kind="sft")
+    # 3-6. resume state, model (from --from_weight), parallel wrap (pp -> tp -> cp -> dp), optimizer
+    trainer = build_trainer(args, config, plan, dims)
+    # 7. the loop
+    train(trainer, train_ds, eval_ds)
 
 
 if __name__ == "__main__":

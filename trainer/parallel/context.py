@@ -4,7 +4,7 @@ The sequence is cut into 2*cp chunks; cp rank r holds chunk r and chunk 2*cp-1-r
 rank does the same amount of causal attention work. K/V blocks travel around the ring with point-to-point
 send/recv and the partial outputs are merged by log-sum-exp. torch's experimental
 `torch.distributed.tensor.experimental.context_parallel` does not run on CPU (gloo), hence this own
-version (see ARCHITECTURE.md); the per-block kernels are torch's own fused attention ops.
+version (docs/design.md, "Context parallel"); the per-block kernels are torch's own fused attention ops.
 """
 import functools
 import warnings

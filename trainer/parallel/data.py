@@ -17,6 +17,8 @@ try:  # public path since torch 2.6 (2.11, 2.13)
 except ImportError:  # torch 2.4 / 2.5
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
+from trainer.parallel.perf import decoder_blocks
+
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_COMPRESSIONS = ("none", "bf16", "powersgd")
 
@@ -62,17 +64,6 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
         ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
-def _decoder_blocks(model):
-    """The decoder blocks to shard one by one: model.model.layers (ModuleList, or a pipeline stage's
-    ModuleDict keyed by original index, with removed layers possibly None)."""
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        return []
-    blocks = layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers
-    return [b for b in blocks if b is not None]
-
-
 def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,
                         powersgd_start_iter=1000, param_dtype=None, reduce_dtype=None,
                         find_unused_parameters=False):
@@ -105,7 +96,7 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
 
     reshard = zero_stage == 3  # ZeRO-2: keep gathered params from forward to backward
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in _decoder_blocks(model):
+    for block in decoder_blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     # The root group takes everything left: embed_tokens, norm and lm_head. A tied lm_head.weight is
     # the same Parameter as embed_tokens.weight; FSDP2 manages it once and re-ties both attributes.

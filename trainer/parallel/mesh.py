@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("dp", "pp", "cp", "tp")
+GROUP_NAMES = MESH_DIMS + ("dp_cp",)
 
 
 def validate_layout(world_size, dp=None, tp=1, pp=1, cp=1):
@@ -116,9 +117,9 @@ class ParallelDims:
 
     @classmethod
     def build(cls, world_size, dp=None, tp=1, pp=1, cp=1, device_type="cpu"):
-        """Validate the layout and build the mesh; raises ValueError with a one-line message.
+        """Validate the layout and build the mesh (all sizes 1 and no groups for one process).
 
-        Call after dist.init_process_group when world_size > 1; validation happens before any collective.
+        Raises ValueError with a one-line message. Call after dist.init_process_group when world_size > 1.
         """
         dp, message = validate_layout(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
         if message:
@@ -150,12 +151,30 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
-    def is_first_stage(self):
-        return self.pp_rank == 0
-
-    @property
     def is_last_stage(self):
         return self.pp_rank == self.pp - 1
+
+    @property
+    def counts_loss(self):
+        """This rank's CE partial sums count in the global loss (last pipeline stage, tp rank 0)."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    @property
+    def counts_items(self):
+        """This rank's target-token counts count once per dp rank (also cp rank 0)."""
+        return self.counts_loss and self.cp_rank == 0
+
+    def group(self, name):
+        """The process group of dimension `name` (dp, pp, cp, tp, dp_cp); None on one process; unknown names raise."""
+        if name not in GROUP_NAMES:
+            raise KeyError(f"no parallel dimension {name!r}; known: {', '.join(GROUP_NAMES)}")
+        return getattr(self, f"{name}_group")
+
+    def mesh(self, name):
+        """The 1-D DeviceMesh of dimension `name` (or "world"); None on one process; unknown names raise."""
+        if name not in GROUP_NAMES + ("world",):
+            raise KeyError(f"no mesh {name!r}; known: {', '.join(GROUP_NAMES + ('world',))}")
+        return getattr(self, f"{name}_mesh")
 
     def summary(self):
         return layout_summary(self)

@@ -152,11 +152,6 @@ class PipelineLoss:
         return ce, aux
 
 
-def pipeline_loss_fn(num_items, aux_weight, grad_scale=1.0):
-    """The loss the trainer hands to build_pipeline (a PipelineLoss; update num_items each step)."""
-    return PipelineLoss(num_items, aux_weight, grad_scale)
-
-
 # ----------------------------------------------------------------------------- schedule
 def split_model(model, pp_group, schedule_name):
     """This pp rank's stage modules (sharing parameters with `model`) and their stage ids."""
@@ -208,20 +203,6 @@ def make_schedule(parts, stage_ids, num_stages, schedule_name, num_microbatches,
     return SCHEDULES[schedule_name](stage_arg, num_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def build_pipeline(model, pp_mesh, schedule_name, num_microbatches, loss_fn, device, micro_batch_shape):
-    """Split `model` for this pp rank and build the schedule (fp32; micro_batch_shape as in make_schedule).
-
-    pp_mesh: a 1-D DeviceMesh or a ProcessGroup. Returns (schedule, stage_modules, has_first_stage,
-    has_last_stage). The stage modules share parameters with `model`; drop `model` afterwards so the
-    other stages' layers are freed.
-    """
-    pp_group = pp_mesh.get_group() if isinstance(pp_mesh, DeviceMesh) else pp_mesh
-    modules, stage_ids, num_stages = split_model(model, pp_group, schedule_name)
-    schedule = make_schedule(modules, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device,
-                             pp_group, micro_batch_shape, model.config)
-    return schedule, modules, modules[0].is_first, modules[-1].is_last
-
-
 class Pipeline:
     """What the trainer needs of pipeline parallelism: the split, the schedule, the step, tied weights."""
 
@@ -247,12 +228,13 @@ class Pipeline:
         for module in self.stage_modules:
             module.position_ids = position_ids
 
-    def step(self, run, inputs, targets, num_items, aux_weight, grad_factor, shard_for_context):
-        """One optimizer step's forward+backward: the micro-batches go through the schedule as one batch."""
-        (x, t), positions = shard_for_context(run, [torch.cat(inputs).to(self.device), torch.cat(targets).to(self.device)])
-        self.set_positions(None if positions is None else positions[0])
-        self.loss_fn.num_items, self.loss_fn.aux_weight, self.loss_fn.grad_scale = num_items, aux_weight, grad_factor
-        pipeline_step(self.schedule, x, t, self.has_first, self.has_last)
+    def step(self, input_ids, targets, position_ids, num_items, aux_weight, grad_scale):
+        """Forward+backward of one optimizer step: `input_ids`/`targets` are the step's micro-batches
+        stacked along the batch (already sharded for context parallel, `position_ids` then this rank's
+        positions, else None). Returns (ce, aux) summed over the micro-batches (zeros off the last stage)."""
+        self.set_positions(None if position_ids is None else position_ids[0])
+        self.loss_fn.num_items, self.loss_fn.aux_weight, self.loss_fn.grad_scale = num_items, aux_weight, grad_scale
+        pipeline_step(self.schedule, input_ids, targets, self.has_first, self.has_last)
         if not self.has_last:
             return torch.zeros(()), torch.zeros(())
         return self.loss_fn.pop_step(self.num_microbatches)

@@ -1,13 +1,12 @@
-"""Speed and memory switches applied to a plain (or tp/cp-wrapped) model, keeping parameter names unchanged.
+"""Speed and memory transforms applied to a plain (or tp/cp-wrapped) model, keeping parameter names unchanged.
 
 - `apply_activation_checkpointing(model)`: each decoder block recomputes its activations in backward
   (torch.utils.checkpoint, non-reentrant). The block's `forward` is patched in place instead of wrapping
   the block (torch's checkpoint_wrapper would add `_checkpoint_wrapped_module.` to every FQN, and our
   checkpoints are keyed by FQN).
 - `compile_blocks(model)`: torch.compile each decoder block in place (`nn.Module.compile`, same FQNs).
-- `set_loss_chunk_size(model, n)`: the model's chunked lm_head + cross-entropy (see model_minimind).
 
-Order in parallelize.wrap_model: pp split -> tp -> cp -> activation checkpointing -> compile -> dp.
+Order in parallelize.parallelize: pp split -> tp -> cp -> activation checkpointing -> compile -> dp.
 """
 import types
 
@@ -46,11 +45,3 @@ def compile_blocks(model, **compile_kwargs):
     for block in decoder_blocks(model):
         block.compile(**compile_kwargs)
     return model
-
-
-def set_loss_chunk_size(model, chunk_size):
-    """Chunked lm_head + CE over `chunk_size` tokens when the model is called with labels (0: off)."""
-    inner = getattr(model, "module", model)  # DDP
-    inner.config.loss_chunk_size = int(chunk_size)
-    return model
-

@@ -1,0 +1,317 @@
+"""Flags, the model config they describe, and the one resolved, frozen TrainPlan every script reads.
+
+`args` stays what the user typed (it is saved in checkpoints as such); everything derived from it
+(layout, data-parallel mode, dtype, device, batch shape, resolved paths) is computed once in
+`resolve(args, world_size)`, which also rejects bad input with a ConfigError before any collective.
+"""
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from model.model_minimind import MiniMindConfig
+from trainer.parallel.data import validate_data_parallel
+from trainer.parallel.mesh import validate_layout
+from trainer.parallel.pipeline import pp_validate
+from trainer.parallel.tensor import tp_validate
+from trainer.trainer_utils import ConfigError, Logger, repo_path, weight_name
+
+
+def add_train_args(parser, **defaults):
+    """MiniMind's flags (plus ours); `defaults` sets the script-specific values."""
+    a = parser.add_argument
+    a("--save_dir", default=None, help="where weights and metrics go (default: out/ in the repo)")
+    a("--checkpoint_dir", default=None, help="where resume checkpoints go (default: checkpoints/ in the repo)")
+    a("--save_weight", default="pretrain", help="weight file prefix: <save_dir>/<save_weight>_<hidden>[_moe].pth")
+    a("--epochs", type=int, default=1, help="passes over the training data")
+    a("--batch_size", type=int, default=32, help="samples per micro-batch per data-parallel rank")
+    a("--learning_rate", type=float, default=5e-4, help="peak learning rate of MiniMind's cosine schedule")
+    a("--warmup_steps", type=int, default=0, help="linear warm-up steps before the cosine schedule")
+    a("--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    a("--dtype", default="auto", help="auto|bfloat16|float16|float32 (auto: bf16 where the device has it)")
+    a("--num_workers", type=int, default=0, help="DataLoader worker processes")
+    a("--accumulation_steps", type=int, default=8, help="micro-batches per optimizer step (pipeline: micro-batches)")
+    a("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this value")
+    a("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
+    a("--log_interval", type=int, default=100, help="optimizer steps between metrics records")
+    a("--save_interval", type=int, default=100, help="optimizer steps between weights + resume checkpoints")
+    a("--hidden_size", type=int, default=768, help="model width")
+    a("--num_hidden_layers", type=int, default=8, help="decoder blocks")
+    a("--num_attention_heads", type=int, default=8, help="query heads")
+    a("--num_key_value_heads", type=int, default=4, help="key/value heads (GQA)")
+    a("--intermediate_size", type=int, default=None, help="dense MLP width (default: the model's rule)")
+    a("--moe_intermediate_size", type=int, default=None, help="expert MLP width (default: the model's rule)")
+    a("--head_dim", type=int, default=None, help="attention head size (default: hidden_size / heads)")
+    a("--max_seq_len", type=int, default=340, help="tokens per sample")
+    a("--use_moe", type=int, default=0, choices=[0, 1], help="mixture-of-experts MLPs")
+    a("--num_experts", type=int, default=4, help="experts per MoE layer")
+    a("--num_experts_per_tok", type=int, default=1, help="experts each token is routed to")
+    a("--data_path", default=None, help="JSONL, parquet or token shard (default: the embedded demo corpus)")
+    a("--eval_data_path", default=None, help="held-out data for eval_loss / eval_ppl (default: none)")
+    a("--eval_interval", type=int, default=0, help="optimizer steps between validation runs (0: only at the end)")
+    a("--eval_batches", type=int, default=50, help="batches per validation run")
+    a("--packing", type=int, default=0, choices=[0, 1], help="pretraining: join documents with eos into full rows")
+    a("--skip_bad_lines", type=int, default=0, choices=[0, 1], help="skip malformed data lines instead of stopping")
+    a("--cache_dir", default=None, help="token cache of the datasets (default: dataset/.cache in the repo)")
+    a("--tokenizer_path", default=None, help="Hugging Face tokenizer folder (default: model/ in the repo)")
+    a("--from_weight", default="none", help="weight prefix in save_dir, a .pth path, or none")
+    a("--from_resume", type=int, default=0, choices=[0, 1], help="continue from the resume checkpoint")
+    a("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: run all epochs)")
+    a("--seed", type=int, default=42, help="model init and data order (a pure function of seed and epoch)")
+    a("--metrics_file", default=None, help="JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
+    a("--tensorboard_dir", default=None, help="also write TensorBoard scalars here (default: off)")
+    a("--profile_steps", default=None, help="A:B: torch.profiler trace of optimizer steps A to B (default: off)")
+    a("--save_dtype", default="float16", choices=["float16", "bfloat16", "float32"], help="dtype of the saved weights")
+    a("--use_wandb", action="store_true", help="log to swanlab (local mode when not logged in)")
+    a("--wandb_project", default="MiniMind", help="swanlab project name")
+    a("--use_compile", type=int, default=0, choices=[0, 1], help="torch.compile each decoder block")
+    a("--grad_checkpointing", type=int, default=0, choices=[0, 1],
+      help="recompute each decoder block in backward (less activation memory, ~1/3 more compute)")
+    a("--loss_chunk_size", type=int, default=1024,
+      help="lm_head + cross-entropy over chunks of this many tokens, never the full logits (0: off)")
+    add_parallel_args(parser)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def add_parallel_args(parser):
+    """The layout flags (4D parallelism, ZeRO, collectives)."""
+    a = parser.add_argument
+    a("--dist_timeout", type=int, default=60, help="seconds before a hung collective fails")
+    a("--tp", type=int, default=1, help="tensor-parallel degree")
+    a("--pp", type=int, default=1, help="pipeline-parallel degree (micro-batches = --accumulation_steps)")
+    a("--cp", type=int, default=1, help="context-parallel (ring attention) degree")
+    a("--pp_schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved1f1b"], help="pipeline schedule")
+    a("--sequence_parallel", type=int, default=0, choices=[0, 1], help="shard norms along the sequence (tp > 1)")
+    a("--zero_stage", type=int, default=0, help="0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")
+    a("--grad_compression", default="none", help="none|bf16|powersgd (DDP communication hook)")
+
+
+def parse_args(description, **defaults):
+    """The script's flags; --help shows every default."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return add_train_args(parser, **defaults).parse_args()
+
+
+def build_config(args):
+    """The MiniMindConfig the flags describe (None sizes keep the model's own rule)."""
+    sizes = {name: getattr(args, name) for name in ("intermediate_size", "moe_intermediate_size", "head_dim")
+             if getattr(args, name, None) is not None}
+    return MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+                          num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+                          use_moe=bool(args.use_moe), num_experts=args.num_experts,
+                          num_experts_per_tok=args.num_experts_per_tok, max_position_embeddings=max(32768, args.max_seq_len),
+                          loss_chunk_size=args.loss_chunk_size, **sizes)
+
+
+def typed_or_default(typed, default):
+    """The path rule: a path the user typed resolves against the current directory, a default against the repo."""
+    if typed is None:
+        return None if default is None else repo_path(default)
+    return os.path.abspath(typed)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """Everything derived from the flags, once: layout, data-parallel mode, dtype, device, batch, paths."""
+    world_size: int
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    zero_stage: int  # the stage actually used (tp/pp with data parallel needs FSDP2: at least 2)
+    dp_mode: str  # "none" (no data-parallel group), "ddp", "zero1" or "fsdp2"
+    grad_compression: str
+    pp_schedule: str
+    sequence_parallel: bool
+    grad_checkpointing: bool
+    use_compile: bool
+    device: str
+    dtype: torch.dtype
+    micro_batch: int  # samples per micro-batch per dp rank
+    num_microbatches: int
+    seq_len: int
+    global_batch: int  # samples per optimizer step over all dp ranks
+    chunked_loss: bool  # lm_head + CE on target tokens only (off under tp and pp)
+    save_dir: str
+    checkpoint_dir: str
+    metrics_file: str
+    tokenizer_path: str
+    cache_dir: str
+    data_path: Optional[str]  # None: the embedded demo corpus
+    eval_data_path: Optional[str]
+    from_weight: str  # "none" or a .pth path
+    tensorboard_dir: Optional[str]
+    profile_steps: Optional[tuple]
+
+    @property
+    def micro_batch_shape(self):
+        """(samples, tokens) of one micro-batch on one rank (tokens after context parallel's split)."""
+        return self.micro_batch, self.seq_len // self.cp
+
+    @property
+    def has_dtensor(self):
+        """Parameters are DTensors (tensor parallel or FSDP2): no fused AdamW, losses may be DTensors."""
+        return self.tp > 1 or self.dp_mode == "fsdp2"
+
+    @property
+    def autocast_dtype(self):
+        return None if self.dtype == torch.float32 else self.dtype
+
+
+def resolve_dtype(name, device):
+    """'auto' -> bf16 where the device supports it, else fp32; reject bf16/fp16 where unsupported."""
+    dev = torch.device(device).type
+    bf16_ok = torch.cuda.is_bf16_supported() if dev == "cuda" else torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if name == "auto":
+        return torch.bfloat16 if bf16_ok else torch.float32
+    table = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if name not in table:
+        raise ConfigError(f"--dtype {name} is unknown; use auto, bfloat16, float16 or float32")
+    if name == "bfloat16" and not bf16_ok:
+        raise ConfigError(f"--dtype bfloat16 is not supported natively on this {dev} device; use --dtype float32 (or auto)")
+    if name == "float16" and dev == "cpu":
+        raise ConfigError("--dtype float16 is not supported for training on CPU; use --dtype float32 (or auto)")
+    return table[name]
+
+
+def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compression="none"):
+    """(dp, zero stage used, dp mode) of a layout; raises ConfigError naming what to change."""
+    dp, message = validate_layout(world_size, tp=tp, pp=pp, cp=cp)
+    if message:
+        raise ConfigError(message)
+    if (tp > 1 or pp > 1) and dp * cp > 1 and zero_stage == 0 and grad_compression == "none":
+        # DDP handles neither DTensor (tp) parameters nor a pipeline schedule's backward; FSDP2 does both
+        zero_stage = 2
+    message = validate_data_parallel(zero_stage, grad_compression, dp=dp * cp, tp=tp, pp=pp)
+    if message:
+        raise ConfigError(message)
+    mode = "none" if dp * cp == 1 else {0: "ddp", 1: "zero1"}.get(zero_stage, "fsdp2")
+    return dp, zero_stage, mode
+
+
+def parse_profile_steps(text):
+    """'A:B' -> (A, B) with 1 <= A <= B."""
+    try:
+        start, end = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--profile_steps {text!r} must be A:B, two step numbers (e.g. 3:5)")
+    if not 1 <= start <= end:
+        raise ConfigError(f"--profile_steps {text}: need 1 <= A <= B")
+    return start, end
+
+
+def check_model_args(args, config):
+    """Model and batch flags: one line saying what to change."""
+    if args.max_seq_len < 2:
+        raise ConfigError(f"--max_seq_len {args.max_seq_len} is too small; it must be at least 2")
+    for name in ("batch_size", "accumulation_steps", "epochs", "log_interval", "save_interval"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    if args.head_dim is None and args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--hidden_size {args.hidden_size} is not divisible by --num_attention_heads "
+                          f"{args.num_attention_heads}; pick sizes that divide")
+    message = config.validate()
+    if message:
+        raise ConfigError(message)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device} but no CUDA device is available; use --device cpu")
+
+
+def check_parallel_args(args, config):
+    """Per-dimension layout checks (the sizes themselves are checked in data_parallel_mode)."""
+    if args.tp > 1:
+        message = tp_validate(config, args.tp, seq_len=args.max_seq_len // args.cp if args.sequence_parallel else None)
+        if message:
+            raise ConfigError(message)
+    if args.cp > 1 and args.max_seq_len % (2 * args.cp):
+        raise ConfigError(f"--max_seq_len {args.max_seq_len} must be divisible by 2*cp = {2 * args.cp} "
+                          "(each rank holds a head and a tail chunk); change --max_seq_len or --cp")
+    if args.pp > 1:
+        message = pp_validate(config.num_hidden_layers, args.pp, args.pp_schedule, args.accumulation_steps)
+        if message:
+            raise ConfigError(message)
+
+
+def check_combinations(args):
+    """Features that do not compose (yet)."""
+    if args.sequence_parallel and args.tp == 1:
+        raise ConfigError("--sequence_parallel 1 needs --tp > 1")
+    if args.sequence_parallel and args.pp > 1:
+        raise ConfigError("--sequence_parallel 1 with --pp > 1 is not supported yet; drop one of them")
+    if args.pp > 1 and args.eval_data_path:
+        raise ConfigError("--eval_data_path with --pp > 1 is not supported yet; validate with a pp=1 run")
+    if args.pp > 1 and args.use_compile:
+        raise ConfigError("--use_compile 1 with --pp > 1 is not supported; drop one of them")
+
+
+def check_paths(save_dir, from_weight, data_paths):
+    """Output directory writable, input files present and non-empty."""
+    probe = os.path.join(save_dir, f".write_test{os.getpid()}")
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"--save_dir {save_dir} is not writable ({e.strerror}); choose another directory")
+    if from_weight != "none" and not os.path.isfile(from_weight):
+        raise ConfigError(f"--from_weight: {from_weight} does not exist; train it first or pass --from_weight none")
+    for path in data_paths:
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"data file {path} does not exist; check --data_path/--eval_data_path")
+        if path is not None and os.path.getsize(path) == 0:
+            raise ConfigError(f"data file {path} is empty")
+
+
+def resolve(args, world_size, local_rank=0):
+    """Check the flags and derive the frozen TrainPlan; raises ConfigError before any collective."""
+    config = build_config(args)
+    check_model_args(args, config)
+    dtype = resolve_dtype(args.dtype, args.device)
+    dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.tp, args.pp, args.cp, args.zero_stage,
+                                                 args.grad_compression)
+    check_parallel_args(args, config)
+    check_combinations(args)
+    if zero_stage != args.zero_stage:
+        Logger(f"tp/pp with dp*cp > 1: data parallel uses FSDP2 with gathered parameters (zero stage {zero_stage})")
+    save_dir = typed_or_default(args.save_dir, "out")
+    name = weight_name(args.save_weight, config)
+    from_weight = args.from_weight
+    if from_weight != "none":
+        from_weight = typed_or_default(from_weight, None) if from_weight.endswith(".pth") else os.path.join(
+            save_dir, weight_name(from_weight, config) + ".pth")
+    data_path, eval_data_path = typed_or_default(args.data_path, None), typed_or_default(args.eval_data_path, None)
+    check_paths(save_dir, from_weight, (data_path, eval_data_path))
+    device = f"cuda:{local_rank}" if world_size > 1 and args.device.startswith("cuda") else args.device
+    return TrainPlan(
+        world_size=world_size, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, zero_stage=zero_stage, dp_mode=dp_mode,
+        grad_compression=args.grad_compression, pp_schedule=args.pp_schedule,
+        sequence_parallel=bool(args.sequence_parallel), grad_checkpointing=bool(args.grad_checkpointing),
+        use_compile=bool(args.use_compile), device=device, dtype=dtype, micro_batch=args.batch_size, num_microbatches=args.accumulation_steps,
+        seq_len=args.max_seq_len, global_batch=args.batch_size * args.accumulation_steps * dp,
+        # chunked loss: not under tp (vocab-sharded logits) nor pp (the schedule takes the last stage's logits)
+        chunked_loss=args.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1,
+        save_dir=save_dir, checkpoint_dir=typed_or_default(args.checkpoint_dir, "checkpoints"),
+        metrics_file=typed_or_default(args.metrics_file, None) or os.path.join(save_dir, f"{name}_metrics.jsonl"),
+        tokenizer_path=typed_or_default(args.tokenizer_path, "model"),
+        cache_dir=typed_or_default(args.cache_dir, os.path.join("dataset", ".cache")),
+        data_path=data_path, eval_data_path=eval_data_path, from_weight=from_weight,
+        tensorboard_dir=typed_or_default(args.tensorboard_dir, None),
+        profile_steps=parse_profile_steps(args.profile_steps) if args.profile_steps else None)
+
+
+def main_guard(main):
+    """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank."""
+    try:
+        main()
+    except ConfigError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(2)

@@ -1,0 +1,175 @@
+"""What a step measures and where it goes: FLOPs and peak FLOP/s (MFU), peak memory, the small
+collectives that sum or gather figures over ranks, and MetricsLog, the one sink call site of the loop."""
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from trainer.trainer_utils import Logger, is_main_process
+
+
+def model_flops_per_token(config, seq_len):
+    """Training FLOPs per token: 6 x parameters touched per token + causal attention (MoE: active experts only)."""
+    h, L, hd = config.hidden_size, config.num_hidden_layers, config.head_dim
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    attn_params = h * q + 2 * h * kv + q * h
+    if config.use_moe:
+        inter = config.moe_intermediate_size
+        mlp_params = 3 * h * inter * (config.num_experts_per_tok + config.n_shared_experts) + h * config.num_experts
+    else:
+        mlp_params = 3 * h * config.intermediate_size
+    params = L * (attn_params + mlp_params) + config.vocab_size * h  # lm_head (embedding lookup is free)
+    attn_flops = 6 * L * q * seq_len  # fwd 2*2*q*seq/2 (causal) per token, x3 for fwd+bwd
+    return 6 * params + attn_flops
+
+
+def lm_head_flops_per_token(config):
+    """The lm_head's share of model_flops_per_token (the chunked loss runs it on target tokens only)."""
+    return 6 * config.vocab_size * config.hidden_size
+
+
+def step_flops(config, seq_len, positions, target_tokens, head_on_targets_only):
+    """Training FLOPs of `positions` tokens of which `target_tokens` carry a label: the body runs on every
+    position; the lm_head too, unless the chunked loss runs it on target tokens only."""
+    head = lm_head_flops_per_token(config)
+    body = model_flops_per_token(config, seq_len) - head
+    return body * positions + head * (target_tokens if head_on_targets_only else positions)
+
+
+_PEAK_CACHE = {}
+
+
+def peak_flops(device, dtype):
+    """Device peak FLOP/s: CUDA from a table (dense, no sparsity); CPU measured once by a matmul probe."""
+    key = (str(device), dtype)
+    if key in _PEAK_CACHE:
+        return _PEAK_CACHE[key]
+    if torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        table = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40": 181e12, "4090": 165e12, "3090": 71e12}
+        peak = next((v for k, v in table.items() if k in name), 312e12)
+        if dtype == torch.float32:
+            peak = peak / 2 if "H1" in name or "H2" in name else peak / 16  # TF32 tensor-core peak
+    else:
+        n = 1024
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        best, reps = float("inf"), 10
+        for _ in range(3):  # best of three: a shared machine's load only ever slows a probe down
+            start = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+            best = min(best, time.perf_counter() - start)
+        peak = 2 * n ** 3 * reps / best
+    _PEAK_CACHE[key] = peak
+    return peak
+
+
+def peak_mem_gb(device):
+    """Peak memory of this process: CUDA allocator peak, or the CPU process's max resident set."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def world_sum(values, device):
+    """Sum a list of floats over all ranks (ranks that should not count pass zeros)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def group_sum(value, group, device):
+    """Sum an int over a process group (None: one process), e.g. the step's target tokens over dp."""
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def per_rank(value, device):
+    """One float from every rank, in rank order (e.g. each rank's peak memory)."""
+    if not dist.is_initialized():
+        return [value]
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return [g.item() for g in gathered]
+
+
+def console_line(record, epochs):
+    """The console form of a step or validation record."""
+    if "eval_loss" in record:
+        return f"step {record['step']}: eval_loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}"
+    return (f"Epoch:[{record['epoch'] + 1}/{epochs}] step {record['step']} loss:{record['loss']:.6f} "
+            f"aux_loss:{record['aux_loss']:.6f} lr:{record['lr']:.3e} tokens/s:{record['tokens_per_sec']:.0f} "
+            f"mfu:{record['mfu']:.1%} mem:{record['peak_mem_gb']:.2f}GB")
+
+
+class MetricsLog:
+    """Every sink of a record, behind one `log(record)`: the metrics JSONL (always), the console and
+    swanlab (--use_wandb). Rank 0 writes; on other ranks log() does nothing."""
+
+    def __init__(self, path, epochs, fresh, use_wandb=False, project="MiniMind", config=None, run_id=None):
+        self.path, self.epochs, self.run_id, self.swanlab = path, epochs, run_id, None
+        self.active = is_main_process()
+        if not self.active:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if fresh and os.path.exists(path):
+            os.remove(path)  # a fresh run starts a fresh metrics file; a resumed one appends
+        if use_wandb:
+            self.start_swanlab(project, config or {})
+
+    def start_swanlab(self, project, config):
+        """swanlab (wandb-compatible), offline when not logged in; a run never needs it."""
+        try:
+            import swanlab  # optional dependency, only with --use_wandb
+        except ImportError:
+            Logger("--use_wandb: swanlab is not installed (pip install swanlab); continuing without tracking")
+            return
+        run = swanlab.init(project=project, config={k: str(v) for k, v in config.items()}, id=self.run_id,
+                           resume="allow" if self.run_id else None, mode="local" if self.run_id is None else None)
+        self.swanlab, self.run_id = swanlab, getattr(run, "id", self.run_id)
+
+    def log(self, record):
+        if not self.active:
+            return
+        tqdm.write(console_line(record, self.epochs))
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.swanlab is not None:
+            self.swanlab.log({k: v for k, v in record.items() if not isinstance(v, list)})
+
+    def close(self):
+        if self.swanlab is not None:
+            self.swanlab.finish()
+
+
+class StepTimer:
+    """Tokens and FLOPs since the last logged step, for tokens/s and MFU over that window."""
+
+    def __init__(self, peak_flops_total):
+        self.peak, self.start_time = peak_flops_total, time.time()
+        self.reset()
+
+    def reset(self):
+        self.window_start, self.tokens, self.flops = time.time(), 0, 0.0
+
+    def add(self, tokens, flops):
+        self.tokens += tokens
+        self.flops += flops
+
+    def rates(self):
+        """(tokens/s, MFU, seconds since the run started) of the window; starts the next window."""
+        elapsed = max(time.time() - self.window_start, 1e-9)
+        rates = self.tokens / elapsed, self.flops / elapsed / self.peak, time.time() - self.start_time
+        self.reset()
+        return rates

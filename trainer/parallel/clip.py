@@ -1,0 +1,61 @@
+"""Gradient-norm clipping over any layout: DTensor grads (FSDP2, TP) are reduced over their mesh and
+pipeline stages' norms are summed over the pp group, so the norm equals the single-process one."""
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _group_norm(grads, norm_type, error_if_nonfinite, foreach):
+    """Norm of grads that share one type/mesh/placement; a DTensor norm is reduced over its mesh."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def _total_norm(grads, norm_type, error_if_nonfinite, foreach, device):
+    # DTensors on different meshes/placements (TP vs FSDP vs plain) cannot be stacked together.
+    groups = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else ("plain", g.device)
+        groups.setdefault(key, []).append(g)
+    norms = [_group_norm(gs, norm_type, error_if_nonfinite, foreach) for gs in groups.values()]
+    if not norms:  # e.g. a pipeline stage whose parameters all got no gradient
+        return torch.zeros((), device=device)
+    norms = torch.stack([n.to(device, torch.float32) for n in norms])
+    if math.isinf(norm_type):
+        return norms.max()
+    return norms.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None, exclude=None,
+                    error_if_nonfinite=False, foreach=None):
+    """Clip gradients by their total norm over ALL ranks; return that norm (same as torch's on one process).
+
+    DTensor grads (FSDP2, TP) are reduced over their mesh; pp_group sums the norms of the pipeline
+    stages. exclude: parameters still clipped but left out of the norm, e.g. a pipeline stage's copy
+    of the tied embedding, so each weight counts once.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = [p for p in parameters if p.grad is not None]
+    excluded = {id(p) for p in (exclude or ())}
+    counted = [p.grad for p in params if id(p) not in excluded]
+    device = params[0].grad.device if params else torch.device("cpu")
+    total = _total_norm(counted, float(norm_type), error_if_nonfinite, foreach, device)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        if math.isinf(norm_type):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
+        else:
+            total = total.pow(norm_type)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+            total = total.pow(1.0 / norm_type)
+    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
+    by_device = {}
+    for p in params:  # scale the local shards in place; no communication needed
+        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        by_device.setdefault(local.device, []).append(local)
+    for device, tensors in by_device.items():
+        torch._foreach_mul_(tensors, clip_coef.to(device))
+    return total
