@@ -168,13 +168,13 @@ def run_profiled(out_dir, spec, start_step, last_step):
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     model = MiniMindForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    profiler = StepProfiler(spec, str(out_dir), "cpu", start_step=start_step)
+    profiler = StepProfiler(spec, str(out_dir), "cpu")
     for step in range(start_step + 1, last_step + 1):
+        profiler.begin(step)
         ids = torch.randint(0, config.vocab_size, (2, 32))
         model(ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        profiler.step(step)
     profiler.close()
     traces = glob.glob(os.path.join(out_dir, "rank0.*.pt.trace.json"))
     assert len(traces) == 1
@@ -199,11 +199,54 @@ def test_step_profiler_traces_only_the_requested_steps(tmp_path):
     # a run resumed from step 2 profiles what is left of 2:4, from its first step
     marks, optimizer_steps = profiled_steps(run_profiled(tmp_path / "b", "2:4", start_step=2, last_step=5))
     assert marks == [3, 4] and len(optimizer_steps) == 2
+    # a run that stops inside A..B (max_steps) marks only the steps it ran
+    marks, optimizer_steps = profiled_steps(run_profiled(tmp_path / "c", "2:4", start_step=0, last_step=2))
+    assert marks == [2] and len(optimizer_steps) == 1
 
 
 def test_step_profiler_off_writes_nothing(tmp_path):
     profiler = StepProfiler(None, str(tmp_path / "p"), "cpu")
     for step in range(1, 4):
-        profiler.step(step)
+        profiler.begin(step)
     profiler.close()
     assert not os.path.exists(tmp_path / "p")
+
+
+def test_trainer_run_writes_every_sink_and_a_resume_continues_them(tmp_path, monkeypatch):
+    """The real trainer with --tensorboard_dir, --use_wandb (no login: offline) and --profile_steps, stopped at
+    step 2 and resumed to 4: every sink holds each step once, with the values of the metrics file."""
+    from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
+    data = demo_slice(tmp_path, "pretrain", 48)
+    out, tb = tmp_path / "out", tmp_path / "tb"
+    monkeypatch.delenv("SWANLAB_API_KEY", raising=False)  # as in CI: not logged in, no TTY
+    monkeypatch.delenv("SWANLAB_MODE", raising=False)
+    env = dict(SWANLAB_ROOT=str(tmp_path / "no_login"))  # no saved `swanlab login` either
+    common = [*TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps", "1",
+              "--log_interval", "1", "--save_interval", "1", "--save_dir", str(out), "--checkpoint_dir",
+              str(tmp_path / "ckpt"), "--tensorboard_dir", str(tb), "--use_wandb", "--profile_steps", "2:3"]
+    for extra in (["--max_steps", "2"], ["--max_steps", "4", "--from_resume", "1"]):
+        proc = python("trainer/train_pretrain.py", common + extra, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = read_metrics(str(out / "pretrain_64_metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]  # the resumed run appended, once per step
+    loss = {r["step"]: r["loss"] for r in records}
+
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert {e.step: e.value for e in events.Scalars("loss")} == {s: float(np.float32(v)) for s, v in loss.items()}
+    assert [e.step for e in events.Scalars("peak_mem_gb_per_rank/rank0")] == [1, 2, 3, 4]
+
+    run_dirs = sorted(glob.glob(str(out / "swanlog" / "run-*")))
+    assert len(run_dirs) == 2 and len({d.rsplit("-", 1)[1] for d in run_dirs}) == 1  # one swanlab run, resumed
+    swanlab_loss = {}
+    for run_dir in run_dirs:
+        swanlab_loss.update(read_swanlab_scalars(run_dir)["loss"])
+    assert swanlab_loss == pytest.approx(loss, rel=1e-6)
+
+    traces = glob.glob(str(out / "profile" / "rank0.*.pt.trace.json"))
+    assert len(traces) == 2  # step 2 by the first run, step 3 by the resumed one
+    marks = []
+    for trace in traces:
+        with open(trace) as f:
+            marks += profiled_steps(json.load(f)["traceEvents"])[0]
+    assert sorted(marks) == [2, 3]

@@ -78,13 +78,36 @@ def test_typed_paths_follow_the_cwd(tmp_path):
     """Run from outside the repo with relative paths: outputs land beside the user, under the default names."""
     demo_slice(tmp_path, "pretrain", 32, name="d.jsonl")
     proc = python(SCRIPT, [*TINY_MODEL, "--data_path", "d.jsonl", "--save_dir", "o", "--checkpoint_dir", "c",
-                           "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps", "1", "--max_steps", "2",
+                           "--cache_dir", "cache", "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps", "1", "--max_steps", "2",
                            "--log_interval", "1"], timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(str(tmp_path / "o" / "pretrain_64_metrics.jsonl"))  # keyed by the weight name
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["loss"] == pytest.approx(math.log(6400), rel=0.05)  # random init: ~ln(vocab)
     assert (tmp_path / "o" / "pretrain_64.pth").is_file() and (tmp_path / "c" / "pretrain_64_resume.pth").is_file()
+    assert any(name.startswith("d.jsonl.pretrain.") for name in os.listdir(tmp_path / "cache"))  # the token cache
+
+
+@pytest.mark.parametrize("script", [SCRIPT, "trainer/train_sft.py"])
+def test_from_weight_takes_the_shapes_of_the_file(tmp_path, script):
+    """A .pth of shapes no default has (fp16, as MiniMind saves) starts a run with no model flags at all;
+    at lr 0 the weights the run saves are exactly the file's."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=32, intermediate_size=192)
+    torch.manual_seed(3)
+    state = {k: v.half() for k, v in MiniMindForCausalLM(config).state_dict().items()}
+    torch.save(state, tmp_path / "mm.pth")
+    data = demo_slice(tmp_path, "sft" if script.endswith("sft.py") else "pretrain", 32)
+    proc = python(script, ["--from_weight", str(tmp_path / "mm.pth"), "--learning_rate", "0", "--dtype", "float32",
+                           "--save_dtype", "float32", "--data_path", data, "--max_seq_len", "64", "--batch_size", "4",
+                           "--accumulation_steps", "1", "--max_steps", "1", "--save_dir", str(tmp_path / "out"),
+                           "--checkpoint_dir", str(tmp_path / "ckpt"), "--save_weight", "w"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("--from_weight"))
+    assert "--hidden_size 768 (the weights have 64)" in line and "--head_dim" not in line  # head_dim flag not given
+    saved = torch.load(tmp_path / "out" / "w_64.pth")
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(saved[k], state[k].float()) for k in state)
 
 
 def test_help_shows_every_default():
@@ -102,7 +125,7 @@ def expect_rejected(tmp_path, args, needle):
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert lines and lines[-1].startswith("error:") and needle in lines[-1], lines[-3:]
-    assert "Epoch:" not in proc.stdout  # rejected before training
+    assert "| loss " not in proc.stdout  # rejected before training: no step was logged
 
 
 @pytest.mark.parametrize("args,needle", [

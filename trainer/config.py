@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 from model.model_minimind import MiniMindConfig
+from model.weights import WeightsError, flag_conflicts, infer_config, read_weights
 from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import validate_layout
 from trainer.parallel.pipeline import pp_validate
 from trainer.parallel.tensor import tp_validate
-from trainer.trainer_utils import ConfigError, Logger, repo_path, weight_name
+from trainer.tracking import parse_profile_steps
+from trainer.trainer_utils import ConfigError, Logger, typed_or_default, weight_name
 
 
 def add_train_args(parser, **defaults):
@@ -64,7 +66,7 @@ def add_train_args(parser, **defaults):
     a("--seed", type=int, default=42, help="model init and data order (a pure function of seed and epoch)")
     a("--metrics_file", default=None, help="JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
     a("--tensorboard_dir", default=None, help="also write TensorBoard scalars here (default: off)")
-    a("--profile_steps", default=None, help="A:B: torch.profiler trace of optimizer steps A to B (default: off)")
+    a("--profile_steps", default=None, help="A:B: torch.profiler trace of optimizer steps A to B under <save_dir>/profile (default: off)")
     a("--save_dtype", default="float16", choices=["float16", "bfloat16", "float32"], help="dtype of the saved weights")
     a("--use_wandb", action="store_true", help="log to swanlab (local mode when not logged in)")
     a("--wandb_project", default="MiniMind", help="swanlab project name")
@@ -97,22 +99,35 @@ def parse_args(description, **defaults):
     return add_train_args(parser, **defaults).parse_args()
 
 
-def build_config(args):
-    """The MiniMindConfig the flags describe (None sizes keep the model's own rule)."""
-    sizes = {name: getattr(args, name) for name in ("intermediate_size", "moe_intermediate_size", "head_dim")
-             if getattr(args, name, None) is not None}
-    return MiniMindConfig(hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-                          num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-                          use_moe=bool(args.use_moe), num_experts=args.num_experts,
-                          num_experts_per_tok=args.num_experts_per_tok, max_position_embeddings=max(32768, args.max_seq_len),
-                          loss_chunk_size=args.loss_chunk_size, **sizes)
+MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "moe_intermediate_size", "head_dim", "use_moe", "num_experts", "num_experts_per_tok")
 
 
-def typed_or_default(typed, default):
-    """The path rule: a path the user typed resolves against the current directory, a default against the repo."""
-    if typed is None:
-        return None if default is None else repo_path(default)
-    return os.path.abspath(typed)
+def build_config(args, weight_fields=None):
+    """The MiniMindConfig the flags describe (None sizes keep the model's own rule); `weight_fields`, the shapes
+    of the --from_weight file (see weight_shapes), take precedence over the flags."""
+    fields = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name, None) is not None}
+    fields["use_moe"] = bool(fields["use_moe"])
+    fields.update(weight_fields or {})
+    return MiniMindConfig(max_position_embeddings=max(32768, args.max_seq_len), loss_chunk_size=args.loss_chunk_size,
+                          **fields)
+
+
+def weight_shapes(args, path):
+    """The model fields a --from_weight file fixes (from its tensors, and top-k from its saved config); one line
+    says which flags they override, so a MiniMind-3 .pth or an older run's weights load without size flags."""
+    try:
+        state_dict, saved_config = read_weights(path)
+        fields = infer_config(state_dict)
+    except WeightsError as e:
+        raise ConfigError(str(e)) from None
+    if saved_config and "num_experts_per_tok" in saved_config and fields["use_moe"]:
+        fields["num_experts_per_tok"] = saved_config["num_experts_per_tok"]
+    flags = {name: getattr(args, name) for name in MODEL_FLAGS if name != "use_moe"}
+    conflicts = flag_conflicts(fields, dict(flags, use_moe=bool(args.use_moe)))
+    if conflicts:
+        Logger(f"--from_weight {path}: the model takes the weights' shapes, not the flags: {'; '.join(conflicts)}")
+    return fields
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,7 @@ class TrainPlan:
     from_weight: str  # "none" or a .pth path
     tensorboard_dir: Optional[str]
     profile_steps: Optional[tuple]
+    weight_fields: dict  # model fields fixed by the --from_weight file (build_config(args, weight_fields))
 
     @property
     def micro_batch_shape(self):
@@ -194,17 +210,6 @@ def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compress
     return dp, zero_stage, mode
 
 
-def parse_profile_steps(text):
-    """'A:B' -> (A, B) with 1 <= A <= B."""
-    try:
-        start, end = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise ConfigError(f"--profile_steps {text!r} must be A:B, two step numbers (e.g. 3:5)")
-    if not 1 <= start <= end:
-        raise ConfigError(f"--profile_steps {text}: need 1 <= A <= B")
-    return start, end
-
-
 def check_model_args(args, config):
     """Model and batch flags: one line saying what to change."""
     if args.max_seq_len < 2:
@@ -212,9 +217,9 @@ def check_model_args(args, config):
     for name in ("batch_size", "accumulation_steps", "epochs", "log_interval", "save_interval"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    if args.head_dim is None and args.hidden_size % args.num_attention_heads:
-        raise ConfigError(f"--hidden_size {args.hidden_size} is not divisible by --num_attention_heads "
-                          f"{args.num_attention_heads}; pick sizes that divide")
+    if args.head_dim is None and config.hidden_size % config.num_attention_heads:
+        raise ConfigError(f"--hidden_size {config.hidden_size} is not divisible by --num_attention_heads "
+                          f"{config.num_attention_heads}; pick sizes that divide or pass --head_dim")
     message = config.validate()
     if message:
         raise ConfigError(message)
@@ -259,7 +264,7 @@ def check_paths(save_dir, from_weight, data_paths):
         os.remove(probe)
     except OSError as e:
         raise ConfigError(f"--save_dir {save_dir} is not writable ({e.strerror}); choose another directory")
-    if from_weight != "none" and not os.path.isfile(from_weight):
+    if from_weight != "none" and not os.path.exists(from_weight):
         raise ConfigError(f"--from_weight: {from_weight} does not exist; train it first or pass --from_weight none")
     for path in data_paths:
         if path is not None and not os.path.isfile(path):
@@ -270,7 +275,15 @@ def check_paths(save_dir, from_weight, data_paths):
 
 def resolve(args, world_size, local_rank=0):
     """Check the flags and derive the frozen TrainPlan; raises ConfigError before any collective."""
-    config = build_config(args)
+    save_dir = typed_or_default(args.save_dir, "out")
+    from_weight = args.from_weight
+    if from_weight != "none":  # a path, or a weight prefix: <save_dir>/<prefix>_<hidden>[_moe].pth
+        from_weight = typed_or_default(from_weight, None) if from_weight.endswith(".pth") or os.path.isdir(
+            from_weight) else os.path.join(save_dir, weight_name(from_weight, build_config(args)) + ".pth")
+    data_path, eval_data_path = typed_or_default(args.data_path, None), typed_or_default(args.eval_data_path, None)
+    check_paths(save_dir, from_weight, (data_path, eval_data_path))
+    weight_fields = weight_shapes(args, from_weight) if from_weight != "none" else {}
+    config = build_config(args, weight_fields)
     check_model_args(args, config)
     dtype = resolve_dtype(args.dtype, args.device)
     dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.tp, args.pp, args.cp, args.zero_stage,
@@ -279,14 +292,7 @@ def resolve(args, world_size, local_rank=0):
     check_combinations(args)
     if zero_stage != args.zero_stage:
         Logger(f"tp/pp with dp*cp > 1: data parallel uses FSDP2 with gathered parameters (zero stage {zero_stage})")
-    save_dir = typed_or_default(args.save_dir, "out")
     name = weight_name(args.save_weight, config)
-    from_weight = args.from_weight
-    if from_weight != "none":
-        from_weight = typed_or_default(from_weight, None) if from_weight.endswith(".pth") else os.path.join(
-            save_dir, weight_name(from_weight, config) + ".pth")
-    data_path, eval_data_path = typed_or_default(args.data_path, None), typed_or_default(args.eval_data_path, None)
-    check_paths(save_dir, from_weight, (data_path, eval_data_path))
     device = f"cuda:{local_rank}" if world_size > 1 and args.device.startswith("cuda") else args.device
     return TrainPlan(
         world_size=world_size, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, zero_stage=zero_stage, dp_mode=dp_mode,
@@ -302,7 +308,15 @@ def resolve(args, world_size, local_rank=0):
         cache_dir=typed_or_default(args.cache_dir, os.path.join("dataset", ".cache")),
         data_path=data_path, eval_data_path=eval_data_path, from_weight=from_weight,
         tensorboard_dir=typed_or_default(args.tensorboard_dir, None),
-        profile_steps=parse_profile_steps(args.profile_steps) if args.profile_steps else None)
+        profile_steps=profile_steps(args.profile_steps), weight_fields=weight_fields)
+
+
+def profile_steps(spec):
+    """--profile_steps A:B as (A, B), or None; a bad spec is a ConfigError."""
+    try:
+        return parse_profile_steps(spec) if spec else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def main_guard(main):

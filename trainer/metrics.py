@@ -1,15 +1,10 @@
-"""What a step measures and where it goes: FLOPs and peak FLOP/s (MFU), peak memory, the small
-collectives that sum or gather figures over ranks, and MetricsLog, the one sink call site of the loop."""
-import json
-import os
+"""What a step measures: FLOPs and peak FLOP/s (MFU), peak memory, and the small collectives that sum or
+gather figures over ranks. Where the figures go (JSONL, console, TensorBoard, swanlab) is trainer/tracking.py."""
 import resource
 import time
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
-
-from trainer.trainer_utils import Logger, is_main_process
 
 
 def model_flops_per_token(config, seq_len):
@@ -102,55 +97,6 @@ def per_rank(value, device):
     gathered = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, t)
     return [g.item() for g in gathered]
-
-
-def console_line(record, epochs):
-    """The console form of a step or validation record."""
-    if "eval_loss" in record:
-        return f"step {record['step']}: eval_loss {record['eval_loss']:.4f} ppl {record['eval_ppl']:.2f}"
-    return (f"Epoch:[{record['epoch'] + 1}/{epochs}] step {record['step']} loss:{record['loss']:.6f} "
-            f"aux_loss:{record['aux_loss']:.6f} lr:{record['lr']:.3e} tokens/s:{record['tokens_per_sec']:.0f} "
-            f"mfu:{record['mfu']:.1%} mem:{record['peak_mem_gb']:.2f}GB")
-
-
-class MetricsLog:
-    """Every sink of a record, behind one `log(record)`: the metrics JSONL (always), the console and
-    swanlab (--use_wandb). Rank 0 writes; on other ranks log() does nothing."""
-
-    def __init__(self, path, epochs, fresh, use_wandb=False, project="MiniMind", config=None, run_id=None):
-        self.path, self.epochs, self.run_id, self.swanlab = path, epochs, run_id, None
-        self.active = is_main_process()
-        if not self.active:
-            return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if fresh and os.path.exists(path):
-            os.remove(path)  # a fresh run starts a fresh metrics file; a resumed one appends
-        if use_wandb:
-            self.start_swanlab(project, config or {})
-
-    def start_swanlab(self, project, config):
-        """swanlab (wandb-compatible), offline when not logged in; a run never needs it."""
-        try:
-            import swanlab  # optional dependency, only with --use_wandb
-        except ImportError:
-            Logger("--use_wandb: swanlab is not installed (pip install swanlab); continuing without tracking")
-            return
-        run = swanlab.init(project=project, config={k: str(v) for k, v in config.items()}, id=self.run_id,
-                           resume="allow" if self.run_id else None, mode="local" if self.run_id is None else None)
-        self.swanlab, self.run_id = swanlab, getattr(run, "id", self.run_id)
-
-    def log(self, record):
-        if not self.active:
-            return
-        tqdm.write(console_line(record, self.epochs))
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.swanlab is not None:
-            self.swanlab.log({k: v for k, v in record.items() if not isinstance(v, list)})
-
-    def close(self):
-        if self.swanlab is not None:
-            self.swanlab.finish()
 
 
 class StepTimer:

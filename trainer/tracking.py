@@ -147,22 +147,18 @@ def parse_profile_steps(spec):
 class StepProfiler:
     """--profile_steps A:B: a torch.profiler trace of optimizer steps A..B (CPU, CUDA on GPU, memory) under out_dir.
 
-    Each rank writes `rank<r>.<time>.pt.trace.json` (tensorboard_trace_handler): open it in Perfetto or TensorBoard.
-    Steps are marked `ProfilerStep#<global step>`. start_step: the global step the loop starts from (resume).
+    Call `begin(step)` as each optimizer step starts and `close()` when training ends: a step is marked
+    `ProfilerStep#<step>` only once it runs, so a run that stops inside A..B leaves no empty mark. Each rank writes
+    `rank<r>.<time>.pt.trace.json` (tensorboard_trace_handler): open it in Perfetto or TensorBoard.
     """
 
-    def __init__(self, spec, out_dir, device, start_step=0):
-        self.steps = None if spec is None else parse_profile_steps(spec)
+    def __init__(self, spec, out_dir, device):
+        self.steps = parse_profile_steps(spec) if isinstance(spec, str) else spec  # "A:B", (A, B) or None
         self.out_dir = out_dir
         self.device = torch.device(device)
         self._profiler = self._step_range = None
-        if self.steps is not None:
-            self._start_if_profiled(start_step + 1)
 
-    def _start_if_profiled(self, next_step):
-        first, last = self.steps
-        if not first <= next_step <= last:
-            return
+    def _start(self):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -171,35 +167,31 @@ class StepProfiler:
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True,
                                                 on_trace_ready=handler)
         self._profiler.start()
-        self._mark(next_step)
-
-    def _mark(self, step):
-        self._step_range = torch.profiler.record_function(f"ProfilerStep#{step}")
-        self._step_range.__enter__()
 
     def _end_mark(self):
         if self._step_range is not None:
             self._step_range.__exit__(None, None, None)
             self._step_range = None
 
-    def step(self, global_step):
-        """Call once after each optimizer step with that step's number; starts, marks and ends the trace."""
+    def begin(self, step):
+        """Optimizer step `step` (1-based, global) starts: end the previous step's mark, start or stop the trace."""
         if self.steps is None:
             return
-        if self._profiler is None:
-            self._start_if_profiled(global_step + 1)
-            return
         self._end_mark()
-        if global_step >= self.steps[1]:
+        first, last = self.steps
+        if step > last:
             self.close()
-        else:
-            self._mark(global_step + 1)
+        elif step >= first:
+            if self._profiler is None:
+                self._start()
+            self._step_range = torch.profiler.record_function(f"ProfilerStep#{step}")
+            self._step_range.__enter__()
 
     def close(self):
-        """End the trace early (e.g. training stopped inside A..B) and write it; a no-op when not profiling."""
+        """End the trace (after the last step, or when training stopped inside A..B) and write it; else a no-op."""
+        self._end_mark()
         if self._profiler is None:
             return
-        self._end_mark()
         self._profiler.stop()  # writes the trace through on_trace_ready
         self._profiler = None
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from dataset.demo_data import ensure_demo_data
 from trainer.checkpoint import TrainState, load_resume, restore, save_checkpoint
 from trainer.config import build_config, resolve
-from trainer.metrics import (MetricsLog, StepTimer, group_sum, peak_flops, peak_mem_gb, per_rank, step_flops,
+from trainer.metrics import (StepTimer, group_sum, peak_flops, peak_mem_gb, per_rank, step_flops,
                              world_sum)
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.context import context_position_ids, shard_sequence
@@ -26,6 +26,7 @@ from trainer.parallel.data import build_optimizer, grad_reduce_factor
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
+from trainer.tracking import StepProfiler, Tracker
 from trainer.trainer_utils import (ConfigError, Logger, SkipBatchSampler, get_lr, init_distributed_mode, init_model,
                                    is_main_process, setup_seed, weight_name)
 
@@ -48,8 +49,8 @@ class Trainer:
 
 def setup(args):
     """Phase 1: check the flags into a TrainPlan, start the process group and mesh, seed. Returns (config, plan, dims)."""
-    config = build_config(args)
     plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+    config = build_config(args, plan.weight_fields)
     init_distributed_mode(args.dist_timeout)
     dims = ParallelDims.build(plan.world_size, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                               device_type=torch.device(plan.device).type)
@@ -66,6 +67,9 @@ def load_datasets(plan, make_dataset, demo_kind):
         eval_ds = make_dataset(plan.eval_data_path) if plan.eval_data_path else None
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e))
+    for path, ds in ((data_path, train_ds), (plan.eval_data_path, eval_ds)):
+        if ds is not None and ds.num_bad_lines:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
+            Logger(f"--skip_bad_lines: skipped {ds.num_bad_lines} bad rows of {path}")
     if len(train_ds) < plan.global_batch:
         raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
                           f"({plan.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
@@ -105,6 +109,7 @@ def train(trainer, train_ds, eval_ds=None):
     steps_per_epoch = len(train_ds) // plan.global_batch
     trainer.total_steps = args.epochs * steps_per_epoch
     tracker = make_tracker(trainer)
+    profiler = StepProfiler(plan.profile_steps, os.path.join(plan.save_dir, "profile"), plan.device)
     timer = StepTimer(peak_flops(plan.device, plan.dtype) * plan.world_size)
     Logger(f"{steps_per_epoch} optimizer steps per epoch, global batch {plan.global_batch} x {plan.seq_len} "
            f"tokens, dtype {plan.dtype}")
@@ -116,6 +121,7 @@ def train(trainer, train_ds, eval_ds=None):
         batches, bar = epoch_batches(trainer, train_ds, epoch), progress_bar(trainer, steps_per_epoch)
         timer.reset()
         while progress.step_in_epoch < steps_per_epoch and not reached_max_steps(trainer):
+            profiler.begin(progress.global_step + 1)
             metrics = train_step(trainer, [next(batches) for _ in range(plan.num_microbatches)])
             progress.step_in_epoch += 1
             bar.update(1)
@@ -134,6 +140,7 @@ def train(trainer, train_ds, eval_ds=None):
         progress.step_in_epoch = 0
     if eval_ds is not None and not (args.eval_interval and progress.global_step % args.eval_interval == 0):
         tracker.log(evaluate(trainer, eval_ds))  # unless the last step just did
+    profiler.close()
     tracker.close()
     Logger(f"Done: {progress.global_step} steps, weights in "
            f"{os.path.join(plan.save_dir, weight_name(args.save_weight, trainer.config))}.pth")
@@ -239,10 +246,15 @@ def progress_bar(trainer, steps_per_epoch):
 
 
 def make_tracker(trainer):
-    """The one object every record goes through (metrics JSONL, console, swanlab)."""
-    args, progress = trainer.args, trainer.progress
-    tracker = MetricsLog(trainer.plan.metrics_file, args.epochs, fresh=not trainer.resumed, use_wandb=args.use_wandb,
-                         project=args.wandb_project, config=vars(args), run_id=progress.tracker_id)
+    """The one object every record goes through: metrics JSONL, console, TensorBoard, swanlab (trainer/tracking.py).
+
+    A resumed run keeps the records up to its checkpoint's step and continues the same swanlab run; a fresh run
+    starts the metrics file anew (kept to step 0)."""
+    args, plan, progress = trainer.args, trainer.plan, trainer.progress
+    tracker = Tracker(plan.metrics_file, is_main=is_main_process(), tensorboard_dir=plan.tensorboard_dir,
+                      use_wandb=args.use_wandb, wandb_project=args.wandb_project,
+                      run_name=weight_name(args.save_weight, trainer.config), resume_id=progress.tracker_id,
+                      config=vars(args), resume_step=progress.global_step if trainer.resumed else 0)
     progress.tracker_id = tracker.run_id
     return tracker
 

@@ -11,6 +11,7 @@ from torch.utils.data import Sampler
 from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindForCausalLM
+from model.weights import WeightsError, load_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,6 +23,13 @@ class ConfigError(Exception):
 def repo_path(path):
     """A path relative to the repository root (absolute paths pass through): where defaults live."""
     return path if os.path.isabs(path) else os.path.join(ROOT, path)
+
+
+def typed_or_default(typed, default):
+    """The path rule: a path the user typed resolves against the current directory, a default against the repo."""
+    if typed is None:
+        return None if default is None else repo_path(default)
+    return os.path.abspath(typed)
 
 
 def is_main_process():
@@ -67,17 +75,16 @@ def weight_name(save_weight, config):
 
 
 def init_model(config, tokenizer_path="model", from_weight="none", save_dir="out", device="cpu"):
-    """Tokenizer + model; loads out/<from_weight>_<hidden>[_moe].pth (or a given .pth path) unless 'none'."""
+    """Tokenizer + model; loads out/<from_weight>_<hidden>[_moe].pth (or a .pth / HF folder path) unless 'none'."""
     tokenizer = AutoTokenizer.from_pretrained(repo_path(tokenizer_path))
     model = MiniMindForCausalLM(config)
     if from_weight != "none":
-        path = from_weight if from_weight.endswith(".pth") else os.path.join(
+        path = from_weight if from_weight.endswith(".pth") or os.path.isdir(from_weight) else os.path.join(
             repo_path(save_dir), weight_name(from_weight, config) + ".pth")
-        state = torch.load(path, map_location="cpu")
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
-        if missing or unexpected:
-            raise ConfigError(f"{path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        try:
+            load_weights(model, path)  # strict; a mismatch names the file, tensor, both shapes and the flag
+        except WeightsError as e:
+            raise ConfigError(str(e)) from None
     Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
     return model.to(device), tokenizer
 
