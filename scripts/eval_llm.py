@@ -20,12 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # no
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import WeightsError, infer_config, load_weights, read_checkpoint, read_weights  # noqa: E402
-from trainer.trainer_utils import weight_name  # noqa: E402
-
-
-def typed_or_default(value, default):
-    """A path the user typed resolves against the cwd; the default against the repository root."""
-    return os.path.abspath(value) if value else os.path.join(ROOT, default)
+from trainer.trainer_utils import typed_or_default, weight_name  # noqa: E402
 
 
 def load_folder(folder):
