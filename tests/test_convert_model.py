@@ -8,13 +8,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
+from transformers import (AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
                           __version__ as transformers_version)
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, python
-from tests.test_weights import write_minimind_folder
+from tests.test_weights import tiny_qwen3, write_minimind_folder
 
 VOCAB = 6400  # the tokenizers copied are model/'s
 TOL = 1e-4  # fp32: the two implementations differ only in summation order
@@ -108,11 +108,7 @@ def test_format_minimind_loads_with_trust_remote_code(tmp_path):
 
 
 def test_import_minimind_format_folder(tmp_path):
-    torch.manual_seed(0)
-    reference = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=256,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
-                                             tie_word_embeddings=True)).eval()
+    reference = tiny_qwen3(VOCAB)
     folder = write_minimind_folder(tmp_path / "minimind-3", reference)
     assert convert_main(["--to", "minimind", "--out_dir", str(folder), "--weight", str(tmp_path / "mm3.pth")]) == 0
     model = MiniMindForCausalLM(tiny(intermediate_size=256)).eval()

@@ -176,6 +176,14 @@ def test_qwen3_folders_read_as_minimind(tmp_path):
     assert read_weights(str(tmp_path / "dense"))[1]["rope_theta"] == 5e5
 
 
+def tiny_qwen3(vocab=VOCAB):
+    """A seeded tiny dense transformers Qwen3 (the independent reference for MiniMind-format folders)."""
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+                                        rms_norm_eps=1e-6, tie_word_embeddings=True)).eval()
+
+
 def write_minimind_folder(folder, reference):
     """Write `reference` (a tiny dense Qwen3) as MiniMind's export does: its config field names, tied lm_head left out."""
     cfg = reference.config
@@ -196,11 +204,7 @@ def write_minimind_folder(folder, reference):
 
 def test_minimind_format_folder_reads_with_its_config(tmp_path):
     """A folder as MiniMind's own export writes it loads without running its modeling file."""
-    torch.manual_seed(0)
-    reference = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=256,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
-                                             tie_word_embeddings=True)).eval()
+    reference = tiny_qwen3()
     folder = write_minimind_folder(tmp_path / "minimind-3", reference)
     state_dict, config = read_weights(str(folder))
     assert config["rope_theta"] == 1e6 and config["intermediate_size"] == 256 and "auto_map" not in config
