@@ -201,5 +201,19 @@ def test_bad_arguments(tokenizer, tmp_path):
     assert token_cache.default_num_proc() == len(os.sched_getaffinity(0))
 
 
+def test_pretokenize_num_proc_writes_the_cache_bytes(tokenizer, tmp_path):
+    path = demo_slice(tmp_path, "pretrain", 200)
+    expected = cache_bytes(reference("pretrain", path, tokenizer, str(tmp_path / "ref")).cache_path)
+    script = os.path.join(ROOT, "scripts", "pretokenize.py")
+    run = lambda *args: subprocess.run([sys.executable, script, "--data_path", path, "--out_dir",  # noqa: E731
+                                        str(tmp_path / "shard"), *args], capture_output=True, text=True, timeout=120)
+    assert run("--num_proc", "2").returncode == 0
+    shard = os.path.join(tmp_path, "shard", "pretrain_200")
+    assert open(shard + ".bin", "rb").read() == expected["tokens.bin"]
+    assert open(shard + ".idx", "rb").read() == expected["offsets.bin"]
+    bad = run("--num_proc", "0")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --num_proc must be at least 1, got 0"
+
+
 if __name__ == "__main__":
     rank_main(*sys.argv[1:])
