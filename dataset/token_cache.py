@@ -321,10 +321,11 @@ def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_l
     encode(records, bad_lines) yields chunks of (ids, mask or None) from iter_records' (lineno, value, error)
     and must be a module-level function or bound method (worker processes call it). part=(local_rank,
     local_world_size): call it on every local rank with the same arguments. num_proc: worker processes per
-    rank (default: the cores available). node: who counts as the same node (default: default_node()).
+    rank (default: the cores available / local_world_size). node: who counts as the same node (default: default_node()).
     """
-    num_proc = default_num_proc() if num_proc is None else num_proc
     rank, num_parts = part
+    if num_proc is None:  # the node's cores, shared by its local ranks
+        num_proc = max(1, default_num_proc() // num_parts) if isinstance(num_parts, int) and num_parts > 0 else 1
     if not (isinstance(num_proc, int) and num_proc >= 1):
         raise ValueError(f"num_proc must be a positive integer, got {num_proc}")
     if not (isinstance(rank, int) and isinstance(num_parts, int) and 0 <= rank < num_parts):
