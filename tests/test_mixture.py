@@ -102,8 +102,12 @@ def test_load_data_spec_with_real_datasets(tokenizer, tmp_path):
     both = load_data_spec(f"{a},{b}", make)
     assert isinstance(both, ConcatDataset) and len(both) == 16
     assert made[1].cache_path != made[2].cache_path  # each source its own cache
-    mix = load_data_spec(f"{a}:0.5,{b}:0.5", make, seed=1)
-    assert isinstance(mix, MixtureDataset) and [s["rows"] for s in mix.realised()] == [8, 8]
+    os.makedirs(tmp_path / "more")
+    write_texts(tmp_path / "more" / "c.jsonl", [f"gamma {i} " * 9 for i in range(3)])  # longer than max_length
+    write_texts(tmp_path / "more" / "d.jsonl", [f"delta {i}" for i in range(5)])
+    mix = load_data_spec(f"{a}:0.5,{tmp_path / 'more'}:0.5", make, seed=1)  # a directory source: c then d
+    assert isinstance(mix, MixtureDataset) and [s["rows"] for s in mix.realised()] == [10, 10]
+    assert len(mix.sources[1]) == 8  # 10 rows from 8: every row once, 2 of them twice
     # tokens per source, counted independently from the rows the mixture returns
     tokens = [0, 0]
     for i in range(len(mix)):
@@ -112,6 +116,6 @@ def test_load_data_spec_with_real_datasets(tokenizer, tmp_path):
     stats = mix.realised()
     assert [s["tokens"] for s in stats] == tokens
     assert stats[0]["token_share"] == pytest.approx(tokens[0] / sum(tokens))
-    line = describe_mixture(mix, f"{a}:0.5,{b}:0.5")
-    assert line.startswith(f"data mixture realised: {a}: 8 rows (50.0%), {tokens[0]} tokens")
+    line = describe_mixture(mix, f"{a}:0.5,{tmp_path / 'more'}:0.5")
+    assert line.startswith(f"data mixture realised: {a}: 10 rows (50.0%), {tokens[0]} tokens")
     assert describe_mixture(single, a) == ""
