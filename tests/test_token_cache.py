@@ -192,6 +192,29 @@ def test_stale_lock_is_taken_over(tokenizer, tmp_path, holder, age, takes_over):
         assert not os.path.exists(out_dir)
 
 
+def test_killed_build_leaves_no_cache_and_is_taken_over(tokenizer, tmp_path):
+    source = demo_slice(tmp_path, "pretrain", 5000)
+    path = str(tmp_path / "big.jsonl")
+    with open(source) as f, open(path, "w") as out:
+        out.write(f.read() * 4)  # ~8 MB: a few seconds of tokenizing
+    cache_dir = tmp_path / "cache"
+    args = [sys.executable, os.path.abspath(__file__), "pretrain", path, str(cache_dir), 0, 1, 1]
+    builder = subprocess.Popen(list(map(str, args)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not (cache_dir.exists() and any(n.endswith(".lock") for n in os.listdir(cache_dir))):
+            assert time.time() < deadline and builder.poll() is None, "the build never started"
+            time.sleep(0.02)
+    finally:
+        builder.kill()
+        builder.wait()
+    assert not any(os.path.exists(cache_dir / n / "meta.json") for n in os.listdir(cache_dir))  # no cache yet
+    ds = PretrainDataset(path, tokenizer, max_length=16, cache_dir=cache_dir, num_proc=2)  # takes the dead lock over
+    expected = cache_bytes(reference("pretrain", path, tokenizer, str(tmp_path / "ref")).cache_path)
+    assert cache_bytes(ds.cache_path) == expected
+    assert sorted(os.listdir(cache_dir)) == [os.path.basename(ds.cache_path)]
+
+
 def test_bad_arguments(tokenizer, tmp_path):
     path = demo_slice(tmp_path, "pretrain", 10)
     with pytest.raises(ValueError, match="num_proc must be a positive integer"):
