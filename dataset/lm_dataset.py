@@ -2,8 +2,9 @@
 PretrainDataset and SFTDataset (MiniMind's), backed by an on-disk token cache.
 
 Each file is tokenized once per node (dataset/token_cache.py: the local ranks split it, each with
-`num_proc` worker processes), in chunks through the fast tokenizer's batch API, into flat numpy arrays under dataset/.cache/ (tokens uint16/uint32, int64 document offsets, uint8 loss mask
-for SFT) that are read back with numpy.memmap: the corpus never lives in memory as Python strings.
+`num_proc` worker processes), in chunks through the fast tokenizer's batch API, into flat numpy arrays
+under dataset/.cache/ (tokens uint16/uint32, int64 document offsets, uint8 loss mask for SFT) that are
+read back with numpy.memmap: the corpus never lives in memory as Python strings.
 The cache key covers the file (path, size, mtime), the tokenizer and the format version.
 
 Both datasets return `(input_ids, labels)` LongTensors of length max_length, labels aligned with
