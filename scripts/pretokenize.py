@@ -1,6 +1,7 @@
 """Tokenize a JSONL/parquet corpus once into a token shard that training reads through numpy.memmap.
 
     python scripts/pretokenize.py --data_path dataset/pretrain_demo.jsonl            # -> dataset/pretrain_demo.bin
+    python scripts/pretokenize.py --data_path big.jsonl --num_proc 16                 # 16 tokenizer processes
     python trainer/train_pretrain.py --data_path dataset/pretrain_demo.bin ...
 
 Writes, per input file, <prefix>.bin (uint16 tokens, uint32 when the vocabulary exceeds 65536),
