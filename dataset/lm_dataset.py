@@ -1,9 +1,10 @@
 """
 PretrainDataset and SFTDataset (MiniMind's), backed by an on-disk token cache.
 
-Each file is tokenized once, streamed in chunks through the fast tokenizer's batch API, into flat
-numpy arrays under dataset/.cache/ (tokens uint16/uint32, int64 document offsets, uint8 loss mask
-for SFT) that are read back with numpy.memmap: the corpus never lives in memory as Python strings.
+Each file is tokenized once per node (dataset/token_cache.py: the local ranks split it, each with
+`num_proc` worker processes), in chunks through the fast tokenizer's batch API, into flat numpy arrays
+under dataset/.cache/ (tokens uint16/uint32, int64 document offsets, uint8 loss mask for SFT) that are
+read back with numpy.memmap: the corpus never lives in memory as Python strings.
 The cache key covers the file (path, size, mtime), the tokenizer and the format version.
 
 Both datasets return `(input_ids, labels)` LongTensors of length max_length, labels aligned with
@@ -22,46 +23,16 @@ Unlike MiniMind, empty think blocks are never dropped at random: the cache is a 
 import hashlib
 import json
 import os
-import shutil
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dataset.token_cache import CACHE_FORMAT_VERSION, build_token_cache
+
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
-CACHE_FORMAT_VERSION = 2  # 2: SFT labels cover think blocks and tool calls; tools rendered
 CHUNK_DOCS = 1024  # documents per tokenizer batch call: big enough for speed, small enough for memory
-
-
-# ----------------------------------------------------------------------------- reading the file
-
-def _iter_field(path, field):
-    """Yield (1-based line or row number, value of `field`, error or None) for each record."""
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-        parquet_file = pq.ParquetFile(path)
-        if field not in parquet_file.schema_arrow.names:
-            raise ValueError(f"{path}: parquet file has no '{field}' column")
-        row = 0
-        for batch in parquet_file.iter_batches(columns=[field], batch_size=CHUNK_DOCS):
-            for value in batch.column(0).to_pylist():
-                row += 1
-                yield row, value, None if value is not None else f"'{field}' is null"
-        return
-    with open(path, "rb") as f:  # bytes, so a bad UTF-8 line is reported with its number, too
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing one) are not records
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                yield lineno, None, f"malformed JSON ({e})"
-                continue
-            if not isinstance(record, dict) or field not in record:
-                yield lineno, None, f"no '{field}' field"
-                continue
-            yield lineno, record[field], None
 
 
 def _check_text(value):
@@ -112,18 +83,6 @@ def _chat_messages(value):
     return messages, tools
 
 
-class _BadLines:
-    """Raises on a bad record, or counts it when skipping is allowed."""
-
-    def __init__(self, path, skip):
-        self.path, self.skip, self.count = path, skip, 0
-
-    def __call__(self, lineno, error):
-        if not self.skip:
-            raise ValueError(f"{self.path}:{lineno}: {error}")
-        self.count += 1
-
-
 # ----------------------------------------------------------------------------- the token cache
 
 def _tokenizer_fingerprint(tokenizer):
@@ -143,43 +102,10 @@ def _cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
     return os.path.join(cache_dir, f"{os.path.basename(data_path)}.{kind}.{digest}")
 
 
-def _build_cache(out_dir, data_path, chunks, token_dtype, bad_lines):
-    """Write token/offset(/mask) arrays from `chunks` (lists of (ids, mask or None)) atomically."""
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    tmp_dir = f"{out_dir}.tmp{os.getpid()}"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
-    os.makedirs(tmp_dir)
-    offsets, has_mask = [0], False
-    try:
-        with open(os.path.join(tmp_dir, "tokens.bin"), "wb") as f_tokens, \
-                open(os.path.join(tmp_dir, "mask.bin"), "wb") as f_mask:
-            for chunk in chunks:
-                for ids, mask in chunk:
-                    f_tokens.write(np.asarray(ids, dtype=token_dtype).tobytes())
-                    if mask is not None:
-                        has_mask = True
-                        f_mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
-                    offsets.append(offsets[-1] + len(ids))
-        if len(offsets) == 1:
-            raise ValueError(f"{data_path}: no samples"
-                             + (f" ({bad_lines.count} bad lines skipped)" if bad_lines.count else ""))
-        if not has_mask:
-            os.remove(os.path.join(tmp_dir, "mask.bin"))
-        np.asarray(offsets, dtype=np.int64).tofile(os.path.join(tmp_dir, "offsets.bin"))
-        meta = {"source": os.path.abspath(data_path), "num_docs": len(offsets) - 1, "num_tokens": offsets[-1],
-                "token_dtype": np.dtype(token_dtype).name, "num_bad_lines": bad_lines.count,
-                "format_version": CACHE_FORMAT_VERSION}
-        with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        try:
-            os.rename(tmp_dir, out_dir)  # atomic: readers see no cache or a complete one
-        except OSError:
-            if not os.path.exists(os.path.join(out_dir, "meta.json")):
-                raise
-            shutil.rmtree(tmp_dir, ignore_errors=True)  # another process finished the same cache first
-    except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
+def _build_cache(dataset, skip_bad_lines, num_proc, part):
+    """Tokenize dataset.data_path into dataset.cache_path, once per node (see dataset/token_cache.py)."""
+    build_token_cache(dataset.cache_path, dataset.data_path, dataset.field, dataset._tokenized_chunks,
+                      dataset.token_dtype, skip_bad_lines, num_proc=num_proc, part=part)
 
 
 # ----------------------------------------------------------------------------- pretokenized shards
@@ -212,9 +138,9 @@ def _open_shard(token_path, kind, tokenizer):
 class _TokenCacheDataset(Dataset):
     """Common part: validate arguments, build or reuse the cache, memmap it lazily."""
 
-    kind = None
+    kind = field = None
 
-    def __init__(self, data_path, tokenizer, max_length, skip_bad_lines, cache_dir):
+    def __init__(self, data_path, tokenizer, max_length, skip_bad_lines, cache_dir, num_proc, part):
         data_path = os.fspath(data_path)
         if not os.path.isfile(data_path):
             raise FileNotFoundError(f"data file not found: {data_path}")
@@ -233,9 +159,7 @@ class _TokenCacheDataset(Dataset):
             self.cache_path = _cache_dir_for(self.kind, data_path, tokenizer, skip_bad_lines,
                                              cache_dir or DEFAULT_CACHE_DIR)
             if not os.path.exists(os.path.join(self.cache_path, "meta.json")):
-                bad_lines = _BadLines(data_path, skip_bad_lines)
-                _build_cache(self.cache_path, data_path, self._tokenized_chunks(bad_lines),
-                             self.token_dtype, bad_lines)
+                _build_cache(self, skip_bad_lines, num_proc, part)
             with open(os.path.join(self.cache_path, "meta.json")) as f:
                 self.meta = json.load(f)
             files = {name: os.path.join(self.cache_path, f"{name}.bin") for name in ("tokens", "offsets", "mask")}
@@ -244,7 +168,8 @@ class _TokenCacheDataset(Dataset):
         self.offsets = np.fromfile(files["offsets"], dtype=np.int64)
         self._tokens = self._mask = None
 
-    def _tokenized_chunks(self, bad_lines):
+    def _tokenized_chunks(self, records, bad_lines):
+        """Chunks (lists) of (ids, mask or None) from (lineno, value, error) records; runs in worker processes."""
         raise NotImplementedError
 
     def _arrays(self):
@@ -277,22 +202,24 @@ class PretrainDataset(_TokenCacheDataset):
     packing=False: one document per sample, truncated (eos kept) and padded to max_length.
     packing=True: all documents concatenated and cut into full rows of max_length (remainder dropped).
     data_path may also be a pretokenized `<prefix>.bin` shard from scripts/pretokenize.py.
+    num_proc, part=(local_rank, local_world_size): how the cache is built (dataset/token_cache.py).
     """
 
-    kind = "pretrain"
+    kind, field = "pretrain", "text"
 
-    def __init__(self, data_path, tokenizer, max_length=512, packing=False, skip_bad_lines=False, cache_dir=None):
-        super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir)
+    def __init__(self, data_path, tokenizer, max_length=512, packing=False, skip_bad_lines=False, cache_dir=None,
+                 num_proc=None, part=(0, 1)):
+        super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir, num_proc, part)
         self.packing = packing
         self.num_rows = int(self.offsets[-1]) // max_length if packing else len(self.offsets) - 1
         if self.num_rows == 0:
             raise ValueError(f"{data_path}: {int(self.offsets[-1])} tokens, fewer than max_length={max_length}: "
                              "nothing to pack")
 
-    def _tokenized_chunks(self, bad_lines):
+    def _tokenized_chunks(self, records, bad_lines):
         bos, eos = [self.tokenizer.bos_token_id], [self.tokenizer.eos_token_id]
         texts = []
-        for lineno, value, error in _iter_field(self.data_path, "text"):
+        for lineno, value, error in records:
             error = error or _check_text(value)
             if error:
                 bad_lines(lineno, error)
@@ -330,12 +257,13 @@ class SFTDataset(_TokenCacheDataset):
     Labelling is described in the module docstring.
     """
 
-    kind = "sft"
+    kind, field = "sft", "conversations"
 
-    def __init__(self, data_path, tokenizer, max_length=1024, skip_bad_lines=False, cache_dir=None):
+    def __init__(self, data_path, tokenizer, max_length=1024, skip_bad_lines=False, cache_dir=None, num_proc=None,
+                 part=(0, 1)):
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError("SFTDataset needs a fast tokenizer (it maps assistant text to tokens by offsets)")
-        super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir)
+        super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir, num_proc, part)
 
     def _render(self, messages, tools, add_generation_prompt=False):
         """Chat template text of `messages`, or None where the template rejects the partial list."""
@@ -377,9 +305,9 @@ class SFTDataset(_TokenCacheDataset):
             cursor = end
         return spans
 
-    def _tokenized_chunks(self, bad_lines):
+    def _tokenized_chunks(self, records, bad_lines):
         texts, spans = [], []
-        for lineno, value, error in _iter_field(self.data_path, "conversations"):
+        for lineno, value, error in records:
             if not error:
                 try:
                     messages, tools = _chat_messages(value)

@@ -1,6 +1,7 @@
 """Tokenize a JSONL/parquet corpus once into a token shard that training reads through numpy.memmap.
 
     python scripts/pretokenize.py --data_path dataset/pretrain_demo.jsonl            # -> dataset/pretrain_demo.bin
+    python scripts/pretokenize.py --data_path big.jsonl --num_proc 16                 # 16 tokenizer processes
     python trainer/train_pretrain.py --data_path dataset/pretrain_demo.bin ...
 
 Writes, per input file, <prefix>.bin (uint16 tokens, uint32 when the vocabulary exceeds 65536),
@@ -21,16 +22,19 @@ sys.path.insert(0, ROOT)
 from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.lm_dataset import SFTDataset, PretrainDataset, _tokenizer_fingerprint, shard_files  # noqa: E402
+from dataset.token_cache import default_num_proc  # noqa: E402
 
 
-def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_lines=False):
-    """Tokenize `data_path` into the shard `out_prefix`.{bin,idx,json}; returns the meta dict."""
+def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_lines=False, num_proc=None):
+    """Tokenize `data_path` into the shard `out_prefix`.{bin,idx,json} with `num_proc` worker processes (default:
+    the cores available), through the token cache's code; returns the meta dict."""
     out_dir = os.path.dirname(os.path.abspath(out_prefix))
     os.makedirs(out_dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".pretokenize_", dir=out_dir)  # same filesystem: the moves are renames
     try:
         dataset_class = PretrainDataset if kind == "pretrain" else SFTDataset
-        ds = dataset_class(data_path, tokenizer, max_length=2, skip_bad_lines=skip_bad_lines, cache_dir=work)
+        ds = dataset_class(data_path, tokenizer, max_length=2, skip_bad_lines=skip_bad_lines, cache_dir=work,
+                           num_proc=num_proc)
         files = shard_files(out_prefix)
         for name in ("tokens", "offsets", "mask"):
             source = os.path.join(ds.cache_path, f"{name}.bin")
@@ -46,6 +50,11 @@ def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_line
         shutil.rmtree(work, ignore_errors=True)
 
 
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data_path", nargs="+", required=True, help="JSONL or parquet file(s); one shard each")
@@ -53,12 +62,19 @@ def main():
     parser.add_argument("--tokenizer_path", default=os.path.join(ROOT, "model"))
     parser.add_argument("--kind", default="pretrain", choices=["pretrain", "sft"])
     parser.add_argument("--skip_bad_lines", type=int, default=0, choices=[0, 1])
+    parser.add_argument("--num_proc", type=int, default=default_num_proc(),
+                        help="tokenizer worker processes (default: the cores available)")
     args = parser.parse_args()
+    if args.num_proc < 1:
+        fail(f"--num_proc must be at least 1, got {args.num_proc}")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
     for path in args.data_path:
         stem = os.path.splitext(os.path.basename(path))[0]
         prefix = os.path.join(args.out_dir or os.path.dirname(os.path.abspath(path)), stem)
-        meta = pretokenize(path, prefix, tokenizer, args.kind, bool(args.skip_bad_lines))
+        try:
+            meta = pretokenize(path, prefix, tokenizer, args.kind, bool(args.skip_bad_lines), args.num_proc)
+        except (ValueError, FileNotFoundError) as e:  # bad lines, empty or missing files: say which, no traceback
+            fail(str(e))
         print(f"{path} -> {prefix}.bin: {meta['num_docs']} documents, {meta['num_tokens']} tokens "
               f"({meta['token_dtype']}), {meta['num_bad_lines']} bad lines skipped")
 
