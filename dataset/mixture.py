@@ -61,6 +61,13 @@ def resolve_data_spec(spec):
     return [(_expand(path), w / total if total else None) for path, w in parsed]
 
 
+def absolute_data_spec(spec):
+    """The same spec with every source path made absolute (typed paths resolve against the current directory)."""
+    entries = [_parse_entry(e.strip()) for e in str(spec).split(",") if e.strip()]
+    return ",".join(os.path.abspath(os.path.expanduser(path)) + ("" if weight is None else f":{weight:g}")
+                    for path, weight in entries)
+
+
 def _largest_remainder(total, weights):
     """Integer counts summing to `total`, proportional to `weights` (ties go to the earlier source)."""
     exact = [total * w for w in weights]

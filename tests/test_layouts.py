@@ -107,6 +107,16 @@ def test_layout_matches_single_process(layout, model, data, reference, tmp_path)
     assert_same_run(read_metrics(os.path.join(workdir, "m.jsonl")), final_weights(workdir, model), *reference[model])
 
 
+def test_ranks_build_one_token_cache_together(data, reference, tmp_path):
+    """dp2 on an empty --cache_dir: the two ranks tokenize half the file each into one cache (no leftovers), and
+    the run still equals the single process (whose cache was built by one process)."""
+    cache = tmp_path / "cache"
+    workdir = run_layout(tmp_path, data, "dense", 2, [], ["--max_steps", str(STEPS), "--cache_dir", str(cache),
+                                                          "--num_proc", "1"])
+    assert len(os.listdir(cache)) == 1 and os.path.isfile(cache / os.listdir(cache)[0] / "meta.json")
+    assert_same_run(read_metrics(os.path.join(workdir, "m.jsonl")), final_weights(workdir, "dense"), *reference["dense"])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1", reason="16 processes on 2 cores; set RUN_SLOW=1")
 @pytest.mark.parametrize("model", list(MODELS))

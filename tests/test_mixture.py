@@ -10,7 +10,7 @@ from torch.utils.data import ConcatDataset, Dataset
 from transformers import AutoTokenizer
 
 from dataset.lm_dataset import PretrainDataset
-from dataset.mixture import (MixtureDataset, _largest_remainder, describe_mixture, load_data_spec,
+from dataset.mixture import (absolute_data_spec, MixtureDataset, _largest_remainder, describe_mixture, load_data_spec,
                              resolve_data_spec)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -119,3 +119,10 @@ def test_load_data_spec_with_real_datasets(tokenizer, tmp_path):
     line = describe_mixture(mix, f"{a}:0.5,{tmp_path / 'more'}:0.5")
     assert line.startswith(f"data mixture realised: {a}: 10 rows (50.0%), {tokens[0]} tokens")
     assert describe_mixture(single, a) == ""
+
+
+def test_absolute_data_spec_keeps_weights_and_follows_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert absolute_data_spec("a.jsonl:0.70, shards/*.parquet:0.3") == \
+        f"{tmp_path}/a.jsonl:0.7,{tmp_path}/shards/*.parquet:0.3"
+    assert absolute_data_spec("/data/x.jsonl") == "/data/x.jsonl"

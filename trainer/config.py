@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from model.model_minimind import MiniMindConfig
+from dataset.mixture import absolute_data_spec, resolve_data_spec
 from model.weights import WeightsError, flag_conflicts, infer_config, read_weights
 from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import validate_layout
@@ -52,8 +53,11 @@ def add_train_args(parser, **defaults):
     a("--use_moe", type=int, default=0, choices=[0, 1], help="mixture-of-experts MLPs")
     a("--num_experts", type=int, default=4, help="experts per MoE layer")
     a("--num_experts_per_tok", type=int, default=1, help="experts each token is routed to")
-    a("--data_path", default=None, help="JSONL, parquet or token shard (default: the embedded demo corpus)")
-    a("--eval_data_path", default=None, help="held-out data for eval_loss / eval_ppl (default: none)")
+    a("--data_path", default=None, help="JSONL, parquet or token shard; a directory, a glob, or a comma list with "
+      "optional weights, e.g. a.jsonl:0.7,shards/*.parquet:0.3 (default: the embedded demo corpus)")
+    a("--eval_data_path", default=None, help="held-out data for eval_loss / eval_ppl, same forms (default: none)")
+    a("--num_proc", type=int, default=None, help="tokenizer worker processes per rank while building the token "
+      "cache (default: the cores available / local ranks)")
     a("--eval_interval", type=int, default=0, help="optimizer steps between validation runs (0: only at the end)")
     a("--eval_batches", type=int, default=50, help="batches per validation run")
     a("--packing", type=int, default=0, choices=[0, 1], help="pretraining: join documents with eos into full rows")
@@ -157,7 +161,8 @@ class TrainPlan:
     metrics_file: str
     tokenizer_path: str
     cache_dir: str
-    data_path: Optional[str]  # None: the embedded demo corpus
+    seed: int  # model init and data order
+    data_path: Optional[str]  # a spec for dataset.mixture.resolve_data_spec; None: the embedded demo corpus
     eval_data_path: Optional[str]
     from_weight: str  # "none" or a .pth path
     tensorboard_dir: Optional[str]
@@ -266,11 +271,17 @@ def check_paths(save_dir, from_weight, data_paths):
         raise ConfigError(f"--save_dir {save_dir} is not writable ({e.strerror}); choose another directory")
     if from_weight != "none" and not os.path.exists(from_weight):
         raise ConfigError(f"--from_weight: {from_weight} does not exist; train it first or pass --from_weight none")
-    for path in data_paths:
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"data file {path} does not exist; check --data_path/--eval_data_path")
-        if path is not None and os.path.getsize(path) == 0:
-            raise ConfigError(f"data file {path} is empty")
+    for flag, spec in data_paths:
+        if spec is None:
+            continue
+        try:
+            files = [f for group, _ in resolve_data_spec(spec) for f in group]
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"{flag} {spec}: data file {e} does not exist" if isinstance(e, FileNotFoundError)
+                              else f"{flag}: {e}") from None
+        for path in files:
+            if os.path.getsize(path) == 0:
+                raise ConfigError(f"data file {path} is empty; check {flag}")
 
 
 def resolve(args, world_size, local_rank=0):
@@ -280,8 +291,10 @@ def resolve(args, world_size, local_rank=0):
     if from_weight != "none":  # a path, or a weight prefix: <save_dir>/<prefix>_<hidden>[_moe].pth
         from_weight = typed_or_default(from_weight, None) if from_weight.endswith(".pth") or os.path.isdir(
             from_weight) else os.path.join(save_dir, weight_name(from_weight, build_config(args)) + ".pth")
-    data_path, eval_data_path = typed_or_default(args.data_path, None), typed_or_default(args.eval_data_path, None)
-    check_paths(save_dir, from_weight, (data_path, eval_data_path))
+    data_path, eval_data_path = (absolute_data_spec(spec) if spec else None for spec in (args.data_path, args.eval_data_path))
+    check_paths(save_dir, from_weight, (("--data_path", data_path), ("--eval_data_path", eval_data_path)))
+    if args.num_proc is not None and args.num_proc < 1:
+        raise ConfigError(f"--num_proc {args.num_proc}: give at least 1 tokenizer process (or leave it unset)")
     weight_fields = weight_shapes(args, from_weight) if from_weight != "none" else {}
     config = build_config(args, weight_fields)
     check_model_args(args, config)
@@ -306,7 +319,7 @@ def resolve(args, world_size, local_rank=0):
         metrics_file=typed_or_default(args.metrics_file, None) or os.path.join(save_dir, f"{name}_metrics.jsonl"),
         tokenizer_path=typed_or_default(args.tokenizer_path, "model"),
         cache_dir=typed_or_default(args.cache_dir, os.path.join("dataset", ".cache")),
-        data_path=data_path, eval_data_path=eval_data_path, from_weight=from_weight,
+        seed=args.seed, data_path=data_path, eval_data_path=eval_data_path, from_weight=from_weight,
         tensorboard_dir=typed_or_default(args.tensorboard_dir, None),
         profile_steps=profile_steps(args.profile_steps), weight_fields=weight_fields)
 

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
 from dataset.demo_data import ensure_demo_data
+from dataset.mixture import describe_mixture, load_data_spec
 from trainer.checkpoint import TrainState, load_resume, restore, save_checkpoint
 from trainer.config import build_config, resolve
 from trainer.metrics import (StepTimer, group_sum, peak_flops, peak_mem_gb, per_rank, step_flops,
@@ -60,20 +61,33 @@ def setup(args):
 
 
 def load_datasets(plan, make_dataset, demo_kind):
-    """Phase 2: train/eval datasets (the demo corpus when no --data_path); data errors become ConfigErrors."""
+    """Phase 2: train/eval datasets (the demo corpus when no --data_path); data errors become ConfigErrors.
+
+    A --data_path of several sources is concatenated, or mixed by its weights (dataset/mixture.py)."""
     data_path = plan.data_path or ensure_demo_data(demo_kind)  # the embedded corpus, built on first use
     try:
-        train_ds = make_dataset(data_path)
-        eval_ds = make_dataset(plan.eval_data_path) if plan.eval_data_path else None
-    except (ValueError, FileNotFoundError) as e:
+        train_ds = load_data_spec(data_path, make_dataset, seed=plan.seed)
+        eval_ds = load_data_spec(plan.eval_data_path, make_dataset, seed=plan.seed) if plan.eval_data_path else None
+    except (ValueError, FileNotFoundError, TimeoutError) as e:
         raise ConfigError(str(e))
     for path, ds in ((data_path, train_ds), (plan.eval_data_path, eval_ds)):
-        if ds is not None and ds.num_bad_lines:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
-            Logger(f"--skip_bad_lines: skipped {ds.num_bad_lines} bad rows of {path}")
+        skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
+        if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
+            Logger(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
+    if describe_mixture(train_ds, data_path):
+        Logger(describe_mixture(train_ds, data_path))
     if len(train_ds) < plan.global_batch:
         raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
                           f"({plan.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
     return train_ds, eval_ds
+
+
+def leaf_datasets(ds):
+    """The per-file datasets under a ConcatDataset (.datasets) or a MixtureDataset (.sources); [] for None."""
+    if ds is None:
+        return []
+    children = getattr(ds, "datasets", None) or getattr(ds, "sources", None)
+    return [leaf for child in children for leaf in leaf_datasets(child)] if children else [ds]
 
 
 def build_model(config, plan, model_state=None):
@@ -234,6 +248,8 @@ def epoch_batches(trainer, train_ds, epoch):
     sampler = DistributedSampler(train_ds, num_replicas=plan.dp, rank=trainer.dims.dp_rank, shuffle=True,
                                  seed=args.seed, drop_last=True)
     sampler.set_epoch(epoch)  # data order is a pure function of (seed, epoch)
+    if hasattr(train_ds, "set_epoch"):  # a weighted mixture draws its rows per epoch, from (seed, epoch) too
+        train_ds.set_epoch(epoch)
     skip = trainer.progress.step_in_epoch * plan.num_microbatches
     return iter(DataLoader(train_ds, batch_sampler=SkipBatchSampler(sampler, plan.micro_batch, skip),
                            num_workers=args.num_workers, pin_memory=plan.device.startswith("cuda")))

@@ -7,6 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
+from dataset.token_cache import local_part  # noqa: E402
 from trainer.config import main_guard, parse_args  # noqa: E402
 from trainer.train_loop import build_trainer, load_datasets, setup, train  # noqa: E402
 
@@ -20,7 +21,8 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
     train_ds, eval_ds = load_datasets(plan, lambda path: PretrainDataset(
         path, tokenizer, max_length=args.max_seq_len, packing=bool(args.packing),
-        skip_bad_lines=bool(args.skip_bad_lines), cache_dir=plan.cache_dir), demo_kind="pretrain")
+        skip_bad_lines=bool(args.skip_bad_lines), cache_dir=plan.cache_dir,
+        num_proc=args.num_proc, part=local_part()), demo_kind="pretrain")
     # 3-6. resume state, model, parallel wrap (pp -> tp -> cp -> dp), optimizer
     trainer = build_trainer(args, config, plan, dims)
     # 7. the loop
