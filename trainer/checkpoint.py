@@ -19,6 +19,7 @@ import random
 import re
 import shutil
 import signal
+import threading
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -238,7 +239,7 @@ class Checkpointer:
 
     def __init__(self, run_dir, async_save=False, keep=3):
         self.run_dir, self.async_save, self.keep = run_dir, async_save, keep
-        self.pending = None  # (future or None, directory) of the save not yet marked complete
+        self.pending = None  # (future, manifest-written event) of the async save in flight
         # a separate group, so the writer thread's collectives never interleave with training's (a collective)
         self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
@@ -259,32 +260,45 @@ class Checkpointer:
                              format_version=FORMAT_VERSION), os.path.join(path, "train_state.pt"))
         atomic_save(rng_state(), os.path.join(path, f"rng_{rank()}.pt"))
         state = sharded_state_dict(trainer.model_parts, trainer.optimizer, tied_aliases(trainer.pipeline, trainer.config))
-        if self.async_save:
-            response = dcp.async_save(_staged(state), checkpoint_id=path, process_group=self.group)
-            self.pending = (getattr(response, "upload_completion", response), path)  # torch >= 2.9 may wrap it
-        else:
+        if not self.async_save:
             dcp.save(state, checkpoint_id=path)
-            self.pending = (None, path)
-            self.wait()
+            if dist.is_initialized():
+                dist.barrier()  # every rank's shards and RNG file are on disk
+            if rank() == 0:
+                self.mark_complete(path)
+            return
+        response = dcp.async_save(_staged(state), checkpoint_id=path, process_group=self.group)
+        future, marked = getattr(response, "upload_completion", response), threading.Event()  # torch >= 2.9 may wrap it
+        if rank() == 0:
+            def on_done(f):  # rank 0's save finishes only once every rank's write result reached it
+                try:
+                    if f.exception() is None:
+                        self.mark_complete(path)
+                finally:
+                    marked.set()
+            future.add_done_callback(on_done)
+        self.pending = (future, marked)
 
     def wait(self):
-        """Finish the pending save: wait for its writes on every rank, then rank 0 writes the manifest and prunes."""
+        """Wait for the pending async save (its manifest included); re-raises its error."""
         if self.pending is None:
             return
-        future, path = self.pending
+        future, marked = self.pending
         self.pending = None
-        if future is not None:
-            future.result()
-        if dist.is_initialized():
-            dist.barrier()  # every rank's shards and RNG file are on disk
+        future.result()
         if rank() == 0:
-            step = int(path.rsplit("_", 1)[1])
-            with open(os.path.join(path, MANIFEST + ".tmp"), "w") as f:
-                json.dump(dict(step=step, format_version=FORMAT_VERSION), f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(os.path.join(path, MANIFEST + ".tmp"), os.path.join(path, MANIFEST))
-            self.prune(step)
+            marked.wait()
+
+    def mark_complete(self, path):
+        """Rank 0, once every rank's files are written: the manifest, last; then prune."""
+        step = int(path.rsplit("_", 1)[1])
+        tmp = os.path.join(path, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(dict(step=step, format_version=FORMAT_VERSION), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, MANIFEST))
+        self.prune(step)
 
     def prune(self, step):
         """Drop the steps after `step` (an abandoned timeline), partial saves before it and complete ones past `keep`."""
