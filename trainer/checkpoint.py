@@ -262,6 +262,7 @@ class Checkpointer:
         state = sharded_state_dict(trainer.model_parts, trainer.optimizer, tied_aliases(trainer.pipeline, trainer.config))
         if not self.async_save:
             dcp.save(state, checkpoint_id=path)
+            kill_for_test(trainer.progress.global_step, "save")  # shards written, manifest not
             if dist.is_initialized():
                 dist.barrier()  # every rank's shards and RNG file are on disk
             if rank() == 0:
@@ -278,6 +279,7 @@ class Checkpointer:
                     marked.set()
             future.add_done_callback(on_done)
         self.pending = (future, marked)
+        kill_for_test(trainer.progress.global_step, "save")  # the write in flight
 
     def wait(self):
         """Wait for the pending async save (its manifest included); re-raises its error."""
@@ -324,10 +326,11 @@ def save_weights(trainer):
         atomic_save(weights, os.path.join(trainer.plan.save_dir, weight_name(args.save_weight, trainer.config) + ".pth"))
 
 
-def kill_for_test(step):
-    """Test-only hook: MINIMIND_TEST_KILL_AT_STEP=N (and MINIMIND_TEST_KILL_RANK, default 0) SIGKILLs that rank
-    after step N, on torchrun's first attempt only, so an elastic restart can be tested."""
-    if os.environ.get("MINIMIND_TEST_KILL_AT_STEP") != str(step) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+def kill_for_test(step, point="step"):
+    """Test-only hook: MINIMIND_TEST_KILL_AT_STEP=N SIGKILLs rank MINIMIND_TEST_KILL_RANK (default 0) at step N, after
+    its optimizer step or, with MINIMIND_TEST_KILL_POINT=save, inside its save; on torchrun's first attempt only."""
+    if (os.environ.get("MINIMIND_TEST_KILL_AT_STEP") != str(step) or os.environ.get("MINIMIND_TEST_KILL_POINT", "step") != point
+            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
         return
     if rank() == int(os.environ.get("MINIMIND_TEST_KILL_RANK", 0)):
         os.kill(os.getpid(), signal.SIGKILL)
