@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import threading
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -37,6 +38,8 @@ from trainer.trainer_utils import ConfigError, Logger, is_main_process, repo_pat
 FORMAT_VERSION = 3
 LEGACY_VERSIONS = (1, 2)
 MANIFEST = "complete.json"
+# one process saves and loads without a process group, as intended: DCP warns about it on every save
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 CHECK_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "num_attention_heads",
               "num_key_value_heads", "num_experts")
 
