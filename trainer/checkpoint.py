@@ -227,9 +227,10 @@ def restore(trainer, ckpt):
 
 
 def _staged(obj):
-    """A copy of the state for async_save: training goes on updating the parameters in place while it writes."""
+    """A copy of the CPU tensors for async_save: training updates them in place while it writes, and DCP's own
+    staging (.to("cpu")) copies only tensors of other devices."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return obj.detach().clone() if obj.device.type == "cpu" else obj
     return {k: _staged(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
 
 
