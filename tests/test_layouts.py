@@ -41,6 +41,7 @@ LAYOUTS = {
     "tp2xpp2xcp2": (8, ["--tp", "2", "--pp", "2", "--cp", "2"]),
 }
 SLOW_LAYOUTS = {"dp2xtp2xpp2xcp2": (16, ["--tp", "2", "--pp", "2", "--cp", "2"])}
+RESUME_LAYOUTS = dict(LAYOUTS, zero1_dp2=(2, ["--zero_stage", "1"]))
 
 
 def dp_size(nproc, flags):
@@ -118,17 +119,18 @@ def test_16_process_layout(model, data, reference, tmp_path):
 
 
 @pytest.mark.parametrize("save_layout,resume_layout", [("dp2xtp2", "pp2"), ("dp2xtp2", "single"),
-                                                       ("zero3_dp2", "single"), ("cp2", "single"), ("dp2xpp2", "dp2")])
+                                                       ("zero3_dp2", "single"), ("cp2", "single"), ("dp2xpp2", "dp2"),
+                                                       ("zero1_dp2", "zero3_dp2")])
 def test_resume_under_a_different_layout(save_layout, resume_layout, data, reference, tmp_path):
     """Save a DCP checkpoint after 5 steps in one layout, resume in another (DCP reshards): the curve and the
     final weights continue as if uninterrupted."""
-    nproc, flags = LAYOUTS[save_layout]
+    nproc, flags = RESUME_LAYOUTS[save_layout]
     workdir = run_layout(tmp_path, data, "dense", nproc, flags, ["--max_steps", "5"])
     if resume_layout == "single":
         proc = python(SCRIPT, run_args(workdir, data, "dense", 1, ["--max_steps", str(STEPS), "--from_resume", "1"]))
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
-        run_layout(tmp_path, data, "dense", *LAYOUTS[resume_layout], ["--max_steps", str(STEPS), "--from_resume", "1"])
+        run_layout(tmp_path, data, "dense", *RESUME_LAYOUTS[resume_layout], ["--max_steps", str(STEPS), "--from_resume", "1"])
     assert_same_run(read_metrics(os.path.join(workdir, "m.jsonl")), final_weights(workdir, "dense"), *reference["dense"])
 
 
