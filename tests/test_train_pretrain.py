@@ -137,7 +137,8 @@ def test_help_shows_every_default():
     text = " ".join(proc.stdout.split())
     for flag, default in [("--seed", "42"), ("--loss_chunk_size", "1024"), ("--save_weight", "pretrain"),
                           ("--packing", "1"), ("--tensorboard_dir", "None")]:
-        assert flag in text and f"(default: {default})" in text.split(flag, 2)[-1].split(" --", 1)[0], flag
+        # "flag " so that --save_weight is not found inside --save_weights_every; [-1]: the options section
+        assert flag in text and f"(default: {default})" in text.split(flag + " ", 2)[-1].split(" --", 1)[0], flag
 
 
 def expect_rejected(tmp_path, args, needle):

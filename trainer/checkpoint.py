@@ -226,14 +226,6 @@ def restore(trainer, ckpt):
     trainer.progress.load_state_dict(ckpt["train_state"])
 
 
-def _staged(obj):
-    """A copy of the CPU tensors for async_save: training updates them in place while it writes, and DCP's own
-    staging (.to("cpu")) copies only tensors of other devices."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone() if obj.device.type == "cpu" else obj
-    return {k: _staged(v) for k, v in obj.items()} if isinstance(obj, dict) else obj
-
-
 class Checkpointer:
     """Writes resume checkpoints, one DCP directory per save; keeps the newest `keep` complete ones (0: all).
 
@@ -272,7 +264,8 @@ class Checkpointer:
             if rank() == 0:
                 self.mark_complete(path)
             return
-        response = dcp.async_save(_staged(state), checkpoint_id=path, process_group=self.group)
+        # FileSystemWriter stages (copies into new CPU buffers) before returning: training may then update the weights
+        response = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
         future, marked = getattr(response, "upload_completion", response), threading.Event()  # torch >= 2.9 may wrap it
         if rank() == 0:
             def on_done(f):  # rank 0's save finishes only once every rank's write result reached it
