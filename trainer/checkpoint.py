@@ -266,7 +266,7 @@ class Checkpointer:
             return
         # FileSystemWriter stages (copies into new CPU buffers) before returning: training may then update the weights
         response = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
-        future, marked = getattr(response, "upload_completion", response), threading.Event()  # torch >= 2.9 may wrap it
+        future, marked = getattr(response, "upload_completion", response), threading.Event()  # newer torch may return an AsyncSaveResponse
         if rank() == 0:
             def on_done(f):  # rank 0's save finishes only once every rank's write result reached it
                 try:
