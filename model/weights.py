@@ -1,7 +1,7 @@
 """Read MiniMind weights from any file we meet and check them against a model, without tracebacks.
 
-Formats: a MiniMind `.pth` state dict (ours or MiniMind-3's), a resume checkpoint (dict with "model",
-"config", "args"), and a Hugging Face folder (Qwen3, Qwen3-MoE, or MiniMind's own `model_type: minimind`).
+Formats: a MiniMind `.pth` state dict (ours or MiniMind-3's), a resume checkpoint (the trainer's DCP directory
+`step_<N>/`, or an older single file: a dict with "model", "config", "args"), and a Hugging Face folder (Qwen3, Qwen3-MoE, or MiniMind's own `model_type: minimind`).
 Also the weight mapping MiniMind <-> transformers Qwen3 / Qwen3-MoE used by scripts/convert_model.py.
 """
 import inspect
@@ -11,6 +11,9 @@ import pickle
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from model.model_minimind import MiniMindConfig
 
@@ -32,6 +35,8 @@ def read_weights(path):
 
 def read_checkpoint(path):
     """(state_dict, config_dict or None, saved training args or None): read_weights plus the run's args."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return _read_dcp_checkpoint(path)
     if os.path.isdir(path):
         state_dict, config = _read_hf_folder(path)
         return state_dict, config, None
@@ -53,6 +58,19 @@ def read_checkpoint(path):
     if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):
         raise WeightsError(f"{path} holds no state dict (a {type(obj).__name__}); pass MiniMind weights")
     return clean_state_dict(obj), None, None
+
+
+def _read_dcp_checkpoint(path):
+    """(state_dict, config_dict, args) of the trainer's resume directory: its model entries, whatever layout saved it."""
+    try:
+        state = {}  # the planner fills it with full tensors from every rank's files (as dcp_to_torch_save does)
+        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+                         no_dist=True)
+        saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise WeightsError(f"{path} is not a readable resume checkpoint ({type(e).__name__}); pass a complete "
+                           "step_<N> directory, a .pth or an HF folder") from None
+    return clean_state_dict(state["model"]), config_fields(saved["config"]), saved.get("args")
 
 
 def _numpy_rng_globals():

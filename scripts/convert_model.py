@@ -2,7 +2,7 @@
 
 Export (a .pth or a resume checkpoint -> folder: Qwen3 / Qwen3-MoE by default, or MiniMind's own format):
     python scripts/convert_model.py --weight out/pretrain_768.pth --out_dir out/hf_model
-    python scripts/convert_model.py --weight checkpoints/full_sft_768_resume.pth --out_dir out/mm --format minimind
+    python scripts/convert_model.py --weight checkpoints/full_sft_768/step_1000 --out_dir out/mm --format minimind
 Import (a Qwen3 / Qwen3-MoE / MiniMind `model_type: minimind` folder -> .pth):
     python scripts/convert_model.py --to minimind --out_dir path/to/folder --weight out/from_hf_768.pth
 

@@ -1,13 +1,19 @@
-"""trainer/checkpoint.py: atomic resume files, their load-time checks, TrainState and format versions."""
+"""trainer/checkpoint.py: DCP resume directories (round trip, manifest, pruning), the legacy single files and their
+load-time checks, TrainState and format versions."""
+import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from model.model_minimind import MiniMindConfig
-from trainer.checkpoint import FORMAT_VERSION, TrainState, lm_checkpoint, resume_path
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from trainer.checkpoint import (FORMAT_VERSION, MANIFEST, Checkpointer, TrainState, latest_checkpoint, lm_checkpoint,
+                                load_resume, resume_path)
+from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 from trainer.trainer_utils import ConfigError
 
 
@@ -85,7 +91,7 @@ def test_format1_checkpoint_loads_as_a_train_state(tmp_path):
     path = resume_path(config, "t", str(tmp_path))
     write_format1(path, config, epoch=1, step_in_epoch=3, global_step=9, tokens_seen=4321, tracker_id=None)
     ckpt = lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-    assert ckpt["format_version"] == FORMAT_VERSION == 2
+    assert ckpt["format_version"] == 2 and FORMAT_VERSION == 3
     assert ckpt["train_state"] == dict(epoch=1, step_in_epoch=3, global_step=9, tokens_seen=4321, tracker_id=None)
     assert torch.equal(ckpt["model"]["w"], torch.ones(2)) and ckpt["args"] == {"hidden_size": 64}
 
@@ -99,8 +105,70 @@ def test_checkpoint_without_tokens_seen_is_refused_naming_its_format(tmp_path):
         lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
 
 
-def test_newer_format_is_refused(tmp_path):
+def test_single_file_of_another_format_is_refused_naming_it(tmp_path):
     config = tiny_config()
-    torch.save(dict(config=config.to_dict(), format_version=FORMAT_VERSION + 1), resume_path(config, "t", str(tmp_path)))
-    with pytest.raises(ConfigError, match=f"has checkpoint format {FORMAT_VERSION + 1}, newer than"):
+    torch.save(dict(config=config.to_dict(), format_version=FORMAT_VERSION), resume_path(config, "t", str(tmp_path)))
+    with pytest.raises(ConfigError, match=f"has checkpoint format {FORMAT_VERSION}, but a single-file resume checkpoint "
+                                          "must be format 1 or 2"):
         lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
+
+
+def trained(config, seed, steps=2):
+    """A model and AdamW after `steps` real steps on random tokens (so the optimizer has state)."""
+    torch.manual_seed(seed)
+    model = MiniMindForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        ids = torch.randint(0, config.vocab_size, (2, 16))
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def test_sharded_state_round_trip_is_exact(tmp_path):
+    """dcp.save of sharded_state_dict, load_sharded_state into another model: weights and AdamW state equal."""
+    config = tiny_config()
+    model, optimizer = trained(config, seed=0)
+    dcp.save(sharded_state_dict([model], optimizer), checkpoint_id=str(tmp_path / "step_2"))
+    fresh, fresh_optimizer = trained(config, seed=1, steps=1)  # other weights, other state, step count 1
+    load_sharded_state([fresh], fresh_optimizer, str(tmp_path / "step_2"))
+    for (name, want), got in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(got, want), name
+    want, got = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert want["param_groups"] == got["param_groups"]
+    for index, state in want["state"].items():
+        for key, value in state.items():
+            assert torch.equal(got["state"][index][key], value), (index, key)
+
+
+def make_steps(run_dir, steps, complete):
+    for step in steps:
+        os.makedirs(os.path.join(run_dir, f"step_{step}"))
+        if step in complete:
+            with open(os.path.join(run_dir, f"step_{step}", MANIFEST), "w") as f:
+                json.dump({"step": step}, f)
+
+
+def test_newest_complete_checkpoint_and_pruning(tmp_path):
+    """Only a directory with its manifest counts; after a save at step 8, keep 2 leaves steps 6 and 8: partial saves
+    (7), older ones (2, 4) and an abandoned later timeline (12, from an earlier run in the same directory) go."""
+    run_dir = str(tmp_path / "pretrain_64")
+    make_steps(run_dir, [2, 4, 6, 7, 8, 12], complete=[2, 4, 6, 8, 12])
+    assert latest_checkpoint(run_dir) == os.path.join(run_dir, "step_12")
+    Checkpointer(run_dir, keep=2).prune(8)
+    assert sorted(os.listdir(run_dir)) == ["step_6", "step_8"]
+    make_steps(str(tmp_path / "all"), [1, 2, 3, 9], complete=[1, 3, 9])
+    Checkpointer(str(tmp_path / "all"), keep=0).prune(3)  # keep everything complete up to the save
+    assert sorted(os.listdir(tmp_path / "all")) == ["step_1", "step_3"]
+    make_steps(str(tmp_path / "partial"), [5], complete=[])
+    assert latest_checkpoint(str(tmp_path / "partial")) is None
+
+
+def test_from_resume_1_without_a_checkpoint_is_refused_and_auto_starts_fresh(tmp_path):
+    config, plan = tiny_config(), SimpleNamespace(checkpoint_dir=str(tmp_path), global_batch=8)
+    make_steps(str(tmp_path / "pretrain_64"), [3], complete=[])  # a save killed before its manifest
+    with pytest.raises(ConfigError, match="--from_resume 1 but .*pretrain_64 holds no complete checkpoint"):
+        load_resume(config, plan, SimpleNamespace(from_resume="1", save_weight="pretrain"))
+    assert load_resume(config, plan, SimpleNamespace(from_resume="auto", save_weight="pretrain")) is None
+    assert load_resume(config, plan, SimpleNamespace(from_resume="0", save_weight="pretrain")) is None

@@ -168,7 +168,7 @@ def test_export_from_the_trainers_own_resume_checkpoint(tmp_path, capsys):
         "--accumulation_steps", "1", "--max_steps", "2", "--save_dir", str(tmp_path / "out"),
         "--checkpoint_dir", str(ckpt_dir), "--metrics_file", str(tmp_path / "m.jsonl")], timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (ckpt,) = ckpt_dir.glob("*_resume.pth")
+    ckpt = ckpt_dir / "pretrain_64_moe" / "step_2"  # the run's DCP resume directory
     assert convert_main(["--weight", str(ckpt), "--out_dir", str(tmp_path / "hf")]) == 0
     assert "verify: max abs logits diff" in capsys.readouterr().out
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

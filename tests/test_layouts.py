@@ -41,6 +41,7 @@ LAYOUTS = {
     "tp2xpp2xcp2": (8, ["--tp", "2", "--pp", "2", "--cp", "2"]),
 }
 SLOW_LAYOUTS = {"dp2xtp2xpp2xcp2": (16, ["--tp", "2", "--pp", "2", "--cp", "2"])}
+RESUME_LAYOUTS = dict(LAYOUTS, zero1_dp2=(2, ["--zero_stage", "1"]))
 
 
 def dp_size(nproc, flags):
@@ -59,8 +60,9 @@ def run_args(workdir, data, model, dp, extra=()):
 
 
 def final_weights(workdir, model):
+    """The weights the run gathered at its end (fp32: TINY_MODEL saves float32)."""
     name = "pretrain_64_moe" if model == "moe" else "pretrain_64"
-    return torch.load(os.path.join(workdir, "ckpt", f"{name}_resume.pth"), weights_only=False)["model"]
+    return torch.load(os.path.join(workdir, "out", f"{name}.pth"))
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +128,19 @@ def test_16_process_layout(model, data, reference, tmp_path):
     assert_same_run(read_metrics(os.path.join(workdir, "m.jsonl")), final_weights(workdir, model), *reference[model])
 
 
-@pytest.mark.parametrize("resume_layout", ["pp2", "single"])
-def test_resume_under_a_different_layout(resume_layout, data, reference, tmp_path):
-    """Save at dp2xtp2 after 5 steps, resume at pp2 (or one process): the curve continues as if uninterrupted."""
-    workdir = run_layout(tmp_path, data, "dense", 4, ["--tp", "2"], ["--max_steps", "5"])
+@pytest.mark.parametrize("save_layout,resume_layout", [("dp2xtp2", "pp2"), ("dp2xtp2", "single"),
+                                                       ("zero3_dp2", "single"), ("cp2", "single"), ("dp2xpp2", "dp2"),
+                                                       ("zero1_dp2", "zero3_dp2")])
+def test_resume_under_a_different_layout(save_layout, resume_layout, data, reference, tmp_path):
+    """Save a DCP checkpoint after 5 steps in one layout, resume in another (DCP reshards): the curve and the
+    final weights continue as if uninterrupted."""
+    nproc, flags = RESUME_LAYOUTS[save_layout]
+    workdir = run_layout(tmp_path, data, "dense", nproc, flags, ["--max_steps", "5"])
     if resume_layout == "single":
         proc = python(SCRIPT, run_args(workdir, data, "dense", 1, ["--max_steps", str(STEPS), "--from_resume", "1"]))
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
-        run_layout(tmp_path, data, "dense", 2, ["--pp", "2"], ["--max_steps", str(STEPS), "--from_resume", "1"])
+        run_layout(tmp_path, data, "dense", *RESUME_LAYOUTS[resume_layout], ["--max_steps", str(STEPS), "--from_resume", "1"])
     assert_same_run(read_metrics(os.path.join(workdir, "m.jsonl")), final_weights(workdir, "dense"), *reference["dense"])
 
 

@@ -1,26 +1,45 @@
-"""Checkpoints: atomic writes, the resume file, the TrainState counters, MiniMind's lm_checkpoint.
+"""Checkpoints: DCP resume directories, MiniMind's weights file, TrainState, the legacy single-file format.
 
-Two files per save, written by rank 0 after a collective gather:
-  <save_dir>/<weight>_<hidden>[_moe].pth              plain full state dict in --save_dtype (MiniMind's weights)
-  <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth  resume state, fp32, keyed by parameter FQN:
-      format_version, model (full state dict), optimizer (full, FQN-keyed), scaler, rng, train_state
-      (TrainState.state_dict()), world_size, global_batch, args (the flags as typed), config
-Full (gathered) states load into any layout, so a run may resume under another one.
+A resume checkpoint is a directory per save, every rank writing its own shards (torch.distributed.checkpoint):
+  <checkpoint_dir>/<weight>_<hidden>[_moe]/step_<N>/
+      __*.distcp, .metadata   model + optimizer (sharded_state_dict: FQN-keyed, DTensor shards stay shards)
+      train_state.pt          rank 0: format_version, train_state (TrainState), scaler, world_size, global_batch,
+                              layout, args (the flags as typed), config
+      rng_<rank>.pt           each rank's RNG states
+      complete.json           written last, by rank 0, once every rank's shards are written: only then it counts
+DCP reshards on load, so a run may resume under another layout. The weights, a plain MiniMind state dict in
+--save_dtype, are gathered on rank 0 only at the end or every --save_weights_every steps:
+  <save_dir>/<weight>_<hidden>[_moe].pth
+Formats 1 and 2 were single files, <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth (full fp32 state); they
+still load (lm_checkpoint) when no directory checkpoint exists.
 """
+import json
 import os
 import random
+import re
+import shutil
+import signal
+import threading
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from trainer.parallel.state_dict import TIED_EMBEDDING, full_model_state_dict, full_optimizer_state_dict, load_full_state
-from trainer.trainer_utils import ConfigError, is_main_process, repo_path, weight_name
+from trainer.parallel.state_dict import (TIED_EMBEDDING, full_model_state_dict, load_full_state, load_sharded_state,
+                                         sharded_state_dict)
+from trainer.trainer_utils import ConfigError, Logger, is_main_process, repo_path, weight_name
 
-# 1: flat counters (epoch, step_in_epoch, global_step, tokens_seen, tracker_id); 2: a train_state dict
-FORMAT_VERSION = 2
+# 1: flat counters (epoch, step_in_epoch, global_step, tokens_seen, tracker_id); 2: a train_state dict (1 and 2:
+# one gathered file); 3: a DCP directory per save
+FORMAT_VERSION = 3
+LEGACY_VERSIONS = (1, 2)
+MANIFEST = "complete.json"
+# one process saves and loads without a process group, as intended: DCP warns about it on every save
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 CHECK_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "num_attention_heads",
               "num_key_value_heads", "num_experts")
 
@@ -80,10 +99,10 @@ def resume_path(config, weight="pretrain", save_dir="checkpoints"):
 def upgrade(ckpt, path):
     """The checkpoint in the current format, or ConfigError naming its version when it cannot be read."""
     version = ckpt.get("format_version", 0)
-    if version > FORMAT_VERSION:
-        raise ConfigError(f"{path} has checkpoint format {version}, newer than this trainer's {FORMAT_VERSION}; "
-                          "update the code or pass --from_resume 0")
-    if version == FORMAT_VERSION:
+    if version not in LEGACY_VERSIONS:
+        raise ConfigError(f"{path} has checkpoint format {version}, but a single-file resume checkpoint must be format "
+                          f"{' or '.join(map(str, LEGACY_VERSIONS))}; update the code or pass --from_resume 0")
+    if version == LEGACY_VERSIONS[-1]:
         return ckpt
     missing = [k for k in ("epoch", "step_in_epoch", "global_step", "tokens_seen") if k not in ckpt]
     if missing:
@@ -91,18 +110,18 @@ def upgrade(ckpt, path):
                           f"older trainer); resume it with that commit or pass --from_resume 0")
     state = TrainState(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"], ckpt["tokens_seen"],
                        ckpt.get("tracker_id"))
-    return dict(ckpt, train_state=state.state_dict(), format_version=FORMAT_VERSION)
+    return dict(ckpt, train_state=state.state_dict(), format_version=LEGACY_VERSIONS[-1])
 
 
 def lm_checkpoint(config, weight="pretrain", state=None, save_dir="checkpoints"):
-    """MiniMind's entry point: save `state` (a dict) atomically, or load, check and upgrade it.
+    """MiniMind's entry point: save `state` (a dict) atomically as one file (format 2), or load, check and upgrade it.
 
     Load returns None when no checkpoint exists; raises ConfigError naming the file and the mismatch
     when it is corrupt, of an unreadable format, or was written for a different model.
     """
     path = resume_path(config, weight, save_dir)
     if state is not None:
-        atomic_save(dict(state, config=config.to_dict(), format_version=FORMAT_VERSION), path)
+        atomic_save(dict(state, config=config.to_dict(), format_version=LEGACY_VERSIONS[-1]), path)
         return path
     if not os.path.exists(path):
         return None
@@ -111,21 +130,74 @@ def lm_checkpoint(config, weight="pretrain", state=None, save_dir="checkpoints")
         saved = ckpt["config"]
     except Exception as e:
         raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or pass --from_resume 0")
+    check_config(saved, config, path)
+    return upgrade(ckpt, path)
+
+
+def check_config(saved, config, path):
+    """ConfigError naming the first model field the checkpoint was saved with differently."""
     for key in CHECK_KEYS:
         if saved.get(key) != getattr(config, key):
             raise ConfigError(f"{path} was saved with {key}={saved.get(key)} but this run has "
                               f"{key}={getattr(config, key)}; match the flags or pass --from_resume 0")
-    return upgrade(ckpt, path)
+
+
+
+
+def checkpoints(run_dir):
+    """[(step, directory, complete)] of a run's step_<N> directories, oldest first."""
+    found = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        match = re.fullmatch(r"step_(\d+)", name)
+        if match:
+            path = os.path.join(run_dir, name)
+            found.append((int(match.group(1)), path, os.path.isfile(os.path.join(path, MANIFEST))))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir):
+    """The newest complete step directory of `run_dir`, or None."""
+    complete = [path for _, path, done in checkpoints(run_dir) if done]
+    return complete[-1] if complete else None
+
+
+def read_train_state(path, config):
+    """train_state.pt of a complete DCP checkpoint, checked against this run's model (ConfigError if unusable)."""
+    file = os.path.join(path, "train_state.pt")
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=False)
+        saved, version = ckpt["config"], ckpt["format_version"]
+    except Exception as e:
+        raise ConfigError(f"{file} is not a readable checkpoint ({type(e).__name__}); delete {path} or pass --from_resume 0")
+    if version != FORMAT_VERSION:
+        raise ConfigError(f"{path} has checkpoint format {version}, this trainer reads {FORMAT_VERSION}; "
+                          "update the code or pass --from_resume 0")
+    check_config(saved, config, path)
+    return dict(ckpt, dcp_path=path)
 
 
 def load_resume(config, plan, args):
-    """The resume checkpoint when --from_resume 1 (else None); its global batch must match this run's."""
-    if not args.from_resume:
+    """--from_resume 1/auto: the newest complete checkpoint's state (a DCP directory, else a format 1/2 file).
+
+    None for --from_resume 0, or auto with nothing to resume; --from_resume 1 with nothing is a ConfigError.
+    Its global batch must match this run's.
+    """
+    if args.from_resume == "0":
         return None
-    ckpt = lm_checkpoint(config, weight=args.save_weight, save_dir=plan.checkpoint_dir)
-    if ckpt is not None and ckpt["global_batch"] != plan.global_batch:
+    run_dir = os.path.join(plan.checkpoint_dir, weight_name(args.save_weight, config))
+    path = latest_checkpoint(run_dir)
+    ckpt = read_train_state(path, config) if path else lm_checkpoint(config, weight=args.save_weight,
+                                                                      save_dir=plan.checkpoint_dir)
+    if ckpt is None:
+        if args.from_resume == "1":
+            raise ConfigError(f"--from_resume 1 but {run_dir} holds no complete checkpoint; pass --from_resume auto "
+                              "to start fresh when there is none, or 0")
+        Logger(f"--from_resume auto: no complete checkpoint in {run_dir}, starting fresh")
+        return None
+    if ckpt["global_batch"] != plan.global_batch:
         raise ConfigError(f"checkpoint was saved with a global batch of {ckpt['global_batch']} samples, this run "
                           f"has {plan.global_batch} (batch_size x accumulation_steps x dp); match it to resume exactly")
+    Logger(f"Resuming from {path or resume_path(config, args.save_weight, plan.checkpoint_dir)}")
     return ckpt
 
 
@@ -134,29 +206,128 @@ def tied_aliases(pipeline, config):
     return TIED_EMBEDDING if pipeline is not None and config.tie_word_embeddings else None
 
 
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def restore(trainer, ckpt):
-    """Load optimizer, scaler, RNG and TrainState from `ckpt` (the model was loaded before parallelizing)."""
-    load_full_state(trainer.model_parts, [trainer.optimizer], None, ckpt["optimizer"],
-                    tied_aliases=tied_aliases(trainer.pipeline, trainer.config))
+    """Load model (DCP) or optimizer (legacy: model loaded before parallelizing), scaler, RNG and TrainState."""
+    aliases = tied_aliases(trainer.pipeline, trainer.config)
+    if "dcp_path" in ckpt:
+        load_sharded_state(trainer.model_parts, trainer.optimizer, ckpt["dcp_path"], tied_aliases=aliases)
+        same_world = ckpt["world_size"] == trainer.plan.world_size  # else every rank takes rank 0's, as one process
+        rng_file = os.path.join(ckpt["dcp_path"], f"rng_{rank() if same_world else 0}.pt")
+        rng = torch.load(rng_file, weights_only=False)
+    else:
+        load_full_state(trainer.model_parts, [trainer.optimizer], None, ckpt["optimizer"], tied_aliases=aliases)
+        rng = ckpt["rng"]
     trainer.scaler.load_state_dict(ckpt["scaler"])
-    set_rng_state(ckpt["rng"])
+    set_rng_state(rng)
     trainer.progress.load_state_dict(ckpt["train_state"])
 
 
+class Checkpointer:
+    """Writes resume checkpoints, one DCP directory per save; keeps the newest `keep` complete ones (0: all).
+
+    With async_save, dcp.async_save writes in a thread over its own gloo group while training goes on; the next
+    save, and the end of the run (wait), wait for it. A save counts once rank 0 has written its manifest.
+    """
+
+    def __init__(self, run_dir, async_save=False, keep=3):
+        self.run_dir, self.async_save, self.keep = run_dir, async_save, keep
+        self.pending = None  # (future, manifest-written event) of the async save in flight
+        # a separate group, so the writer thread's collectives never interleave with training's (a collective)
+        self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+
+    def save(self, trainer):
+        """Write this step's checkpoint (a collective); returns once it is written, or staged under async_save."""
+        self.wait()
+        path = os.path.join(self.run_dir, f"step_{trainer.progress.global_step}")
+        if rank() == 0 and os.path.exists(os.path.join(path, MANIFEST)):
+            os.remove(os.path.join(path, MANIFEST))  # rewriting a step: it is incomplete until written again
+        if dist.is_initialized():
+            dist.barrier()
+        plan = trainer.plan
+        if rank() == 0:
+            atomic_save(dict(train_state=trainer.progress.state_dict(), scaler=trainer.scaler.state_dict(),
+                             world_size=plan.world_size, global_batch=plan.global_batch,
+                             layout=dict(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage),
+                             args=vars(trainer.args).copy(), config=trainer.config.to_dict(),
+                             format_version=FORMAT_VERSION), os.path.join(path, "train_state.pt"))
+        atomic_save(rng_state(), os.path.join(path, f"rng_{rank()}.pt"))
+        state = sharded_state_dict(trainer.model_parts, trainer.optimizer, tied_aliases(trainer.pipeline, trainer.config))
+        if not self.async_save:
+            dcp.save(state, checkpoint_id=path)
+            kill_for_test(trainer.progress.global_step, "save")  # shards written, manifest not
+            if dist.is_initialized():
+                dist.barrier()  # every rank's shards and RNG file are on disk
+            if rank() == 0:
+                self.mark_complete(path)
+            return
+        # FileSystemWriter stages (copies into new CPU buffers) before returning: training may then update the weights
+        response = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+        future, marked = getattr(response, "upload_completion", response), threading.Event()  # newer torch may return an AsyncSaveResponse
+        if rank() == 0:
+            def on_done(f):  # rank 0's save finishes only once every rank's write result reached it
+                try:
+                    if f.exception() is None:
+                        self.mark_complete(path)
+                finally:
+                    marked.set()
+            future.add_done_callback(on_done)
+        self.pending = (future, marked)
+        kill_for_test(trainer.progress.global_step, "save")  # the write in flight
+
+    def wait(self):
+        """Wait for the pending async save (its manifest included); re-raises its error."""
+        if self.pending is None:
+            return
+        future, marked = self.pending
+        self.pending = None
+        future.result()
+        if rank() == 0:
+            marked.wait()
+
+    def mark_complete(self, path):
+        """Rank 0, once every rank's files are written: the manifest, last; then prune."""
+        step = int(path.rsplit("_", 1)[1])
+        tmp = os.path.join(path, MANIFEST + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(dict(step=step, format_version=FORMAT_VERSION), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, MANIFEST))
+        self.prune(step)
+
+    def prune(self, step):
+        """Drop the steps after `step` (an abandoned timeline), partial saves before it and complete ones past `keep`."""
+        older = [(s, p, done) for s, p, done in checkpoints(self.run_dir) if s != step]
+        kept = [p for s, p, done in older if done and s < step][-(self.keep - 1):] if self.keep > 1 else []
+        for s, p, done in older:
+            if p not in kept and (self.keep or s > step or not done):
+                shutil.rmtree(p, ignore_errors=True)
+
+
 def save_checkpoint(trainer):
-    """Gather the full state (collective) and write weights + resume file on rank 0; every rank waits."""
+    """Write a resume checkpoint of this step (a collective; see Checkpointer)."""
+    trainer.checkpointer.save(trainer)
+
+
+def save_weights(trainer):
+    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0."""
     pp_group = trainer.dims.group("pp") if trainer.plan.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
-    optim_sd = full_optimizer_state_dict(trainer.model_parts, [trainer.optimizer], pp_group=pp_group,
-                                         tied_aliases=tied_aliases(trainer.pipeline, trainer.config))
     if is_main_process():
-        args, config = trainer.args, trainer.config
-        save_dtype = getattr(torch, args.save_dtype)
-        weights = {k: v.to(save_dtype) for k, v in model_sd.items()}
-        atomic_save(weights, os.path.join(trainer.plan.save_dir, weight_name(args.save_weight, config) + ".pth"))
-        state = dict(model=model_sd, optimizer=optim_sd, scaler=trainer.scaler.state_dict(), rng=rng_state(),
-                     train_state=trainer.progress.state_dict(), world_size=trainer.plan.world_size,
-                     global_batch=trainer.plan.global_batch, args=vars(args).copy())
-        lm_checkpoint(config, weight=args.save_weight, state=state, save_dir=trainer.plan.checkpoint_dir)
-    if dist.is_initialized():
-        dist.barrier()
+        args = trainer.args
+        weights = {k: v.to(getattr(torch, args.save_dtype)) for k, v in model_sd.items()}
+        atomic_save(weights, os.path.join(trainer.plan.save_dir, weight_name(args.save_weight, trainer.config) + ".pth"))
+
+
+def kill_for_test(step, point="step"):
+    """Test-only hook: MINIMIND_TEST_KILL_AT_STEP=N SIGKILLs rank MINIMIND_TEST_KILL_RANK (default 0) at step N, after
+    its optimizer step or, with MINIMIND_TEST_KILL_POINT=save, inside its save; on torchrun's first attempt only."""
+    if (os.environ.get("MINIMIND_TEST_KILL_AT_STEP") != str(step) or os.environ.get("MINIMIND_TEST_KILL_POINT", "step") != point
+            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
+        return
+    if rank() == int(os.environ.get("MINIMIND_TEST_KILL_RANK", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -65,7 +65,8 @@ def add_train_args(parser, **defaults):
     a("--cache_dir", default=None, help="token cache of the datasets (default: dataset/.cache in the repo)")
     a("--tokenizer_path", default=None, help="Hugging Face tokenizer folder (default: model/ in the repo)")
     a("--from_weight", default="none", help="weight prefix in save_dir, a .pth path, or none")
-    a("--from_resume", type=int, default=0, choices=[0, 1], help="continue from the resume checkpoint")
+    a("--from_resume", default="0", choices=["0", "1", "auto"],
+      help="1: continue from the newest complete checkpoint; auto: that, or start fresh if there is none (for torchrun --max-restarts)")
     a("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: run all epochs)")
     a("--seed", type=int, default=42, help="model init and data order (a pure function of seed and epoch)")
     a("--metrics_file", default=None, help="JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
@@ -79,6 +80,10 @@ def add_train_args(parser, **defaults):
       help="recompute each decoder block in backward (less activation memory, ~1/3 more compute)")
     a("--loss_chunk_size", type=int, default=1024,
       help="lm_head + cross-entropy over chunks of this many tokens, never the full logits (0: off)")
+    a("--keep_checkpoints", type=int, default=3, help="complete resume checkpoints kept; older ones are deleted (0: all)")
+    a("--async_save", type=int, default=0, choices=[0, 1], help="write resume checkpoints in the background (dcp.async_save)")
+    a("--save_weights_every", type=int, default=0,
+      help="also write the <save_weight>.pth weights every N steps (0: at the end only)")
     add_parallel_args(parser)
     parser.set_defaults(**defaults)
     return parser
@@ -222,6 +227,9 @@ def check_model_args(args, config):
     for name in ("batch_size", "accumulation_steps", "epochs", "log_interval", "save_interval"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    for name in ("keep_checkpoints", "save_weights_every"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name} must be 0 or more (got {getattr(args, name)})")
     if args.head_dim is None and config.hidden_size % config.num_attention_heads:
         raise ConfigError(f"--hidden_size {config.hidden_size} is not divisible by --num_attention_heads "
                           f"{config.num_attention_heads}; pick sizes that divide or pass --head_dim")

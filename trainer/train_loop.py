@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from dataset.demo_data import ensure_demo_data
 from dataset.mixture import describe_mixture, load_data_spec
-from trainer.checkpoint import TrainState, load_resume, restore, save_checkpoint
+from trainer.checkpoint import (Checkpointer, TrainState, kill_for_test, load_resume, restore, save_checkpoint,
+                                save_weights)
 from trainer.config import build_config, resolve
 from trainer.metrics import (StepTimer, group_sum, peak_flops, peak_mem_gb, per_rank, step_flops,
                              world_sum)
@@ -46,6 +47,7 @@ class Trainer:
     progress: TrainState
     resumed: bool = False
     total_steps: int = 0  # of the lr schedule (all epochs)
+    checkpointer: Checkpointer = None
 
 
 def setup(args):
@@ -101,7 +103,7 @@ def build_model(config, plan, model_state=None):
 def build_trainer(args, config, plan, dims):
     """Phases 3-6: resume state, model, parallel wrap, optimizer, restore."""
     ckpt = load_resume(config, plan, args)
-    model = build_model(config, plan, ckpt["model"] if ckpt else None)
+    model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, args.learning_rate, plan.zero_stage, dims.group("dp_cp"),
@@ -109,7 +111,9 @@ def build_trainer(args, config, plan, dims):
                                 weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(torch.device(plan.device).type, enabled=plan.dtype == torch.float16)
     trainer = Trainer(plan, args, config, dims, model_parts, pipeline, optimizer, scaler, TrainState(),
-                      resumed=ckpt is not None)
+                      resumed=ckpt is not None, checkpointer=Checkpointer(
+                          os.path.join(plan.checkpoint_dir, weight_name(args.save_weight, config)),
+                          bool(args.async_save), args.keep_checkpoints))
     if ckpt is not None:
         restore(trainer, ckpt)
         Logger(f"Resumed from epoch {trainer.progress.epoch}, step {trainer.progress.global_step} "
@@ -146,14 +150,18 @@ def train(trainer, train_ds, eval_ds=None):
                 tracker.log(step_record(trainer, metrics, timer))
             if eval_ds is not None and args.eval_interval and progress.global_step % args.eval_interval == 0:
                 tracker.log(evaluate(trainer, eval_ds))
+            kill_for_test(progress.global_step)
             if progress.global_step % args.save_interval == 0 or last:
                 save_checkpoint(trainer)
+            if last or (args.save_weights_every and progress.global_step % args.save_weights_every == 0):
+                save_weights(trainer)
         bar.close()
         if reached_max_steps(trainer):
             break
         progress.step_in_epoch = 0
     if eval_ds is not None and not (args.eval_interval and progress.global_step % args.eval_interval == 0):
         tracker.log(evaluate(trainer, eval_ds))  # unless the last step just did
+    trainer.checkpointer.wait()  # the last async save
     profiler.close()
     tracker.close()
     Logger(f"Done: {progress.global_step} steps, weights in "

@@ -58,7 +58,13 @@ def init_distributed_mode(timeout_s=60):
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun --max-restarts keeps its store across restarts: without a per-attempt prefix a restarted rank can read
+    # a dead worker's address from the last attempt and fail in "Gloo connectFullMesh ... Connection refused"
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
     return local_rank
 
 

@@ -6,12 +6,18 @@ full_state_dict=True on the single-process model):
   optimizer: {"state": {fqn: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [fqn]}]}
 A tied lm_head.weight appears in the model state (as in nn.Module.state_dict) but not in the
 optimizer state, which holds the shared parameter once under model.embed_tokens.weight.
+
+Sharded (DCP) format, sharded_state_dict / load_sharded_state: {"model": {fqn: tensor or DTensor shard},
+"optim": {"state.<fqn>.<key>": ..., "param_groups.<fqn>.<key>": ...}} (flatten_optimizer_state_dict: keyed
+per FQN, so pipeline stages holding disjoint FQNs save and reload under any split).
 """
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -220,3 +226,92 @@ def load_full_state(model_parts, optimizers, model_sd, optim_sd=None, tied_alias
             _load_zero(part, optim, optim_sd)
         else:
             set_optimizer_state_dict(part, optim, optim_state_dict=optim_sd, options=options)
+
+
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optim_pair(model_parts, optimizer):
+    (pair,) = _optimizer_pairs(model_parts, [optimizer])
+    return pair
+
+
+def sharded_state_dict(model_parts, optimizer, tied_aliases=None):
+    """This rank's model and optimizer state for dcp.save: DTensor shards stay shards (a collective under ZeRO-1).
+
+    tied_aliases: the optimizer state of an alias (a pipeline stage's copy of the tied embedding) is left out;
+    the canonical weight's state, identical, is saved by the stage that owns it.
+    """
+    model = {}
+    for part in _as_list(model_parts):
+        model.update(get_model_state_dict(part))
+    part, optim = _optim_pair(model_parts, optimizer)
+    if isinstance(optim, ZeroRedundancyOptimizer):  # no DTensor state to shard: rank 0 of the group saves it whole
+        osd = _zero_state_dict(part, optim)
+        optim_sd = _flatten_optim_state_dict(osd) if osd else {}
+    else:
+        optim_sd = get_optimizer_state_dict(part, optim, options=_FLAT)
+    aliases = tuple(f"{section}.{alias}." for alias in tied_aliases or {} for section in ("state", "param_groups"))
+    return {"model": model, "optim": {k: v for k, v in optim_sd.items() if not k.startswith(aliases)}}
+
+
+def _zero_template(part, optim):
+    """The flattened AdamW state a ZeroRedundancyOptimizer's parameters take (full shapes: it loads the whole)."""
+    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    template = {}
+    for group in optim.param_groups:
+        for p in group["params"]:
+            fqn = names[id(p)]
+            template.update({f"state.{fqn}.step": torch.tensor(0.0), f"state.{fqn}.exp_avg": torch.zeros_like(p),
+                             f"state.{fqn}.exp_avg_sq": torch.zeros_like(p)})
+            template.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
+    return template
+
+
+def _unflatten_zero(part, optim, flat):
+    """The FQN-keyed {"state", "param_groups"} dict _load_zero takes, from the flattened template."""
+    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    state, groups = {}, []
+    for group in optim.param_groups:
+        fqns = [names[id(p)] for p in group["params"]]
+        for fqn in fqns:
+            state[fqn] = {k: flat[f"state.{fqn}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
+        groups.append(dict({k: flat[f"param_groups.{fqns[0]}.{k}"] for k in group if k != "params"}, params=fqns))
+    return {"state": state, "param_groups": groups}
+
+
+def _read_tied(section, saved_keys, tied_aliases):
+    """{key to read: key of `section`}: an alias the checkpoint lacks reads its canonical weight's entry."""
+    reads = {}
+    for key in section:
+        read = key
+        if key not in saved_keys:
+            for alias, canonical in (tied_aliases or {}).items():
+                read = read.replace(alias, canonical, 1)
+        reads[read if read not in section else key] = key
+    return reads
+
+
+def load_sharded_state(model_parts, optimizer, checkpoint_dir, tied_aliases=None):
+    """Load a sharded_state_dict save into any layout: DCP reads each rank's slice of every tensor (a collective)."""
+    saved = set(dcp.FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata)
+    model = {}
+    for part in _as_list(model_parts):
+        model.update(get_model_state_dict(part))
+    part, optim = _optim_pair(model_parts, optimizer)
+    is_zero = isinstance(optim, ZeroRedundancyOptimizer)
+    optim_sd = _zero_template(part, optim) if is_zero else get_optimizer_state_dict(part, optim, options=_FLAT)
+    reads = {name: _read_tied(section, {k[len(name) + 1:] for k in saved if k.startswith(name + ".")}, tied_aliases)
+             for name, section in (("model", model), ("optim", optim_sd))}
+    state = {"model": {r: model[k] for r, k in reads["model"].items()},
+             "optim": {r: optim_sd[k] for r, k in reads["optim"].items()}}
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    model = {k: state["model"][r] for r, k in reads["model"].items()}
+    optim_sd = {k: state["optim"][r] for r, k in reads["optim"].items()}
+    for part_module in _as_list(model_parts):
+        keys = get_model_state_dict(part_module).keys()
+        set_model_state_dict(part_module, {k: model[k] for k in keys})
+    if is_zero:
+        _load_zero(part, optim, _unflatten_zero(part, optim, optim_sd))
+    else:
+        set_optimizer_state_dict(part, optim, optim_state_dict=optim_sd, options=_FLAT)
