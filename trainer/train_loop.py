@@ -164,8 +164,8 @@ def after_step(trainer, tracker, eval_ds, metrics, timer, epoch_end):
         save_checkpoint(trainer)
         guard.saved(step)
     if guard.stop:
-        Logger(f"{guard.preemption.requested or 'signal'}: stopped at step {step} with its checkpoint in "
-               f"{trainer.plan.checkpoint_dir}; continue with --from_resume 1")
+        Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.checkpoint_dir}; "
+               "continue with --from_resume 1")
 
 
 def finish(trainer):
