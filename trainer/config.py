@@ -236,12 +236,14 @@ def check_numbers(args):
             raise ConfigError(f"--{name} must be at least {low} (got {value}{hint})")
     if args.seed >= 2 ** 32:
         raise ConfigError(f"--seed must be below 2**32 (got {args.seed})")
-    for name in ("learning_rate", "grad_clip", "grace_seconds"):  # inf is allowed only for --grad_clip (no clipping)
+    for name in ("grad_clip", "grace_seconds"):  # inf is allowed only for --grad_clip (no clipping)
         value = getattr(args, name)
         if not value > 0 or (math.isinf(value) and name != "grad_clip"):
             raise ConfigError(f"--{name} must be a positive number (got {value})")
-    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        raise ConfigError(f"--weight_decay must be 0 or more (got {args.weight_decay})")
+    for name in ("learning_rate", "weight_decay"):  # lr 0 is meant: a run that only evaluates or re-saves weights
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"--{name} must be a finite number, 0 or more (got {value})")
 
 
 def check_device(device):
