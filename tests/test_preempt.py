@@ -33,7 +33,8 @@ def start(argv, nproc):
         str(free_port()), os.path.join(ROOT, SCRIPT), *argv]
     os.makedirs(os.path.dirname(metrics_path(argv)), exist_ok=True)
     log = open(metrics_path(argv) + ".log", "w+")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1")), log
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env), log
 
 
 def wait_for_step(proc, argv, step, timeout=240):
@@ -53,8 +54,9 @@ def finish(proc, log, timeout=240):
     finally:
         if proc.poll() is None:
             proc.kill()
-    log.seek(0)
-    return proc.returncode, log.read()
+    with log:
+        log.seek(0)
+        return proc.returncode, log.read()
 
 
 def rank_pid(proc, rank):

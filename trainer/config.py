@@ -77,14 +77,20 @@ def add_train_args(parser, **defaults):
       help="recompute each decoder block in backward (less activation memory, ~1/3 more compute)")
     a("--loss_chunk_size", type=int, default=1024,
       help="lm_head + cross-entropy over chunks of this many tokens, never the full logits (0: off)")
+    add_guard_args(parser)
+    add_parallel_args(parser)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def add_guard_args(parser):
+    """Preemption, the non-finite step guard and the replica check (trainer/guard.py)."""
+    a = parser.add_argument
     a("--grace_seconds", type=float, default=60,
       help="after SIGTERM/SIGINT: seconds to finish the step and save before exiting non-zero")
     a("--max_bad_steps", type=int, default=5, help="stop after this many non-finite (skipped) optimizer steps in a row")
     a("--check_replicas", type=int, default=0,
       help="every N steps compare parameter checksums across data-parallel replicas (0: off)")
-    add_parallel_args(parser)
-    parser.set_defaults(**defaults)
-    return parser
 
 
 def add_parallel_args(parser):
