@@ -6,9 +6,11 @@ import os
 import pytest
 import torch
 
-from trainer.config import TrainPlan, add_train_args, data_parallel_mode, resolve
+from trainer.config import AT_LEAST, TrainPlan, add_train_args, data_parallel_mode, resolve
 from trainer.trainer_utils import ROOT, ConfigError
 
+HERE = os.path.dirname(os.path.abspath(__file__))  # a folder: no tokenizer, no weights, not a data file
+FORBIDDEN = "/proc/forbidden"  # a folder no one can create
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
         "--dtype", "float32", "--device", "cpu"]
 
@@ -79,3 +81,62 @@ def test_every_flag_has_help():
     parser = add_train_args(argparse.ArgumentParser())
     missing = [a.dest for a in parser._actions if a.dest != "help" and not a.help]
     assert missing == []
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--learning_rate", "-1"], "--learning_rate must be a finite number, 0 or more (got -1.0)"),
+    (["--learning_rate", "nan"], "--learning_rate must be a finite number, 0 or more (got nan)"),
+    (["--grad_clip", "-1"], "--grad_clip must be a positive number (got -1.0)"),
+    (["--grad_clip", "0"], "--grad_clip must be a positive number (got 0.0)"),
+    (["--weight_decay", "-0.1"], "--weight_decay must be a finite number, 0 or more"),
+    (["--max_steps", "-3"], "--max_steps must be at least 0 (got -3; 0 runs all epochs)"),
+    (["--warmup_steps", "-1"], "--warmup_steps must be at least 0"),
+    (["--seed", "-1"], "--seed must be at least 0"),
+    (["--seed", str(2 ** 32)], "--seed must be below 2**32"),
+    (["--num_workers", "-1"], "--num_workers must be at least 0"),
+    (["--eval_interval", "-1"], "--eval_interval must be at least 0"),
+    (["--eval_batches", "0"], "--eval_batches must be at least 1"),
+    (["--loss_chunk_size", "-1"], "--loss_chunk_size must be at least 0"),
+    (["--dist_timeout", "0"], "--dist_timeout must be at least 1"),
+    (["--hidden_size", "0"], "--hidden_size must be at least 1"),
+    (["--num_hidden_layers", "0"], "--num_hidden_layers must be at least 1"),
+    (["--num_attention_heads", "0"], "--num_attention_heads must be at least 1"),
+    (["--intermediate_size", "0"], "--intermediate_size must be at least 1"),
+    (["--head_dim", "0"], "--head_dim must be at least 1"),
+    (["--use_moe", "1", "--num_experts_per_tok", "0"], "--num_experts_per_tok must be at least 1"),
+    (["--grace_seconds", "0"], "--grace_seconds must be a positive number"),
+    (["--max_bad_steps", "0"], "--max_bad_steps must be at least 1"),
+    (["--check_replicas", "-1"], "--check_replicas must be at least 0"),
+    (["--device", "gpu"], "--device gpu is not a device"),
+    (["--tokenizer_path", "/nonexistent/tokenizer"], "--tokenizer_path /nonexistent/tokenizer is not a directory"),
+    (["--tokenizer_path", HERE], "has no tokenizer.json"),
+    (["--checkpoint_dir", FORBIDDEN], "--checkpoint_dir /proc/forbidden is not writable"),
+    (["--cache_dir", FORBIDDEN], "--cache_dir /proc/forbidden is not writable"),
+    (["--tensorboard_dir", FORBIDDEN], "--tensorboard_dir /proc/forbidden is not writable"),
+    (["--metrics_file", HERE], "is a directory; pass a file path"),
+    (["--data_path", HERE], "is a directory; pass a JSONL"),
+    (["--eval_data_path", "/nonexistent/eval.jsonl"], "does not exist"),
+    (["--from_weight", HERE], "has no config.json"),
+    (["--zero_stage", "5"], "--zero_stage must be one of 0, 1, 2, 3"),
+    (["--profile_steps", "0:2"], "--profile_steps"),
+])
+def test_bad_flag_values_are_config_errors(tmp_path, args, needle):
+    with pytest.raises(ConfigError) as error:
+        resolve(flags("--save_dir", str(tmp_path), *args), 1)
+    assert needle in str(error.value)
+
+
+def test_check_replicas_needs_replicated_parameters(tmp_path):
+    with pytest.raises(ConfigError, match="--check_replicas compares replicated parameters"):
+        resolve(flags("--save_dir", str(tmp_path), "--check_replicas", "1", "--zero_stage", "3"), 2)
+    plan = resolve(flags("--save_dir", str(tmp_path), "--check_replicas", "1", "--zero_stage", "1"), 2)
+    assert plan.dp_mode == "zero1"  # ZeRO-1 keeps full replicated parameters
+
+
+def test_every_integer_flag_has_a_range():
+    """A new integer flag must say which values it takes: a range in AT_LEAST, choices, or a layout check."""
+    parser = add_train_args(argparse.ArgumentParser())
+    checked_elsewhere = {"tp", "pp", "cp", "zero_stage"}  # validate_layout / validate_data_parallel
+    unchecked = [a.dest for a in parser._actions if a.type is int and not a.choices
+                 and a.dest not in AT_LEAST and a.dest not in checked_elsewhere]
+    assert unchecked == []

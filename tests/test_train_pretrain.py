@@ -164,6 +164,37 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     expect_rejected(tmp_path, args, needle)
 
 
+@pytest.mark.parametrize("args,needle", [  # issue 10's cases end to end; every flag's range: tests/test_config.py
+    (["--learning_rate", "-1"], "--learning_rate must be a finite number, 0 or more (got -1.0)"),
+    (["--grad_clip", "-1"], "--grad_clip must be a positive number (got -1.0)"),
+    (["--tokenizer_path", "/nonexistent/tokenizer"], "--tokenizer_path /nonexistent/tokenizer is not a directory"),
+    (["--max_steps", "-3"], "--max_steps must be at least 0 (got -3; 0 runs all epochs)"),
+])
+def test_bad_input_second_round(tmp_path, args, needle):
+    expect_rejected(tmp_path, args, needle)
+
+
+def test_garbage_weight_file_is_one_line(tmp_path):
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_text("not a checkpoint")
+    expect_rejected(tmp_path, ["--from_weight", str(garbage)], "is not a torch weight file")
+
+
+def test_resuming_at_or_past_max_steps_trains_nothing(tmp_path):
+    common = ["--data_path", demo_slice(tmp_path, "pretrain", 48), "--packing", "0", "--max_seq_len", "64",
+              "--batch_size", "4", "--accumulation_steps", "2"]  # 6 steps per epoch
+    records, out = run_pretrain(tmp_path, *common, "--max_steps", "4")
+    weights = torch.load(os.path.join(out, "pretrain_64.pth"))
+    for max_steps in ("4", "3"):
+        again, _ = run_pretrain(tmp_path, *common, "--max_steps", max_steps, "--from_resume", "1")
+        assert again == records  # no step trained, none logged again
+    proc = python(SCRIPT, [*TINY_MODEL, *common, "--save_dir", out, "--checkpoint_dir", os.path.join(str(tmp_path), "ckpt"),
+                           "--metrics_file", os.path.join(out, "metrics.jsonl"), "--max_steps", "3", "--from_resume", "1"])
+    assert proc.returncode == 0 and "--max_steps 3: the checkpoint is already at step 4; nothing to train" in proc.stdout
+    after = torch.load(os.path.join(out, "pretrain_64.pth"))
+    assert all(torch.equal(weights[k], after[k]) for k in weights)
+
+
 def test_empty_and_malformed_data_files(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

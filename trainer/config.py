@@ -5,6 +5,7 @@
 `resolve(args, world_size)`, which also rejects bad input with a ConfigError before any collective.
 """
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import validate_layout
 from trainer.parallel.pipeline import pp_validate
 from trainer.parallel.tensor import tp_validate
+from trainer.guard import TrainingHalted
 from trainer.tracking import parse_profile_steps
 from trainer.trainer_utils import ConfigError, Logger, typed_or_default, weight_name
 
@@ -84,9 +86,20 @@ def add_train_args(parser, **defaults):
     a("--async_save", type=int, default=0, choices=[0, 1], help="write resume checkpoints in the background (dcp.async_save)")
     a("--save_weights_every", type=int, default=0,
       help="also write the <save_weight>.pth weights every N steps (0: at the end only)")
+    add_guard_args(parser)
     add_parallel_args(parser)
     parser.set_defaults(**defaults)
     return parser
+
+
+def add_guard_args(parser):
+    """Preemption, the non-finite step guard and the replica check (trainer/guard.py)."""
+    a = parser.add_argument
+    a("--grace_seconds", type=float, default=60,
+      help="after SIGTERM/SIGINT: seconds to finish the step and save before exiting non-zero")
+    a("--max_bad_steps", type=int, default=5, help="stop after this many non-finite (skipped) optimizer steps in a row")
+    a("--check_replicas", type=int, default=0,
+      help="every N steps compare parameter checksums across data-parallel replicas (0: off)")
 
 
 def add_parallel_args(parser):
@@ -220,24 +233,56 @@ def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compress
     return dp, zero_stage, mode
 
 
+# the smallest value each integer flag takes (None: the flag's "use the default rule" value, always allowed)
+AT_LEAST = dict(max_seq_len=2, batch_size=1, accumulation_steps=1, epochs=1, log_interval=1, save_interval=1,
+                hidden_size=1, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, intermediate_size=1,
+                moe_intermediate_size=1, head_dim=1, num_experts=1, num_experts_per_tok=1, eval_batches=1,
+                max_bad_steps=1, dist_timeout=1, warmup_steps=0, num_workers=0, eval_interval=0, max_steps=0,
+                loss_chunk_size=0, check_replicas=0, seed=0, keep_checkpoints=0, save_weights_every=0, num_proc=1)
+HINTS = dict(max_steps="0 runs all epochs", keep_checkpoints="0 keeps all", save_weights_every="0 saves at the end only",
+             num_proc="leave it unset for the cores available", eval_interval="0 evaluates at the end only", check_replicas="0 is off",
+             loss_chunk_size="0 is off", seed="numpy takes 0 to 2**32-1")
+
+
+def check_numbers(args):
+    """Every numeric flag in its range: one line naming the flag, its value and what it takes."""
+    for name, low in AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            hint = f"; {HINTS[name]}" if name in HINTS else ""
+            raise ConfigError(f"--{name} must be at least {low} (got {value}{hint})")
+    if args.seed >= 2 ** 32:
+        raise ConfigError(f"--seed must be below 2**32 (got {args.seed})")
+    for name in ("grad_clip", "grace_seconds"):  # inf is allowed only for --grad_clip (no clipping)
+        value = getattr(args, name)
+        if not value > 0 or (math.isinf(value) and name != "grad_clip"):
+            raise ConfigError(f"--{name} must be a positive number (got {value})")
+    for name in ("learning_rate", "weight_decay"):  # lr 0 is meant: a run that only evaluates or re-saves weights
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"--{name} must be a finite number, 0 or more (got {value})")
+
+
+def check_device(device):
+    """--device names a cpu or cuda device (available)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device} is not a device this trainer runs on; use cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} but no CUDA device is available; use --device cpu")
+
+
 def check_model_args(args, config):
     """Model and batch flags: one line saying what to change."""
-    if args.max_seq_len < 2:
-        raise ConfigError(f"--max_seq_len {args.max_seq_len} is too small; it must be at least 2")
-    for name in ("batch_size", "accumulation_steps", "epochs", "log_interval", "save_interval"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    for name in ("keep_checkpoints", "save_weights_every"):
-        if getattr(args, name) < 0:
-            raise ConfigError(f"--{name} must be 0 or more (got {getattr(args, name)})")
     if args.head_dim is None and config.hidden_size % config.num_attention_heads:
         raise ConfigError(f"--hidden_size {config.hidden_size} is not divisible by --num_attention_heads "
                           f"{config.num_attention_heads}; pick sizes that divide or pass --head_dim")
     message = config.validate()
     if message:
         raise ConfigError(message)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"--device {args.device} but no CUDA device is available; use --device cpu")
 
 
 def check_parallel_args(args, config):
@@ -267,16 +312,29 @@ def check_combinations(args):
         raise ConfigError("--use_compile 1 with --pp > 1 is not supported; drop one of them")
 
 
-def check_paths(save_dir, from_weight, data_paths):
-    """Output directory writable, input files present and non-empty."""
-    probe = os.path.join(save_dir, f".write_test{os.getpid()}")
+def check_replica_layout(check_replicas, dp_mode):
+    if check_replicas and dp_mode == "fsdp2":
+        raise ConfigError("--check_replicas compares replicated parameters, but FSDP2 (--zero_stage >= 2, or tp/pp "
+                          "with data parallel) shards them; use --zero_stage 0 or 1, or --check_replicas 0")
+
+
+def check_writable(directory, flag):
+    """`directory` exists or can be made, and takes a file."""
+    probe = os.path.join(directory, f".write_test{os.getpid()}")
     try:
-        os.makedirs(save_dir, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         with open(probe, "w"):
             pass
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"--save_dir {save_dir} is not writable ({e.strerror}); choose another directory")
+        raise ConfigError(f"{flag} {directory} is not writable ({e.strerror}); choose another directory")
+
+
+def check_paths(save_dir, from_weight, data_paths, others=()):
+    """Output directories writable, input files present and non-empty; `others`: (directory, flag) to probe."""
+    check_writable(save_dir, "--save_dir")
+    for directory, flag in others:
+        check_writable(directory, flag)
     if from_weight != "none" and not os.path.exists(from_weight):
         raise ConfigError(f"--from_weight: {from_weight} does not exist; train it first or pass --from_weight none")
     for flag, spec in data_paths:
@@ -292,17 +350,40 @@ def check_paths(save_dir, from_weight, data_paths):
                 raise ConfigError(f"data file {path} is empty; check {flag}")
 
 
+def check_tokenizer(path):
+    """A Hugging Face tokenizer folder: a directory with tokenizer.json or tokenizer_config.json."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"--tokenizer_path {path} is not a directory; pass the folder with tokenizer.json "
+                          "(default: model/ in the repo)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"--tokenizer_path {path} has no tokenizer.json or tokenizer_config.json; "
+                          "pass a Hugging Face tokenizer folder")
+
+
+def check_metrics_file(path):
+    if os.path.isdir(path):
+        raise ConfigError(f"--metrics_file {path} is a directory; pass a file path")
+    check_writable(os.path.dirname(path) or ".", "--metrics_file folder")
+
+
 def resolve(args, world_size, local_rank=0):
     """Check the flags and derive the frozen TrainPlan; raises ConfigError before any collective."""
+    check_numbers(args)
+    check_device(args.device)
     save_dir = typed_or_default(args.save_dir, "out")
     from_weight = args.from_weight
     if from_weight != "none":  # a path, or a weight prefix: <save_dir>/<prefix>_<hidden>[_moe].pth
         from_weight = typed_or_default(from_weight, None) if from_weight.endswith(".pth") or os.path.isdir(
             from_weight) else os.path.join(save_dir, weight_name(from_weight, build_config(args)) + ".pth")
     data_path, eval_data_path = (absolute_data_spec(spec) if spec else None for spec in (args.data_path, args.eval_data_path))
-    check_paths(save_dir, from_weight, (("--data_path", data_path), ("--eval_data_path", eval_data_path)))
-    if args.num_proc is not None and args.num_proc < 1:
-        raise ConfigError(f"--num_proc {args.num_proc}: give at least 1 tokenizer process (or leave it unset)")
+    checkpoint_dir = typed_or_default(args.checkpoint_dir, "checkpoints")
+    cache_dir = typed_or_default(args.cache_dir, os.path.join("dataset", ".cache"))
+    tensorboard_dir = typed_or_default(args.tensorboard_dir, None)
+    outputs = [(checkpoint_dir, "--checkpoint_dir"), (cache_dir, "--cache_dir")]
+    check_paths(save_dir, from_weight, (("--data_path", data_path), ("--eval_data_path", eval_data_path)),
+                outputs + ([(tensorboard_dir, "--tensorboard_dir")] if tensorboard_dir else []))
+    tokenizer_path = typed_or_default(args.tokenizer_path, "model")
+    check_tokenizer(tokenizer_path)
     weight_fields = weight_shapes(args, from_weight) if from_weight != "none" else {}
     config = build_config(args, weight_fields)
     check_model_args(args, config)
@@ -311,9 +392,12 @@ def resolve(args, world_size, local_rank=0):
                                                  args.grad_compression)
     check_parallel_args(args, config)
     check_combinations(args)
+    check_replica_layout(args.check_replicas, dp_mode)
     if zero_stage != args.zero_stage:
         Logger(f"tp/pp with dp*cp > 1: data parallel uses FSDP2 with gathered parameters (zero stage {zero_stage})")
     name = weight_name(args.save_weight, config)
+    metrics_file = typed_or_default(args.metrics_file, None) or os.path.join(save_dir, f"{name}_metrics.jsonl")
+    check_metrics_file(metrics_file)
     device = f"cuda:{local_rank}" if world_size > 1 and args.device.startswith("cuda") else args.device
     return TrainPlan(
         world_size=world_size, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, zero_stage=zero_stage, dp_mode=dp_mode,
@@ -323,12 +407,9 @@ def resolve(args, world_size, local_rank=0):
         seq_len=args.max_seq_len, global_batch=args.batch_size * args.accumulation_steps * dp,
         # chunked loss: not under tp (vocab-sharded logits) nor pp (the schedule takes the last stage's logits)
         chunked_loss=args.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1,
-        save_dir=save_dir, checkpoint_dir=typed_or_default(args.checkpoint_dir, "checkpoints"),
-        metrics_file=typed_or_default(args.metrics_file, None) or os.path.join(save_dir, f"{name}_metrics.jsonl"),
-        tokenizer_path=typed_or_default(args.tokenizer_path, "model"),
-        cache_dir=typed_or_default(args.cache_dir, os.path.join("dataset", ".cache")),
-        seed=args.seed, data_path=data_path, eval_data_path=eval_data_path, from_weight=from_weight,
-        tensorboard_dir=typed_or_default(args.tensorboard_dir, None),
+        save_dir=save_dir, checkpoint_dir=checkpoint_dir, metrics_file=metrics_file, tokenizer_path=tokenizer_path,
+        cache_dir=cache_dir, seed=args.seed, data_path=data_path, eval_data_path=eval_data_path,
+        from_weight=from_weight, tensorboard_dir=tensorboard_dir,
         profile_steps=profile_steps(args.profile_steps), weight_fields=weight_fields)
 
 
@@ -341,12 +422,13 @@ def profile_steps(spec):
 
 
 def main_guard(main):
-    """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank."""
+    """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank, a TrainingHalted (the run
+    stopped itself: non-finite steps, diverged replicas) one line and exit code 3."""
     try:
         main()
-    except ConfigError as e:
+    except (ConfigError, TrainingHalted) as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, ConfigError) else 3)

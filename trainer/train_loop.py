@@ -20,6 +20,7 @@ from dataset.mixture import describe_mixture, load_data_spec
 from trainer.checkpoint import (Checkpointer, TrainState, kill_for_test, load_resume, restore, save_checkpoint,
                                 save_weights)
 from trainer.config import build_config, resolve
+from trainer.guard import Preemption, StepGuard, check_replicas
 from trainer.metrics import (StepTimer, group_sum, peak_flops, peak_mem_gb, per_rank, step_flops,
                              world_sum)
 from trainer.parallel.clip import clip_grad_norm_
@@ -48,6 +49,7 @@ class Trainer:
     resumed: bool = False
     total_steps: int = 0  # of the lr schedule (all epochs)
     checkpointer: Checkpointer = None
+    guard: StepGuard = None  # non-finite skips and the agreed preemption stop (set by train)
 
 
 def setup(args):
@@ -122,50 +124,76 @@ def build_trainer(args, config, plan, dims):
 
 
 def train(trainer, train_ds, eval_ds=None):
-    """Phase 7, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves."""
+    """Phase 7, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
+
+    SIGTERM/SIGINT stop it after the current step (every rank at the same step) with a checkpoint there."""
     plan, args, progress = trainer.plan, trainer.args, trainer.progress
     steps_per_epoch = len(train_ds) // plan.global_batch
     trainer.total_steps = args.epochs * steps_per_epoch
+    if trainer.resumed and reached_max_steps(trainer):
+        Logger(f"--max_steps {args.max_steps}: the checkpoint is already at step {progress.global_step}; "
+               "nothing to train (raise --max_steps to train on)")
+        return finish(trainer)
     tracker = make_tracker(trainer)
     profiler = StepProfiler(plan.profile_steps, os.path.join(plan.save_dir, "profile"), plan.device)
     timer = StepTimer(peak_flops(plan.device, plan.dtype) * plan.world_size)
     Logger(f"{steps_per_epoch} optimizer steps per epoch, global batch {plan.global_batch} x {plan.seq_len} "
            f"tokens, dtype {plan.dtype}")
-    for epoch in range(progress.epoch, args.epochs):
-        if progress.step_in_epoch >= steps_per_epoch:  # saved at the end of this epoch
+    with Preemption(args.grace_seconds) as preemption:
+        trainer.guard = StepGuard(args.max_bad_steps, preemption)
+        for epoch in range(progress.epoch, args.epochs):
+            if progress.step_in_epoch >= steps_per_epoch:  # saved at the end of this epoch
+                progress.step_in_epoch = 0
+                continue
+            progress.epoch = epoch
+            batches = epoch_batches(trainer, train_ds, epoch)
+            timer.reset()
+            with progress_bar(trainer, steps_per_epoch) as bar:  # closed before an error line is printed
+                while progress.step_in_epoch < steps_per_epoch and not should_stop(trainer):
+                    profiler.begin(progress.global_step + 1)
+                    metrics = train_step(trainer, [next(batches) for _ in range(plan.num_microbatches)])
+                    progress.step_in_epoch += 1
+                    bar.update(1)
+                    timer.add(metrics["num_items"], step_flops(trainer.config, plan.seq_len, plan.global_batch
+                                                               * plan.seq_len, metrics["num_items"], plan.chunked_loss))
+                    after_step(trainer, tracker, eval_ds, metrics, timer, progress.step_in_epoch == steps_per_epoch)
+            if should_stop(trainer):
+                break
             progress.step_in_epoch = 0
-            continue
-        progress.epoch = epoch
-        batches, bar = epoch_batches(trainer, train_ds, epoch), progress_bar(trainer, steps_per_epoch)
-        timer.reset()
-        while progress.step_in_epoch < steps_per_epoch and not reached_max_steps(trainer):
-            profiler.begin(progress.global_step + 1)
-            metrics = train_step(trainer, [next(batches) for _ in range(plan.num_microbatches)])
-            progress.step_in_epoch += 1
-            bar.update(1)
-            timer.add(metrics["num_items"], step_flops(trainer.config, plan.seq_len, plan.global_batch * plan.seq_len,
-                                                       metrics["num_items"], plan.chunked_loss))
-            last = progress.step_in_epoch == steps_per_epoch or reached_max_steps(trainer)
-            if progress.global_step % args.log_interval == 0 or last:
-                tracker.log(step_record(trainer, metrics, timer))
-            if eval_ds is not None and args.eval_interval and progress.global_step % args.eval_interval == 0:
-                tracker.log(evaluate(trainer, eval_ds))
-            kill_for_test(progress.global_step)
-            if progress.global_step % args.save_interval == 0 or last:
-                save_checkpoint(trainer)
-            if last or (args.save_weights_every and progress.global_step % args.save_weights_every == 0):
-                save_weights(trainer)
-        bar.close()
-        if reached_max_steps(trainer):
-            break
-        progress.step_in_epoch = 0
-    if eval_ds is not None and not (args.eval_interval and progress.global_step % args.eval_interval == 0):
-        tracker.log(evaluate(trainer, eval_ds))  # unless the last step just did
-    trainer.checkpointer.wait()  # the last async save
-    profiler.close()
-    tracker.close()
-    Logger(f"Done: {progress.global_step} steps, weights in "
-           f"{os.path.join(plan.save_dir, weight_name(args.save_weight, trainer.config))}.pth")
+        if eval_ds is not None and not trainer.guard.stop and not (
+                args.eval_interval and progress.global_step % args.eval_interval == 0):
+            tracker.log(evaluate(trainer, eval_ds))  # unless the last step just did, or the run was preempted
+        trainer.checkpointer.wait()  # the last async save
+        profiler.close()
+        tracker.close()
+    finish(trainer)
+
+
+def after_step(trainer, tracker, eval_ds, metrics, timer, epoch_end):
+    """Log, compare replicas, evaluate and save as the intervals say; the last step (or a preempted one) always."""
+    args, step, guard = trainer.args, trainer.progress.global_step, trainer.guard
+    last = epoch_end or should_stop(trainer)
+    if step % args.log_interval == 0 or last:
+        tracker.log(step_record(trainer, metrics, timer))
+    if args.check_replicas and step % args.check_replicas == 0 and trainer.plan.dp * trainer.plan.cp > 1:
+        check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)
+    if eval_ds is not None and args.eval_interval and step % args.eval_interval == 0:
+        tracker.log(evaluate(trainer, eval_ds))
+    kill_for_test(step)
+    if step % args.save_interval == 0 or last:
+        save_checkpoint(trainer)
+        guard.saved(step)
+    if last or (args.save_weights_every and step % args.save_weights_every == 0):
+        save_weights(trainer)
+    if guard.stop:
+        Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.checkpoint_dir}; "
+               "continue with --from_resume 1")
+
+
+def finish(trainer):
+    """Say where the weights are and leave the process group."""
+    Logger(f"Done: {trainer.progress.global_step} steps, weights in "
+           f"{os.path.join(trainer.plan.save_dir, weight_name(trainer.args.save_weight, trainer.config))}.pth")
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -203,12 +231,15 @@ def train_step(trainer, micro_batches):
                 scaler.scale(loss * grad_factor).backward()
             ce, aux = ce + local_value(out.loss), aux + local_value(out.aux_loss) * aux_weight
     scaler.unscale_(trainer.optimizer)
-    clip_gradients(trainer, args.grad_clip)
-    scaler.step(trainer.optimizer)
-    scaler.update()
+    grad_norm = clip_gradients(trainer, args.grad_clip)
+    skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.device)  # agreed by every rank
+    if not skip:
+        scaler.step(trainer.optimizer)
+    scaler.update()  # after a skip too: unscale_ recorded its inf checks
     trainer.optimizer.zero_grad(set_to_none=True)
     progress.global_step += 1
     progress.tokens_seen += num_items
+    trainer.guard.record(skip, progress, plan.num_microbatches, ce + aux, grad_norm)
     return dict(ce=ce, aux=aux, lr=lr, num_items=num_items)
 
 
@@ -248,6 +279,11 @@ def clip_gradients(trainer, max_norm):
 
 def reached_max_steps(trainer):
     return bool(trainer.args.max_steps) and trainer.progress.global_step >= trainer.args.max_steps
+
+
+def should_stop(trainer):
+    """--max_steps reached, or every rank agreed to stop after a signal."""
+    return reached_max_steps(trainer) or trainer.guard.stop
 
 
 def epoch_batches(trainer, train_ds, epoch):
@@ -291,7 +327,8 @@ def step_record(trainer, metrics, timer):
     memory = per_rank(peak_mem_gb(device), device)
     return dict(step=progress.global_step, epoch=progress.epoch, loss=loss, aux_loss=aux_loss, lr=metrics["lr"],
                 tokens=progress.tokens_seen, tokens_per_sec=tokens_per_sec, mfu=mfu, peak_mem_gb=max(memory),
-                peak_mem_gb_per_rank=[round(m, 4) for m in memory], elapsed_s=elapsed)
+                peak_mem_gb_per_rank=[round(m, 4) for m in memory], elapsed_s=elapsed,
+                skipped_steps=trainer.guard.skipped_steps)
 
 
 def evaluate(trainer, eval_ds):

@@ -1,0 +1,149 @@
+"""What keeps a run sane: preemption signals, the non-finite step guard, the data-parallel replica check.
+
+The loop calls `StepGuard.check` once per optimizer step, between clipping and the optimizer step: one small
+all-reduce tells every rank whether any rank saw a non-finite loss or gradient norm (skip the step) and whether
+any rank was signalled (stop after this step), so all ranks skip and stop at the same step.
+"""
+import os
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from trainer.trainer_utils import Logger
+
+# test-only fault injection: "<rank>:<step>:<parameter name>" perturbs that replica's parameter before the check
+CORRUPT_ENV = "MINIMIND_TEST_CORRUPT_REPLICA"
+
+
+class TrainingHalted(Exception):
+    """The run stopped itself (non-finite steps in a row, diverged replicas): one line, exit code 3."""
+
+
+class Preemption:
+    """SIGTERM/SIGINT ask the loop to stop after the current optimizer step; a second SIGINT aborts at once.
+
+    Past `grace_seconds` after the first signal the process exits 124 (saves are atomic: nothing half-written
+    looks valid). Used as a context manager around the loop; the previous handlers come back on exit."""
+
+    def __init__(self, grace_seconds):
+        self.grace_seconds, self.requested, self.timer, self.previous = grace_seconds, None, None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def _handle(self, signum, frame):
+        if self.requested is not None:
+            if signum == signal.SIGINT:
+                print("error: second SIGINT: aborted at once, without a checkpoint of this step", file=sys.stderr,
+                      flush=True)
+                os._exit(130)
+            return
+        self.requested = signal.Signals(signum).name
+        print(f"{self.requested}: finishing this optimizer step, then saving a checkpoint "
+              f"(--grace_seconds {self.grace_seconds})", flush=True)
+        self.timer = threading.Timer(self.grace_seconds, self._expire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _expire(self):
+        print(f"error: {self.requested}: the step and its checkpoint did not finish within --grace_seconds "
+              f"{self.grace_seconds}; exiting without them", file=sys.stderr, flush=True)
+        os._exit(124)
+
+
+class StepGuard:
+    """Skips optimizer steps whose loss or gradient norm is non-finite on any rank, counts them, and stops the run
+    after `max_bad_steps` in a row; also carries the agreed preemption stop."""
+
+    def __init__(self, max_bad_steps, preemption=None):
+        self.max_bad_steps, self.preemption = max_bad_steps, preemption
+        self.skipped_steps = self.in_a_row = 0
+        self.stop = False
+        self.last_good_save = None  # global step of the last checkpoint saved outside a run of skipped steps
+
+    def check(self, loss, grad_norm, check_norm, device):
+        """True when this step must be skipped; sets self.stop when any rank was signalled (collective)."""
+        loss = torch.as_tensor(loss, dtype=torch.float32, device=device)
+        bad = ~torch.isfinite(loss)
+        if check_norm:  # under the fp16 scaler an inf gradient norm is the scaler's (it skips and lowers the scale)
+            bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=device))
+        signalled = self.preemption is not None and self.preemption.requested is not None
+        flags = torch.stack([bad.float(), torch.tensor(float(signalled), device=device)])
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        skip, stop = flags.tolist()
+        self.stop = stop > 0
+        return skip > 0
+
+    def record(self, skipped, progress, num_microbatches, loss, grad_norm):
+        """Count a skipped step and say where it was; raise TrainingHalted after max_bad_steps in a row."""
+        if not skipped:
+            self.in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.in_a_row += 1
+        first = progress.step_in_epoch * num_microbatches
+        Logger(f"step {progress.global_step}: non-finite loss ({float(loss):.4g}) or gradient norm "
+               f"({float(grad_norm):.4g}) on some rank; skipped the optimizer step (epoch {progress.epoch + 1}, "
+               f"micro-batches {first}-{first + num_microbatches - 1} of the epoch)")
+        if self.in_a_row >= self.max_bad_steps:
+            last = (f"step {self.last_good_save}" if self.last_good_save is not None else "none saved by this run")
+            raise TrainingHalted(f"{self.in_a_row} optimizer steps in a row (to step {progress.global_step}) had a "
+                                 f"non-finite loss or gradient norm (--max_bad_steps {self.max_bad_steps}); the last "
+                                 f"good checkpoint is {last}; lower --learning_rate or check the data, then resume")
+
+    def saved(self, step):
+        if self.in_a_row == 0:
+            self.last_good_save = step
+
+
+def replica_checksums(model_parts):
+    """(names, tensor [n, 2]): float64 sum and sum of squares of each parameter's local values."""
+    names, sums = [], []
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            local = param.detach()
+            local = (local.to_local() if hasattr(local, "to_local") else local).double()
+            names.append(name.replace("module.", "").replace("_orig_mod.", ""))
+            sums.append(torch.stack([local.sum(), (local * local).sum()]))
+    return names, torch.stack(sums)
+
+
+def check_replicas(model_parts, group, step):
+    """Raise TrainingHalted naming the first parameter whose checksum differs across the replicas of `group`."""
+    corrupt_for_test(model_parts, step)
+    names, mine = replica_checksums(model_parts)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    for i, name in enumerate(names):
+        ranks = [r for r, other in enumerate(gathered) if not torch.equal(other[i], gathered[0][i])]
+        if ranks:
+            raise TrainingHalted(f"--check_replicas: at step {step} parameter {name} differs between data-parallel "
+                                 f"replicas (group ranks {ranks} vs 0); the replicas diverged, resume from the last "
+                                 "checkpoint and look for non-deterministic or rank-dependent code")
+
+
+def corrupt_for_test(model_parts, step):
+    """Test-only: MINIMIND_TEST_CORRUPT_REPLICA=<rank>:<step>:<name> adds 1 to one value of that parameter."""
+    spec = os.environ.get(CORRUPT_ENV)
+    if not spec:
+        return
+    rank, at_step, target = spec.split(":", 2)
+    if int(rank) != dist.get_rank() or int(at_step) != step:
+        return
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            if name.replace("module.", "") == target:
+                with torch.no_grad():
+                    param.view(-1)[0] += 1.0
