@@ -114,7 +114,7 @@ def test_every_flag_has_help():
     (["--cache_dir", FORBIDDEN], "--cache_dir /proc/forbidden is not writable"),
     (["--tensorboard_dir", FORBIDDEN], "--tensorboard_dir /proc/forbidden is not writable"),
     (["--metrics_file", HERE], "is a directory; pass a file path"),
-    (["--data_path", HERE], "is a directory; pass a JSONL"),
+    (["--data_path", HERE], "is a directory with no data file"),  # a directory of data files is a source
     (["--eval_data_path", "/nonexistent/eval.jsonl"], "does not exist"),
     (["--from_weight", HERE], "has no config.json"),
     (["--zero_stage", "5"], "--zero_stage must be one of 0, 1, 2, 3"),

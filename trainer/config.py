@@ -82,14 +82,20 @@ def add_train_args(parser, **defaults):
       help="recompute each decoder block in backward (less activation memory, ~1/3 more compute)")
     a("--loss_chunk_size", type=int, default=1024,
       help="lm_head + cross-entropy over chunks of this many tokens, never the full logits (0: off)")
-    a("--keep_checkpoints", type=int, default=3, help="complete resume checkpoints kept; older ones are deleted (0: all)")
-    a("--async_save", type=int, default=0, choices=[0, 1], help="write resume checkpoints in the background (dcp.async_save)")
-    a("--save_weights_every", type=int, default=0,
-      help="also write the <save_weight>.pth weights every N steps (0: at the end only)")
+    add_checkpoint_args(parser)
     add_guard_args(parser)
     add_parallel_args(parser)
     parser.set_defaults(**defaults)
     return parser
+
+
+def add_checkpoint_args(parser):
+    """How resume checkpoints and weights are written (trainer/checkpoint.py)."""
+    a = parser.add_argument
+    a("--keep_checkpoints", type=int, default=3, help="complete resume checkpoints kept; older ones are deleted (0: all)")
+    a("--async_save", type=int, default=0, choices=[0, 1], help="write resume checkpoints in the background (dcp.async_save)")
+    a("--save_weights_every", type=int, default=0,
+      help="also write the <save_weight>.pth weights every N steps (0: at the end only)")
 
 
 def add_guard_args(parser):
@@ -343,8 +349,7 @@ def check_paths(save_dir, from_weight, data_paths, others=()):
         try:
             files = [f for group, _ in resolve_data_spec(spec) for f in group]
         except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(f"{flag} {spec}: data file {e} does not exist" if isinstance(e, FileNotFoundError)
-                              else f"{flag}: {e}") from None
+            raise ConfigError(f"{flag}: {e}") from None
         for path in files:
             if os.path.getsize(path) == 0:
                 raise ConfigError(f"data file {path} is empty; check {flag}")
