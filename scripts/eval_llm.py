@@ -86,7 +86,7 @@ def main():
     parser.add_argument("--load_from", default=None, help="a Hugging Face folder (ours, MiniMind's, Qwen3) instead of --weight")
     parser.add_argument("--save_dir", default=None, help="where --weight files are (default: the repo's out/)")
     parser.add_argument("--weight", default="pretrain", help="weight prefix (pretrain, full_sft, ...) or a .pth path")
-    parser.add_argument("--checkpoint", default=None, help="a checkpoints/*_resume.pth instead of --weight")
+    parser.add_argument("--checkpoint", default=None, help="a resume checkpoint (checkpoints/<weight>_<hidden>/step_<N>, or an older *_resume.pth) instead of --weight")
     parser.add_argument("--tokenizer_path", default=None, help="default: the --load_from folder, else the repo's model/")
     parser.add_argument("--hidden_size", type=int, default=768)
     parser.add_argument("--num_hidden_layers", type=int, default=8)

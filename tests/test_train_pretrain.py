@@ -262,3 +262,21 @@ def test_weighted_mixture_of_sources_resumes_exactly(tmp_path):
                            "--checkpoint_dir", str(tmp_path / "c")], timeout=300)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("data mixture realised"))
     assert "72 rows (75.0%)" in line and "24 rows (25.0%)" in line, line  # 96 rows an epoch, split 3:1
+
+
+def test_from_weight_takes_a_minimind_format_folder(tmp_path):
+    """MiniMind's own HF export folder (model_type minimind) starts SFT with no model flags; at lr 0 the weights
+    the run saves equal the folder's, and the folder's model is an independent transformers Qwen3."""
+    from tests.test_weights import tiny_qwen3, write_minimind_folder
+    reference = tiny_qwen3(vocab=6400)
+    folder = write_minimind_folder(tmp_path / "minimind-3", reference)
+    proc = python("trainer/train_sft.py", [
+        "--from_weight", str(folder), "--learning_rate", "0", "--dtype", "float32", "--save_dtype", "float32",
+        "--data_path", demo_slice(tmp_path, "sft", 32), "--max_seq_len", "64", "--batch_size", "4",
+        "--accumulation_steps", "1", "--max_steps", "1", "--save_dir", str(tmp_path / "out"),
+        "--checkpoint_dir", str(tmp_path / "ckpt"), "--save_weight", "w"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    saved = torch.load(tmp_path / "out" / "w_64.pth")
+    expected = reference.state_dict()
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in expected)
