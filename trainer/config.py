@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -426,6 +427,9 @@ def profile_steps(spec):
         raise ConfigError(str(e)) from None
 
 
+RANK0_REPORT_SECONDS = 2
+
+
 def main_guard(main):
     """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank, a TrainingHalted (the run
     stopped itself: non-finite steps, diverged replicas) one line and exit code 3."""
@@ -434,6 +438,9 @@ def main_guard(main):
     except (ConfigError, TrainingHalted) as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        elif not dist.is_initialized():
+            # torchrun stops every worker as soon as one exits: let rank 0, which ran the same checks, say it first
+            time.sleep(RANK0_REPORT_SECONDS)
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(2 if isinstance(e, ConfigError) else 3)
