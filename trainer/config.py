@@ -73,21 +73,27 @@ def add_train_args(parser, **defaults):
     a("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: run all epochs)")
     a("--seed", type=int, default=42, help="model init and data order (a pure function of seed and epoch)")
     a("--metrics_file", default=None, help="JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
-    a("--tensorboard_dir", default=None, help="also write TensorBoard scalars here (default: off)")
-    a("--profile_steps", default=None, help="A:B: torch.profiler trace of optimizer steps A to B under <save_dir>/profile (default: off)")
     a("--save_dtype", default="float16", choices=["float16", "bfloat16", "float32"], help="dtype of the saved weights")
-    a("--use_wandb", action="store_true", help="log to swanlab (local mode when not logged in)")
-    a("--wandb_project", default="MiniMind", help="swanlab project name")
     a("--use_compile", type=int, default=0, choices=[0, 1], help="torch.compile each decoder block")
     a("--grad_checkpointing", type=int, default=0, choices=[0, 1],
       help="recompute each decoder block in backward (less activation memory, ~1/3 more compute)")
     a("--loss_chunk_size", type=int, default=1024,
       help="lm_head + cross-entropy over chunks of this many tokens, never the full logits (0: off)")
+    add_tracking_args(parser)
     add_checkpoint_args(parser)
     add_guard_args(parser)
     add_parallel_args(parser)
     parser.set_defaults(**defaults)
     return parser
+
+
+def add_tracking_args(parser):
+    """Where metrics and traces go besides the metrics file (trainer/tracking.py)."""
+    a = parser.add_argument
+    a("--tensorboard_dir", default=None, help="also write TensorBoard scalars here (default: off)")
+    a("--profile_steps", default=None, help="A:B: torch.profiler trace of optimizer steps A to B under <save_dir>/profile (default: off)")
+    a("--use_wandb", action="store_true", help="log to swanlab (local mode when not logged in)")
+    a("--wandb_project", default="MiniMind", help="swanlab project name")
 
 
 def add_checkpoint_args(parser):
