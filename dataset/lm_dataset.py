@@ -201,6 +201,8 @@ class PretrainDataset(_TokenCacheDataset):
 
     packing=False: one document per sample, truncated (eos kept) and padded to max_length.
     packing=True: all documents concatenated and cut into full rows of max_length (remainder dropped).
+    doc_mask=True (with packing): samples are (input_ids, labels, position_ids), the position ids restarting
+    at 0 where a document starts (and at the row's start), so the model attends within documents only.
     data_path may also be a pretokenized `<prefix>.bin` shard from scripts/pretokenize.py.
     num_proc, part=(local_rank, local_world_size): how the cache is built (dataset/token_cache.py).
     """
@@ -208,9 +210,9 @@ class PretrainDataset(_TokenCacheDataset):
     kind, field = "pretrain", "text"
 
     def __init__(self, data_path, tokenizer, max_length=512, packing=False, skip_bad_lines=False, cache_dir=None,
-                 num_proc=None, part=(0, 1)):
+                 num_proc=None, part=(0, 1), doc_mask=False):
         super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir, num_proc, part)
-        self.packing = packing
+        self.packing, self.doc_mask = packing, bool(doc_mask and packing)
         self.num_rows = int(self.offsets[-1]) // max_length if packing else len(self.offsets) - 1
         if self.num_rows == 0:
             raise ValueError(f"{data_path}: {int(self.offsets[-1])} tokens, fewer than max_length={max_length}: "
@@ -240,12 +242,24 @@ class PretrainDataset(_TokenCacheDataset):
     def __getitem__(self, index):
         tokens, _ = self._arrays()
         if self.packing:
-            row = tokens[index * self.max_length:(index + 1) * self.max_length]
+            start = index * self.max_length
+            row = tokens[start:start + self.max_length]
+            if self.doc_mask:
+                return (*self._padded(row, row), self._row_positions(start))
             return self._padded(row, row)
         doc = tokens[self.offsets[index]:self.offsets[index + 1]]  # bos + text + eos
         if len(doc) > self.max_length:
             doc = np.concatenate([doc[:self.max_length - 1], doc[-1:]])  # = bos + text[:L-2] + eos
         return self._padded(doc, doc)
+
+
+    def _row_positions(self, start):
+        """Position ids of the packed row starting at token `start`: 0 at the row start and at each document start."""
+        inside = self.offsets[np.searchsorted(self.offsets, start, side="right"):
+                              np.searchsorted(self.offsets, start + self.max_length, side="left")]
+        starts = np.concatenate([[0], inside - start])  # the documents' first tokens, within the row
+        index = np.arange(self.max_length)
+        return torch.from_numpy(index - starts[np.searchsorted(starts, index, side="right") - 1])
 
 
 class SFTDataset(_TokenCacheDataset):

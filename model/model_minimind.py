@@ -165,12 +165,32 @@ def repeat_kv(x, n_rep):
     return x[:, :, None].expand(b, h, n_rep, l, d).reshape(b, h * n_rep, l, d)
 
 
+def packed_document_mask(position_ids):
+    """(B, 1, L, L) boolean mask of packed rows, True = attend, or None when no row holds a second document.
+
+    A document starts where its position id restarts at 0 (dataset/lm_dataset.py writes them so); each
+    token attends causally to the earlier tokens of its own document only. transformers' Qwen3 builds the
+    same mask from such position ids (masking_utils.find_packed_sequence_indices).
+    """
+    starts = position_ids == 0
+    starts[:, 0] = True  # a row begins a document (or the rest of one cut by the previous row)
+    document = starts.cumsum(-1)
+    if not bool((document[:, -1] > 1).any()):
+        return None
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+
 def build_attention_mask(lq, lk, attention_mask=None, device=None):
     """Boolean (B or 1, 1, Lq, Lk) mask, True = attend: causal with the KV-cache offset, plus 2-D padding mask.
 
     Queries are the last Lq of the Lk positions. Rows that would attend to nothing (padding queries) attend
-    everywhere instead, so no NaN reaches later layers; their outputs are ignored anyway.
+    everywhere instead, so no NaN reaches later layers; their outputs are ignored anyway. A 4-D mask
+    (packed_document_mask) is already complete and is returned as it is.
     """
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return attention_mask
     mask = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)[None, None]
     if attention_mask is not None:
         mask = mask & attention_mask[:, None, None, :].bool()
@@ -335,17 +355,19 @@ class MiniMindModel(nn.Module):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(f"attention_mask must be a 2-D (batch, kv_len) padding mask, got {attention_mask.dim()}-D")
+            if bool(attention_mask.all()):  # no padding: keep the fast causal kernel
+                attention_mask = None
+        elif past_key_values is None and position_ids is not None:
+            attention_mask = packed_document_mask(position_ids)  # packed rows: documents attend to themselves
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         if position_ids is None:
             past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(past_len, past_len + inputs_embeds.shape[1],
                                         device=inputs_embeds.device).unsqueeze(0)
-        if attention_mask is not None:
-            if attention_mask.dim() != 2:
-                raise ValueError(f"attention_mask must be a 2-D (batch, kv_len) padding mask, got {attention_mask.dim()}-D")
-            if bool(attention_mask.all()):  # no padding: keep the fast causal kernel
-                attention_mask = None
 
         hidden_states = self.dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)

@@ -140,3 +140,12 @@ def test_every_integer_flag_has_a_range():
     unchecked = [a.dest for a in parser._actions if a.type is int and not a.choices
                  and a.dest not in AT_LEAST and a.dest not in checked_elsewhere]
     assert unchecked == []
+
+
+def test_doc_mask_follows_packing_and_is_refused_with_context_parallel():
+    assert resolve(flags("--packing", "1"), 1).doc_mask  # on by default for packed rows
+    assert not resolve(flags("--packing", "1", "--doc_mask", "0"), 1).doc_mask
+    assert not resolve(flags(), 1).doc_mask  # one document per row: nothing to mask
+    with pytest.raises(ConfigError, match="--doc_mask 0 with --cp 2"):
+        resolve(flags("--packing", "1", "--cp", "2"), 2)
+    assert resolve(flags("--packing", "1", "--cp", "2", "--doc_mask", "0"), 2).cp == 2

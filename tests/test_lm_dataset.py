@@ -115,6 +115,28 @@ def test_pretrain_packing_rows(tokenizer, tmp_path):
         assert labels.tolist() == stream[r * 16:(r + 1) * 16]
 
 
+def test_pretrain_packing_doc_mask_positions(tokenizer, tmp_path):
+    """Position ids count from 0 at the row start and at each document's bos, computed by hand from the stream."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS * 3])
+    ds = PretrainDataset(path, tokenizer, max_length=16, packing=True, cache_dir=tmp_path / "cache", doc_mask=True)
+    plain = PretrainDataset(path, tokenizer, max_length=16, packing=True, cache_dir=tmp_path / "cache")
+    stream, doc_starts = [], set()
+    for text in TEXTS * 3:
+        doc_starts.add(len(stream))
+        stream += [BOS] + encode(tokenizer, text) + [EOS]
+    restarts = 0
+    for r in range(len(ds)):
+        input_ids, labels, positions = ds[r]
+        assert torch.equal(input_ids, plain[r][0]) and torch.equal(labels, plain[r][1])
+        expected, position = [], 0
+        for i in range(r * 16, (r + 1) * 16):
+            position = 0 if i == r * 16 or i in doc_starts else position + 1
+            expected.append(position)
+        assert positions.tolist() == expected
+        restarts += expected[1:].count(0)
+    assert restarts >= 2  # the rows do hold several documents
+
+
 def test_pretrain_parquet_equals_jsonl(tokenizer, tmp_path):
     jsonl = write_jsonl(tmp_path / "p.jsonl", [{"text": t} for t in TEXTS])
     parquet = str(tmp_path / "p.parquet")

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM, MOEFeedForward
+from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM, MOEFeedForward, packed_document_mask
 from model.weights import hf_to_minimind, minimind_to_hf
 
 VOCAB = 512
@@ -275,6 +275,67 @@ def explicit_causal_attention(q, k, v, attention_mask=None):
         allowed = allowed & attention_mask[:, None, None, :].bool()
     scores = scores.masked_fill(~allowed, -1e30)
     return torch.softmax(scores, dim=-1) @ v
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed rows: position ids that restart at 0 start a new document (document masking)
+# ----------------------------------------------------------------------------------------------
+DOC_LENGTHS = (11, 16, 5)
+
+
+def packed_row(lengths=DOC_LENGTHS):
+    """(one row of several random documents, its position ids restarting at each document, the documents)."""
+    docs = [batch(1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    return torch.cat(docs, dim=1), positions, docs
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_packed_row_gives_each_document_its_own_logits(use_moe, flash_attn):
+    model = minimind(tiny_config(use_moe=use_moe, flash_attn=flash_attn))
+    row, positions, docs = packed_row()
+    with torch.no_grad():
+        packed = model(row, position_ids=positions).logits
+        alone = torch.cat([model(doc).logits for doc in docs], dim=1)
+        unmasked = model(row).logits
+    # fp32: the masked and the plain causal kernel sum the same terms in another order (~1e-6 of logits ~1)
+    assert max_diff(packed, alone) < 1e-5
+    assert max_diff(unmasked[:, DOC_LENGTHS[0]:], alone[:, DOC_LENGTHS[0]:]) > 1e-3  # the mask is what does it
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_packed_row_matches_qwen3_packed_sequences(use_moe):
+    """transformers detects packed sequences from the same position ids (no attention_mask, no cache)."""
+    model = minimind(tiny_config(use_moe=use_moe))
+    hf = to_hf_model(model)
+    row, positions, _ = packed_row()
+    with torch.no_grad():
+        ours = model(row, position_ids=positions).logits
+        ref = hf(row, position_ids=positions, use_cache=False).logits
+    assert max_diff(ours, ref) < TOL
+
+
+def test_packed_document_gradients_stay_in_their_document():
+    """The loss of the last document has no gradient on the earlier documents' embeddings."""
+    model = minimind(tiny_config())
+    row, positions, _ = packed_row()
+    embeds = model.model.embed_tokens(row).detach().requires_grad_()
+    earlier = sum(DOC_LENGTHS[:-1])
+    labels = torch.full_like(row, -100)
+    labels[:, earlier + 1:] = row[:, earlier + 1:]  # targets predicted from inside the last document
+    model(inputs_embeds=embeds, position_ids=positions, labels=labels).loss.backward()
+    assert embeds.grad[:, :earlier].abs().max().item() == 0.0
+    assert embeds.grad[:, earlier:].abs().max().item() > 0.0
+
+
+def test_position_ids_without_restart_keep_plain_causal_attention():
+    """Context parallel's positions (global, increasing, not from 0) are not read as documents."""
+    assert packed_document_mask(torch.arange(8, 24).unsqueeze(0)) is None
+    assert packed_document_mask(torch.arange(16).unsqueeze(0)) is None
+    mask = packed_document_mask(torch.tensor([[0, 1, 2, 0, 1]]))[0, 0]
+    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]])
+    assert torch.equal(mask, expected.bool())
 
 
 def test_attn_fn_swap_gives_same_logits():

@@ -35,18 +35,30 @@ def make_batch():
     return input_ids, F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
+def make_positions(packed):
+    """(BATCH, SEQ) position ids: 0..SEQ-1, or packed rows whose documents restart at 0 (a different cut per row)."""
+    if not packed:
+        return torch.arange(SEQ).expand(BATCH, SEQ)
+    rows = []
+    for row in range(BATCH):
+        cut = 3 + 5 * row  # documents [0, cut) and [cut, SEQ)
+        rows.append(torch.cat([torch.arange(cut), torch.arange(SEQ - cut)]))
+    return torch.stack(rows)
+
+
 def assert_close(actual, expected, what):
     diff = (actual - expected).abs().max().item()
     assert diff <= TOL, f"{what}: max abs diff {diff}"
 
 
-def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches):
+def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed):
     model = tiny_model(moe, layers)
     reference = copy.deepcopy(model)  # deepcopy keeps lm_head tied to embed_tokens
     input_ids, targets = make_batch()
+    positions = make_positions(packed)
     num_items = (targets != -100).sum()
 
-    out = reference(input_ids, shift_labels=targets, num_items_in_batch=num_items)
+    out = reference(input_ids, position_ids=positions, shift_labels=targets, num_items_in_batch=num_items)
     (out.loss + out.aux_loss).backward()
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, eps=ADAM_EPS)
     reference_optimizer.step()
@@ -59,7 +71,7 @@ def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches):
     calls = []
     for module in modules:
         module.register_forward_pre_hook(lambda mod, args: calls.append(mod))
-    losses = pipeline_step(schedule, input_ids, targets, has_first, has_last)
+    losses = pipeline_step(schedule, (input_ids, positions.float()), targets, has_first, has_last)
     # each stage runs once per micro-batch, on real data: no extra first-step shape-inference pass, which
     # torch 2.13 runs on uninitialised inputs (MoE routing on garbage differs between tp ranks and hangs)
     assert len(calls) == num_microbatches * len(modules)
@@ -92,14 +104,15 @@ def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches):
 
 
 def _pipeline_worker(rank, world_size, moe, cases):
-    for schedule_name, num_microbatches in cases:
+    for schedule_name, num_microbatches, packed in cases:
         layers = 4 if schedule_name == "interleaved1f1b" else 2
-        _pipeline_case(rank, moe, layers, schedule_name, num_microbatches)
+        _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_pipeline_matches_single_process(moe):
-    cases = [(s, n) for s in ("gpipe", "1f1b", "interleaved1f1b") for n in (4, 2)]
+    cases = [(s, n, False) for s in ("gpipe", "1f1b", "interleaved1f1b") for n in (4, 2)]
+    cases += [("1f1b", 2, True), ("interleaved1f1b", 4, True)]  # --doc_mask: masks rebuilt on every stage
     spawn(_pipeline_worker, 2, moe, cases, timeout=100)
 
 
@@ -120,13 +133,11 @@ def test_stage_modules_chain_to_full_model():
     model = tiny_model(True, 3).eval()
     input_ids, _ = make_batch()
     stages = [PipelineStageModule(model, s, e, s == 0, e == 3) for s, e in pipeline_stage_ranges(3, 2)]
-    positions = torch.arange(5, 5 + SEQ)  # a context-parallel style override
-    for stage in stages:
-        stage.position_ids = positions
-    with torch.no_grad():
-        hidden, aux = stages[1](*stages[0](input_ids))
-        out = model(input_ids, position_ids=positions[None])
-    assert torch.allclose(hidden, out.logits, atol=1e-6) and torch.allclose(aux, out.aux_loss.reshape(1))
+    for positions in (torch.arange(5, 5 + SEQ).expand(BATCH, SEQ), make_positions(packed=True)):  # cp-style, packed
+        with torch.no_grad():
+            hidden, aux = stages[1](*stages[0](input_ids, positions.float()))
+            out = model(input_ids, position_ids=positions)
+        assert torch.allclose(hidden, out.logits, atol=1e-6) and torch.allclose(aux, out.aux_loss.reshape(1))
     names = {n for stage in stages for n in dict(stage.named_parameters())}
     assert names == set(dict(model.named_parameters(remove_duplicate=False)))
     assert len(params_for_grad_norm(stages)) == len(list(model.parameters()))  # tied weight counted once

@@ -64,6 +64,8 @@ def add_train_args(parser, **defaults):
     a("--eval_interval", type=int, default=0, help="optimizer steps between validation runs (0: only at the end)")
     a("--eval_batches", type=int, default=50, help="batches per validation run")
     a("--packing", type=int, default=0, choices=[0, 1], help="pretraining: join documents with eos into full rows")
+    a("--doc_mask", type=int, default=1, choices=[0, 1], help="with --packing 1: a token attends only to earlier "
+      "tokens of its own document and position ids restart at each document (0: the whole row is one sequence)")
     a("--skip_bad_lines", type=int, default=0, choices=[0, 1], help="skip malformed data lines instead of stopping")
     a("--cache_dir", default=None, help="token cache of the datasets (default: dataset/.cache in the repo)")
     a("--tokenizer_path", default=None, help="Hugging Face tokenizer folder (default: model/ in the repo)")
@@ -187,6 +189,7 @@ class TrainPlan:
     seq_len: int
     global_batch: int  # samples per optimizer step over all dp ranks
     chunked_loss: bool  # lm_head + CE on target tokens only (off under tp and pp)
+    doc_mask: bool  # packed rows come with per-document position ids (attention within documents)
     save_dir: str
     checkpoint_dir: str
     metrics_file: str
@@ -321,6 +324,10 @@ def check_combinations(args):
         raise ConfigError("--sequence_parallel 1 with --pp > 1 is not supported yet; drop one of them")
     if args.pp > 1 and args.eval_data_path:
         raise ConfigError("--eval_data_path with --pp > 1 is not supported yet; validate with a pp=1 run")
+    if args.packing and args.doc_mask and args.cp > 1:
+        raise ConfigError(f"--doc_mask 1 (the default with --packing 1) has no context-parallel ring attention yet; "
+                          f"pass --doc_mask 0 with --cp {args.cp} (documents in a packed row then attend to each "
+                          "other), or --packing 0")
     if args.pp > 1 and args.use_compile:
         raise ConfigError("--use_compile 1 with --pp > 1 is not supported; drop one of them")
 
@@ -419,6 +426,7 @@ def resolve(args, world_size, local_rank=0):
         seq_len=args.max_seq_len, global_batch=args.batch_size * args.accumulation_steps * dp,
         # chunked loss: not under tp (vocab-sharded logits) nor pp (the schedule takes the last stage's logits)
         chunked_loss=args.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1,
+        doc_mask=bool(args.packing and args.doc_mask),
         save_dir=save_dir, checkpoint_dir=checkpoint_dir, metrics_file=metrics_file, tokenizer_path=tokenizer_path,
         cache_dir=cache_dir, seed=args.seed, data_path=data_path, eval_data_path=eval_data_path,
         from_weight=from_weight, tensorboard_dir=tensorboard_dir,

@@ -199,7 +199,7 @@ def finish(trainer):
 
 
 def train_step(trainer, micro_batches):
-    """One optimizer step over `micro_batches` [(input_ids, labels)]; returns the step's measurements.
+    """One optimizer step over `micro_batches` [(input_ids, labels[, position_ids])]; returns its measurements.
 
     Each micro-batch adds ce_sum/num_items (num_items = the step's target tokens over all dp ranks)
     and aux * samples/global samples, so the sums over micro-batches and ranks are the step loss. The
@@ -209,19 +209,21 @@ def train_step(trainer, micro_batches):
     lr = get_lr(progress.global_step, trainer.total_steps, args.learning_rate, args.warmup_steps)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    targets = [step_targets(labels).to(plan.device) for _, labels in micro_batches]
-    inputs = [input_ids.to(plan.device) for input_ids, _ in micro_batches]
+    targets = [step_targets(batch[1]).to(plan.device) for batch in micro_batches]
+    inputs = [batch[0].to(plan.device) for batch in micro_batches]
+    doc_positions = [batch[2].to(plan.device) if len(batch) > 2 else None for batch in micro_batches]  # --doc_mask
     local_items = sum(int((t != -100).sum()) for t in targets)
     num_items = group_sum(local_items, trainer.dims.group("dp"), plan.device)
     aux_weight = plan.micro_batch / plan.global_batch / plan.cp  # every cp rank adds the (shared) aux
     grad_factor = grad_reduce_factor(plan.dp, plan.cp)
     if trainer.pipeline is not None:  # the schedule runs every micro-batch, forward and backward
-        (x, t), positions = shard_for_context(trainer.dims, [torch.cat(inputs), torch.cat(targets)])
+        (x, t), positions = shard_for_context(trainer.dims, [torch.cat(inputs), torch.cat(targets)],
+                                              None if doc_positions[0] is None else torch.cat(doc_positions))
         ce, aux = trainer.pipeline.step(x, t, positions, num_items, aux_weight, grad_factor)
     else:
         model, ce, aux = trainer.model_parts[0], 0.0, 0.0
-        for i, (x, t) in enumerate(zip(inputs, targets)):
-            (x, t), positions = shard_for_context(trainer.dims, [x, t])
+        for i, (x, t, p) in enumerate(zip(inputs, targets, doc_positions)):
+            (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
             # DDP all-reduces gradients on the last micro-batch only
             sync = model.no_sync() if hasattr(model, "no_sync") and i < len(inputs) - 1 else nullcontext()
             with sync, tp_loss_context(plan.tp > 1):
@@ -248,10 +250,12 @@ def step_targets(labels):
     return F.pad(labels[:, 1:], (0, 1), value=-100)
 
 
-def shard_for_context(dims, tensors):
-    """Context parallel: each rank keeps its head+tail chunks of the sequence, plus their positions."""
+def shard_for_context(dims, tensors, position_ids=None):
+    """Context parallel: each rank keeps its head+tail chunks of the sequence, plus their positions.
+
+    position_ids: a packed batch's per-document positions (--doc_mask, refused with cp > 1), else None."""
     if dims.cp == 1:
-        return tensors, None
+        return tensors, position_ids
     positions = context_position_ids(tensors[0].shape[1], dims.cp_rank, dims.cp, tensors[0].device)  # (1, L/cp)
     return [shard_sequence(t, dims.cp_rank, dims.cp, dim=1) for t in tensors], positions
 
@@ -339,11 +343,12 @@ def evaluate(trainer, eval_ds):
     ce_sum = count = 0.0
     model.eval()
     with torch.no_grad():
-        for i, (input_ids, labels) in enumerate(loader):
+        for i, batch in enumerate(loader):
             if i >= trainer.args.eval_batches:
                 break
-            targets = step_targets(labels)
-            (x, t), positions = shard_for_context(dims, [input_ids.to(plan.device), targets.to(plan.device)])
+            targets = step_targets(batch[1])
+            (x, t), positions = shard_for_context(dims, [batch[0].to(plan.device), targets.to(plan.device)],
+                                                  batch[2].to(plan.device) if len(batch) > 2 else None)
             with tp_loss_context(plan.tp > 1):
                 out = model(x, position_ids=positions, shift_labels=t, num_items_in_batch=1)
             ce_sum += float(local_value(out.loss)) if dims.counts_loss else 0.0

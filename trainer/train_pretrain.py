@@ -20,7 +20,7 @@ def main():
     # 2. tokenizer and data (the embedded demo corpus unless --data_path)
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
     train_ds, eval_ds = load_datasets(plan, lambda path: PretrainDataset(
-        path, tokenizer, max_length=args.max_seq_len, packing=bool(args.packing),
+        path, tokenizer, max_length=args.max_seq_len, packing=bool(args.packing), doc_mask=plan.doc_mask,
         skip_bad_lines=bool(args.skip_bad_lines), cache_dir=plan.cache_dir,
         num_proc=args.num_proc, part=local_part()), demo_kind="pretrain")
     # 3-6. resume state, model, parallel wrap (pp -> tp -> cp -> dp), optimizer

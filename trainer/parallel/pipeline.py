@@ -5,9 +5,11 @@ paths as the full model, so parameter FQNs (`model.layers.3.mlp...`) are unchang
 tensor-parallel plans and optimizers. Schedules: GPipe, 1F1B, and interleaved 1F1B with 2 virtual
 stages per rank (stage ids rank and rank + pp).
 
-Stage i -> i+1 carries a tuple `(hidden_states, aux)`, `aux` a shape-(1,) float32 running sum of the
-MoE layers' sequence-level aux losses for the micro-batch (zero for dense models). The last stage
-returns `(logits, aux)` and `PipelineLoss` turns it into `ce_sum / num_items + aux * aux_weight`.
+The first stage takes `(input_ids, positions)`; stage i -> i+1 carries `(hidden_states, aux, positions)`,
+`aux` a shape-(1,) float32 running sum of the MoE layers' sequence-level aux losses for the micro-batch
+(zero for dense models), `positions` the micro-batch's (samples, tokens) position ids as float32 (context
+parallel's global positions, or per-document positions of packed rows, which also give the document mask).
+The last stage returns `(logits, aux)` and `PipelineLoss` turns it into `ce_sum / num_items + aux * aux_weight`.
 
 Tied embeddings: with tie_word_embeddings, `lm_head.weight is model.embed_tokens.weight`. The first
 stage owns embed_tokens, the last stage lm_head; when they sit on different ranks each rank keeps its
@@ -28,6 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from model.model_minimind import packed_document_mask
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
@@ -68,9 +72,8 @@ def pp_validate(num_layers, pp_size, schedule, num_microbatches):
 class PipelineStageModule(nn.Module):
     """Layers [start, end) of a MiniMindForCausalLM, holding the same submodules under the same names.
 
-    forward: first stage `(input_ids) -> (hidden, aux)`, middle `(hidden, aux) -> (hidden, aux)`,
-    last `(hidden, aux) -> (logits, aux)`. Set `position_ids` (1-D, this rank's positions) for context
-    parallel; None means arange(L).
+    forward: first stage `(input_ids, positions) -> (hidden, aux, positions)`, middle
+    `(hidden, aux, positions) -> (hidden, aux, positions)`, last `(hidden, aux, positions) -> (logits, aux)`.
     """
 
     def __init__(self, model, start, end, is_first, is_last):
@@ -88,33 +91,34 @@ class PipelineStageModule(nn.Module):
             self.lm_head = model.lm_head
         self.layer_range, self.is_first, self.is_last = (start, end), is_first, is_last
         self.tied = model.lm_head.weight is inner.embed_tokens.weight
-        self.position_ids = None
         self.autocast_dtype = None  # bf16/fp16: the stage runs under torch.autocast (the schedule calls forward)
 
-    def forward(self, x, aux=None):
+    def forward(self, x, *carried):
         device_type = x.device.type
         with torch.autocast(device_type, self.autocast_dtype) if self.autocast_dtype else nullcontext():
-            return self._forward(x, aux)
+            return self._forward(x, *carried)
 
-    def _forward(self, x, aux):
+    def _forward(self, x, *carried):
         if self.is_first:
+            (positions,) = carried
             hidden = self.model.dropout(self.model.embed_tokens(x))
-            # a grad-requiring start value keeps the aux output differentiable on every stage (uniform p2p)
+            # grad-requiring start values keep aux and positions differentiable on every stage (uniform p2p)
             aux = torch.zeros(1, device=hidden.device, dtype=torch.float32, requires_grad=torch.is_grad_enabled())
+            positions = positions.float().detach().requires_grad_(torch.is_grad_enabled())
         else:
-            hidden = x
-        positions = self.position_ids
-        if positions is None:
-            positions = torch.arange(hidden.shape[1], device=hidden.device)
-        position_embeddings = self.model.rotary_emb(hidden, positions.to(hidden.device).view(1, -1))
+            hidden, (aux, positions) = x, carried
+        position_ids = positions.detach().long()
+        position_embeddings = self.model.rotary_emb(hidden, position_ids)
+        mask = packed_document_mask(position_ids)  # None unless packed rows hold several documents
         for layer in self.model.layers.values():
-            hidden = layer(hidden, position_embeddings)
+            hidden = layer(hidden, position_embeddings, mask)
             layer_aux = getattr(layer.mlp, "aux_loss", None)
             if torch.is_tensor(layer_aux):
                 aux = aux + layer_aux.float().reshape(1)
         if self.is_last:
-            hidden = self.lm_head(self.model.norm(hidden))
-        return hidden, aux
+            # 0 * positions: the received positions get a (zero) gradient to send back, as every input does
+            return self.lm_head(self.model.norm(hidden)), aux + 0.0 * positions.sum()
+        return hidden, aux, positions * 1.0
 
 
 # ----------------------------------------------------------------------------- loss
@@ -166,21 +170,20 @@ def split_model(model, pp_group, schedule_name):
 def stage_io_examples(module, micro_batch, seq_len, hidden_size, vocab_size, logits_dtype=torch.float32):
     """(input_args, output_args) meta tensors of one micro-batch through `module` (a PipelineStageModule).
 
-    Inputs: token ids on the first stage, else (hidden, aux); outputs: (hidden, aux), or (logits, aux)
-    on the last stage (full vocab: under a pipeline tp gathers the logits). Hidden states stay fp32
+    Inputs: (token ids, positions) on the first stage, else (hidden, aux, positions); outputs: (hidden, aux,
+    positions), or (logits, aux) on the last stage (full vocab: under a pipeline tp gathers the logits). Hidden states stay fp32
     under autocast (fp32 residual stream); the logits take the autocast dtype.
     """
     def meta(*shape, dtype=torch.float32, grad=True):
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+    positions = meta(micro_batch, seq_len)
     if module.is_first:
-        inputs = (meta(micro_batch, seq_len, dtype=torch.long, grad=False),)
+        inputs = (meta(micro_batch, seq_len, dtype=torch.long, grad=False), meta(micro_batch, seq_len, grad=False))
     else:
-        inputs = (meta(micro_batch, seq_len, hidden_size), meta(1))
+        inputs = (meta(micro_batch, seq_len, hidden_size), meta(1), positions)
     if module.is_last:
-        head = meta(micro_batch, seq_len, vocab_size, dtype=logits_dtype)
-    else:
-        head = meta(micro_batch, seq_len, hidden_size)
-    return inputs, (head, meta(1))
+        return inputs, (meta(micro_batch, seq_len, vocab_size, dtype=logits_dtype), meta(1))
+    return inputs, (meta(micro_batch, seq_len, hidden_size), meta(1), positions)
 
 
 def make_schedule(parts, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device, pp_group,
@@ -224,17 +227,16 @@ class Pipeline:
                                       self.micro_batch_shape, self.config, self.autocast_dtype)
         return self.schedule
 
-    def set_positions(self, position_ids):
-        for module in self.stage_modules:
-            module.position_ids = position_ids
-
     def step(self, input_ids, targets, position_ids, num_items, aux_weight, grad_scale):
         """Forward+backward of one optimizer step: `input_ids`/`targets` are the step's micro-batches
-        stacked along the batch (already sharded for context parallel, `position_ids` then this rank's
-        positions, else None). Returns (ce, aux) summed over the micro-batches (zeros off the last stage)."""
-        self.set_positions(None if position_ids is None else position_ids[0])
+        stacked along the batch (already sharded for context parallel). `position_ids`: (samples or 1, tokens),
+        this rank's context-parallel positions or packed rows' per-document ones; None means 0..L-1.
+        Returns (ce, aux) summed over the micro-batches (zeros off the last stage)."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = position_ids.float().expand(input_ids.shape).contiguous()  # chunked per micro-batch with the ids
         self.loss_fn.num_items, self.loss_fn.aux_weight, self.loss_fn.grad_scale = num_items, aux_weight, grad_scale
-        pipeline_step(self.schedule, input_ids, targets, self.has_first, self.has_last)
+        pipeline_step(self.schedule, (input_ids, positions), targets, self.has_first, self.has_last)
         if not self.has_last:
             return torch.zeros(()), torch.zeros(())
         return self.loss_fn.pop_step(self.num_microbatches)
@@ -248,10 +250,11 @@ class Pipeline:
         return [p for m in self.stage_modules for p in m.parameters() if id(p) not in counted]
 
 
-def pipeline_step(schedule, input_ids, targets, has_first_stage, has_last_stage):
-    """One forward+backward of all micro-batches; returns the per-micro-batch losses (empty off the last stage)."""
+def pipeline_step(schedule, inputs, targets, has_first_stage, has_last_stage):
+    """One forward+backward of all micro-batches; `inputs` are the first stage's (input_ids, positions).
+    Returns the per-micro-batch losses (empty off the last stage)."""
     losses = []
-    args = (input_ids,) if has_first_stage else ()
+    args = tuple(inputs) if has_first_stage else ()
     schedule.step(*args, target=targets if has_last_stage else None, losses=losses if has_last_stage else None)
     return losses
 
