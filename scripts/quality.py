@@ -3,11 +3,12 @@
     python scripts/quality.py --steps 200                                    # bench's small config
     python scripts/quality.py --steps 30 --hidden_size 128 --num_hidden_layers 2   # a quick look
 
-The embedded pretraining corpus is split: the last --heldout documents are never trained on. Three
+The embedded pretraining corpus is split: the last --heldout documents are never trained on. Four
 runs of the real trainer/train_pretrain.py, fp32, same seed, same training documents:
   baseline   --packing 0 --loss_chunk_size 0      pad to max_seq_len, full logits (bench's reference)
   fast-same  --packing 0 --loss_chunk_size 1024   the fast numerics on the baseline's very batches
-  fast       --packing 1 --loss_chunk_size 1024   the fast configuration (bench's default)
+  fast       --packing 1 --loss_chunk_size 1024   the fast configuration (bench's default; --doc_mask 1)
+  fast-no-doc-mask   the same with --doc_mask 0: documents in a packed row attend to each other
 Each run's final weights are scored on the held-out documents one per row, padded, mean CE per
 target token: the same measure for every run, whatever its batches looked like. `fast-same` vs
 `baseline` compares the training loss at the last step too (same batches, so it must agree);
@@ -37,7 +38,8 @@ from trainer.trainer_utils import ROOT, init_model  # noqa: E402
 
 RUNS = {"baseline": dict(packing=0, loss_chunk_size=0),
         "fast-same": dict(packing=0, loss_chunk_size=1024),
-        "fast": dict(packing=1, loss_chunk_size=1024)}
+        "fast": dict(packing=1, loss_chunk_size=1024, doc_mask=1),
+        "fast-no-doc-mask": dict(packing=1, loss_chunk_size=1024, doc_mask=0)}
 
 
 def split_corpus(tmp, heldout):
