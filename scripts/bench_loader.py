@@ -7,9 +7,9 @@
 The loader is the trainer's own (trainer/train_loop.py:epoch_loader: DistributedSampler + SkipBatchSampler)
 over the real PretrainDataset / SFTDataset and the repo tokenizer, on the demo corpus repeated --repeat_corpus
 times (written once under --corpus_dir). Per case and worker count: the start-up (iter() to the first batch,
-worker processes included), then --warmup batches, then --batches timed batches. The step it is compared with
-is an estimate, not a measurement: the trainer's default model at --step_mfu of --peak_flops (an H100's dense
-bf16 peak by default), tokens/s = peak * mfu / (6N + attention FLOPs per token) (trainer/metrics.py).
+worker processes included), then --warmup batches, then --batches timed batches; then the same paced by a sleep
+as long as the step on each batch, timing the wait in next(). The step it is compared with is an estimate,
+not a measurement: the trainer's default model at --step_mfu of --peak_flops (an H100's dense bf16 peak by default), tokens/s = peak * mfu / (6N + attention FLOPs per token) (trainer/metrics.py).
 One JSON line per case and worker count is appended to --results (default out/bench_loader.jsonl).
 """
 import argparse
@@ -104,7 +104,7 @@ def run_case(case, args, tokenizer, config):
     needed = 1 + args.warmup + args.batches
     if len(dataset) // args.batch_size < needed:
         raise ConfigError(f"{case}: {len(dataset)} samples make {len(dataset) // args.batch_size} batches of "
-                          f"{args.batch_size}, fewer than the {needed} timed; raise --repeat_corpus or lower --batches")
+                          f"{args.batch_size}, fewer than the {needed} a run takes; raise --repeat_corpus or lower --batches")
     step = step_tokens_per_s(config, seq_len, args.peak_flops, args.step_mfu)
     records = []
     for num_workers in args.workers:
