@@ -9,7 +9,8 @@ over the real PretrainDataset / SFTDataset and the repo tokenizer, on the demo c
 times (written once under --corpus_dir). Per case and worker count: the start-up (iter() to the first batch,
 worker processes included), then --warmup batches, then --batches timed batches; then the same paced by a sleep
 as long as the step on each batch, timing the wait in next(). The step it is compared with is an estimate,
-not a measurement: the trainer's default model at --step_mfu of --peak_flops (an H100's dense bf16 peak by default), tokens/s = peak * mfu / (6N + attention FLOPs per token) (trainer/metrics.py).
+not a measurement: the trainer's default model at --step_mfu of --peak_flops (an H100's dense bf16 peak by default),
+tokens/s = peak * mfu / (6N + attention FLOPs per token) (trainer/metrics.py).
 One JSON line per case and worker count is appended to --results (default out/bench_loader.jsonl).
 """
 import argparse
