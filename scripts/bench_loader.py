@@ -101,11 +101,13 @@ def step_tokens_per_s(config, seq_len, peak_flops, mfu):
 def run_case(case, args, tokenizer, config):
     """Time one case for every --workers count; returns one record per count."""
     kind, seq_len, _ = CASES[case]
-    dataset = make_dataset(case, repeated_corpus(kind, args.repeat_corpus, args.corpus_dir), tokenizer, args.cache_path)
+    corpus = repeated_corpus(kind, args.repeat_corpus, args.corpus_dir)
+    dataset = make_dataset(case, corpus, tokenizer, args.cache_path)
     needed = 1 + args.warmup + args.batches
     if len(dataset) // args.batch_size < needed:
         raise ConfigError(f"{case}: {len(dataset)} samples make {len(dataset) // args.batch_size} batches of "
-                          f"{args.batch_size}, fewer than the {needed} a run takes; raise --repeat_corpus or lower --batches")
+                          f"{args.batch_size}, fewer than the {needed} a run takes; "
+                          "raise --repeat_corpus or lower --batches")
     step = step_tokens_per_s(config, seq_len, args.peak_flops, args.step_mfu)
     records = []
     for num_workers in args.workers:

@@ -31,7 +31,7 @@ def datasets():
 
 
 def sampler_order(length, seed, epoch, dp=1, dp_rank=0):
-    """DistributedSampler's documented order, by hand: randperm seeded seed + epoch, cut to a multiple of dp, strided."""
+    """DistributedSampler's documented order by hand: randperm seeded seed + epoch, cut to a multiple of dp, strided."""
     generator = torch.Generator()
     generator.manual_seed(seed + epoch)
     order = torch.randperm(length, generator=generator).tolist()
