@@ -293,14 +293,19 @@ def should_stop(trainer):
 def epoch_batches(trainer, train_ds, epoch):
     """This rank's micro-batches of `epoch`, after the ones a resumed run already trained on."""
     plan, args = trainer.plan, trainer.args
-    sampler = DistributedSampler(train_ds, num_replicas=plan.dp, rank=trainer.dims.dp_rank, shuffle=True,
-                                 seed=args.seed, drop_last=True)
+    skip = trainer.progress.step_in_epoch * plan.num_microbatches
+    return iter(epoch_loader(train_ds, epoch, args.seed, plan.micro_batch, plan.dp, trainer.dims.dp_rank,
+                             args.num_workers, plan.device.startswith("cuda"), skip))
+
+
+def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_workers=0, pin_memory=False, skip_batches=0):
+    """The DataLoader of one dp rank's micro-batches of `epoch` (scripts/bench_loader.py times it alone)."""
+    sampler = DistributedSampler(train_ds, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
     sampler.set_epoch(epoch)  # data order is a pure function of (seed, epoch)
     if hasattr(train_ds, "set_epoch"):  # a weighted mixture draws its rows per epoch, from (seed, epoch) too
         train_ds.set_epoch(epoch)
-    skip = trainer.progress.step_in_epoch * plan.num_microbatches
-    return iter(DataLoader(train_ds, batch_sampler=SkipBatchSampler(sampler, plan.micro_batch, skip),
-                           num_workers=args.num_workers, pin_memory=plan.device.startswith("cuda")))
+    return DataLoader(train_ds, batch_sampler=SkipBatchSampler(sampler, micro_batch, skip_batches),
+                      num_workers=num_workers, pin_memory=pin_memory)
 
 
 def progress_bar(trainer, steps_per_epoch):
