@@ -210,33 +210,40 @@ def test_bf16_rejected_on_cpu_without_it(tmp_path):
 
 
 def test_validation_loss_matches_an_independent_evaluation(tmp_path):
-    from torch.utils.data import DataLoader
+    """The logged eval loss equals CE computed here without the trainer's data or mask code: the eval file is
+    tokenized as bos + text + eos per line, concatenated and cut into rows (packing), and under the default
+    --doc_mask 1 each row's document pieces run through the model alone (plain causal, positions from 0)."""
+    import json
+
+    import torch.nn.functional as F
     from transformers import AutoTokenizer
 
-    from dataset.lm_dataset import PretrainDataset
     from tests.launch import ROOT
     train_data, eval_data = demo_slice(tmp_path, "pretrain", 64), demo_slice(tmp_path, "pretrain", 100, name="eval.jsonl")
     metrics = os.path.join(str(tmp_path), "out", "metrics.jsonl")
     records, out = run_pretrain(tmp_path, "--data_path", train_data, "--eval_data_path", eval_data, "--eval_interval", "3",
                                 "--eval_batches", "4", "--max_seq_len", "64", "--batch_size", "4",
                                 "--accumulation_steps", "1", "--max_steps", "6", "--save_dtype", "float32")
-    import json
     evals = [r for r in map(json.loads, open(metrics)) if "eval_loss" in r]
     assert [r["step"] for r in evals] == [3, 6]  # every 3 steps; the end (step 6) is not evaluated twice
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     model = MiniMindForCausalLM(config).eval()
     model.load_state_dict(torch.load(os.path.join(out, "pretrain_64.pth")))
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-    # the trainer builds the eval set like the training set: packed rows by default
-    loader = DataLoader(PretrainDataset(eval_data, tokenizer, max_length=64, packing=True), batch_size=4, drop_last=True)
+    stream, starts = [], []
+    for line in open(eval_data):
+        starts.append(len(stream))
+        stream += [tokenizer.bos_token_id, *tokenizer(json.loads(line)["text"], add_special_tokens=False)["input_ids"],
+                   tokenizer.eos_token_id]
     ce_sum = count = 0.0
     with torch.no_grad():
-        for i, (input_ids, labels) in enumerate(loader):
-            if i == 4:
-                break
-            n = (labels[:, 1:] != -100).sum().item()
-            ce_sum += model(input_ids, labels=labels).loss.item() * n
-            count += n
+        for row in range(4 * 4):  # --eval_batches 4 of --batch_size 4 rows, in file order (no shuffle)
+            begin, end = row * 64, row * 64 + 64
+            cuts = sorted({begin, end, *(s for s in starts if begin < s < end)})
+            ids = torch.tensor(stream[begin:end])
+            logits = torch.cat([model(ids[None, a - begin:b - begin]).logits[0] for a, b in zip(cuts, cuts[1:])])
+            ce_sum += F.cross_entropy(logits[:-1].double(), ids[1:], reduction="sum").item()
+            count += 63
     assert evals[-1]["eval_loss"] == pytest.approx(ce_sum / count, rel=1e-5)
     assert evals[-1]["eval_ppl"] == pytest.approx(math.exp(ce_sum / count), rel=1e-5)
 
