@@ -348,6 +348,7 @@ class MiniMindModel(nn.Module):
         self.layers = nn.ModuleList([MiniMindBlock(i, config) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.document_mask = packed_document_mask  # context parallel swaps it: its ring masks by positions
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, inputs_embeds=None, cache_position=None):
@@ -361,7 +362,7 @@ class MiniMindModel(nn.Module):
             if bool(attention_mask.all()):  # no padding: keep the fast causal kernel
                 attention_mask = None
         elif past_key_values is None and position_ids is not None:
-            attention_mask = packed_document_mask(position_ids)  # packed rows: documents attend to themselves
+            attention_mask = self.document_mask(position_ids)  # packed rows: documents attend to themselves
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         if position_ids is None:

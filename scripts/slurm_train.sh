@@ -18,6 +18,6 @@ export OMP_NUM_THREADS=8
 srun torchrun \
     --nnodes "$SLURM_NNODES" --nproc_per_node 8 \
     --rdzv_id "$SLURM_JOB_ID" --rdzv_backend c10d --rdzv_endpoint "${HEAD_NODE}:29500" \
-    trainer/train_pretrain.py --tp 2 --pp 2 --cp 2 --doc_mask 0 \
+    trainer/train_pretrain.py --tp 2 --pp 2 --cp 2 \
     --data_path dataset/pretrain_hq.jsonl --hidden_size 768 --num_hidden_layers 16 \
     --max_seq_len 2048 --batch_size 4 --accumulation_steps 8 --packing 1 --use_wandb

@@ -142,10 +142,8 @@ def test_every_integer_flag_has_a_range():
     assert unchecked == []
 
 
-def test_doc_mask_follows_packing_and_is_refused_with_context_parallel():
+def test_doc_mask_follows_packing():
     assert resolve(flags("--packing", "1"), 1).doc_mask  # on by default for packed rows
+    assert resolve(flags("--packing", "1", "--cp", "2"), 2).doc_mask  # the ring masks by positions too
     assert not resolve(flags("--packing", "1", "--doc_mask", "0"), 1).doc_mask
     assert not resolve(flags(), 1).doc_mask  # one document per row: nothing to mask
-    with pytest.raises(ConfigError, match="--doc_mask 0 with --cp 2"):
-        resolve(flags("--packing", "1", "--cp", "2"), 2)
-    assert resolve(flags("--packing", "1", "--cp", "2", "--doc_mask", "0"), 2).cp == 2

@@ -8,30 +8,45 @@ import torch.nn.functional as F
 
 from launch import ROOT, spawn
 from trainer.parallel import context
+from model.model_minimind import packed_document_mask
 from trainer.parallel.context import (apply_context_parallel, context_position_ids, ring_attention,
                                       shard_sequence, unshard_sequence)
 
 HAVE_MODEL = os.path.exists(os.path.join(ROOT, "model", "model_minimind.py"))
 
 
-def _full_attention(q, k, v, dout):
-    """Reference: causal SDPA on the full sequence (GQA expanded) -> out, (dq, dk, dv)."""
+def _full_attention(q, k, v, dout, positions=None):
+    """Reference: causal SDPA on the full sequence (GQA expanded) -> out, (dq, dk, dv); with packed `positions`,
+    the model's block-diagonal document mask instead of is_causal."""
     n_rep = q.shape[1] // k.shape[1]
+    mask = None if positions is None else packed_document_mask(positions)
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1),
-                                         is_causal=True)
+                                         attn_mask=mask, is_causal=mask is None)
     return out, torch.autograd.grad(out, (q, k, v), dout)
 
 
-def _check_ring(rank, cp_size, group, num_heads, num_kv_heads, dtype, tol):
+def _packed_positions(batch, length):
+    """Position ids of packed rows: documents of lengths 5, 9, 11, 3, ... restarting at 0 (offset per row)."""
+    rows = []
+    for row in range(batch):
+        positions = []
+        for doc_length in [5 + 4 * row, 9, 11, 3, 7, length]:
+            positions += list(range(doc_length))
+        rows.append(torch.tensor(positions[:length]))
+    return torch.stack(rows)
+
+
+def _check_ring(rank, cp_size, group, num_heads, num_kv_heads, dtype, tol, packed=False):
     generator = torch.Generator().manual_seed(1234)  # same full tensors on every rank
     B, L, D = 2, 32, 16
     q, k, v = (torch.randn(B, h, L, D, generator=generator, dtype=dtype, requires_grad=True)
                for h in (num_heads, num_kv_heads, num_kv_heads))
     dout = torch.randn(B, num_heads, L, D, generator=generator, dtype=dtype)
-    ref_out, ref_grads = _full_attention(q, k, v, dout)
+    positions = _packed_positions(B, L) if packed else None
+    ref_out, ref_grads = _full_attention(q, k, v, dout, positions)
 
     local = [shard_sequence(t.detach(), rank, cp_size, dim=2).requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*local, group)
+    out = ring_attention(*local, group, None if positions is None else shard_sequence(positions, rank, cp_size))
     out.backward(shard_sequence(dout, rank, cp_size, dim=2))
     shard = lambda t: shard_sequence(t, rank, cp_size, dim=2)
     torch.testing.assert_close(out, shard(ref_out), atol=tol, rtol=tol)
@@ -43,6 +58,8 @@ def _ring_worker(rank, world_size):
     for num_heads, num_kv_heads in [(4, 2), (4, 4)]:
         _check_ring(rank, world_size, dist.group.WORLD, num_heads, num_kv_heads, torch.float32, 1e-5)
     _check_ring(rank, world_size, dist.group.WORLD, 4, 2, torch.float64, 1e-10)
+    _check_ring(rank, world_size, dist.group.WORLD, 4, 2, torch.float32, 1e-5, packed=True)  # --doc_mask
+    _check_ring(rank, world_size, dist.group.WORLD, 4, 2, torch.float64, 1e-10, packed=True)
     if world_size == 2:  # again with the math per-block kernel (this process only)
         context._fused_kernels = lambda q: iter(())
         _check_ring(rank, world_size, dist.group.WORLD, 4, 2, torch.float32, 1e-5)
@@ -110,13 +127,15 @@ def _model_worker(rank, cp_size):
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # shifted by the trainer, then sharded like the inputs
     num_items = (targets != -100).sum()
     shard = lambda t: shard_sequence(t, rank, cp_size, dim=1)
-    for use_moe in (False, True):
+    for use_moe, packed in ((False, False), (True, False), (False, True), (True, True)):
+        positions = _packed_positions(2, 32) if packed else None  # --doc_mask: documents restart at 0
         model = _tiny_model(use_moe)
-        ref = model(input_ids, shift_labels=targets, num_items_in_batch=num_items)
+        ref = model(input_ids, position_ids=positions, shift_labels=targets, num_items_in_batch=num_items)
         (ref.loss + ref.aux_loss).backward()
 
         cp_model = apply_context_parallel(_tiny_model(use_moe), dist.group.WORLD)
-        out = cp_model(shard(input_ids), position_ids=context_position_ids(32, rank, cp_size),
+        local_positions = shard(positions) if packed else context_position_ids(32, rank, cp_size)
+        out = cp_model(shard(input_ids), position_ids=local_positions,
                        shift_labels=shard(targets), num_items_in_batch=num_items)
         # the aux loss is replicated on every cp rank: each rank takes a 1/cp share of it
         (out.loss + out.aux_loss / cp_size).backward()

@@ -324,10 +324,6 @@ def check_combinations(args):
         raise ConfigError("--sequence_parallel 1 with --pp > 1 is not supported yet; drop one of them")
     if args.pp > 1 and args.eval_data_path:
         raise ConfigError("--eval_data_path with --pp > 1 is not supported yet; validate with a pp=1 run")
-    if args.packing and args.doc_mask and args.cp > 1:
-        raise ConfigError(f"--doc_mask 1 (the default with --packing 1) has no context-parallel ring attention yet; "
-                          f"pass --doc_mask 0 with --cp {args.cp} (documents in a packed row then attend to each "
-                          "other), or --packing 0")
     if args.pp > 1 and args.use_compile:
         raise ConfigError("--use_compile 1 with --pp > 1 is not supported; drop one of them")
 

@@ -253,10 +253,13 @@ def step_targets(labels):
 def shard_for_context(dims, tensors, position_ids=None):
     """Context parallel: each rank keeps its head+tail chunks of the sequence, plus their positions.
 
-    position_ids: a packed batch's per-document positions (--doc_mask, refused with cp > 1), else None."""
+    position_ids: a packed batch's per-document positions (--doc_mask), sharded like the tokens, else None."""
     if dims.cp == 1:
         return tensors, position_ids
-    positions = context_position_ids(tensors[0].shape[1], dims.cp_rank, dims.cp, tensors[0].device)  # (1, L/cp)
+    if position_ids is not None:
+        positions = shard_sequence(position_ids, dims.cp_rank, dims.cp, dim=1)
+    else:
+        positions = context_position_ids(tensors[0].shape[1], dims.cp_rank, dims.cp, tensors[0].device)  # (1, L/cp)
     return [shard_sequence(t, dims.cp_rank, dims.cp, dim=1) for t in tensors], positions
 
 

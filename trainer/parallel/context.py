@@ -2,7 +2,9 @@
 
 The sequence is cut into 2*cp chunks; cp rank r holds chunk r and chunk 2*cp-1-r (head + tail), so every
 rank does the same amount of causal attention work. K/V blocks travel around the ring with point-to-point
-send/recv and the partial outputs are merged by log-sum-exp. torch's experimental
+send/recv and the partial outputs are merged by log-sum-exp. Packed rows (--doc_mask) are masked per
+block: a query at global index i whose document starts at s sees keys j with s <= j <= i, where
+s = i - (its position id), so no document ids need to travel. torch's experimental
 `torch.distributed.tensor.experimental.context_parallel` does not run on CPU (gloo), hence this own
 version (docs/design.md, "Context parallel"); the per-block kernels are torch's own fused attention ops.
 """
@@ -65,18 +67,31 @@ def _fused_kernels(q):
             yield "efficient_cuda", efficient
 
 
-def _scores(q, k, causal, scale):
-    """q k^T * scale in the compute dtype, with the (top-left aligned) causal mask applied."""
+def _scores(q, k, causal, scale, visible=None):
+    """q k^T * scale in the compute dtype, with the (top-left aligned) causal mask or a (B, 1, Lq, Lk) `visible` mask."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if visible is not None:
+        return scores.masked_fill(~visible, float("-inf"))
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
     return scores
 
 
-def _block_forward(q, k, v, causal, scale):
-    """Attention of a q block over one (GQA-expanded) k/v block -> (out, lse) in the compute dtype."""
+def _finite(lse):
+    """lse with -inf (a row that sees nothing in a block) as 0, so exp(x - lse) gives 0 instead of NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _block_forward(q, k, v, causal, scale, visible=None):
+    """Attention of a q block over one (GQA-expanded) k/v block -> (out, lse) in the compute dtype.
+
+    visible: a document mask for this block (math kernel; a row that sees nothing gets lse -inf, out 0)."""
     compute = torch.promote_types(q.dtype, torch.float32)
+    if visible is not None:
+        scores = _scores(q.to(compute), k.to(compute), causal, scale, visible)
+        lse = scores.logsumexp(-1)
+        return torch.matmul(torch.exp(scores - _finite(lse).unsqueeze(-1)), v.to(compute)), lse
     for name, kernel in _fused_kernels(q):
         key = (name, q.device.type, q.dtype, q.shape[-1])
         if key in _FAILED_KERNELS:
@@ -94,13 +109,13 @@ def _block_forward(q, k, v, causal, scale):
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(compute)), lse
 
 
-def _block_backward(dout, q, k, v, lse, delta, causal, scale):
+def _block_backward(dout, q, k, v, lse, delta, causal, scale, visible=None):
     """Gradients of one block from the final lse and delta = rowsum(dO * O); all in the compute dtype.
 
     Plain math (dS = P * (dP - delta)) per block in fp32 or better: correctness first; because P is
     rebuilt from the global lse, the blocks' gradients add up to the exact full-attention gradient.
     """
-    probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    probs = torch.exp(_scores(q, k, causal, scale, visible) - lse.unsqueeze(-1))
     dv = torch.matmul(probs.transpose(-1, -2), dout)
     dscores = probs * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
     dq = torch.matmul(dscores, k) * scale
@@ -148,11 +163,24 @@ def _block_plan(src, rank, half):
     return tail, everything, False  # only our tail comes after src's chunks, and after both of them
 
 
+def _block_visible(doc_starts, src, rank, size, rows, cols, device):
+    """(B, 1, rows, cols) mask of which of src's keys each of our queries sees, or None without documents.
+
+    doc_starts: (B or 1, L_local) global index of each local query's document start."""
+    if doc_starts is None:
+        return None
+    length = doc_starts.shape[-1] * size
+    q_index = context_position_ids(length, rank, size, device)[0, rows]
+    k_index = context_position_ids(length, src, size, device)[0, cols]
+    starts = doc_starts[:, rows]
+    return ((k_index[None, None, :] <= q_index[None, :, None]) & (k_index[None, None, :] >= starts[:, :, None]))[:, None]
+
+
 class RingAttention(torch.autograd.Function):
-    """Causal GQA attention over a sequence sharded head+tail across the cp group."""
+    """Causal GQA attention over a sequence sharded head+tail across the cp group (doc_starts: per document)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, doc_starts=None):
         rank, size = _rank_size(group)
         scale, n_rep, half = q.shape[-1] ** -0.5, q.shape[1] // k.shape[1], q.shape[2] // 2
         compute = torch.promote_types(q.dtype, torch.float32)
@@ -163,26 +191,29 @@ class RingAttention(torch.autograd.Function):
             if step < size - 1:
                 next_kv = torch.empty_like(kv)
                 requests = _ring_exchange(kv, next_kv, group, tag=0)  # overlaps with this block's compute
-            rows, cols, causal = _block_plan((rank - step) % size, rank, half)
+            src = (rank - step) % size
+            rows, cols, causal = _block_plan(src, rank, half)
+            visible = _block_visible(doc_starts, src, rank, size, rows, cols, q.device)
             block_out, block_lse = _block_forward(q[:, :, rows], _expand_kv(kv[0][:, :, cols], n_rep),
-                                                  _expand_kv(kv[1][:, :, cols], n_rep), causal, scale)
+                                                  _expand_kv(kv[1][:, :, cols], n_rep), causal, scale, visible)
             old_lse = lse[:, :, rows]
             new_lse = torch.logaddexp(old_lse, block_lse)  # log-sum-exp merge of partial softmaxes
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1)
-                               + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+            safe_lse = _finite(new_lse)  # rows that have seen nothing yet stay 0
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse - safe_lse).unsqueeze(-1)
+                               + block_out * torch.exp(block_lse - safe_lse).unsqueeze(-1))
             lse[:, :, rows] = new_lse
             if step < size - 1:
                 for request in requests:
                     request.wait()
                 kv = next_kv
-        ctx.group = group
+        ctx.group, ctx.doc_starts = group, doc_starts
         ctx.save_for_backward(q, k, v, out, lse)  # out kept in the compute dtype for an exact delta
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
+        group, doc_starts = ctx.group, ctx.doc_starts
         rank, size = _rank_size(group)
         scale, n_rep, half = q.shape[-1] ** -0.5, q.shape[1] // k.shape[1], q.shape[2] // 2
         compute = out.dtype
@@ -197,11 +228,12 @@ class RingAttention(torch.autograd.Function):
             if step < size - 1:
                 next_kv = torch.empty_like(kv)
                 requests += _ring_exchange(kv, next_kv, group, tag=0)
-            rows, cols, causal = _block_plan((rank - step) % size, rank, half)
+            src = (rank - step) % size
+            rows, cols, causal = _block_plan(src, rank, half)
             dq_block, dk_block, dv_block = _block_backward(
                 dout[:, :, rows], qc[:, :, rows], _expand_kv(kv[0][:, :, cols].to(compute), n_rep),
                 _expand_kv(kv[1][:, :, cols].to(compute), n_rep), lse[:, :, rows], delta[:, :, rows],
-                causal, scale)
+                causal, scale, _block_visible(doc_starts, src, rank, size, rows, cols, q.device))
             dq[:, :, rows] += dq_block
             dkv[0][:, :, cols] += _reduce_kv_grad(dk_block, n_rep)
             dkv[1][:, :, cols] += _reduce_kv_grad(dv_block, n_rep)
@@ -213,21 +245,40 @@ class RingAttention(torch.autograd.Function):
                 request.wait()
             if size > 1:
                 kv, dkv = (next_kv if step < size - 1 else kv), next_dkv
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, cp_group):
-    """Causal ring attention. q (B, Hq, L_local, D), k/v (B, Hkv, L_local, D), sharded by shard_sequence."""
+def ring_attention(q, k, v, cp_group, position_ids=None):
+    """Causal ring attention. q (B, Hq, L_local, D), k/v (B, Hkv, L_local, D), sharded by shard_sequence.
+
+    position_ids: (B or 1, L_local) this rank's positions; where they restart per document (packed rows,
+    sharded with shard_sequence) each token attends within its document only. None: plain causal."""
     if q.shape[2] != k.shape[2] or q.shape[2] % 2:
         raise ValueError(f"ring attention needs equal, even local q/k lengths, got {q.shape[2]} and {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    return RingAttention.apply(q, k, v, cp_group)
+    doc_starts = None
+    if position_ids is not None:
+        rank, size = _rank_size(cp_group)
+        index = context_position_ids(q.shape[2] * size, rank, size, q.device)
+        doc_starts = index - position_ids.to(q.device)
+        if not bool(doc_starts.any()):  # global positions (no documents): the fused causal kernels
+            doc_starts = None
+    return RingAttention.apply(q, k, v, cp_group, doc_starts)
+
+
+class LocalPositions:
+    """What the model's `document_mask` hook returns under cp: this rank's position ids, for the ring to mask by."""
+
+    def __init__(self, position_ids):
+        self.position_ids = position_ids
 
 
 def make_ring_attn_fn(cp_group):
     """An `attn_fn(q, k, v, attention_mask=None)` for the model's Attention modules, using ring attention."""
     def ring_attn_fn(q, k, v, attention_mask=None):
+        if isinstance(attention_mask, LocalPositions):
+            return ring_attention(q, k, v, cp_group, attention_mask.position_ids)
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("context parallel supports causal attention without padding masks; "
                              "train with attention_mask=None (packed or fully padded-with-labels batches)")
@@ -241,7 +292,7 @@ def _all_reduce_sum(tensor, group):
 
 
 def apply_context_parallel(model, cp_mesh):
-    """Swap in ring attention and cp-wide MoE router statistics on a plain model, in place.
+    """Swap in ring attention (with the positions for document masks) and cp-wide MoE router statistics, in place.
 
     cp_mesh: a 1-D DeviceMesh (e.g. mesh["cp"]) or a ProcessGroup. Inputs, targets and position_ids
     must be sharded with shard_sequence / context_position_ids. The router-stat all-reduce's backward
@@ -257,6 +308,8 @@ def apply_context_parallel(model, cp_mesh):
         if hasattr(module, "attn_fn"):
             module.attn_fn = attn_fn
             num_attention += 1
+        if hasattr(module, "document_mask"):  # the model / a pipeline stage: the ring masks by positions
+            module.document_mask = LocalPositions
         if hasattr(module, "reduce_router_stats"):
             module.reduce_router_stats = reduce_fn
             module.seq_len_scale = cp_size  # local token counts are normalised by the full length

@@ -91,6 +91,7 @@ class PipelineStageModule(nn.Module):
             self.lm_head = model.lm_head
         self.layer_range, self.is_first, self.is_last = (start, end), is_first, is_last
         self.tied = model.lm_head.weight is inner.embed_tokens.weight
+        self.document_mask = packed_document_mask  # as MiniMindModel's: context parallel swaps it
         self.autocast_dtype = None  # bf16/fp16: the stage runs under torch.autocast (the schedule calls forward)
 
     def forward(self, x, *carried):
@@ -109,7 +110,7 @@ class PipelineStageModule(nn.Module):
             hidden, (aux, positions) = x, carried
         position_ids = positions.detach().long()
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
-        mask = packed_document_mask(position_ids)  # None unless packed rows hold several documents
+        mask = self.document_mask(position_ids)  # None unless packed rows hold several documents
         for layer in self.model.layers.values():
             hidden = layer(hidden, position_embeddings, mask)
             layer_aux = getattr(layer.mlp, "aux_loss", None)
