@@ -15,6 +15,7 @@ Typed relative paths resolve against the current directory, the defaults against
 import argparse
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -27,6 +28,8 @@ sys.path.insert(0, ROOT)
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import (WeightsError, clean_state_dict, flag_conflicts, minimind_to_hf,  # noqa: E402
                            read_checkpoint, read_weights, shape_mismatch, weight_fields)
+from trainer.config import check_writable  # noqa: E402
+from trainer.trainer_utils import ConfigError  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations
@@ -187,17 +190,37 @@ def parse_args(argv=None):
     return args
 
 
+def check_args(args):
+    """Flags in range, the input present, the output writable, before anything is read or written."""
+    for name in SHAPE_FLAGS + ("num_experts_per_tok",):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} must be at least 1 (got {value})")
+    if args.rope_theta is not None and not (math.isfinite(args.rope_theta) and args.rope_theta > 0):
+        raise ConfigError(f"--rope_theta must be a positive number (got {args.rope_theta})")
+    if args.to == "minimind":
+        if not os.path.isfile(os.path.join(args.out_dir, "config.json")):
+            raise ConfigError(f"--out_dir {args.out_dir} has no config.json; --to minimind imports a Hugging Face "
+                              "model folder given with --out_dir (--hf_dir)")
+        if os.path.isdir(args.weight) or not args.weight.endswith(".pth"):
+            raise ConfigError(f"--weight {args.weight}: --to minimind writes a .pth file; pass a path ending in .pth")
+        check_writable(os.path.dirname(args.weight), "--weight folder")
+    else:
+        check_writable(args.out_dir, "--out_dir")
+
+
 def main(argv=None):
     """Run the conversion; returns the exit code (2: bad input, 1: exported logits differ, 0: ok)."""
     args = parse_args(argv)
     try:
+        check_args(args)
         if args.use_moe is not None:
             args.use_moe = bool(args.use_moe)
         diff = export(args) if args.to == "hf" else import_folder(args)
-    except WeightsError as e:
+    except (ConfigError, WeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if diff is not None and diff > MAX_LOGIT_DIFF:
+    if diff is not None and not diff <= MAX_LOGIT_DIFF:  # NaN logits fail too
         print(f"error: logits differ by {diff:.3g} > {MAX_LOGIT_DIFF:g}; the converted folder is wrong", file=sys.stderr)
         return 1
     return 0

@@ -9,6 +9,7 @@ Typed relative paths resolve against the current directory, the defaults against
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -20,20 +21,48 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # no
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import WeightsError, infer_config, load_weights, read_checkpoint, read_weights  # noqa: E402
-from trainer.trainer_utils import typed_or_default, weight_name  # noqa: E402
+from trainer.config import check_device, check_tokenizer  # noqa: E402
+from trainer.trainer_utils import ConfigError, typed_or_default, weight_name  # noqa: E402
 
 
 def load_folder(folder):
     """A Hugging Face folder: MiniMind-format ones through our model (no remote code runs), others via transformers."""
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise WeightsError(f"{folder} has no config.json; --load_from takes a Hugging Face model folder")
-    with open(config_path) as f:
+    with open(os.path.join(folder, "config.json")) as f:
         model_type = json.load(f).get("model_type")
     if model_type == "minimind":
         _, fields = read_weights(folder)
         return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), folder)
     return AutoModelForCausalLM.from_pretrained(folder).float()
+
+
+def tokenizer_folder(args):
+    """--tokenizer_path, else the --load_from folder, else the repo's model/."""
+    return typed_or_default(args.tokenizer_path, "model") if args.tokenizer_path or not args.load_from else args.load_from
+
+
+def check_args(args):
+    """Sampling, model and device flags in range, the tokenizer folder present: a ConfigError naming the flag."""
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens must be at least 1 (got {args.max_new_tokens})")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature must be a finite number, 0 (greedy) or more (got {args.temperature})")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top_p must be in (0, 1] (got {args.top_p}); 1 keeps every token")
+    if not 0 <= args.seed < 2 ** 32:
+        raise ConfigError(f"--seed must be in [0, 2**32) (got {args.seed})")
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_experts",
+                 "num_experts_per_tok"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
+    check_device(args.device)
+    if args.load_from and not os.path.isfile(os.path.join(args.load_from, "config.json")):
+        raise ConfigError(f"--load_from {args.load_from} has no config.json; it takes a Hugging Face model folder")
+    try:
+        check_tokenizer(tokenizer_folder(args))
+    except ConfigError as e:
+        if args.tokenizer_path:
+            raise
+        raise ConfigError(f"--load_from {args.load_from} holds no tokenizer; pass --tokenizer_path") from e
 
 
 def load_model(args):
@@ -81,7 +110,8 @@ def reply(model, tokenizer, text, args):
     return tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
 
 
-def main():
+def parse_args(argv=None):
+    """The flags; --load_from made absolute (typed paths follow the cwd)."""
     parser = argparse.ArgumentParser(description="MiniMind text generation and chat")
     parser.add_argument("--load_from", default=None, help="a Hugging Face folder (ours, MiniMind's, Qwen3) instead of --weight")
     parser.add_argument("--save_dir", default=None, help="where --weight files are (default: the repo's out/)")
@@ -97,25 +127,29 @@ def main():
     parser.add_argument("--num_experts_per_tok", type=int, default=1)
     parser.add_argument("--prompt", default=None, help="text to continue (or a chat turn with --chat 1)")
     parser.add_argument("--interactive", type=int, default=0, choices=[0, 1], help="multi-turn chat from stdin, with history")
-    parser.add_argument("--chat", type=int, default=None, help="apply the chat template (default: on unless pretrain)")
+    parser.add_argument("--chat", type=int, default=None, choices=[0, 1], help="apply the chat template (default: on unless pretrain)")
     parser.add_argument("--open_thinking", type=int, default=0, choices=[0, 1], help="leave the think block open for the model to reason (open_thinking / enable_thinking in the template)")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.85, help="0: greedy")
     parser.add_argument("--top_p", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
-    torch.manual_seed(args.seed)
+    args = parser.parse_args(argv)
     if args.load_from:
         args.load_from = os.path.abspath(args.load_from)
-    tokenizer_dir = typed_or_default(args.tokenizer_path, "model") if args.tokenizer_path or not args.load_from \
-        else args.load_from
+    return args
+
+
+def main():
+    args = parse_args()
     try:
+        check_args(args)
         model = load_model(args).eval().to(args.device)
-    except WeightsError as e:
+    except (ConfigError, WeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(args))
     chat = bool(args.chat if args.chat is not None else (args.load_from or args.weight != "pretrain"))
     if args.interactive:
         messages = []

@@ -23,6 +23,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.lm_dataset import SFTDataset, PretrainDataset, _tokenizer_fingerprint, shard_files  # noqa: E402
 from dataset.token_cache import default_num_proc  # noqa: E402
+from trainer.config import check_tokenizer, check_writable  # noqa: E402
+from trainer.trainer_utils import ConfigError  # noqa: E402
 
 
 def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_lines=False, num_proc=None):
@@ -67,6 +69,12 @@ def main():
     args = parser.parse_args()
     if args.num_proc < 1:
         fail(f"--num_proc must be at least 1, got {args.num_proc}")
+    try:
+        check_tokenizer(os.path.abspath(args.tokenizer_path))
+        if args.out_dir:
+            check_writable(os.path.abspath(args.out_dir), "--out_dir")
+    except ConfigError as e:
+        fail(str(e))
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
     for path in args.data_path:
         stem = os.path.splitext(os.path.basename(path))[0]

@@ -136,11 +136,33 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
              (["--weight", str(ckpt), "--num_experts_per_tok", "1"], "--num_experts_per_tok 1 (the weights have 2): "
                                                                      "the model is defined by the weights; drop the flag"),
              (["--weight", str(ckpt), "--hidden_size", "768"], "--hidden_size 768 (the weights have 64)"),
-             (["--weight", str(ckpt), "--tokenizer_path", str(tmp_path)], "holds no tokenizer.json")]
+             (["--weight", str(ckpt), "--tokenizer_path", str(tmp_path)], "holds no tokenizer.json"),
+             (["--weight", str(ckpt), "--rope_theta", "-5"], "--rope_theta must be a positive number (got -5.0)"),
+             (["--weight", str(ckpt), "--num_experts", "0"], "--num_experts must be at least 1 (got 0)")]
     for argv, expected in cases:
         assert convert_main(argv + ["--out_dir", str(tmp_path / "hf")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and expected in err and "\n" not in err, err
+    (tmp_path / "a_file").write_text("")
+    cases = [(["--weight", str(ckpt), "--out_dir", str(tmp_path / "a_file")], "--out_dir " + str(tmp_path / "a_file")
+              + " is not writable"),
+             (["--to", "minimind", "--out_dir", str(tmp_path), "--weight", str(tmp_path / "x.pth")], "has no config.json"),
+             (["--to", "minimind", "--out_dir", str(tmp_path / "hf"), "--weight", str(tmp_path)], "writes a .pth file")]
+    assert convert_main(["--weight", str(ckpt), "--out_dir", str(tmp_path / "hf")]) == 0  # a real folder to import
+    capsys.readouterr()
+    for argv, expected in cases:
+        assert convert_main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and expected in err and "\n" not in err, err
+
+
+def test_non_finite_logits_fail_the_verification(tmp_path, capsys):
+    """NaN logits compare False with any limit: the export must still exit 1, not pass as 'verified'."""
+    state = source_model(tiny()).state_dict()
+    state["model.norm.weight"][0] = float("nan")
+    torch.save(state, tmp_path / "w.pth")
+    assert convert_main(["--weight", str(tmp_path / "w.pth"), "--out_dir", str(tmp_path / "hf")]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: logits differ by nan")
 
 
 def test_cli_resolves_typed_paths_against_the_cwd(tmp_path):

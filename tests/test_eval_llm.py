@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
-from scripts.eval_llm import render_prompt
+from scripts.eval_llm import check_args, parse_args, render_prompt
+from trainer.trainer_utils import ConfigError
 from tests.launch import ROOT, python
 
 
@@ -107,4 +108,38 @@ def test_open_thinking_reaches_the_chat_template(tmp_path):
 def test_bad_folder_is_one_error_line(tmp_path):
     proc = python("scripts/eval_llm.py", ["--load_from", str(tmp_path), "--prompt", "x", "--device", "cpu"], timeout=180)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: {tmp_path} has no config.json; --load_from takes a Hugging Face model folder"
+    assert proc.stderr.strip() == (f"error: --load_from {tmp_path} has no config.json; it takes a Hugging Face model "
+                                   "folder")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1 (got 0)"),
+    (["--temperature", "-1"], "--temperature must be a finite number, 0 (greedy) or more (got -1.0)"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--top_p", "0"], "--top_p must be in (0, 1] (got 0.0)"),
+    (["--top_p", "1.5"], "--top_p must be in (0, 1] (got 1.5)"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32) (got -1)"),
+    (["--num_key_value_heads", "0"], "--num_key_value_heads must be at least 1 (got 0)"),
+    (["--device", "tpu"], "--device tpu is not a device this trainer runs on"),
+    (["--tokenizer_path", "/nonexistent"], "--tokenizer_path /nonexistent is not a directory"),
+])
+def test_bad_flag_is_rejected_before_loading(argv, message):
+    """Each wrong value is one ConfigError naming the flag (main prints it as `error: ...` and exits 2)."""
+    with pytest.raises(ConfigError) as caught:
+        check_args(parse_args(["--device", "cpu", *argv]))
+    assert message in str(caught.value)
+
+
+def test_folder_without_tokenizer_names_load_from(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds no tokenizer; pass --tokenizer_path"):
+        check_args(parse_args(["--load_from", str(tmp_path), "--device", "cpu"]))
+
+
+def test_bad_sampling_value_exits_2_with_one_line(tmp_path):
+    torch.save(MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                  num_key_value_heads=2)).state_dict(), tmp_path / "w.pth")
+    proc = python("scripts/eval_llm.py", ["--weight", str(tmp_path / "w.pth"), "--hidden_size", "64", "--top_p", "2",
+                                          "--device", "cpu"], timeout=180)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: --top_p must be in (0, 1] (got 2.0); 1 keeps every token"
