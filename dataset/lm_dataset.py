@@ -234,6 +234,10 @@ class PretrainDataset(_TokenCacheDataset):
             yield [(bos + ids + eos, None) for ids in self._encode(texts)]
 
     def _encode(self, texts):
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None and hasattr(backend, "encode_batch_fast") and backend.truncation is None \
+                and backend.padding is None:  # the same ids without offsets: ~20% less work than __call__
+            return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
         return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def __len__(self):

@@ -228,6 +228,23 @@ def minimind3_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("tokenizer_format", ["ours", "minimind3"])
+def test_pretrain_stream_is_tokenizer_encode_of_each_document(tokenizer, tokenizer_format, tmp_path):
+    """The cache (built through the backend's batch API) holds bos + tokenizer.encode(text) + eos per document: the
+    demo corpus, and texts with MiniMind-3's tags (<think>, <tool_call>, <|im_start|>), which are added tokens."""
+    tok = tokenizer if tokenizer_format == "ours" else minimind3_tokenizer(tmp_path)
+    with open(ensure_demo_data("pretrain"), encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f][:2000]
+    texts += [text for text, _ in TOOL_CONVERSATION_PIECES] + ["<think>\n嗯</think> <tool_call>{}</tool_call>"]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"text": t} for t in texts])
+    stream = []
+    for text in texts:
+        stream += [tok.bos_token_id] + tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
+    ds = PretrainDataset(path, tok, max_length=len(stream), packing=True, cache_dir=tmp_path / "cache")
+    assert len(ds) == 1 and ds[0][0].tolist() == stream
+    assert tok.convert_tokens_to_ids("<think>") in stream and tok.convert_tokens_to_ids("<tool_call>") in stream
+
+
+@pytest.mark.parametrize("tokenizer_format", ["ours", "minimind3"])
 def test_sft_tool_call_conversation_hand_checked(tokenizer, tokenizer_format, tmp_path):
     """Rendering and labels of a reasoning + tool-call conversation, token by token, with our tokenizer and
     with a MiniMind-3-format one: the same text, the assistant's generated spans only."""
