@@ -5,6 +5,7 @@
 `resolve(args, world_size)`, which also rejects bad input with a ConfigError before any collective.
 """
 import argparse
+import atexit
 import math
 import os
 import sys
@@ -443,6 +444,7 @@ RANK0_REPORT_SECONDS = 2
 def main_guard(main):
     """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank, a TrainingHalted (the run
     stopped itself: non-finite steps, diverged replicas) one line and exit code 3."""
+    code = 0
     try:
         main()
     except (ConfigError, TrainingHalted) as e:
@@ -453,4 +455,24 @@ def main_guard(main):
             time.sleep(RANK0_REPORT_SECONDS)
         if dist.is_initialized():
             dist.destroy_process_group()
-        sys.exit(2 if isinstance(e, ConfigError) else 3)
+        code = 2 if isinstance(e, ConfigError) else 3
+    if int(os.environ.get("RANK", -1)) != -1:  # a torchrun worker
+        leave_without_finalizing(code)
+    sys.exit(code)
+
+
+def leave_without_finalizing(code):
+    """Exit a torchrun worker once its work is done, skipping the interpreter's finalization.
+
+    A gloo worker thread (pt_gloo_runloop) frees each finished collective's work object, and with it the last
+    reference to tensors whose Python objects need the GIL. Its process group outlives destroy_process_group (DTensor
+    and FSDP objects hold it), so when that free lands after Python has begun finalizing, the thread cannot take the GIL
+    and the process aborts ("terminate called without an active exception", SIGABRT; gdb: THPVariable_clear <-
+    ~AsyncAllgatherCoalescedWork <- ProcessGroupGloo::runLoop while the main thread is in Py_FinalizeEx): 3 of 69 2-rank
+    ZeRO-3 runs here, exit code -6 although training had finished. Everything is written and closed by now, so run the
+    atexit handlers, flush, and leave with the exit code the run earned.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
