@@ -63,10 +63,13 @@ def run_args(workdir, data, model, dp, extra=()):
             "--save_interval", str(STEPS - 1), *extra]  # checkpoints at STEPS-1 and at the end: assert_same_run
 
 
+def weight_stem(model):
+    return "pretrain_64_moe" if model == "moe" else "pretrain_64"
+
+
 def final_weights(workdir, model):
     """The weights the run gathered at its end (fp32: TINY_MODEL saves float32)."""
-    name = "pretrain_64_moe" if model == "moe" else "pretrain_64"
-    return torch.load(os.path.join(workdir, "out", f"{name}.pth"))
+    return torch.load(os.path.join(workdir, "out", f"{weight_stem(model)}.pth"))
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,7 @@ def read_step(step_dir, tmp):
 
 
 def run_dir(workdir, model):
-    return os.path.join(workdir, "ckpt", "pretrain_64_moe" if model == "moe" else "pretrain_64")
+    return os.path.join(workdir, "ckpt", weight_stem(model))
 
 
 def assert_same_run(workdir, data, model, ref_records):
