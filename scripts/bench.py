@@ -26,9 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig  # noqa: E402
-from trainer.config import add_train_args, build_config, data_parallel_mode, resolve, typed_or_default  # noqa: E402
+from trainer.checks import data_parallel_mode  # noqa: E402
+from trainer.config import resolve  # noqa: E402
+from trainer.flags import add_train_args  # noqa: E402
+from trainer.model_config import build_config  # noqa: E402
 from trainer.metrics import model_flops_per_token, peak_flops, step_flops  # noqa: E402
-from trainer.trainer_utils import ROOT, ConfigError  # noqa: E402
+from trainer.launch import ConfigError  # noqa: E402
+from trainer.trainer_utils import ROOT, typed_or_default  # noqa: E402
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
 # the benchmark's default model: MiniMind's small config

@@ -28,8 +28,8 @@ sys.path.insert(0, ROOT)
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import (WeightsError, clean_state_dict, flag_conflicts, minimind_to_hf,  # noqa: E402
                            read_checkpoint, read_weights, shape_mismatch, weight_fields)
-from trainer.config import check_writable  # noqa: E402
-from trainer.trainer_utils import ConfigError  # noqa: E402
+from trainer.checks import check_writable  # noqa: E402
+from trainer.launch import ConfigError  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations

@@ -21,8 +21,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # no
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import WeightsError, infer_config, load_weights, read_checkpoint, read_weights  # noqa: E402
-from trainer.config import check_device, check_tokenizer  # noqa: E402
-from trainer.trainer_utils import ConfigError, typed_or_default, weight_name  # noqa: E402
+from trainer.checks import check_device, check_tokenizer  # noqa: E402
+from trainer.launch import ConfigError  # noqa: E402
+from trainer.trainer_utils import typed_or_default, weight_name  # noqa: E402
 
 
 def load_folder(folder):

@@ -28,13 +28,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
 from scripts.bench import BENCH_DEFAULTS, given_trainer_flags, trainer_args, trainer_command  # noqa: E402
-from trainer.config import build_config, typed_or_default  # noqa: E402
+from trainer.model_config import build_config  # noqa: E402
 from trainer.train_loop import step_targets  # noqa: E402
-from trainer.trainer_utils import ROOT, init_model  # noqa: E402
+from trainer.trainer_utils import ROOT, init_model, typed_or_default, weight_name  # noqa: E402
 
 RUNS = {"baseline": dict(packing=0, loss_chunk_size=0),
         "fast-same": dict(packing=0, loss_chunk_size=1024),
@@ -55,7 +56,8 @@ def split_corpus(tmp, heldout):
 
 def heldout_loss(config, save_dir, path, seq_len, tmp):
     """Mean CE per target token of the pretrain weights in `save_dir` over the documents of `path`, one per row."""
-    model, tokenizer = init_model(config, "model", "pretrain", save_dir, "cpu")
+    model = init_model(config, os.path.join(save_dir, weight_name("pretrain", config) + ".pth"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     dataset = PretrainDataset(path, tokenizer, max_length=seq_len, packing=False, cache_dir=tmp)
     total = count = 0.0
     model.eval()

@@ -15,7 +15,8 @@ from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.model_minimind import MiniMindForCausalLM
 from scripts.bench_loader import main, step_tokens_per_s, time_loader
-from trainer.config import add_train_args, build_config
+from trainer.flags import add_train_args
+from trainer.model_config import build_config
 from trainer.train_loop import epoch_loader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,10 +11,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from trainer.checkpoint import (FORMAT_VERSION, MANIFEST, Checkpointer, TrainState, latest_checkpoint, lm_checkpoint,
-                                load_resume, resume_path)
+from trainer.checkpoint import (
+    FORMAT_VERSION,
+    MANIFEST,
+    Checkpointer,
+    TrainState,
+    latest_checkpoint,
+    lm_checkpoint,
+    load_resume,
+    resume_path,
+)
+from trainer.launch import ConfigError
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
-from trainer.trainer_utils import ConfigError
 
 
 def tiny_config(**kw):
@@ -166,9 +174,13 @@ def test_newest_complete_checkpoint_and_pruning(tmp_path):
 
 
 def test_from_resume_1_without_a_checkpoint_is_refused_and_auto_starts_fresh(tmp_path):
-    config, plan = tiny_config(), SimpleNamespace(checkpoint_dir=str(tmp_path), global_batch=8)
+    config = tiny_config()
+
+    def plan(from_resume):
+        return SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), global_batch=8,
+                               from_resume=from_resume, flags=dict(save_weight="pretrain"))
     make_steps(str(tmp_path / "pretrain_64"), [3], complete=[])  # a save killed before its manifest
     with pytest.raises(ConfigError, match="--from_resume 1 but .*pretrain_64 holds no complete checkpoint"):
-        load_resume(config, plan, SimpleNamespace(from_resume="1", save_weight="pretrain"))
-    assert load_resume(config, plan, SimpleNamespace(from_resume="auto", save_weight="pretrain")) is None
-    assert load_resume(config, plan, SimpleNamespace(from_resume="0", save_weight="pretrain")) is None
+        load_resume(config, plan("1"))
+    assert load_resume(config, plan("auto")) is None
+    assert load_resume(config, plan("0")) is None

@@ -15,6 +15,7 @@ import pytest
 from tests.launch import ROOT, TINY_MODEL, demo_slice, free_port, python, read_metrics, torchrun
 
 SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
+FAULT_SCRIPT = os.path.join(ROOT, "tests", "fault_entry.py")  # the same script, with faults injected by the test
 
 
 def run_args(workdir, data, *extra):
@@ -41,7 +42,7 @@ def test_torchrun_restart_resumes_exactly(data, tmp_path):
     reference = torchrun(SCRIPT, 2, run_args(str(tmp_path / "ref"), data, *two_rank), timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", SCRIPT,
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", FAULT_SCRIPT,
            *run_args(str(tmp_path / "run"), data, *two_rank)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MINIMIND_TEST_KILL_AT_STEP="3", MINIMIND_TEST_KILL_RANK="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
@@ -81,7 +82,7 @@ def test_sigkill_mid_step_and_mid_save_resumes_exactly(async_save, data, tmp_pat
     reference = python(SCRIPT, run_args(str(tmp_path / "ref"), data, *single), timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     args, metrics = run_args(str(tmp_path / "run"), data, *single), str(tmp_path / "run" / "m.jsonl")
-    killed = python(SCRIPT, args, timeout=300, env=dict(MINIMIND_TEST_KILL_AT_STEP="3", MINIMIND_TEST_KILL_POINT="save"))
+    killed = python(FAULT_SCRIPT, args, timeout=300, env=dict(MINIMIND_TEST_KILL_AT_STEP="3", MINIMIND_TEST_KILL_POINT="save"))
     assert killed.returncode == -signal.SIGKILL
     step_3 = tmp_path / "run" / "ckpt" / "pretrain_64" / "step_3"
     assert step_3.is_dir() and not (step_3 / "complete.json").exists()

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
 from scripts.eval_llm import check_args, parse_args, render_prompt
-from trainer.trainer_utils import ConfigError
 from tests.launch import ROOT, python
+from trainer.launch import ConfigError
 
 
 def test_eval_llm_streams_the_greedy_continuation(tmp_path):

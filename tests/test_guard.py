@@ -5,11 +5,11 @@ import os
 import torch
 
 from tests.launch import TINY_MODEL, demo_slice, python, read_metrics, torchrun
-from trainer.config import add_train_args
-from trainer.guard import CORRUPT_ENV
+from trainer.flags import add_train_args
 from trainer.train_loop import build_trainer, setup
 
 SCRIPT = "trainer/train_pretrain.py"
+FAULT_SCRIPT = "tests/fault_entry.py"  # the same script, with faults injected from the test side
 
 
 def common_args(tmp_path, name, data):
@@ -22,8 +22,8 @@ def common_args(tmp_path, name, data):
 def restored(argv):
     """Model and optimizer state of the newest checkpoint of a run, loaded by the trainer itself (any format)."""
     args = add_train_args(argparse.ArgumentParser()).parse_args([*argv, "--from_resume", "1", "--device", "cpu"])
-    config, plan, dims = setup(args)
-    trainer = build_trainer(args, config, plan, dims)
+    plan, dims = setup(args)
+    trainer = build_trainer(plan, dims, steps_per_epoch=1)
     return trainer.progress.global_step, trainer.model_parts[0].state_dict(), trainer.optimizer.state_dict()
 
 
@@ -54,7 +54,7 @@ def test_check_replicas_names_the_diverged_tensor(tmp_path):
     data = demo_slice(tmp_path, "pretrain", 60)
     argv = [*common_args(tmp_path, "dp2", data), "--max_steps", "6", "--check_replicas", "1"]
     name = "model.layers.1.mlp.down_proj.weight"
-    proc = torchrun(SCRIPT, 2, argv, timeout=300, env={CORRUPT_ENV: f"1:3:{name}"})
+    proc = torchrun(FAULT_SCRIPT, 2, argv, timeout=300, env={"MINIMIND_TEST_CORRUPT_REPLICA": f"1:3:{name}"})
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert lines == [f"error: --check_replicas: at step 3 parameter {name} differs between data-parallel replicas "

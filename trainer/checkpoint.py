@@ -18,7 +18,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import threading
 import warnings
 from dataclasses import asdict, dataclass
@@ -29,9 +28,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from trainer.parallel.state_dict import (TIED_EMBEDDING, full_model_state_dict, load_full_state, load_sharded_state,
-                                         sharded_state_dict)
-from trainer.trainer_utils import ConfigError, Logger, is_main_process, repo_path, weight_name
+from trainer.launch import ConfigError, is_main_process, rank
+from trainer.parallel.state_dict import (
+    TIED_EMBEDDING,
+    full_model_state_dict,
+    load_full_state,
+    load_sharded_state,
+    sharded_state_dict,
+)
+from trainer.trainer_utils import Logger, repo_path, weight_name
 
 # 1: flat counters (epoch, step_in_epoch, global_step, tokens_seen, tracker_id); 2: a train_state dict (1 and 2:
 # one gathered file); 3: a DCP directory per save
@@ -129,7 +134,8 @@ def lm_checkpoint(config, weight="pretrain", state=None, save_dir="checkpoints")
         ckpt = torch.load(path, map_location="cpu", weights_only=False)
         saved = ckpt["config"]
     except Exception as e:
-        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__}); delete it or pass --from_resume 0")
+        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__}); "
+                          "delete it or pass --from_resume 0")
     check_config(saved, config, path)
     return upgrade(ckpt, path)
 
@@ -168,7 +174,8 @@ def read_train_state(path, config):
         ckpt = torch.load(file, map_location="cpu", weights_only=False)
         saved, version = ckpt["config"], ckpt["format_version"]
     except Exception as e:
-        raise ConfigError(f"{file} is not a readable checkpoint ({type(e).__name__}); delete {path} or pass --from_resume 0")
+        raise ConfigError(f"{file} is not a readable checkpoint ({type(e).__name__}); "
+                          f"delete {path} or pass --from_resume 0")
     if version != FORMAT_VERSION:
         raise ConfigError(f"{path} has checkpoint format {version}, this trainer reads {FORMAT_VERSION}; "
                           "update the code or pass --from_resume 0")
@@ -176,38 +183,34 @@ def read_train_state(path, config):
     return dict(ckpt, dcp_path=path)
 
 
-def load_resume(config, plan, args):
+def load_resume(config, plan):
     """--from_resume 1/auto: the newest complete checkpoint's state (a DCP directory, else a format 1/2 file).
 
     None for --from_resume 0, or auto with nothing to resume; --from_resume 1 with nothing is a ConfigError.
     Its global batch must match this run's.
     """
-    if args.from_resume == "0":
+    if plan.from_resume == "0":
         return None
-    run_dir = os.path.join(plan.checkpoint_dir, weight_name(args.save_weight, config))
-    path = latest_checkpoint(run_dir)
-    ckpt = read_train_state(path, config) if path else lm_checkpoint(config, weight=args.save_weight,
+    save_weight = plan.flags["save_weight"]  # the legacy file's name rule
+    path = latest_checkpoint(plan.run_dir)
+    ckpt = read_train_state(path, config) if path else lm_checkpoint(config, weight=save_weight,
                                                                       save_dir=plan.checkpoint_dir)
     if ckpt is None:
-        if args.from_resume == "1":
-            raise ConfigError(f"--from_resume 1 but {run_dir} holds no complete checkpoint; pass --from_resume auto "
-                              "to start fresh when there is none, or 0")
-        Logger(f"--from_resume auto: no complete checkpoint in {run_dir}, starting fresh")
+        if plan.from_resume == "1":
+            raise ConfigError(f"--from_resume 1 but {plan.run_dir} holds no complete checkpoint; pass --from_resume "
+                              "auto to start fresh when there is none, or 0")
+        Logger(f"--from_resume auto: no complete checkpoint in {plan.run_dir}, starting fresh")
         return None
     if ckpt["global_batch"] != plan.global_batch:
         raise ConfigError(f"checkpoint was saved with a global batch of {ckpt['global_batch']} samples, this run "
                           f"has {plan.global_batch} (batch_size x accumulation_steps x dp); match it to resume exactly")
-    Logger(f"Resuming from {path or resume_path(config, args.save_weight, plan.checkpoint_dir)}")
+    Logger(f"Resuming from {path or resume_path(config, save_weight, plan.checkpoint_dir)}")
     return ckpt
 
 
 def tied_aliases(pipeline, config):
     """Under pp the tied embedding has a copy on the last stage; its optimizer state is saved once."""
     return TIED_EMBEDDING if pipeline is not None and config.tie_word_embeddings else None
-
-
-def rank():
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def restore(trainer, ckpt):
@@ -227,46 +230,40 @@ def restore(trainer, ckpt):
 
 
 class Checkpointer:
-    """Writes resume checkpoints, one DCP directory per save; keeps the newest `keep` complete ones (0: all).
+    """Writes resume checkpoints of its stateful parts, one DCP directory per save; keeps the newest `keep` complete
+    ones (0: all). `parts`: model_parts, optimizer, scaler, progress (TrainState), tied (aliases or None), and the
+    plan and config recorded beside them.
 
     With async_save, dcp.async_save writes in a thread over its own gloo group while training goes on; the next
     save, and the end of the run (wait), wait for it. A save counts once rank 0 has written its manifest.
     """
 
-    def __init__(self, run_dir, async_save=False, keep=3):
-        self.run_dir, self.async_save, self.keep = run_dir, async_save, keep
+    def __init__(self, run_dir, async_save=False, keep=3, parts=None):
+        self.run_dir, self.async_save, self.keep, self.parts = run_dir, async_save, keep, parts
         self.pending = None  # (future, manifest-written event) of the async save in flight
         # a separate group, so the writer thread's collectives never interleave with training's (a collective)
         self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
-    def save(self, trainer):
-        """Write this step's checkpoint (a collective); returns once it is written, or staged under async_save."""
+    def save(self, step):
+        """Write step `step`'s checkpoint (a collective); returns once it is written, or staged under async_save."""
         self.wait()
-        path = os.path.join(self.run_dir, f"step_{trainer.progress.global_step}")
+        path = os.path.join(self.run_dir, f"step_{step}")
         if rank() == 0 and os.path.exists(os.path.join(path, MANIFEST)):
             os.remove(os.path.join(path, MANIFEST))  # rewriting a step: it is incomplete until written again
         if dist.is_initialized():
             dist.barrier()
-        plan = trainer.plan
+        parts = self.parts
         if rank() == 0:
-            atomic_save(dict(train_state=trainer.progress.state_dict(), scaler=trainer.scaler.state_dict(),
-                             world_size=plan.world_size, global_batch=plan.global_batch,
-                             layout=dict(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage),
-                             args=vars(trainer.args).copy(), config=trainer.config.to_dict(),
-                             format_version=FORMAT_VERSION), os.path.join(path, "train_state.pt"))
+            atomic_save(self.train_state(), os.path.join(path, "train_state.pt"))
         atomic_save(rng_state(), os.path.join(path, f"rng_{rank()}.pt"))
-        state = sharded_state_dict(trainer.model_parts, trainer.optimizer, tied_aliases(trainer.pipeline, trainer.config))
+        state = sharded_state_dict(parts["model_parts"], parts["optimizer"], parts["tied"])
         if not self.async_save:
-            dcp.save(state, checkpoint_id=path)
-            kill_for_test(trainer.progress.global_step, "save")  # shards written, manifest not
-            if dist.is_initialized():
-                dist.barrier()  # every rank's shards and RNG file are on disk
-            if rank() == 0:
-                self.mark_complete(path)
+            self.write(state, path)
             return
         # FileSystemWriter stages (copies into new CPU buffers) before returning: training may then update the weights
         response = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
-        future, marked = getattr(response, "upload_completion", response), threading.Event()  # newer torch may return an AsyncSaveResponse
+        # newer torch may return an AsyncSaveResponse
+        future, marked = getattr(response, "upload_completion", response), threading.Event()
         if rank() == 0:
             def on_done(f):  # rank 0's save finishes only once every rank's write result reached it
                 try:
@@ -276,7 +273,22 @@ class Checkpointer:
                     marked.set()
             future.add_done_callback(on_done)
         self.pending = (future, marked)
-        kill_for_test(trainer.progress.global_step, "save")  # the write in flight
+
+    def write(self, state, path):
+        """The synchronous save: shards, then a barrier, then rank 0's manifest."""
+        dcp.save(state, checkpoint_id=path)
+        if dist.is_initialized():
+            dist.barrier()  # every rank's shards and RNG file are on disk
+        if rank() == 0:
+            self.mark_complete(path)
+
+    def train_state(self):
+        """What rank 0 writes beside the shards: progress, scaler, layout, the typed flags and the model config."""
+        parts, plan = self.parts, self.parts["plan"]
+        return dict(train_state=parts["progress"].state_dict(), scaler=parts["scaler"].state_dict(),
+                    world_size=plan.world_size, global_batch=plan.global_batch,
+                    layout=dict(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage),
+                    args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION)
 
     def wait(self):
         """Wait for the pending async save (its manifest included); re-raises its error."""
@@ -300,7 +312,7 @@ class Checkpointer:
         self.prune(step)
 
     def prune(self, step):
-        """Drop the steps after `step` (an abandoned timeline), partial saves before it and complete ones past `keep`."""
+        """Drop steps after `step` (an abandoned timeline), partial saves before it, complete ones past `keep`."""
         older = [(s, p, done) for s, p, done in checkpoints(self.run_dir) if s != step]
         kept = [p for s, p, done in older if done and s < step][-(self.keep - 1):] if self.keep > 1 else []
         for s, p, done in older:
@@ -308,26 +320,9 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save_checkpoint(trainer):
-    """Write a resume checkpoint of this step (a collective; see Checkpointer)."""
-    trainer.checkpointer.save(trainer)
-
-
 def save_weights(trainer):
     """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0."""
     pp_group = trainer.dims.group("pp") if trainer.plan.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
     if is_main_process():
-        args = trainer.args
-        weights = {k: v.to(getattr(torch, args.save_dtype)) for k, v in model_sd.items()}
-        atomic_save(weights, os.path.join(trainer.plan.save_dir, weight_name(args.save_weight, trainer.config) + ".pth"))
-
-
-def kill_for_test(step, point="step"):
-    """Test-only hook: MINIMIND_TEST_KILL_AT_STEP=N SIGKILLs rank MINIMIND_TEST_KILL_RANK (default 0) at step N, after
-    its optimizer step or, with MINIMIND_TEST_KILL_POINT=save, inside its save; on torchrun's first attempt only."""
-    if (os.environ.get("MINIMIND_TEST_KILL_AT_STEP") != str(step) or os.environ.get("MINIMIND_TEST_KILL_POINT", "step") != point
-            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
-        return
-    if rank() == int(os.environ.get("MINIMIND_TEST_KILL_RANK", 0)):
-        os.kill(os.getpid(), signal.SIGKILL)
+        atomic_save({k: v.to(trainer.plan.save_dtype) for k, v in model_sd.items()}, trainer.plan.weights_path)

@@ -12,14 +12,9 @@ import threading
 import torch
 import torch.distributed as dist
 
+from trainer.launch import TrainingHalted, local_tensor
+from trainer.parallel.state_dict import clean_fqn
 from trainer.trainer_utils import Logger
-
-# test-only fault injection: "<rank>:<step>:<parameter name>" perturbs that replica's parameter before the check
-CORRUPT_ENV = "MINIMIND_TEST_CORRUPT_REPLICA"
-
-
-class TrainingHalted(Exception):
-    """The run stopped itself (non-finite steps in a row, diverged replicas): one line, exit code 3."""
 
 
 class Preemption:
@@ -113,16 +108,14 @@ def replica_checksums(model_parts):
     names, sums = [], []
     for part in model_parts:
         for name, param in part.named_parameters():
-            local = param.detach()
-            local = (local.to_local() if hasattr(local, "to_local") else local).double()
-            names.append(name.replace("module.", "").replace("_orig_mod.", ""))
+            local = local_tensor(param.detach()).double()
+            names.append(clean_fqn(name))
             sums.append(torch.stack([local.sum(), (local * local).sum()]))
     return names, torch.stack(sums)
 
 
 def check_replicas(model_parts, group, step):
     """Raise TrainingHalted naming the first parameter whose checksum differs across the replicas of `group`."""
-    corrupt_for_test(model_parts, step)
     names, mine = replica_checksums(model_parts)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
@@ -132,18 +125,3 @@ def check_replicas(model_parts, group, step):
             raise TrainingHalted(f"--check_replicas: at step {step} parameter {name} differs between data-parallel "
                                  f"replicas (group ranks {ranks} vs 0); the replicas diverged, resume from the last "
                                  "checkpoint and look for non-deterministic or rank-dependent code")
-
-
-def corrupt_for_test(model_parts, step):
-    """Test-only: MINIMIND_TEST_CORRUPT_REPLICA=<rank>:<step>:<name> adds 1 to one value of that parameter."""
-    spec = os.environ.get(CORRUPT_ENV)
-    if not spec:
-        return
-    rank, at_step, target = spec.split(":", 2)
-    if int(rank) != dist.get_rank() or int(at_step) != step:
-        return
-    for part in model_parts:
-        for name, param in part.named_parameters():
-            if name.replace("module.", "") == target:
-                with torch.no_grad():
-                    param.view(-1)[0] += 1.0

@@ -4,7 +4,6 @@ import resource
 import time
 
 import torch
-import torch.distributed as dist
 
 
 def model_flops_per_token(config, seq_len):
@@ -70,33 +69,6 @@ def peak_mem_gb(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def world_sum(values, device):
-    """Sum a list of floats over all ranks (ranks that should not count pass zeros)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def group_sum(value, group, device):
-    """Sum an int over a process group (None: one process), e.g. the step's target tokens over dp."""
-    if group is None:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=group)
-    return int(t.item())
-
-
-def per_rank(value, device):
-    """One float from every rank, in rank order (e.g. each rank's peak memory)."""
-    if not dist.is_initialized():
-        return [value]
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, t)
-    return [g.item() for g in gathered]
 
 
 class StepTimer:

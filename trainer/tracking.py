@@ -57,7 +57,7 @@ def console_line(record):
 
 
 def start_swanlab(project, run_name, resume_id, config, log_dir):
-    """A swanlab run: online when logged in (SWANLAB_API_KEY or `swanlab login`), else offline; None if not installed."""
+    """A swanlab run: online when logged in (SWANLAB_API_KEY or `swanlab login`), else offline; None if missing."""
     try:
         import swanlab  # optional dependency: only --use_wandb needs it
     except ImportError:
@@ -134,7 +134,8 @@ class Tracker:
 
 def parse_profile_steps(spec):
     """'A:B' -> (A, B): the optimizer steps to profile, 1-based and inclusive."""
-    message = f"--profile_steps {spec!r}: give A:B, the first and last optimizer step to profile, 1 <= A <= B (e.g. 5:7)"
+    message = (f"--profile_steps {spec!r}: give A:B, the first and last optimizer step to profile, "
+               "1 <= A <= B (e.g. 5:7)")
     try:
         first, last = (int(part) for part in spec.split(":"))
     except ValueError:

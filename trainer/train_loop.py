@@ -6,6 +6,7 @@ dimensions in parallel/ (applied by parallel/parallelize.py).
 """
 import math
 import os
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -17,12 +18,19 @@ from tqdm import tqdm
 
 from dataset.demo_data import ensure_demo_data
 from dataset.mixture import describe_mixture, load_data_spec
-from trainer.checkpoint import (Checkpointer, TrainState, kill_for_test, load_resume, restore, save_checkpoint,
-                                save_weights)
-from trainer.config import build_config, resolve
+from trainer.checkpoint import Checkpointer, TrainState, load_resume, restore, save_weights, tied_aliases
+from trainer.config import resolve
 from trainer.guard import Preemption, StepGuard, check_replicas
-from trainer.metrics import (StepTimer, group_sum, peak_flops, peak_mem_gb, per_rank, step_flops,
-                             world_sum)
+from trainer.launch import (
+    ConfigError,
+    group_sum,
+    init_distributed_mode,
+    is_main_process,
+    per_rank,
+    setup_seed,
+    world_sum,
+)
+from trainer.metrics import StepTimer, peak_flops, peak_mem_gb, step_flops
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.context import context_position_ids, shard_sequence
 from trainer.parallel.data import build_optimizer, grad_reduce_factor
@@ -30,15 +38,13 @@ from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
 from trainer.tracking import StepProfiler, Tracker
-from trainer.trainer_utils import (ConfigError, Logger, SkipBatchSampler, get_lr, init_distributed_mode, init_model,
-                                   is_main_process, setup_seed, weight_name)
+from trainer.trainer_utils import Logger, SkipBatchSampler, get_lr, init_model
 
 
 @dataclass
 class Trainer:
     """What a step needs: the plan, where this rank sits, what it trains, and where training stands."""
     plan: object  # config.TrainPlan
-    args: object  # the flags as typed
     config: object  # MiniMindConfig
     dims: ParallelDims
     model_parts: list  # this rank's pipeline stages, or [model]
@@ -46,22 +52,22 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     progress: TrainState
+    steps_per_epoch: int
+    total_steps: int  # of the lr schedule (all epochs)
+    checkpointer: Checkpointer
+    guard: StepGuard  # non-finite skips and the agreed preemption stop
     resumed: bool = False
-    total_steps: int = 0  # of the lr schedule (all epochs)
-    checkpointer: Checkpointer = None
-    guard: StepGuard = None  # non-finite skips and the agreed preemption stop (set by train)
 
 
 def setup(args):
-    """Phase 1: check the flags into a TrainPlan, start the process group and mesh, seed. Returns (config, plan, dims)."""
+    """Phase 1: check the flags into a TrainPlan, start the process group and mesh, seed. Returns (plan, dims)."""
     plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
-    config = build_config(args, plan.weight_fields)
-    init_distributed_mode(args.dist_timeout)
+    init_distributed_mode(plan.dist_timeout)
     dims = ParallelDims.build(plan.world_size, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                               device_type=torch.device(plan.device).type)
     Logger(dims.summary())
-    setup_seed(args.seed)  # same seed on every rank: every rank builds the same full model
-    return config, plan, dims
+    setup_seed(plan.seed)  # same seed on every rank: every rank builds the same full model
+    return plan, dims
 
 
 def load_datasets(plan, make_dataset, demo_kind):
@@ -96,72 +102,73 @@ def leaf_datasets(ds):
 
 def build_model(config, plan, model_state=None):
     """The plain full model on plan.device: --from_weight (or resume) weights, else the seeded init."""
-    model, _ = init_model(config, plan.tokenizer_path, plan.from_weight, plan.save_dir, "cpu")
+    model = init_model(config, plan.from_weight)
     if model_state is not None:
         model.load_state_dict(model_state)
     return model.to(plan.device)
 
 
-def build_trainer(args, config, plan, dims):
-    """Phases 3-6: resume state, model, parallel wrap, optimizer, restore."""
-    ckpt = load_resume(config, plan, args)
+def build_trainer(plan, dims, steps_per_epoch):
+    """Phases 3-6: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once."""
+    config = plan.model_config
+    ckpt = load_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, args.learning_rate, plan.zero_stage, dims.group("dp_cp"),
+    optimizer = build_optimizer(params, plan.learning_rate, plan.zero_stage, dims.group("dp_cp"),
                                 fused=plan.device.startswith("cuda") and not plan.has_dtensor,
-                                weight_decay=args.weight_decay)
+                                weight_decay=plan.weight_decay)
     scaler = torch.amp.GradScaler(torch.device(plan.device).type, enabled=plan.dtype == torch.float16)
-    trainer = Trainer(plan, args, config, dims, model_parts, pipeline, optimizer, scaler, TrainState(),
-                      resumed=ckpt is not None, checkpointer=Checkpointer(
-                          os.path.join(plan.checkpoint_dir, weight_name(args.save_weight, config)),
-                          bool(args.async_save), args.keep_checkpoints))
+    progress = TrainState()
+    checkpointer = Checkpointer(plan.run_dir, plan.async_save, plan.keep_checkpoints, parts=dict(
+        model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress,
+        tied=tied_aliases(pipeline, config), plan=plan, config=config))
+    trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
+                      plan.epochs * steps_per_epoch, checkpointer,
+                      StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds)), resumed=ckpt is not None)
     if ckpt is not None:
         restore(trainer, ckpt)
-        Logger(f"Resumed from epoch {trainer.progress.epoch}, step {trainer.progress.global_step} "
+        Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
                f"({ckpt['world_size']} processes when saved)")
     return trainer
+
+
+def steps_per_epoch(plan, train_ds):
+    """Optimizer steps in one pass over `train_ds` (a partial last global batch is dropped)."""
+    return len(train_ds) // plan.global_batch
+
+
+def effective_log_interval(plan, steps_per_epoch):
+    """--log_interval, but at least ten records per epoch, so a first run shows its loss early."""
+    return min(plan.log_interval, max(1, steps_per_epoch // 10))
 
 
 def train(trainer, train_ds, eval_ds=None):
     """Phase 7, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
 
     SIGTERM/SIGINT stop it after the current step (every rank at the same step) with a checkpoint there."""
-    plan, args, progress = trainer.plan, trainer.args, trainer.progress
-    steps_per_epoch = len(train_ds) // plan.global_batch
-    trainer.total_steps = args.epochs * steps_per_epoch
+    plan, progress = trainer.plan, trainer.progress
     if trainer.resumed and reached_max_steps(trainer):
-        Logger(f"--max_steps {args.max_steps}: the checkpoint is already at step {progress.global_step}; "
+        Logger(f"--max_steps {plan.max_steps}: the checkpoint is already at step {progress.global_step}; "
                "nothing to train (raise --max_steps to train on)")
         return finish(trainer)
     tracker = make_tracker(trainer)
     profiler = StepProfiler(plan.profile_steps, os.path.join(plan.save_dir, "profile"), plan.device)
     timer = StepTimer(peak_flops(plan.device, plan.dtype) * plan.world_size)
-    Logger(f"{steps_per_epoch} optimizer steps per epoch, global batch {plan.global_batch} x {plan.seq_len} "
+    Logger(f"{trainer.steps_per_epoch} optimizer steps per epoch, global batch {plan.global_batch} x {plan.seq_len} "
            f"tokens, dtype {plan.dtype}")
-    with Preemption(args.grace_seconds) as preemption:
-        trainer.guard = StepGuard(args.max_bad_steps, preemption)
-        for epoch in range(progress.epoch, args.epochs):
-            if progress.step_in_epoch >= steps_per_epoch:  # saved at the end of this epoch
+    with trainer.guard.preemption, progress_bar(trainer) as bar:  # the bar closes before an error line is printed
+        for epoch in range(progress.epoch, plan.epochs):
+            if progress.step_in_epoch >= trainer.steps_per_epoch:  # saved at the end of this epoch
                 progress.step_in_epoch = 0
                 continue
             progress.epoch = epoch
-            batches = epoch_batches(trainer, train_ds, epoch)
-            timer.reset()
-            with progress_bar(trainer, steps_per_epoch) as bar:  # closed before an error line is printed
-                while progress.step_in_epoch < steps_per_epoch and not should_stop(trainer):
-                    profiler.begin(progress.global_step + 1)
-                    metrics = train_step(trainer, [next(batches) for _ in range(plan.num_microbatches)])
-                    progress.step_in_epoch += 1
-                    bar.update(1)
-                    timer.add(metrics["num_items"], step_flops(trainer.config, plan.seq_len, plan.global_batch
-                                                               * plan.seq_len, metrics["num_items"], plan.chunked_loss))
-                    after_step(trainer, tracker, eval_ds, metrics, timer, progress.step_in_epoch == steps_per_epoch)
+            train_epoch(trainer, epoch_batches(trainer, train_ds, epoch), tracker, eval_ds, timer, profiler, bar)
             if should_stop(trainer):
                 break
             progress.step_in_epoch = 0
         if eval_ds is not None and not trainer.guard.stop and not (
-                args.eval_interval and progress.global_step % args.eval_interval == 0):
+                plan.eval_interval and progress.global_step % plan.eval_interval == 0):
             tracker.log(evaluate(trainer, eval_ds))  # unless the last step just did, or the run was preempted
         trainer.checkpointer.wait()  # the last async save
         profiler.close()
@@ -169,21 +176,36 @@ def train(trainer, train_ds, eval_ds=None):
     finish(trainer)
 
 
+def train_epoch(trainer, batches, tracker, eval_ds, timer, profiler, bar):
+    """The steps of one epoch from where progress stands; the bar advances per micro-batch."""
+    plan, progress = trainer.plan, trainer.progress
+    timer.reset()
+    while progress.step_in_epoch < trainer.steps_per_epoch and not should_stop(trainer):
+        profiler.begin(progress.global_step + 1)
+        start = time.perf_counter()
+        metrics = train_step(trainer, [next(batches) for _ in range(plan.num_microbatches)], bar)
+        progress.step_in_epoch += 1
+        timer.add(metrics["num_items"], step_flops(trainer.config, plan.seq_len, plan.global_batch * plan.seq_len,
+                                                   metrics["num_items"], plan.chunked_loss))
+        after_step(trainer, tracker, eval_ds, metrics, timer, progress.step_in_epoch == trainer.steps_per_epoch)
+        bar.set_postfix(loss=f"{float(metrics['ce'] + metrics['aux']):.4f}", lr=f"{metrics['lr']:.2e}",
+                        tok_s=f"{metrics['num_items'] / (time.perf_counter() - start):.0f}", refresh=False)
+
+
 def after_step(trainer, tracker, eval_ds, metrics, timer, epoch_end):
     """Log, compare replicas, evaluate and save as the intervals say; the last step (or a preempted one) always."""
-    args, step, guard = trainer.args, trainer.progress.global_step, trainer.guard
+    plan, step, guard = trainer.plan, trainer.progress.global_step, trainer.guard
     last = epoch_end or should_stop(trainer)
-    if step % args.log_interval == 0 or last:
+    if step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or last:
         tracker.log(step_record(trainer, metrics, timer))
-    if args.check_replicas and step % args.check_replicas == 0 and trainer.plan.dp * trainer.plan.cp > 1:
+    if plan.check_replicas and step % plan.check_replicas == 0 and plan.dp * plan.cp > 1:
         check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)
-    if eval_ds is not None and args.eval_interval and step % args.eval_interval == 0:
+    if eval_ds is not None and plan.eval_interval and step % plan.eval_interval == 0:
         tracker.log(evaluate(trainer, eval_ds))
-    kill_for_test(step)
-    if step % args.save_interval == 0 or last:
-        save_checkpoint(trainer)
+    if step % plan.save_interval == 0 or last:
+        trainer.checkpointer.save(step)
         guard.saved(step)
-    if last or (args.save_weights_every and step % args.save_weights_every == 0):
+    if last or (plan.save_weights_every and step % plan.save_weights_every == 0):
         save_weights(trainer)
     if guard.stop:
         Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.checkpoint_dir}; "
@@ -192,21 +214,22 @@ def after_step(trainer, tracker, eval_ds, metrics, timer, epoch_end):
 
 def finish(trainer):
     """Say where the weights are and leave the process group."""
-    Logger(f"Done: {trainer.progress.global_step} steps, weights in "
-           f"{os.path.join(trainer.plan.save_dir, weight_name(trainer.args.save_weight, trainer.config))}.pth")
+    Logger(f"Done: {trainer.progress.global_step} steps, weights in {trainer.plan.weights_path}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def train_step(trainer, micro_batches):
+def train_step(trainer, micro_batches, bar=None):
     """One optimizer step over `micro_batches` [(input_ids, labels[, position_ids])]; returns its measurements.
 
     Each micro-batch adds ce_sum/num_items (num_items = the step's target tokens over all dp ranks)
     and aux * samples/global samples, so the sums over micro-batches and ranks are the step loss. The
-    gradient is multiplied by dp*cp because DDP/FSDP average over those ranks.
+    gradient is multiplied by dp*cp because DDP/FSDP average over those ranks. `bar`, a progress bar, advances
+    per micro-batch.
     """
-    plan, args, progress, scaler = trainer.plan, trainer.args, trainer.progress, trainer.scaler
-    lr = get_lr(progress.global_step, trainer.total_steps, args.learning_rate, args.warmup_steps)
+    plan, progress, scaler = trainer.plan, trainer.progress, trainer.scaler
+    bar = bar or NO_BAR
+    lr = get_lr(progress.global_step, trainer.total_steps, plan.learning_rate, plan.warmup_steps)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     targets = [step_targets(batch[1]).to(plan.device) for batch in micro_batches]
@@ -220,6 +243,7 @@ def train_step(trainer, micro_batches):
         (x, t), positions = shard_for_context(trainer.dims, [torch.cat(inputs), torch.cat(targets)],
                                               None if doc_positions[0] is None else torch.cat(doc_positions))
         ce, aux = trainer.pipeline.step(x, t, positions, num_items, aux_weight, grad_factor)
+        bar.update(len(micro_batches))
     else:
         model, ce, aux = trainer.model_parts[0], 0.0, 0.0
         for i, (x, t, p) in enumerate(zip(inputs, targets, doc_positions)):
@@ -232,8 +256,11 @@ def train_step(trainer, micro_batches):
                 loss = out.loss + out.aux_loss * aux_weight
                 scaler.scale(loss * grad_factor).backward()
             ce, aux = ce + local_value(out.loss), aux + local_value(out.aux_loss) * aux_weight
+            bar.update(1)
+            if not plan.device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
+                bar.set_postfix(loss=f"{float(ce + aux) * len(inputs) / (i + 1):.4f}", refresh=False)
     scaler.unscale_(trainer.optimizer)
-    grad_norm = clip_gradients(trainer, args.grad_clip)
+    grad_norm = clip_gradients(trainer, plan.grad_clip)
     skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.device)  # agreed by every rank
     if not skip:
         scaler.step(trainer.optimizer)
@@ -270,7 +297,7 @@ def autocast(plan):
 def local_value(t):
     """A detached plain tensor (DTensor losses under tensor parallel are replicated)."""
     t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # replicated: the full value, no communication
 
 
 def clip_gradients(trainer, max_norm):
@@ -285,7 +312,7 @@ def clip_gradients(trainer, max_norm):
 
 
 def reached_max_steps(trainer):
-    return bool(trainer.args.max_steps) and trainer.progress.global_step >= trainer.args.max_steps
+    return bool(trainer.plan.max_steps) and trainer.progress.global_step >= trainer.plan.max_steps
 
 
 def should_stop(trainer):
@@ -295,10 +322,10 @@ def should_stop(trainer):
 
 def epoch_batches(trainer, train_ds, epoch):
     """This rank's micro-batches of `epoch`, after the ones a resumed run already trained on."""
-    plan, args = trainer.plan, trainer.args
+    plan = trainer.plan
     skip = trainer.progress.step_in_epoch * plan.num_microbatches
-    return iter(epoch_loader(train_ds, epoch, args.seed, plan.micro_batch, plan.dp, trainer.dims.dp_rank,
-                             args.num_workers, plan.device.startswith("cuda"), skip))
+    return iter(epoch_loader(train_ds, epoch, plan.seed, plan.micro_batch, plan.dp, trainer.dims.dp_rank,
+                             plan.num_workers, plan.device.startswith("cuda"), skip))
 
 
 def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_workers=0, pin_memory=False, skip_batches=0):
@@ -311,10 +338,26 @@ def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_worker
                       num_workers=num_workers, pin_memory=pin_memory)
 
 
-def progress_bar(trainer, steps_per_epoch):
-    progress = trainer.progress
-    return tqdm(total=steps_per_epoch, initial=progress.step_in_epoch, desc=f"epoch {progress.epoch + 1}/{trainer.args.epochs}",
-                disable=not is_main_process(), dynamic_ncols=True, mininterval=1.0)
+def progress_bar(trainer):
+    """One bar over the micro-batches of the whole run (all epochs, or up to --max_steps): its ETA is the run's."""
+    plan, progress = trainer.plan, trainer.progress
+    steps = min(trainer.total_steps, plan.max_steps) if plan.max_steps else trainer.total_steps
+    return tqdm(total=steps * plan.num_microbatches, initial=progress.global_step * plan.num_microbatches,
+                desc=f"{plan.epochs} epoch{'s' if plan.epochs > 1 else ''} x {trainer.steps_per_epoch} steps",
+                unit="mb", disable=not is_main_process(), dynamic_ncols=True, mininterval=1.0)
+
+
+class NoBar:
+    """The bar train_step advances when it is called without one."""
+
+    def update(self, n=1):
+        pass
+
+    def set_postfix(self, **kwargs):
+        pass
+
+
+NO_BAR = NoBar()
 
 
 def make_tracker(trainer):
@@ -322,11 +365,11 @@ def make_tracker(trainer):
 
     A resumed run keeps the records up to its checkpoint's step and continues the same swanlab run; a fresh run
     starts the metrics file anew (kept to step 0)."""
-    args, plan, progress = trainer.args, trainer.plan, trainer.progress
+    plan, progress = trainer.plan, trainer.progress
     tracker = Tracker(plan.metrics_file, is_main=is_main_process(), tensorboard_dir=plan.tensorboard_dir,
-                      use_wandb=args.use_wandb, wandb_project=args.wandb_project,
-                      run_name=weight_name(args.save_weight, trainer.config), resume_id=progress.tracker_id,
-                      config=vars(args), resume_step=progress.global_step if trainer.resumed else 0)
+                      use_wandb=plan.use_wandb, wandb_project=plan.wandb_project, run_name=plan.run_name,
+                      resume_id=progress.tracker_id, config=dict(plan.flags),
+                      resume_step=progress.global_step if trainer.resumed else 0)
     progress.tracker_id = tracker.run_id
     return tracker
 
@@ -334,7 +377,8 @@ def make_tracker(trainer):
 def step_record(trainer, metrics, timer):
     """A step's record: loss summed over ranks, the window's rates, peak memory per rank (collective)."""
     device, counts, progress = trainer.plan.device, trainer.dims.counts_loss, trainer.progress
-    loss, aux_loss = world_sum([float(metrics["ce"]) if counts else 0.0, float(metrics["aux"]) if counts else 0.0], device)
+    loss, aux_loss = world_sum([float(metrics["ce"]) if counts else 0.0,
+                                float(metrics["aux"]) if counts else 0.0], device)
     tokens_per_sec, mfu, elapsed = timer.rates()
     memory = per_rank(peak_mem_gb(device), device)
     return dict(step=progress.global_step, epoch=progress.epoch, loss=loss, aux_loss=aux_loss, lr=metrics["lr"],
@@ -352,7 +396,7 @@ def evaluate(trainer, eval_ds):
     model.eval()
     with torch.no_grad():
         for i, batch in enumerate(loader):
-            if i >= trainer.args.eval_batches:
+            if i >= plan.eval_batches:
                 break
             targets = step_targets(batch[1])
             (x, t), positions = shard_for_context(dims, [batch[0].to(plan.device), targets.to(plan.device)],

@@ -6,6 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainer.launch import local_tensor
+
 
 def _cpu_l2_norm(grads, error_if_nonfinite):
     """L2 norm as a float64-accumulated sum of squares (DTensor partial sums added, then reduced over the mesh).
@@ -74,7 +76,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None, exclude=
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
     by_device = {}
     for p in params:  # scale the local shards in place; no communication needed
-        local = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        local = local_tensor(p.grad)
         by_device.setdefault(local.device, []).append(local)
     for device, tensors in by_device.items():
         torch._foreach_mul_(tensors, clip_coef.to(device))

@@ -1,0 +1,80 @@
+"""trainer/train_pretrain.py with faults injected from outside: the trainer itself has no test hooks.
+
+Run in its place (python or torchrun); the environment says which fault, on torchrun's first attempt only:
+  MINIMIND_TEST_KILL_AT_STEP=N     SIGKILL rank MINIMIND_TEST_KILL_RANK (default 0) at step N: after the step's
+                                   logging and saving (MINIMIND_TEST_KILL_POINT=step, the default), or inside its
+                                   save once the shards are written or the async write is in flight (=save)
+  MINIMIND_TEST_CORRUPT_REPLICA=<rank>:<step>:<name>   add 1 to one value of that parameter on that rank just
+                                   before the replica check of that step
+"""
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+from trainer import train_loop, train_pretrain  # noqa: E402
+from trainer.launch import main_guard, rank  # noqa: E402
+
+KILL_AT_STEP = "MINIMIND_TEST_KILL_AT_STEP"
+CORRUPT_REPLICA = "MINIMIND_TEST_CORRUPT_REPLICA"
+
+
+def kill_at(step, victim):
+    """SIGKILL this process when it is rank `victim` at `step`."""
+    if rank() == victim:
+        print(f"fault_entry: SIGKILL rank {victim} at step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def patch_kill(step, point, victim):
+    if point == "step":
+        real_after_step = train_loop.after_step
+
+        def after_step(trainer, *args, **kwargs):
+            real_after_step(trainer, *args, **kwargs)
+            if trainer.progress.global_step == step:
+                kill_at(step, victim)
+        train_loop.after_step = after_step
+        return
+    for name in ("save", "async_save"):  # the Checkpointer calls dcp.<name>, then writes the manifest
+
+        def saving(*args, _real=getattr(dcp, name), **kwargs):
+            result = _real(*args, **kwargs)
+            if os.path.basename(str(kwargs["checkpoint_id"])) == f"step_{step}":
+                kill_at(step, victim)
+            return result
+        setattr(dcp, name, saving)
+
+
+def patch_corrupt(spec):
+    victim, at_step, target = spec.split(":", 2)
+    real_check = train_loop.check_replicas
+
+    def check_replicas(model_parts, group, step):
+        if dist.get_rank() == int(victim) and step == int(at_step):
+            for part in model_parts:
+                for name, param in part.named_parameters():
+                    if name.replace("module.", "") == target:
+                        with torch.no_grad():
+                            param.view(-1)[0] += 1.0
+        return real_check(model_parts, group, step)
+    train_loop.check_replicas = check_replicas
+
+
+def main():
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if os.environ.get(KILL_AT_STEP) and first_attempt:
+        patch_kill(int(os.environ[KILL_AT_STEP]), os.environ.get("MINIMIND_TEST_KILL_POINT", "step"),
+                   int(os.environ.get("MINIMIND_TEST_KILL_RANK", 0)))
+    if os.environ.get(CORRUPT_REPLICA) and first_attempt:
+        patch_corrupt(os.environ[CORRUPT_REPLICA])
+    train_pretrain.main()
+
+
+if __name__ == "__main__":
+    main_guard(main)

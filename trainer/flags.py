@@ -1,0 +1,128 @@
+"""The flag schema: every flag of the training scripts, its default and its help; nothing else."""
+import argparse
+
+import torch
+
+
+def add_train_args(parser, **defaults):
+    """MiniMind's flags (plus ours); `defaults` sets the script-specific values."""
+    a = parser.add_argument
+    a("--save_dir", default=None, help="where weights and metrics go (default: out/ in the repo)")
+    a("--checkpoint_dir", default=None, help="where resume checkpoints go (default: checkpoints/ in the repo)")
+    a("--save_weight", default="pretrain", help="weight file prefix: <save_dir>/<save_weight>_<hidden>[_moe].pth")
+    a("--epochs", type=int, default=1, help="passes over the training data")
+    a("--batch_size", type=int, default=32, help="samples per micro-batch per data-parallel rank")
+    a("--learning_rate", type=float, default=5e-4, help="peak learning rate of MiniMind's cosine schedule")
+    a("--warmup_steps", type=int, default=0, help="linear warm-up steps before the cosine schedule")
+    a("--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    a("--dtype", default="auto", help="auto|bfloat16|float16|float32 (auto: bf16 where the device has it)")
+    a("--num_workers", type=int, default=0, help="DataLoader worker processes")
+    a("--accumulation_steps", type=int, default=8, help="micro-batches per optimizer step (pipeline: micro-batches)")
+    a("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this value")
+    a("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
+    a("--log_interval", type=int, default=100, help="optimizer steps between metrics records")
+    a("--save_interval", type=int, default=100, help="optimizer steps between weights + resume checkpoints")
+    a("--hidden_size", type=int, default=768, help="model width")
+    a("--num_hidden_layers", type=int, default=8, help="decoder blocks")
+    a("--num_attention_heads", type=int, default=8, help="query heads")
+    a("--num_key_value_heads", type=int, default=4, help="key/value heads (GQA)")
+    a("--intermediate_size", type=int, default=None, help="dense MLP width (default: the model's rule)")
+    a("--moe_intermediate_size", type=int, default=None, help="expert MLP width (default: the model's rule)")
+    a("--head_dim", type=int, default=None, help="attention head size (default: hidden_size / heads)")
+    a("--max_seq_len", type=int, default=340, help="tokens per sample")
+    a("--use_moe", type=int, default=0, choices=[0, 1], help="mixture-of-experts MLPs")
+    a("--num_experts", type=int, default=4, help="experts per MoE layer")
+    a("--num_experts_per_tok", type=int, default=1, help="experts each token is routed to")
+    a("--from_weight", default="none", help="weight prefix in save_dir, a .pth path, or none")
+    a("--from_resume", default="0", choices=["0", "1", "auto"],
+      help="1: continue from the newest complete checkpoint; auto: that, or start fresh if there is none "
+      "(for torchrun --max-restarts)")
+    a("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: run all epochs)")
+    a("--seed", type=int, default=42, help="model init and data order (a pure function of seed and epoch)")
+    a("--metrics_file", default=None,
+      help="JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
+    a("--save_dtype", default="float16", choices=["float16", "bfloat16", "float32"], help="dtype of the saved weights")
+    a("--use_compile", type=int, default=0, choices=[0, 1], help="torch.compile each decoder block")
+    a("--grad_checkpointing", type=int, default=0, choices=[0, 1],
+      help="recompute each decoder block in backward (less activation memory, ~1/3 more compute)")
+    a("--loss_chunk_size", type=int, default=1024,
+      help="lm_head + cross-entropy over chunks of this many tokens, never the full logits (0: off)")
+    add_data_args(parser)
+    add_tracking_args(parser)
+    add_checkpoint_args(parser)
+    add_guard_args(parser)
+    add_parallel_args(parser)
+    parser.set_defaults(**defaults)
+    return parser
+
+
+def add_data_args(parser):
+    """Training and held-out data, the tokenizer and the token cache (dataset/)."""
+    a = parser.add_argument
+    a("--data_path", default=None, help="JSONL, parquet or token shard; a directory, a glob, or a comma list with "
+      "optional weights, e.g. a.jsonl:0.7,shards/*.parquet:0.3 (default: the embedded demo corpus)")
+    a("--eval_data_path", default=None, help="held-out data for eval_loss / eval_ppl, same forms (default: none)")
+    a("--num_proc", type=int, default=None, help="tokenizer worker processes per rank while building the token "
+      "cache (default: the cores available / local ranks)")
+    a("--eval_interval", type=int, default=0, help="optimizer steps between validation runs (0: only at the end)")
+    a("--eval_batches", type=int, default=50, help="batches per validation run")
+    a("--packing", type=int, default=0, choices=[0, 1], help="pretraining: join documents with eos into full rows")
+    a("--doc_mask", type=int, default=1, choices=[0, 1], help="with --packing 1: a token attends only to earlier "
+      "tokens of its own document and position ids restart at each document (0: the whole row is one sequence)")
+    a("--skip_bad_lines", type=int, default=0, choices=[0, 1], help="skip malformed data lines instead of stopping")
+    a("--cache_dir", default=None, help="token cache of the datasets (default: dataset/.cache in the repo)")
+    a("--tokenizer_path", default=None, help="Hugging Face tokenizer folder (default: model/ in the repo)")
+
+
+def add_tracking_args(parser):
+    """Where metrics and traces go besides the metrics file (trainer/tracking.py)."""
+    a = parser.add_argument
+    a("--tensorboard_dir", default=None, help="also write TensorBoard scalars here (default: off)")
+    a("--profile_steps", default=None,
+      help="A:B: torch.profiler trace of optimizer steps A to B under <save_dir>/profile (default: off)")
+    a("--use_wandb", action="store_true", help="log to swanlab (local mode when not logged in)")
+    a("--wandb_project", default="MiniMind", help="swanlab project name")
+
+
+def add_checkpoint_args(parser):
+    """How resume checkpoints and weights are written (trainer/checkpoint.py)."""
+    a = parser.add_argument
+    a("--keep_checkpoints", type=int, default=3,
+      help="complete resume checkpoints kept; older ones are deleted (0: all)")
+    a("--async_save", type=int, default=0, choices=[0, 1],
+      help="write resume checkpoints in the background (dcp.async_save)")
+    a("--save_weights_every", type=int, default=0,
+      help="also write the <save_weight>.pth weights every N steps (0: at the end only)")
+
+
+def add_guard_args(parser):
+    """Preemption, the non-finite step guard and the replica check (trainer/guard.py)."""
+    a = parser.add_argument
+    a("--grace_seconds", type=float, default=60,
+      help="after SIGTERM/SIGINT: seconds to finish the step and save before exiting non-zero")
+    a("--max_bad_steps", type=int, default=5, help="stop after this many non-finite (skipped) optimizer steps in a row")
+    a("--check_replicas", type=int, default=0,
+      help="every N steps compare parameter checksums across data-parallel replicas (0: off)")
+
+
+def add_parallel_args(parser):
+    """The layout flags (4D parallelism, ZeRO, collectives)."""
+    a = parser.add_argument
+    a("--dist_timeout", type=int, default=60, help="seconds before a hung collective fails")
+    a("--tp", type=int, default=1, help="tensor-parallel degree")
+    a("--pp", type=int, default=1, help="pipeline-parallel degree (micro-batches = --accumulation_steps)")
+    a("--cp", type=int, default=1, help="context-parallel (ring attention) degree")
+    a("--pp_schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved1f1b"], help="pipeline schedule")
+    a("--sequence_parallel", type=int, default=0, choices=[0, 1], help="shard norms along the sequence (tp > 1)")
+    a("--zero_stage", type=int, default=0, help="0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")
+    a("--grad_compression", default="none", help="none|bf16|powersgd (DDP communication hook)")
+
+
+def parse_args(description, **defaults):
+    """The script's flags; --help shows every default."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return add_train_args(parser, **defaults).parse_args()
+
+
+MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "moe_intermediate_size", "head_dim", "use_moe", "num_experts", "num_experts_per_tok")

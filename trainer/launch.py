@@ -1,0 +1,118 @@
+"""The process lifecycle: process group, seeds, ranks, the small collectives, errors and exit codes."""
+import atexit
+import os
+import random
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+RANK0_REPORT_SECONDS = 2
+
+
+class ConfigError(Exception):
+    """Bad user input: reported as one line, exit code 2, before training starts."""
+
+
+class TrainingHalted(Exception):
+    """The run stopped itself (non-finite steps in a row, diverged replicas): one line, exit code 3."""
+
+
+def rank():
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_main_process():
+    return rank() == 0
+
+
+def local_tensor(t):
+    """This rank's plain tensor of a DTensor (its shard), or `t` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def init_distributed_mode(timeout_s=60):
+    """Start the process group under torchrun (nccl on CUDA, gloo on CPU); return local rank (0 if single)."""
+    if int(os.environ.get("RANK", -1)) == -1:
+        return 0
+    local_rank = int(os.environ["LOCAL_RANK"])
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    store, rank_, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    # torchrun --max-restarts keeps its store across restarts: without a per-attempt prefix a restarted rank can read
+    # a dead worker's address from the last attempt and fail in "Gloo connectFullMesh ... Connection refused"
+    store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank_, world_size=world_size,
+                            timeout=timeout)
+    return local_rank
+
+
+def setup_seed(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)
+
+
+def world_sum(values, device):
+    """Sum a list of floats over all ranks (ranks that should not count pass zeros)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def group_sum(value, group, device):
+    """Sum an int over a process group (None: one process), e.g. the step's target tokens over dp."""
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def per_rank(value, device):
+    """One float from every rank, in rank order (e.g. each rank's peak memory)."""
+    if not dist.is_initialized():
+        return [value]
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    return [g.item() for g in gathered]
+
+
+def main_guard(main):
+    """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank, a TrainingHalted (the run
+    stopped itself) one line and exit code 3."""
+    code = 0
+    try:
+        main()
+    except (ConfigError, TrainingHalted) as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        elif not dist.is_initialized():
+            # torchrun stops every worker as soon as one exits: let rank 0, which ran the same checks, say it first
+            time.sleep(RANK0_REPORT_SECONDS)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        code = 2 if isinstance(e, ConfigError) else 3
+    if int(os.environ.get("RANK", -1)) != -1:  # a torchrun worker
+        leave_without_finalizing(code)
+    sys.exit(code)
+
+
+def leave_without_finalizing(code):
+    """Exit a torchrun worker with `code`, skipping interpreter finalization (see docs/design.md, "How a run exits").
+
+    A gloo worker thread may free a finished collective's tensors after finalization began and abort the process;
+    everything is written and closed by now, so run the atexit handlers, flush and leave."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

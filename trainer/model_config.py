@@ -1,0 +1,33 @@
+"""The MiniMindConfig the flags describe, with the shapes of a --from_weight file taking precedence."""
+from model.model_minimind import MiniMindConfig
+from model.weights import WeightsError, flag_conflicts, infer_config, read_weights
+from trainer.flags import MODEL_FLAGS
+from trainer.launch import ConfigError
+from trainer.trainer_utils import Logger
+
+
+def build_config(args, weight_fields=None):
+    """The MiniMindConfig the flags describe (None sizes keep the model's own rule); `weight_fields`, the shapes
+    of the --from_weight file (see weight_shapes), take precedence over the flags."""
+    fields = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name, None) is not None}
+    fields["use_moe"] = bool(fields["use_moe"])
+    fields.update(weight_fields or {})
+    return MiniMindConfig(max_position_embeddings=max(32768, args.max_seq_len), loss_chunk_size=args.loss_chunk_size,
+                          **fields)
+
+
+def weight_shapes(args, path):
+    """The model fields a --from_weight file fixes (from its tensors, and top-k from its saved config); one line
+    says which flags they override, so a MiniMind-3 .pth or an older run's weights load without size flags."""
+    try:
+        state_dict, saved_config = read_weights(path)
+        fields = infer_config(state_dict)
+    except WeightsError as e:
+        raise ConfigError(str(e)) from None
+    if saved_config and "num_experts_per_tok" in saved_config and fields["use_moe"]:
+        fields["num_experts_per_tok"] = saved_config["num_experts_per_tok"]
+    flags = {name: getattr(args, name) for name in MODEL_FLAGS if name != "use_moe"}
+    conflicts = flag_conflicts(fields, dict(flags, use_moe=bool(args.use_moe)))
+    if conflicts:
+        Logger(f"--from_weight {path}: the model takes the weights' shapes, not the flags: {'; '.join(conflicts)}")
+    return fields
