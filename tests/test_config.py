@@ -72,6 +72,17 @@ def test_paths_typed_against_cwd_defaults_against_repo(tmp_path, monkeypatch):
     assert resolve(flags(), 1).save_dir == os.path.join(ROOT, "out")
 
 
+def test_resolve_creates_nothing_and_names_the_run_once(tmp_path):
+    out, ckpt = tmp_path / "a" / "out", tmp_path / "b" / "ckpt"
+    plan = resolve(flags("--save_dir", str(out), "--checkpoint_dir", str(ckpt), "--cache_dir", str(tmp_path / "c"),
+                         "--use_moe", "1", "--save_weight", "w", "--learning_rate", "3e-4"), 1)
+    assert sorted(os.listdir(tmp_path)) == []  # checked, not made: the folders come with the first write
+    assert (plan.run_name, plan.weights_path, plan.run_dir) == ("w_64_moe", str(out / "w_64_moe.pth"),
+                                                                str(ckpt / "w_64_moe"))
+    assert plan.learning_rate == 3e-4 and plan.flags["learning_rate"] == 3e-4 and plan.flags["save_weight"] == "w"
+    assert plan.model_config.hidden_size == 64 and plan.model_config.use_moe
+
+
 def test_profile_steps_and_model_sizes():
     assert resolve(flags("--profile_steps", "3:5"), 1).profile_steps == (3, 5)
     with pytest.raises(ConfigError, match="--profile_steps"):

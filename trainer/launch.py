@@ -108,7 +108,7 @@ def main_guard(main):
 
 
 def leave_without_finalizing(code):
-    """Exit a torchrun worker with `code`, skipping interpreter finalization (see docs/design.md, "How a run exits").
+    """Exit a torchrun worker with `code`, skipping interpreter finalization (docs/design.md, Decisions).
 
     A gloo worker thread may free a finished collective's tensors after finalization began and abort the process;
     everything is written and closed by now, so run the atexit handlers, flush and leave."""
