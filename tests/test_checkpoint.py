@@ -39,7 +39,8 @@ def test_checkpoint_round_trip_and_mismatch(tmp_path):
     assert torch.equal(loaded["model"]["w"], torch.arange(3.0)) and loaded["epoch"] == 1
     other = tiny_config(num_hidden_layers=3)
     os.rename(path, resume_path(other, "t", str(tmp_path)))
-    with pytest.raises(ConfigError, match=r"t_64_resume.pth was saved with num_hidden_layers=2 but this run has num_hidden_layers=3"):
+    with pytest.raises(ConfigError, match=r"t_64_resume.pth was saved with num_hidden_layers=2 "
+                                          r"but this run has num_hidden_layers=3"):
         lm_checkpoint(other, weight="t", save_dir=str(tmp_path))
 
 
@@ -64,7 +65,8 @@ def save_then_die(obj, f, *a, **k):
     os.kill(os.getpid(), signal.SIGKILL)  # killed after writing, before fsync/rename
 torch.save = save_then_die
 config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-checkpoint.lm_checkpoint(config, weight="t", state={"model": {"w": torch.ones(1000, 1000)}, "epoch": 2}, save_dir=sys.argv[2])
+state = {"model": {"w": torch.ones(1000, 1000)}, "epoch": 2}
+checkpoint.lm_checkpoint(config, weight="t", state=state, save_dir=sys.argv[2])
 """
 
 
@@ -116,8 +118,8 @@ def test_checkpoint_without_tokens_seen_is_refused_naming_its_format(tmp_path):
 def test_single_file_of_another_format_is_refused_naming_it(tmp_path):
     config = tiny_config()
     torch.save(dict(config=config.to_dict(), format_version=FORMAT_VERSION), resume_path(config, "t", str(tmp_path)))
-    with pytest.raises(ConfigError, match=f"has checkpoint format {FORMAT_VERSION}, but a single-file resume checkpoint "
-                                          "must be format 1 or 2"):
+    with pytest.raises(ConfigError, match=f"has checkpoint format {FORMAT_VERSION}, but a single-file resume "
+                                          "checkpoint must be format 1 or 2"):
         lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
 
 

@@ -28,7 +28,9 @@ def run_args(workdir, data, *extra):
 def assert_same_losses(records, reference):
     """One record per step, each loss exactly the uninterrupted run's (same layout, same state restored)."""
     assert [r["step"] for r in records] == [r["step"] for r in reference]
-    assert [(r["loss"], r["tokens"], r["lr"]) for r in records] == [(r["loss"], r["tokens"], r["lr"]) for r in reference]
+    def values(rs):
+        return [(r["loss"], r["tokens"], r["lr"]) for r in rs]
+    assert values(records) == values(reference)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,8 @@ def test_sigkill_mid_step_and_mid_save_resumes_exactly(async_save, data, tmp_pat
     reference = python(SCRIPT, run_args(str(tmp_path / "ref"), data, *single), timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     args, metrics = run_args(str(tmp_path / "run"), data, *single), str(tmp_path / "run" / "m.jsonl")
-    killed = python(FAULT_SCRIPT, args, timeout=300, env=dict(MINIMIND_TEST_KILL_AT_STEP="3", MINIMIND_TEST_KILL_POINT="save"))
+    killed = python(FAULT_SCRIPT, args, timeout=300,
+                    env=dict(MINIMIND_TEST_KILL_AT_STEP="3", MINIMIND_TEST_KILL_POINT="save"))
     assert killed.returncode == -signal.SIGKILL
     step_3 = tmp_path / "run" / "ckpt" / "pretrain_64" / "step_3"
     assert step_3.is_dir() and not (step_3 / "complete.json").exists()

@@ -1,4 +1,4 @@
-"""Tracker sinks read back with their own libraries (JSONL, TensorBoard event files, swanlab run files) and StepProfiler."""
+"""Tracker sinks read back with their own libraries (JSONL, TensorBoard events, swanlab run files); StepProfiler."""
 import glob
 import json
 import os
@@ -146,7 +146,8 @@ def test_swanlab_offline_run_and_resume_continue_the_same_run(tmp_path, monkeypa
         assert got["loss"] == {r["step"]: r["loss"] for r in train}
         assert got["lr"] == {r["step"]: r["lr"] for r in train}
         for rank in (0, 1):
-            assert got[f"peak_mem_gb_per_rank/rank{rank}"] == {r["step"]: r["peak_mem_gb_per_rank"][rank] for r in train}
+            expected = {r["step"]: r["peak_mem_gb_per_rank"][rank] for r in train}
+            assert got[f"peak_mem_gb_per_rank/rank{rank}"] == expected
     assert read_swanlab_scalars(run_dirs[0])["eval_loss"] == {3: 8.6}
 
 

@@ -58,7 +58,8 @@ def to_legacy(ckpt_dir, version, drop=()):
                 rng=torch.load(os.path.join(step_dir, "rng_0.pt"), weights_only=False),
                 **{k: saved[k] for k in ("scaler", "world_size", "global_batch", "args", "config")})
     train_state = {k: v for k, v in saved["train_state"].items() if k not in drop}
-    ckpt.update(dict(format_version=1, **train_state) if version == 1 else dict(format_version=2, train_state=train_state))
+    ckpt.update(dict(format_version=1, **train_state) if version == 1
+                else dict(format_version=2, train_state=train_state))
     torch.save(ckpt, os.path.join(ckpt_dir, "pretrain_64_resume.pth"))
     shutil.rmtree(run_dir)
     os.remove(os.path.join(ckpt_dir, "full.pt"))
@@ -99,13 +100,15 @@ def test_typed_paths_follow_the_cwd(tmp_path):
     """Run from outside the repo with relative paths: outputs land beside the user, under the default names."""
     demo_slice(tmp_path, "pretrain", 32, name="d.jsonl")
     proc = python(SCRIPT, [*TINY_MODEL, "--data_path", "d.jsonl", "--save_dir", "o", "--checkpoint_dir", "c",
-                           "--cache_dir", "cache", "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps", "1", "--max_steps", "2",
+                           "--cache_dir", "cache", "--max_seq_len", "32", "--batch_size", "4",
+                           "--accumulation_steps", "1", "--max_steps", "2",
                            "--log_interval", "1"], timeout=300, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_metrics(str(tmp_path / "o" / "pretrain_64_metrics.jsonl"))  # keyed by the weight name
     assert [r["step"] for r in records] == [1, 2]
     assert records[0]["loss"] == pytest.approx(math.log(6400), rel=0.05)  # random init: ~ln(vocab)
-    assert (tmp_path / "o" / "pretrain_64.pth").is_file() and (tmp_path / "c" / "pretrain_64" / "step_2" / "complete.json").is_file()
+    assert (tmp_path / "o" / "pretrain_64.pth").is_file()
+    assert (tmp_path / "c" / "pretrain_64" / "step_2" / "complete.json").is_file()
     assert any(name.startswith("d.jsonl.pretrain.") for name in os.listdir(tmp_path / "cache"))  # the token cache
 
 
@@ -188,9 +191,12 @@ def test_resuming_at_or_past_max_steps_trains_nothing(tmp_path):
     for max_steps in ("4", "3"):
         again, _ = run_pretrain(tmp_path, *common, "--max_steps", max_steps, "--from_resume", "1")
         assert again == records  # no step trained, none logged again
-    proc = python(SCRIPT, [*TINY_MODEL, *common, "--save_dir", out, "--checkpoint_dir", os.path.join(str(tmp_path), "ckpt"),
-                           "--metrics_file", os.path.join(out, "metrics.jsonl"), "--max_steps", "3", "--from_resume", "1"])
-    assert proc.returncode == 0 and "--max_steps 3: the checkpoint is already at step 4; nothing to train" in proc.stdout
+    proc = python(SCRIPT, [*TINY_MODEL, *common, "--save_dir", out,
+                           "--checkpoint_dir", os.path.join(str(tmp_path), "ckpt"),
+                           "--metrics_file", os.path.join(out, "metrics.jsonl"), "--max_steps", "3",
+                           "--from_resume", "1"])
+    assert proc.returncode == 0
+    assert "--max_steps 3: the checkpoint is already at step 4; nothing to train" in proc.stdout
     after = torch.load(os.path.join(out, "pretrain_64.pth"))
     assert all(torch.equal(weights[k], after[k]) for k in weights)
 
@@ -219,9 +225,11 @@ def test_validation_loss_matches_an_independent_evaluation(tmp_path):
     from transformers import AutoTokenizer
 
     from tests.launch import ROOT
-    train_data, eval_data = demo_slice(tmp_path, "pretrain", 64), demo_slice(tmp_path, "pretrain", 100, name="eval.jsonl")
+    train_data = demo_slice(tmp_path, "pretrain", 64)
+    eval_data = demo_slice(tmp_path, "pretrain", 100, name="eval.jsonl")
     metrics = os.path.join(str(tmp_path), "out", "metrics.jsonl")
-    records, out = run_pretrain(tmp_path, "--data_path", train_data, "--eval_data_path", eval_data, "--eval_interval", "3",
+    records, out = run_pretrain(tmp_path, "--data_path", train_data, "--eval_data_path", eval_data,
+                                "--eval_interval", "3",
                                 "--eval_batches", "4", "--max_seq_len", "64", "--batch_size", "4",
                                 "--accumulation_steps", "1", "--max_steps", "6", "--save_dtype", "float32")
     evals = [r for r in map(json.loads, open(metrics)) if "eval_loss" in r]
