@@ -1,5 +1,5 @@
-"""What a step measures: FLOPs and peak FLOP/s (MFU), peak memory, and the small collectives that sum or
-gather figures over ranks. Where the figures go (JSONL, console, TensorBoard, swanlab) is trainer/tracking.py."""
+"""What a step measures: FLOPs and peak FLOP/s (MFU), peak memory, tokens/s over a window. The collectives that sum
+them over ranks are in trainer/launch.py; where the figures go (JSONL, TensorBoard, swanlab), trainer/tracking.py."""
 import resource
 import time
 

@@ -8,8 +8,10 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
+
+from trainer.launch import is_main_process
+from trainer.launch import rank as launch_rank
 
 # Console line: (record key, format) in print order; other keys are left to the JSONL and the dashboards.
 CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", "aux_loss {:.6f}"),
@@ -163,7 +165,7 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = launch_rank()
         handler = torch.profiler.tensorboard_trace_handler(self.out_dir, worker_name=f"rank{rank}")
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True,
                                                 on_trace_ready=handler)
@@ -195,6 +197,6 @@ class StepProfiler:
             return
         self._profiler.stop()  # writes the trace through on_trace_ready
         self._profiler = None
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_main_process():
             print(f"profile of steps {self.steps[0]}..{self.steps[1]} written to {self.out_dir} "
                   "(open the .pt.trace.json in ui.perfetto.dev)", flush=True)
