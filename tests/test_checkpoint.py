@@ -1,5 +1,5 @@
-"""trainer/checkpoint.py: DCP resume directories (round trip, manifest, pruning), the legacy single files and their
-load-time checks, TrainState and format versions."""
+"""trainer/checkpoint.py: DCP resume directories (round trip, manifest, pruning), MiniMind's resume file (read by
+name and position, checked against the model), the retired formats 1/2, TrainState, atomic saves."""
 import json
 import os
 import subprocess
@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from trainer.checkpoint import (FORMAT_VERSION, MANIFEST, Checkpointer, TrainState, latest_checkpoint, lm_checkpoint,
-                                load_resume, resume_path)
+from model.weights import atomic_save
+from trainer.checkpoint import MANIFEST, Checkpointer, TrainState, latest_checkpoint, load_resume
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 from trainer.trainer_utils import ConfigError
 
@@ -22,52 +22,80 @@ def tiny_config(**kw):
     return MiniMindConfig(**dict(base, **kw))
 
 
-def test_checkpoint_round_trip_and_mismatch(tmp_path):
-    config = tiny_config()
-    state = {"model": {"w": torch.arange(3.0)}, "epoch": 1}
-    path = lm_checkpoint(config, weight="t", state=state, save_dir=str(tmp_path))
-    assert path == resume_path(config, "t", str(tmp_path)) and path.endswith("t_64_resume.pth")
-    loaded = lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-    assert torch.equal(loaded["model"]["w"], torch.arange(3.0)) and loaded["epoch"] == 1
-    other = tiny_config(num_hidden_layers=3)
-    os.rename(path, resume_path(other, "t", str(tmp_path)))
-    with pytest.raises(ConfigError, match=r"t_64_resume.pth was saved with num_hidden_layers=2 but this run has num_hidden_layers=3"):
-        lm_checkpoint(other, weight="t", save_dir=str(tmp_path))
+def minimind_resume_file(path, config, epoch, step, world_size, weight_decay=0.01):
+    """What MiniMind's lm_checkpoint writes (its public key names): fp16 weights, its AdamW's state_dict (parameters
+    by index) after real steps, epoch, step (batches per process in the epoch), world_size, wandb_id, scaler."""
+    model, optimizer = trained(config, seed=3, steps=3, weight_decay=weight_decay)
+    state = {"model": {k: v.half() for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict(),
+             "epoch": epoch, "step": step, "world_size": world_size, "wandb_id": "run-7", "scaler": {}}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state, path)
+    return state
 
 
-def test_corrupt_checkpoint_is_one_clear_error(tmp_path):
+def resume_plan(tmp_path, micro_batch=4, global_batch=8):
+    return SimpleNamespace(checkpoint_dir=str(tmp_path), micro_batch=micro_batch, global_batch=global_batch,
+                           dtype=torch.float32)
+
+
+def test_minimind_resume_file_is_read_by_name_and_position(tmp_path):
+    """MiniMind's step 5 on 2 processes of 4 samples = 40 samples; at this run's global batch 12 that is step 3."""
     config = tiny_config()
-    path = resume_path(config, "t", str(tmp_path))
-    with open(path, "wb") as f:
+    saved = minimind_resume_file(str(tmp_path / "pretrain_64_resume.pth"), config, epoch=1, step=5, world_size=2)
+    ckpt = load_resume(config, resume_plan(tmp_path, 4, 12), SimpleNamespace(from_resume="1", save_weight="pretrain"))
+    assert ckpt["train_state"] == dict(epoch=1, step_in_epoch=3, global_step=3, tokens_seen=0, tracker_id="run-7")
+    assert ckpt["world_size"] == 2 and ckpt["global_batch"] == 12
+    names = [name for name, _ in MiniMindForCausalLM(config).named_parameters()]
+    for index, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ckpt["optimizer"]["state"][name][key], saved["optimizer"]["state"][index][key])
+    assert ckpt["optimizer"]["param_groups"][0]["params"] == names
+    for name, value in saved["model"].items():
+        assert torch.equal(ckpt["model"][name], value), name
+
+
+def test_minimind_resume_of_another_model_is_one_line(tmp_path):
+    minimind_resume_file(str(tmp_path / "pretrain_64_resume.pth"), tiny_config(num_hidden_layers=3), 0, 1, 1)
+    with pytest.raises(ConfigError, match=r"pretrain_64_resume.pth: the weights have 3 layers .* the model 2; "
+                                          "pass --num_hidden_layers 3"):
+        load_resume(tiny_config(), resume_plan(tmp_path), SimpleNamespace(from_resume="1", save_weight="pretrain"))
+
+
+def test_corrupt_resume_file_is_one_clear_error(tmp_path):
+    with open(tmp_path / "pretrain_64_resume.pth", "wb") as f:
         f.write(b"PK\x03\x04 truncated garbage")
-    with pytest.raises(ConfigError, match="is not a readable checkpoint"):
-        lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="pretrain_64_resume.pth is not a readable resume file"):
+        load_resume(tiny_config(), resume_plan(tmp_path), SimpleNamespace(from_resume="1", save_weight="pretrain"))
+
+
+@pytest.mark.parametrize("old", [dict(format_version=2, train_state={}), dict(format_version=1, step_in_epoch=3)])
+def test_format_1_and_2_files_name_the_commit_that_reads_them(tmp_path, old):
+    torch.save(dict(model={"w": torch.ones(2)}, optimizer={}, epoch=0, **old), tmp_path / "pretrain_64_resume.pth")
+    with pytest.raises(ConfigError, match="format 1/2 single-file checkpoints were read up to commit 4df0373"):
+        load_resume(tiny_config(), resume_plan(tmp_path), SimpleNamespace(from_resume="1", save_weight="pretrain"))
 
 
 KILL_MIDWAY = r"""
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
-from trainer import checkpoint
-from model.model_minimind import MiniMindConfig
+from model.weights import atomic_save
 real_save = torch.save
 def save_then_die(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
     f.flush()
     os.kill(os.getpid(), signal.SIGKILL)  # killed after writing, before fsync/rename
 torch.save = save_then_die
-config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-checkpoint.lm_checkpoint(config, weight="t", state={"model": {"w": torch.ones(1000, 1000)}, "epoch": 2}, save_dir=sys.argv[2])
+atomic_save({"w": torch.ones(1000, 1000)}, sys.argv[2])
 """
 
 
-def test_killed_save_leaves_previous_checkpoint(tmp_path):
+def test_killed_save_leaves_previous_file(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    config = tiny_config()
-    lm_checkpoint(config, weight="t", state={"model": {"w": torch.zeros(2)}, "epoch": 1}, save_dir=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", KILL_MIDWAY, root, str(tmp_path)], timeout=120)
+    path = str(tmp_path / "train_state.pt")
+    atomic_save({"w": torch.zeros(2)}, path)
+    proc = subprocess.run([sys.executable, "-c", KILL_MIDWAY, root, path], timeout=120)
     assert proc.returncode == -9  # really killed midway
-    loaded = lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-    assert loaded["epoch"] == 1 and torch.equal(loaded["model"]["w"], torch.zeros(2))  # the old one, intact
+    assert torch.equal(torch.load(path)["w"], torch.zeros(2))  # the old one, intact
 
 
 def test_train_state_round_trip():
@@ -79,45 +107,11 @@ def test_train_state_round_trip():
     assert fresh == state
 
 
-def write_format1(path, config, **counters):
-    """A resume file as the trainer wrote it before format 2: flat counters beside model and args."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(dict(model={"w": torch.ones(2)}, optimizer={}, scaler={}, rng={}, world_size=2, global_batch=8,
-                    args={"hidden_size": 64}, config=config.to_dict(), format_version=1, **counters), path)
-
-
-def test_format1_checkpoint_loads_as_a_train_state(tmp_path):
-    config = tiny_config()
-    path = resume_path(config, "t", str(tmp_path))
-    write_format1(path, config, epoch=1, step_in_epoch=3, global_step=9, tokens_seen=4321, tracker_id=None)
-    ckpt = lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-    assert ckpt["format_version"] == 2 and FORMAT_VERSION == 3
-    assert ckpt["train_state"] == dict(epoch=1, step_in_epoch=3, global_step=9, tokens_seen=4321, tracker_id=None)
-    assert torch.equal(ckpt["model"]["w"], torch.ones(2)) and ckpt["args"] == {"hidden_size": 64}
-
-
-def test_checkpoint_without_tokens_seen_is_refused_naming_its_format(tmp_path):
-    """Commit 7ec8d16 wrote format 1 without tokens_seen; resuming it once raised KeyError."""
-    config = tiny_config()
-    write_format1(resume_path(config, "t", str(tmp_path)), config, epoch=0, step_in_epoch=3, global_step=3,
-                  tracker_id=None)
-    with pytest.raises(ConfigError, match="has checkpoint format 1 without tokens_seen"):
-        lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-
-
-def test_single_file_of_another_format_is_refused_naming_it(tmp_path):
-    config = tiny_config()
-    torch.save(dict(config=config.to_dict(), format_version=FORMAT_VERSION), resume_path(config, "t", str(tmp_path)))
-    with pytest.raises(ConfigError, match=f"has checkpoint format {FORMAT_VERSION}, but a single-file resume checkpoint "
-                                          "must be format 1 or 2"):
-        lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-
-
-def trained(config, seed, steps=2):
+def trained(config, seed, steps=2, weight_decay=0.01):
     """A model and AdamW after `steps` real steps on random tokens (so the optimizer has state)."""
     torch.manual_seed(seed)
     model = MiniMindForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
     for _ in range(steps):
         ids = torch.randint(0, config.vocab_size, (2, 16))
         model(ids, labels=ids).loss.backward()
