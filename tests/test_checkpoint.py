@@ -9,10 +9,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import atomic_save
-from trainer.checkpoint import MANIFEST, Checkpointer, TrainState, latest_checkpoint, load_resume
+from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
+from trainer.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    TrainState,
+    latest_checkpoint,
+    load_resume,
+)
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 from trainer.trainer_utils import ConfigError
 
@@ -166,3 +174,50 @@ def test_from_resume_1_without_a_checkpoint_is_refused_and_auto_starts_fresh(tmp
         load_resume(config, plan, SimpleNamespace(from_resume="1", save_weight="pretrain"))
     assert load_resume(config, plan, SimpleNamespace(from_resume="auto", save_weight="pretrain")) is None
     assert load_resume(config, plan, SimpleNamespace(from_resume="0", save_weight="pretrain")) is None
+
+
+def adamw_bound(saved, new, lr, wd, betas, eps):
+    """Max over elements of |computed - recorded| / fp32 rounding bound for one AdamW step from the saved weights and
+    moments: the gradient is recovered from the new first moment, then the second moment and the weight predicted."""
+    b1, b2, u = betas[0], betas[1], 2.0 ** -24
+    w, m, v, t = (saved[k].double() for k in ("w", "exp_avg", "exp_avg_sq", "step"))
+    w1, m1, v1 = (new[k].double() for k in ("w", "exp_avg", "exp_avg_sq"))
+    g = (m1 - b1 * m) / (1 - b1)
+    dg = 4 * u * (m1.abs() + b1 * m.abs()) / (1 - b1)  # rounding of the lerp that produced m1
+    v_ref = b2 * v + (1 - b2) * g * g
+    v_ratio = (v1 - v_ref).abs() / (4 * u * v1.abs() + (1 - b2) * (2 * g.abs() * dg + dg * dg) + 1e-30)
+    t = t + 1
+    update = lr / (1 - b1 ** t) * m1 / ((v1 / (1 - b2 ** t)).sqrt() + eps)
+    w_ref = w * (1 - lr * wd) - update
+    w_ratio = (w1 - w_ref).abs() / (4 * u * w.abs() + 8 * u * update.abs() + 1e-30)
+    return v_ratio.max().item(), w_ratio.max().item()
+
+
+def test_minimind_resume_file_continues_in_the_trainer(tmp_path):
+    """The real trainer resumes MiniMind's file: epoch 0, MiniMind's step 5 x 2 processes x batch 2 = 20 samples =
+    step 3 at global batch 6 (2 x 3 accumulation); its one step starts from the saved fp16 weights and moments."""
+    config = tiny_config()
+    ckpt_dir, out = tmp_path / "ckpt", tmp_path / "out"
+    saved = minimind_resume_file(str(ckpt_dir / "pretrain_64_resume.pth"), config, epoch=0, step=5, world_size=2,
+                                 weight_decay=0.05)
+    data = demo_slice(tmp_path, "pretrain", 48)  # 48 samples / 6 = 8 steps per epoch
+    proc = python("trainer/train_pretrain.py", [
+        *TINY_MODEL, "--save_dir", out, "--checkpoint_dir", ckpt_dir, "--metrics_file", out / "metrics.jsonl",
+        "--data_path", data, "--packing", "0", "--max_seq_len", "32", "--batch_size", "2", "--accumulation_steps", "3",
+        "--max_steps", "4", "--from_resume", "1", "--log_interval", "1"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "that is step 3 of the epoch" in proc.stdout
+    (record,) = read_metrics(str(out / "metrics.jsonl"))
+    assert record["step"] == 4 and record["epoch"] == 0
+    dcp_to_torch_save(str(ckpt_dir / "pretrain_64" / "step_4"), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    names = [name for name, _ in MiniMindForCausalLM(config).named_parameters()]
+    for index, name in enumerate(names):
+        state = saved["optimizer"]["state"][index]
+        before = dict(state, w=saved["model"][name])
+        after = {k: full["optim"][f"state.{name}.{k}"] for k in ("exp_avg", "exp_avg_sq")}
+        after["w"] = full["model"][name]
+        assert full["optim"][f"state.{name}.step"] == state["step"] + 1
+        assert full["optim"][f"param_groups.{name}.weight_decay"] == 0.05  # MiniMind's optimizer, as it loads it
+        v_ratio, w_ratio = adamw_bound(before, after, record["lr"], 0.05, (0.9, 0.999), 1e-8)
+        assert v_ratio <= 1 and w_ratio <= 1, (name, v_ratio, w_ratio)
