@@ -14,13 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import atomic_save
 from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
-from trainer.checkpoint import (
-    MANIFEST,
-    Checkpointer,
-    TrainState,
-    latest_checkpoint,
-    load_resume,
-)
+from trainer.checkpoint import MANIFEST, Checkpointer, TrainState, latest_checkpoint, load_resume
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 from trainer.trainer_utils import ConfigError
 
