@@ -82,7 +82,7 @@ def read_checkpoint(path):
     if not os.path.isfile(path):
         raise WeightsError(f"{path} does not exist; pass a .pth file, a resume checkpoint or a Hugging Face folder")
     try:
-        with torch.serialization.safe_globals(_numpy_rng_globals()):  # older resume files hold numpy RNG state
+        with torch.serialization.safe_globals(numpy_rng_globals()):  # older resume files hold numpy RNG state
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         refused = "weights_only" in str(e)  # a real pickle with other objects, not garbage
@@ -126,7 +126,7 @@ def _read_dcp_checkpoint(path):
     return clean_state_dict(state["model"]), config_fields(saved["config"]), saved.get("args")
 
 
-def _numpy_rng_globals():
+def numpy_rng_globals():
     """What np.random.get_state() pickles to, allowed on top of torch's weights_only set (nothing executable)."""
     multiarray = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core
     return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]

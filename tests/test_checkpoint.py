@@ -6,6 +6,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -72,7 +73,9 @@ def test_corrupt_resume_file_is_one_clear_error(tmp_path):
 
 @pytest.mark.parametrize("old", [dict(format_version=2, train_state={}), dict(format_version=1, step_in_epoch=3)])
 def test_format_1_and_2_files_name_the_commit_that_reads_them(tmp_path, old):
-    torch.save(dict(model={"w": torch.ones(2)}, optimizer={}, epoch=0, **old), tmp_path / "pretrain_64_resume.pth")
+    rng = dict(numpy=np.random.get_state(), torch=torch.get_rng_state())  # what those files held beside the model
+    torch.save(dict(model={"w": torch.ones(2)}, optimizer={}, epoch=0, rng=rng, **old),
+               tmp_path / "pretrain_64_resume.pth")
     with pytest.raises(ConfigError, match="format 1/2 single-file checkpoints were read up to commit 4df0373"):
         load_resume(tiny_config(), resume_plan(tmp_path), SimpleNamespace(from_resume="1", save_weight="pretrain"))
 

@@ -10,7 +10,7 @@ import os
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
-from model.weights import clean_state_dict, shape_mismatch
+from model.weights import clean_state_dict, numpy_rng_globals, shape_mismatch
 from trainer.trainer_utils import ConfigError, Logger
 
 LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df0373; resume it with that commit "
@@ -19,7 +19,8 @@ LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df037
 
 def _load(path):
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(numpy_rng_globals()):  # so a format 1/2 file (numpy RNG) is named
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ConfigError(f"{path} is not a readable resume file ({type(e).__name__}); delete it or pass "
                           "--from_resume 0") from None
