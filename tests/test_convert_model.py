@@ -52,7 +52,7 @@ def custom_tokenizer(tmp_path):
 
 
 def resume_checkpoint(path, model, tokenizer_path):
-    """What the trainer's lm_checkpoint writes: weights, config, typed args and RNG state (numpy included)."""
+    """A single-file checkpoint with model, config, typed args and numpy RNG state (formats 1/2; still exported)."""
     torch.save(dict(model=model.state_dict(), config=model.config.to_dict(), format_version=1,
                     args=dict(tokenizer_path=str(tokenizer_path), num_experts_per_tok=1),
                     rng=dict(numpy=np.random.get_state(), torch=torch.get_rng_state())), path)

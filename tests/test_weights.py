@@ -2,6 +2,7 @@
 and mismatches are one line."""
 import argparse
 import json
+import os
 
 import numpy as np
 import pytest
@@ -11,7 +12,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import (WeightsError, flag_conflicts, infer_config, load_weights, read_checkpoint, read_weights,
-                           save_weights_file, shape_mismatch, weight_fields)
+                           save_weights_file, shape_mismatch, sidecar_path, weight_fields)
+from trainer.config import MODEL_FLAGS, weight_shapes
 
 VOCAB = 512
 
@@ -264,3 +266,15 @@ def test_weights_file_carries_its_config_in_a_sidecar(tmp_path):
     with pytest.raises(WeightsError, match="pretrain_64_moe.json .the config of pretrain_64_moe.pth. is not a JSON "
                                            "object .JSONDecodeError.; delete it to infer the shapes"):
         read_weights(path)
+
+
+def test_from_weight_takes_top_k_from_the_sidecar(tmp_path):
+    """--from_weight of the trainer's top-2 MoE .pth builds a top-2 model with no flag; a bare copy cannot know."""
+    config = tiny(use_moe=True, num_experts_per_tok=2)
+    path = str(tmp_path / "pretrain_64_moe.pth")
+    save_weights_file(MiniMindForCausalLM(config).state_dict(), config, path)
+    flags = argparse.Namespace(**{name: None for name in MODEL_FLAGS}, vocab_size=None)
+    flags.use_moe = 0
+    assert weight_shapes(flags, path)["num_experts_per_tok"] == 2
+    os.remove(sidecar_path(path))
+    assert "num_experts_per_tok" not in weight_shapes(flags, path)
