@@ -1,7 +1,9 @@
 """Read MiniMind weights from any file we meet and check them against a model, without tracebacks.
 
-Formats: a MiniMind `.pth` state dict (ours or MiniMind-3's), a resume checkpoint (the trainer's DCP directory
-`step_<N>/`, or an older single file: a dict with "model", "config", "args"), and a Hugging Face folder (Qwen3, Qwen3-MoE, or MiniMind's own `model_type: minimind`).
+Formats: a MiniMind `.pth` state dict (ours, with its sidecar config `<stem>.json`, or MiniMind-3's bare one), a resume
+checkpoint (the trainer's DCP directory `step_<N>/`, or a single file holding "model": MiniMind's `*_resume.pth`), and a
+Hugging Face folder (Qwen3, Qwen3-MoE, or MiniMind's own `model_type: minimind`).
+Writing: save_weights_file, the .pth plus its sidecar, each atomically (atomic_save).
 Also the weight mapping MiniMind <-> transformers Qwen3 / Qwen3-MoE used by scripts/convert_model.py.
 """
 import inspect
@@ -25,6 +27,43 @@ class WeightsError(ValueError):
 
 
 # ----------------------------------------------------------------------------------------------
+# Writing
+# ----------------------------------------------------------------------------------------------
+def _atomic_write(path, write):
+    """write(file) into a temporary file, fsync, then rename: a killed save never leaves a valid-looking file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_save(obj, path):
+    """torch.save `obj` to `path` atomically (temporary file, fsync, rename)."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def sidecar_path(path):
+    """The config file beside a weights file: out/pretrain_768.pth -> out/pretrain_768.json."""
+    return os.path.splitext(path)[0] + ".json"
+
+
+def save_weights_file(state_dict, config, path):
+    """MiniMind's plain state dict at `path` and the model's MiniMindConfig fields (JSON) beside it, both atomic."""
+    fields = {k: v for k, v in config_fields(config.to_dict()).items() if k != "loss_chunk_size"}  # a training knob
+    fields["model_type"] = "minimind"
+    atomic_save(state_dict, path)
+    _atomic_write(sidecar_path(path), lambda f: f.write(json.dumps(fields, indent=2, sort_keys=True).encode()))
+
+
+# ----------------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------------
 def read_weights(path):
@@ -43,7 +82,7 @@ def read_checkpoint(path):
     if not os.path.isfile(path):
         raise WeightsError(f"{path} does not exist; pass a .pth file, a resume checkpoint or a Hugging Face folder")
     try:
-        with torch.serialization.safe_globals(_numpy_rng_globals()):  # resume checkpoints hold numpy RNG state
+        with torch.serialization.safe_globals(numpy_rng_globals()):  # older resume files hold numpy RNG state
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         refused = "weights_only" in str(e)  # a real pickle with other objects, not garbage
@@ -52,12 +91,26 @@ def read_checkpoint(path):
             "; pass a .pth, a resume checkpoint or an HF folder") from None
     except Exception as e:
         raise WeightsError(f"{path} is not a torch weight file ({type(e).__name__}); pass a .pth or an HF folder")
-    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # resume checkpoint
+    if isinstance(obj, dict) and isinstance(obj.get("model"), dict):  # single-file resume (MiniMind's: no config)
         config = obj.get("config")
         return clean_state_dict(obj["model"]), config_fields(config) if config else None, obj.get("args")
     if not isinstance(obj, dict) or not all(torch.is_tensor(v) for v in obj.values()):
         raise WeightsError(f"{path} holds no state dict (a {type(obj).__name__}); pass MiniMind weights")
-    return clean_state_dict(obj), None, None
+    return clean_state_dict(obj), read_sidecar(path), None
+
+
+def read_sidecar(path):
+    """The config fields saved beside a .pth, or None when it has no sidecar (MiniMind-3's own weights)."""
+    side = sidecar_path(path)
+    if not os.path.isfile(side):
+        return None
+    try:
+        with open(side) as f:
+            config = json.load(f)
+        return config_fields(config)
+    except (ValueError, AttributeError) as e:
+        raise WeightsError(f"{side} (the config of {os.path.basename(path)}) is not a JSON object "
+                           f"({type(e).__name__}); delete it to infer the shapes from the tensors") from None
 
 
 def _read_dcp_checkpoint(path):
@@ -73,7 +126,7 @@ def _read_dcp_checkpoint(path):
     return clean_state_dict(state["model"]), config_fields(saved["config"]), saved.get("args")
 
 
-def _numpy_rng_globals():
+def numpy_rng_globals():
     """What np.random.get_state() pickles to, allowed on top of torch's weights_only set (nothing executable)."""
     multiarray = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core
     return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]

@@ -27,7 +27,8 @@ sys.path.insert(0, ROOT)
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import (WeightsError, clean_state_dict, flag_conflicts, minimind_to_hf,  # noqa: E402
-                           read_checkpoint, read_weights, shape_mismatch, weight_fields)
+                           read_checkpoint, read_weights, save_weights_file, shape_mismatch,
+                           sidecar_path, weight_fields)
 from trainer.checks import check_writable  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
 
@@ -47,11 +48,11 @@ def source_config(state_dict, saved_config, args):
         raise WeightsError(f"{conflicts[0]}: the model is defined by the weights; drop the flag")
     fields.update({name: value for name, value in flags.items() if value is not None})
     if fields["use_moe"] and "num_experts_per_tok" not in fields:
-        raise WeightsError(f"{args.weight} is a MoE .pth without a config, so its top-k is unknown; "
-                           "pass --num_experts_per_tok (or export from the resume checkpoint)")
+        raise WeightsError(f"{args.weight} is a MoE .pth without its config (<name>.json beside it), so its top-k "
+                           "is unknown; pass --num_experts_per_tok (or export from the resume checkpoint)")
     if "rope_theta" not in fields:
-        print(f"note: a .pth does not store rope_theta; using {MiniMindConfig().rope_theta:g} (the trainer's); "
-              "--rope_theta to change")
+        print(f"note: a .pth without its config does not say rope_theta; using {MiniMindConfig().rope_theta:g} "
+              "(the trainer's); --rope_theta to change")
     fields["loss_chunk_size"] = 0  # an inference model returns logits
     return MiniMindConfig(**fields)
 
@@ -152,10 +153,10 @@ def import_folder(args):
     state_dict = clean_state_dict(state_dict, True)
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     os.makedirs(os.path.dirname(args.weight) or ".", exist_ok=True)
-    torch.save({k: v.contiguous() for k, v in state_dict.items()}, args.weight)
+    save_weights_file({k: v.contiguous() for k, v in state_dict.items()}, config, args.weight)
     flags = " ".join(f"--{k} {int(v) if isinstance(v, bool) else v}" for k, v in fields.items()
                      if k in SHAPE_FLAGS + HIDDEN_FLAGS + ("use_moe",))
-    print(f"wrote MiniMind weights to {args.weight} (flags: {flags})")
+    print(f"wrote MiniMind weights to {args.weight}, its config to {sidecar_path(args.weight)} (flags: {flags})")
     with open(os.path.join(args.out_dir, "config.json")) as f:
         native = json.load(f).get("model_type") != "minimind"
     if not (native or args.trust_remote_code):
@@ -173,13 +174,14 @@ def parse_args(argv=None):
     parser.add_argument("--format", choices=["qwen3", "minimind"], default="qwen3",
                         help="export format: Qwen3 / Qwen3-MoE, or MiniMind's (trust_remote_code)")
     parser.add_argument("--weight", default=None,
-                        help="MiniMind .pth or resume checkpoint (export input / import output); default out/pretrain_768.pth")
+                        help="MiniMind .pth (its <name>.json config beside it is read / written) or resume checkpoint "
+                             "(export input / import output); default out/pretrain_768.pth")
     parser.add_argument("--out_dir", "--hf_dir", dest="out_dir", default=None,
                         help="Hugging Face folder (export output / import input); default out/hf_model")
     parser.add_argument("--tokenizer_path", default=None, help="default: the checkpoint's saved --tokenizer_path")
     parser.add_argument("--trust_remote_code", type=int, default=0, choices=[0, 1],
                         help="import: run a minimind folder's own code to compare logits")
-    for name in SHAPE_FLAGS + ("num_experts_per_tok",):  # must agree with the weights; only needed for a bare .pth
+    for name in SHAPE_FLAGS + ("num_experts_per_tok",):  # must agree with the weights; only for a .pth without .json
         parser.add_argument(f"--{name}", type=int, default=None)
     parser.add_argument("--use_moe", type=int, default=None, choices=[0, 1])
     parser.add_argument("--rope_theta", type=float, default=None)

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.weights import WeightsError, infer_config, load_weights, read_checkpoint, read_weights  # noqa: E402
+from model.weights import WeightsError, load_weights, read_checkpoint, read_weights, weight_fields  # noqa: E402
 from trainer.checks import check_device, check_tokenizer  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
 from trainer.trainer_utils import typed_or_default, weight_name  # noqa: E402
@@ -67,7 +67,8 @@ def check_args(args):
 
 
 def load_model(args):
-    """--load_from folder, --checkpoint (a resume checkpoint, config included) or out/<weight>_<hidden>[_moe].pth."""
+    """--load_from folder, --checkpoint (a resume checkpoint, config included) or out/<weight>_<hidden>[_moe].pth
+    (its config from <weight>_<hidden>[_moe].json beside it; the model flags fill in for a .pth without one)."""
     if args.load_from:
         return load_folder(args.load_from)
     if args.checkpoint:
@@ -85,7 +86,8 @@ def load_model(args):
             os.path.join(typed_or_default(args.save_dir, "out"), name)
         if not os.path.isfile(path):
             raise WeightsError(f"{path} does not exist; train it first or pass --weight/--hidden_size/--load_from")
-        fields = dict(flags, **infer_config(read_weights(path)[0]))  # shapes (intermediate, head_dim...) from the file
+        state_dict, saved_config = read_weights(path)  # the trainer's .pth has its config beside it (<stem>.json)
+        fields = dict(flags, **weight_fields(state_dict, saved_config))  # flags only fill in what a bare .pth lacks
     return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path)
 
 
@@ -117,7 +119,7 @@ def parse_args(argv=None):
     parser.add_argument("--load_from", default=None, help="a Hugging Face folder (ours, MiniMind's, Qwen3) instead of --weight")
     parser.add_argument("--save_dir", default=None, help="where --weight files are (default: the repo's out/)")
     parser.add_argument("--weight", default="pretrain", help="weight prefix (pretrain, full_sft, ...) or a .pth path")
-    parser.add_argument("--checkpoint", default=None, help="a resume checkpoint (checkpoints/<weight>_<hidden>/step_<N>, or an older *_resume.pth) instead of --weight")
+    parser.add_argument("--checkpoint", default=None, help="a resume checkpoint (checkpoints/<weight>_<hidden>/step_<N>) instead of --weight")
     parser.add_argument("--tokenizer_path", default=None, help="default: the --load_from folder, else the repo's model/")
     parser.add_argument("--hidden_size", type=int, default=768)
     parser.add_argument("--num_hidden_layers", type=int, default=8)

@@ -1,26 +1,21 @@
-"""trainer/checkpoint.py: DCP resume directories (round trip, manifest, pruning), the legacy single files and their
-load-time checks, TrainState and format versions."""
+"""trainer/checkpoint.py: DCP resume directories (round trip, manifest, pruning), MiniMind's resume file (read by
+name and position, checked against the model), the retired formats 1/2, TrainState, atomic saves."""
 import json
 import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from trainer.checkpoint import (
-    FORMAT_VERSION,
-    MANIFEST,
-    Checkpointer,
-    TrainState,
-    latest_checkpoint,
-    lm_checkpoint,
-    load_resume,
-    resume_path,
-)
+from model.weights import atomic_save
+from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
+from trainer.checkpoint import MANIFEST, Checkpointer, TrainState, latest_checkpoint, load_resume
 from trainer.launch import ConfigError
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 
@@ -30,54 +25,82 @@ def tiny_config(**kw):
     return MiniMindConfig(**dict(base, **kw))
 
 
-def test_checkpoint_round_trip_and_mismatch(tmp_path):
-    config = tiny_config()
-    state = {"model": {"w": torch.arange(3.0)}, "epoch": 1}
-    path = lm_checkpoint(config, weight="t", state=state, save_dir=str(tmp_path))
-    assert path == resume_path(config, "t", str(tmp_path)) and path.endswith("t_64_resume.pth")
-    loaded = lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-    assert torch.equal(loaded["model"]["w"], torch.arange(3.0)) and loaded["epoch"] == 1
-    other = tiny_config(num_hidden_layers=3)
-    os.rename(path, resume_path(other, "t", str(tmp_path)))
-    with pytest.raises(ConfigError, match=r"t_64_resume.pth was saved with num_hidden_layers=2 "
-                                          r"but this run has num_hidden_layers=3"):
-        lm_checkpoint(other, weight="t", save_dir=str(tmp_path))
+def minimind_resume_file(path, config, epoch, step, world_size, weight_decay=0.01):
+    """What MiniMind's lm_checkpoint writes (its public key names): fp16 weights, its AdamW's state_dict (parameters
+    by index) after real steps, epoch, step (batches per process in the epoch), world_size, wandb_id, scaler."""
+    model, optimizer = trained(config, seed=3, steps=3, weight_decay=weight_decay)
+    state = {"model": {k: v.half() for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict(),
+             "epoch": epoch, "step": step, "world_size": world_size, "wandb_id": "run-7", "scaler": {}}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(state, path)
+    return state
 
 
-def test_corrupt_checkpoint_is_one_clear_error(tmp_path):
+def resume_plan(tmp_path, micro_batch=4, global_batch=8, from_resume="1"):
+    return SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), micro_batch=micro_batch,
+                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume)
+
+
+def test_minimind_resume_file_is_read_by_name_and_position(tmp_path):
+    """MiniMind's step 5 on 2 processes of 4 samples = 40 samples; at this run's global batch 12 that is step 3."""
     config = tiny_config()
-    path = resume_path(config, "t", str(tmp_path))
-    with open(path, "wb") as f:
+    saved = minimind_resume_file(str(tmp_path / "pretrain_64_resume.pth"), config, epoch=1, step=5, world_size=2)
+    ckpt = load_resume(config, resume_plan(tmp_path, 4, 12))
+    assert ckpt["train_state"] == dict(epoch=1, step_in_epoch=3, global_step=3, tokens_seen=0, tracker_id="run-7")
+    assert ckpt["world_size"] == 2 and ckpt["global_batch"] == 12
+    names = [name for name, _ in MiniMindForCausalLM(config).named_parameters()]
+    for index, name in enumerate(names):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(ckpt["optimizer"]["state"][name][key], saved["optimizer"]["state"][index][key])
+    assert ckpt["optimizer"]["param_groups"][0]["params"] == names
+    for name, value in saved["model"].items():
+        assert torch.equal(ckpt["model"][name], value), name
+
+
+def test_minimind_resume_of_another_model_is_one_line(tmp_path):
+    minimind_resume_file(str(tmp_path / "pretrain_64_resume.pth"), tiny_config(num_hidden_layers=3), 0, 1, 1)
+    with pytest.raises(ConfigError, match=r"pretrain_64_resume.pth: the weights have 3 layers .* the model 2; "
+                                          "pass --num_hidden_layers 3"):
+        load_resume(tiny_config(), resume_plan(tmp_path))
+
+
+def test_corrupt_resume_file_is_one_clear_error(tmp_path):
+    with open(tmp_path / "pretrain_64_resume.pth", "wb") as f:
         f.write(b"PK\x03\x04 truncated garbage")
-    with pytest.raises(ConfigError, match="is not a readable checkpoint"):
-        lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="pretrain_64_resume.pth is not a readable resume file"):
+        load_resume(tiny_config(), resume_plan(tmp_path))
+
+
+@pytest.mark.parametrize("old", [dict(format_version=2, train_state={}), dict(format_version=1, step_in_epoch=3)])
+def test_format_1_and_2_files_name_the_commit_that_reads_them(tmp_path, old):
+    rng = dict(numpy=np.random.get_state(), torch=torch.get_rng_state())  # what those files held beside the model
+    torch.save(dict(model={"w": torch.ones(2)}, optimizer={}, epoch=0, rng=rng, **old),
+               tmp_path / "pretrain_64_resume.pth")
+    with pytest.raises(ConfigError, match="format 1/2 single-file checkpoints were read up to commit 4df0373"):
+        load_resume(tiny_config(), resume_plan(tmp_path))
 
 
 KILL_MIDWAY = r"""
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
-from trainer import checkpoint
-from model.model_minimind import MiniMindConfig
+from model.weights import atomic_save
 real_save = torch.save
 def save_then_die(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
     f.flush()
     os.kill(os.getpid(), signal.SIGKILL)  # killed after writing, before fsync/rename
 torch.save = save_then_die
-config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-state = {"model": {"w": torch.ones(1000, 1000)}, "epoch": 2}
-checkpoint.lm_checkpoint(config, weight="t", state=state, save_dir=sys.argv[2])
+atomic_save({"w": torch.ones(1000, 1000)}, sys.argv[2])
 """
 
 
-def test_killed_save_leaves_previous_checkpoint(tmp_path):
+def test_killed_save_leaves_previous_file(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    config = tiny_config()
-    lm_checkpoint(config, weight="t", state={"model": {"w": torch.zeros(2)}, "epoch": 1}, save_dir=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", KILL_MIDWAY, root, str(tmp_path)], timeout=120)
+    path = str(tmp_path / "train_state.pt")
+    atomic_save({"w": torch.zeros(2)}, path)
+    proc = subprocess.run([sys.executable, "-c", KILL_MIDWAY, root, path], timeout=120)
     assert proc.returncode == -9  # really killed midway
-    loaded = lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-    assert loaded["epoch"] == 1 and torch.equal(loaded["model"]["w"], torch.zeros(2))  # the old one, intact
+    assert torch.equal(torch.load(path)["w"], torch.zeros(2))  # the old one, intact
 
 
 def test_train_state_round_trip():
@@ -89,45 +112,11 @@ def test_train_state_round_trip():
     assert fresh == state
 
 
-def write_format1(path, config, **counters):
-    """A resume file as the trainer wrote it before format 2: flat counters beside model and args."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save(dict(model={"w": torch.ones(2)}, optimizer={}, scaler={}, rng={}, world_size=2, global_batch=8,
-                    args={"hidden_size": 64}, config=config.to_dict(), format_version=1, **counters), path)
-
-
-def test_format1_checkpoint_loads_as_a_train_state(tmp_path):
-    config = tiny_config()
-    path = resume_path(config, "t", str(tmp_path))
-    write_format1(path, config, epoch=1, step_in_epoch=3, global_step=9, tokens_seen=4321, tracker_id=None)
-    ckpt = lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-    assert ckpt["format_version"] == 2 and FORMAT_VERSION == 3
-    assert ckpt["train_state"] == dict(epoch=1, step_in_epoch=3, global_step=9, tokens_seen=4321, tracker_id=None)
-    assert torch.equal(ckpt["model"]["w"], torch.ones(2)) and ckpt["args"] == {"hidden_size": 64}
-
-
-def test_checkpoint_without_tokens_seen_is_refused_naming_its_format(tmp_path):
-    """Commit 7ec8d16 wrote format 1 without tokens_seen; resuming it once raised KeyError."""
-    config = tiny_config()
-    write_format1(resume_path(config, "t", str(tmp_path)), config, epoch=0, step_in_epoch=3, global_step=3,
-                  tracker_id=None)
-    with pytest.raises(ConfigError, match="has checkpoint format 1 without tokens_seen"):
-        lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-
-
-def test_single_file_of_another_format_is_refused_naming_it(tmp_path):
-    config = tiny_config()
-    torch.save(dict(config=config.to_dict(), format_version=FORMAT_VERSION), resume_path(config, "t", str(tmp_path)))
-    with pytest.raises(ConfigError, match=f"has checkpoint format {FORMAT_VERSION}, but a single-file resume "
-                                          "checkpoint must be format 1 or 2"):
-        lm_checkpoint(config, weight="t", save_dir=str(tmp_path))
-
-
-def trained(config, seed, steps=2):
+def trained(config, seed, steps=2, weight_decay=0.01):
     """A model and AdamW after `steps` real steps on random tokens (so the optimizer has state)."""
     torch.manual_seed(seed)
     model = MiniMindForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=weight_decay)
     for _ in range(steps):
         ids = torch.randint(0, config.vocab_size, (2, 16))
         model(ids, labels=ids).loss.backward()
@@ -177,12 +166,55 @@ def test_newest_complete_checkpoint_and_pruning(tmp_path):
 
 def test_from_resume_1_without_a_checkpoint_is_refused_and_auto_starts_fresh(tmp_path):
     config = tiny_config()
-
-    def plan(from_resume):
-        return SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), global_batch=8,
-                               from_resume=from_resume, flags=dict(save_weight="pretrain"))
     make_steps(str(tmp_path / "pretrain_64"), [3], complete=[])  # a save killed before its manifest
     with pytest.raises(ConfigError, match="--from_resume 1 but .*pretrain_64 holds no complete checkpoint"):
-        load_resume(config, plan("1"))
-    assert load_resume(config, plan("auto")) is None
-    assert load_resume(config, plan("0")) is None
+        load_resume(config, resume_plan(tmp_path, from_resume="1"))
+    assert load_resume(config, resume_plan(tmp_path, from_resume="auto")) is None
+    assert load_resume(config, resume_plan(tmp_path, from_resume="0")) is None
+
+
+def adamw_bound(saved, new, lr, wd, betas, eps):
+    """Max over elements of |computed - recorded| / fp32 rounding bound for one AdamW step from the saved weights and
+    moments: the gradient is recovered from the new first moment, then the second moment and the weight predicted."""
+    b1, b2, u = betas[0], betas[1], 2.0 ** -24
+    w, m, v, t = (saved[k].double() for k in ("w", "exp_avg", "exp_avg_sq", "step"))
+    w1, m1, v1 = (new[k].double() for k in ("w", "exp_avg", "exp_avg_sq"))
+    g = (m1 - b1 * m) / (1 - b1)
+    dg = 4 * u * (m1.abs() + b1 * m.abs()) / (1 - b1)  # rounding of the lerp that produced m1
+    v_ref = b2 * v + (1 - b2) * g * g
+    v_ratio = (v1 - v_ref).abs() / (4 * u * v1.abs() + (1 - b2) * (2 * g.abs() * dg + dg * dg) + 1e-30)
+    t = t + 1
+    update = lr / (1 - b1 ** t) * m1 / ((v1 / (1 - b2 ** t)).sqrt() + eps)
+    w_ref = w * (1 - lr * wd) - update
+    w_ratio = (w1 - w_ref).abs() / (4 * u * w.abs() + 8 * u * update.abs() + 1e-30)
+    return v_ratio.max().item(), w_ratio.max().item()
+
+
+def test_minimind_resume_file_continues_in_the_trainer(tmp_path):
+    """The real trainer resumes MiniMind's file: epoch 0, MiniMind's step 5 x 2 processes x batch 2 = 20 samples =
+    step 3 at global batch 6 (2 x 3 accumulation); its one step starts from the saved fp16 weights and moments."""
+    config = tiny_config()
+    ckpt_dir, out = tmp_path / "ckpt", tmp_path / "out"
+    saved = minimind_resume_file(str(ckpt_dir / "pretrain_64_resume.pth"), config, epoch=0, step=5, world_size=2,
+                                 weight_decay=0.05)
+    data = demo_slice(tmp_path, "pretrain", 48)  # 48 samples / 6 = 8 steps per epoch
+    proc = python("trainer/train_pretrain.py", [
+        *TINY_MODEL, "--save_dir", out, "--checkpoint_dir", ckpt_dir, "--metrics_file", out / "metrics.jsonl",
+        "--data_path", data, "--packing", "0", "--max_seq_len", "32", "--batch_size", "2", "--accumulation_steps", "3",
+        "--max_steps", "4", "--from_resume", "1", "--log_interval", "1"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "that is step 3 of the epoch" in proc.stdout
+    (record,) = read_metrics(str(out / "metrics.jsonl"))
+    assert record["step"] == 4 and record["epoch"] == 0
+    dcp_to_torch_save(str(ckpt_dir / "pretrain_64" / "step_4"), str(tmp_path / "full.pt"))
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    names = [name for name, _ in MiniMindForCausalLM(config).named_parameters()]
+    for index, name in enumerate(names):
+        state = saved["optimizer"]["state"][index]
+        before = dict(state, w=saved["model"][name])
+        after = {k: full["optim"][f"state.{name}.{k}"] for k in ("exp_avg", "exp_avg_sq")}
+        after["w"] = full["model"][name]
+        assert full["optim"][f"state.{name}.step"] == state["step"] + 1
+        assert full["optim"][f"param_groups.{name}.weight_decay"] == 0.05  # MiniMind's optimizer, as it loads it
+        v_ratio, w_ratio = adamw_bound(before, after, record["lr"], 0.05, (0.9, 0.999), 1e-8)
+        assert v_ratio <= 1 and w_ratio <= 1, (name, v_ratio, w_ratio)

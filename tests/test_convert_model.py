@@ -52,7 +52,7 @@ def custom_tokenizer(tmp_path):
 
 
 def resume_checkpoint(path, model, tokenizer_path):
-    """What the trainer's lm_checkpoint writes: weights, config, typed args and RNG state (numpy included)."""
+    """A single-file checkpoint with model, config, typed args and numpy RNG state (formats 1/2; still exported)."""
     torch.save(dict(model=model.state_dict(), config=model.config.to_dict(), format_version=1,
                     args=dict(tokenizer_path=str(tokenizer_path), num_experts_per_tok=1),
                     rng=dict(numpy=np.random.get_state(), torch=torch.get_rng_state())), path)
@@ -113,6 +113,7 @@ def test_import_minimind_format_folder(tmp_path):
     assert convert_main(["--to", "minimind", "--out_dir", str(folder), "--weight", str(tmp_path / "mm3.pth")]) == 0
     model = MiniMindForCausalLM(tiny(intermediate_size=256)).eval()
     model.load_state_dict(torch.load(tmp_path / "mm3.pth"), strict=True)
+    assert json.loads((tmp_path / "mm3.json").read_text())["intermediate_size"] == 256  # its config beside it
     with torch.no_grad():
         assert (model(ids()).logits - reference(ids()).logits).abs().max().item() <= TOL
 
@@ -201,6 +202,14 @@ def test_export_from_the_trainers_own_resume_checkpoint(tmp_path, capsys):
     model.load_state_dict(trained, strict=True)
     with torch.no_grad():
         assert (model(ids()).logits - hf.float()(ids()).logits).abs().max().item() <= TOL
+    # the README's command on the run's .pth, no model flag: top-2 comes from pretrain_64_moe.json beside it
+    assert json.loads((tmp_path / "out" / "pretrain_64_moe.json").read_text())["num_experts_per_tok"] == 2
+    assert convert_main(["--weight", str(tmp_path / "out" / "pretrain_64_moe.pth"), "--out_dir", str(tmp_path / "hf2"),
+                         "--tokenizer_path", str(tok)]) == 0
+    hf2 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2")
+    assert hf2.config.num_experts_per_tok == 2
+    with torch.no_grad():
+        assert (model(ids()).logits - hf2.float()(ids()).logits).abs().max().item() <= TOL
 
 
 def test_a_wrong_export_exits_non_zero(tmp_path, capsys, monkeypatch):

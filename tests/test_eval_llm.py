@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import save_weights_file
 from scripts.convert_model import main as convert_main
 from scripts.eval_llm import check_args, parse_args, render_prompt
 from tests.launch import ROOT, python
@@ -34,6 +35,36 @@ def test_eval_llm_streams_the_greedy_continuation(tmp_path):
                                           "--max_new_tokens", "12", "--device", "cpu"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expected.strip() and expected.strip() in proc.stdout, (expected, proc.stdout)
+
+
+def greedy_continuation(model, tokenizer, prompt, n):
+    """Independent greedy decode without KV cache: argmax over the full forward, token by token."""
+    ids = tokenizer(tokenizer.bos_token + prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    for _ in range(n):
+        with torch.no_grad():
+            next_id = model(ids).logits[0, -1].argmax()
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    return tokenizer.decode(ids[0, -n:], skip_special_tokens=True).strip()
+
+
+def test_trainers_moe_weights_need_no_model_flag(tmp_path):
+    """A top-2 MoE .pth as the trainer writes it (with pretrain_64_moe.json beside it) generates as top-2 with only
+    --weight: eval_llm's defaults (hidden 768, dense, top-1) give way to the saved config."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            use_moe=True, num_experts=4, num_experts_per_tok=2, initializer_range=0.1)
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(config).eval()
+    save_weights_file(model.state_dict(), config, str(tmp_path / "pretrain_64_moe.pth"))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    prompt = "The Python interpreter"
+    expected = greedy_continuation(model, tokenizer, prompt, 12)
+    model.config.num_experts_per_tok = 1  # what the flags' default would have run
+    assert expected and greedy_continuation(model, tokenizer, prompt, 12) != expected
+    proc = python("scripts/eval_llm.py", ["--weight", str(tmp_path / "pretrain_64_moe.pth"), "--prompt", prompt,
+                                          "--chat", "0", "--temperature", "0", "--max_new_tokens", "12",
+                                          "--device", "cpu"], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert expected in proc.stdout, (expected, proc.stdout)
 
 
 def greedy_reply(model, tokenizer, messages, max_new_tokens):

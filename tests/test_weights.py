@@ -1,6 +1,8 @@
-"""model/weights.py: MiniMind-3 .pth files, resume checkpoints and HF folders load, and mismatches are one line."""
+"""model/weights.py: MiniMind-3 .pth files, the trainer's .pth + sidecar config, resume checkpoints and HF folders load,
+and mismatches are one line."""
 import argparse
 import json
+import os
 
 import numpy as np
 import pytest
@@ -10,7 +12,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import (WeightsError, flag_conflicts, infer_config, load_weights, read_checkpoint, read_weights,
-                           shape_mismatch, weight_fields)
+                           save_weights_file, shape_mismatch, sidecar_path, weight_fields)
+from trainer.config import MODEL_FLAGS, weight_shapes
 
 VOCAB = 512
 
@@ -241,3 +244,37 @@ def test_weight_fields_and_flag_conflicts():
     flags = dict(hidden_size=64, num_experts_per_tok=1, moe_intermediate_size=None, use_moe=1, num_hidden_layers=4)
     assert flag_conflicts(fields, flags) == ["--num_experts_per_tok 1 (the weights have 2)",
                                              "--num_hidden_layers 4 (the weights have 2)"]
+
+
+def test_weights_file_carries_its_config_in_a_sidecar(tmp_path):
+    """save_weights_file: the .pth stays a plain state dict (what MiniMind's torch.load + load_state_dict takes), and
+    pretrain_64_moe.json beside it gives back what the tensors cannot show: top-k, rope_theta, aux loss weight."""
+    config = tiny(use_moe=True, num_experts_per_tok=2, rope_theta=5e5, router_aux_loss_coef=0.03, loss_chunk_size=8)
+    torch.manual_seed(0)
+    state = {k: v.half() for k, v in MiniMindForCausalLM(config).state_dict().items()}
+    path = str(tmp_path / "out" / "pretrain_64_moe.pth")
+    save_weights_file(state, config, path)
+    plain = torch.load(path, weights_only=True)
+    assert plain.keys() == state.keys() and all(torch.equal(plain[k], state[k]) for k in state)
+    sidecar = json.loads((tmp_path / "out" / "pretrain_64_moe.json").read_text())
+    assert sidecar["model_type"] == "minimind" and "loss_chunk_size" not in sidecar  # a training knob, not the model
+    _, fields = read_weights(path)
+    expected = {f: getattr(config, f) for f in fields}
+    assert fields == expected and fields["num_experts_per_tok"] == 2 and fields["rope_theta"] == 5e5
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["pretrain_64_moe.json", "pretrain_64_moe.pth"]
+    (tmp_path / "out" / "pretrain_64_moe.json").write_text("[1, 2")
+    with pytest.raises(WeightsError, match="pretrain_64_moe.json .the config of pretrain_64_moe.pth. is not a JSON "
+                                           "object .JSONDecodeError.; delete it to infer the shapes"):
+        read_weights(path)
+
+
+def test_from_weight_takes_top_k_from_the_sidecar(tmp_path):
+    """--from_weight of the trainer's top-2 MoE .pth builds a top-2 model with no flag; a bare copy cannot know."""
+    config = tiny(use_moe=True, num_experts_per_tok=2)
+    path = str(tmp_path / "pretrain_64_moe.pth")
+    save_weights_file(MiniMindForCausalLM(config).state_dict(), config, path)
+    flags = argparse.Namespace(**{name: None for name in MODEL_FLAGS}, vocab_size=None)
+    flags.use_moe = 0
+    assert weight_shapes(flags, path)["num_experts_per_tok"] == 2
+    os.remove(sidecar_path(path))
+    assert "num_experts_per_tok" not in weight_shapes(flags, path)

@@ -1,4 +1,4 @@
-"""Checkpoints: DCP resume directories, MiniMind's weights file, TrainState, the legacy single-file format.
+"""Checkpoints: DCP resume directories, MiniMind's weights file (+ sidecar config), TrainState, MiniMind's resume file.
 
 A resume checkpoint is a directory per save, every rank writing its own shards (torch.distributed.checkpoint):
   <checkpoint_dir>/<weight>_<hidden>[_moe]/step_<N>/
@@ -9,9 +9,9 @@ A resume checkpoint is a directory per save, every rank writing its own shards (
       complete.json           written last, by rank 0, once every rank's shards are written: only then it counts
 DCP reshards on load, so a run may resume under another layout. The weights, a plain MiniMind state dict in
 --save_dtype, are gathered on rank 0 only at the end or every --save_weights_every steps:
-  <save_dir>/<weight>_<hidden>[_moe].pth
-Formats 1 and 2 were single files, <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth (full fp32 state); they
-still load (lm_checkpoint) when no directory checkpoint exists.
+  <save_dir>/<weight>_<hidden>[_moe].pth, its config beside it as <weight>_<hidden>[_moe].json
+MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
+(trainer/minimind_resume.py).
 """
 import json
 import os
@@ -28,7 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from model.weights import atomic_save, save_weights_file
 from trainer.launch import ConfigError, is_main_process, rank
+from trainer.minimind_resume import minimind_resume_path, read_minimind_resume
 from trainer.parallel.state_dict import (
     TIED_EMBEDDING,
     full_model_state_dict,
@@ -36,12 +38,10 @@ from trainer.parallel.state_dict import (
     load_sharded_state,
     sharded_state_dict,
 )
-from trainer.trainer_utils import Logger, repo_path, weight_name
+from trainer.trainer_utils import Logger
 
-# 1: flat counters (epoch, step_in_epoch, global_step, tokens_seen, tracker_id); 2: a train_state dict (1 and 2:
-# one gathered file); 3: a DCP directory per save
+# 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save
 FORMAT_VERSION = 3
-LEGACY_VERSIONS = (1, 2)
 MANIFEST = "complete.json"
 # one process saves and loads without a process group, as intended: DCP warns about it on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -66,22 +66,6 @@ class TrainState:
             setattr(self, key, value)
 
 
-def atomic_save(obj, path):
-    """torch.save to a temporary file, fsync, then rename: a killed save never leaves a valid-looking file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def rng_state():
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -95,49 +79,6 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def resume_path(config, weight="pretrain", save_dir="checkpoints"):
-    return os.path.join(repo_path(save_dir), weight_name(weight, config) + "_resume.pth")
-
-
-def upgrade(ckpt, path):
-    """The checkpoint in the current format, or ConfigError naming its version when it cannot be read."""
-    version = ckpt.get("format_version", 0)
-    if version not in LEGACY_VERSIONS:
-        raise ConfigError(f"{path} has checkpoint format {version}, but a single-file resume checkpoint must be format "
-                          f"{' or '.join(map(str, LEGACY_VERSIONS))}; update the code or pass --from_resume 0")
-    if version == LEGACY_VERSIONS[-1]:
-        return ckpt
-    missing = [k for k in ("epoch", "step_in_epoch", "global_step", "tokens_seen") if k not in ckpt]
-    if missing:
-        raise ConfigError(f"{path} has checkpoint format {version} without {', '.join(missing)} (written by an "
-                          f"older trainer); resume it with that commit or pass --from_resume 0")
-    state = TrainState(ckpt["epoch"], ckpt["step_in_epoch"], ckpt["global_step"], ckpt["tokens_seen"],
-                       ckpt.get("tracker_id"))
-    return dict(ckpt, train_state=state.state_dict(), format_version=LEGACY_VERSIONS[-1])
-
-
-def lm_checkpoint(config, weight="pretrain", state=None, save_dir="checkpoints"):
-    """MiniMind's entry point: save `state` (a dict) atomically as one file (format 2), or load, check and upgrade it.
-
-    Load returns None when no checkpoint exists; raises ConfigError naming the file and the mismatch
-    when it is corrupt, of an unreadable format, or was written for a different model.
-    """
-    path = resume_path(config, weight, save_dir)
-    if state is not None:
-        atomic_save(dict(state, config=config.to_dict(), format_version=LEGACY_VERSIONS[-1]), path)
-        return path
-    if not os.path.exists(path):
-        return None
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        saved = ckpt["config"]
-    except Exception as e:
-        raise ConfigError(f"{path} is not a readable checkpoint ({type(e).__name__}); "
-                          "delete it or pass --from_resume 0")
-    check_config(saved, config, path)
-    return upgrade(ckpt, path)
 
 
 def check_config(saved, config, path):
@@ -184,17 +125,17 @@ def read_train_state(path, config):
 
 
 def load_resume(config, plan):
-    """--from_resume 1/auto: the newest complete checkpoint's state (a DCP directory, else a format 1/2 file).
+    """--from_resume 1/auto: the newest complete checkpoint's state (a DCP directory, else MiniMind's resume file).
 
     None for --from_resume 0, or auto with nothing to resume; --from_resume 1 with nothing is a ConfigError.
     Its global batch must match this run's.
     """
     if plan.from_resume == "0":
         return None
-    save_weight = plan.flags["save_weight"]  # the legacy file's name rule
     path = latest_checkpoint(plan.run_dir)
-    ckpt = read_train_state(path, config) if path else lm_checkpoint(config, weight=save_weight,
-                                                                      save_dir=plan.checkpoint_dir)
+    minimind_path = minimind_resume_path(plan.checkpoint_dir, os.path.basename(plan.run_dir))
+    ckpt = read_train_state(path, config) if path else \
+        read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None
     if ckpt is None:
         if plan.from_resume == "1":
             raise ConfigError(f"--from_resume 1 but {plan.run_dir} holds no complete checkpoint; pass --from_resume "
@@ -204,7 +145,7 @@ def load_resume(config, plan):
     if ckpt["global_batch"] != plan.global_batch:
         raise ConfigError(f"checkpoint was saved with a global batch of {ckpt['global_batch']} samples, this run "
                           f"has {plan.global_batch} (batch_size x accumulation_steps x dp); match it to resume exactly")
-    Logger(f"Resuming from {path or resume_path(config, save_weight, plan.checkpoint_dir)}")
+    Logger(f"Resuming from {path or minimind_path}")
     return ckpt
 
 
@@ -214,8 +155,9 @@ def tied_aliases(pipeline, config):
 
 
 def restore(trainer, ckpt):
-    """Load model (DCP) or optimizer (legacy: model loaded before parallelizing), scaler, RNG and TrainState."""
+    """Load model (DCP) or optimizer (MiniMind's file: model loaded before parallelizing), scaler, RNG, TrainState."""
     aliases = tied_aliases(trainer.pipeline, trainer.config)
+    rng = None  # MiniMind's resume file saves no RNG state
     if "dcp_path" in ckpt:
         load_sharded_state(trainer.model_parts, trainer.optimizer, ckpt["dcp_path"], tied_aliases=aliases)
         same_world = ckpt["world_size"] == trainer.plan.world_size  # else every rank takes rank 0's, as one process
@@ -223,9 +165,9 @@ def restore(trainer, ckpt):
         rng = torch.load(rng_file, weights_only=False)
     else:
         load_full_state(trainer.model_parts, [trainer.optimizer], None, ckpt["optimizer"], tied_aliases=aliases)
-        rng = ckpt["rng"]
     trainer.scaler.load_state_dict(ckpt["scaler"])
-    set_rng_state(rng)
+    if rng is not None:
+        set_rng_state(rng)
     trainer.progress.load_state_dict(ckpt["train_state"])
 
 
@@ -325,4 +267,5 @@ def save_weights(trainer):
     pp_group = trainer.dims.group("pp") if trainer.plan.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
     if is_main_process():
-        atomic_save({k: v.to(trainer.plan.save_dtype) for k, v in model_sd.items()}, trainer.plan.weights_path)
+        weights = {k: v.to(trainer.plan.save_dtype) for k, v in model_sd.items()}
+        save_weights_file(weights, trainer.config, trainer.plan.weights_path)
