@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from tests.launch import spawn
@@ -18,7 +19,7 @@ from tests.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, validate_data_parallel
 from trainer.parallel.state_dict import (TIED_EMBEDDING, clean_fqn, full_model_state_dict, full_optimizer_state_dict,
-                                         load_full_state)
+                                         _load_zero, load_full_state, place_step_for_kernel)
 
 # lr 1e-3: Adam divides by sqrt(v), so float reduction-order noise on near-zero grads grows with lr.
 STEPS, BATCH, SEQ, VOCAB, LR, MAX_NORM = 3, 4, 32, 128, 1e-3, 0.5
@@ -368,3 +369,59 @@ def test_validate_data_parallel():
     assert "--zero_stage 0 or 1" in validate_data_parallel(2, "powersgd")
     assert "use --zero_stage 2 or 3" in validate_data_parallel(1, "none", dp=2, tp=2)
     assert grad_reduce_factor(2, 2) == 4
+
+
+def _adam_state(model, step):
+    """An FQN-keyed AdamW state as a checkpoint holds it (step on the CPU, as every saved 0-dim tensor)."""
+    g = torch.Generator().manual_seed(2)
+    state = {n: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(p.shape, generator=g) * 1e-3,
+                 "exp_avg_sq": torch.rand(p.shape, generator=g) * 1e-6} for n, p in model.named_parameters()}
+    group = dict(torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=LR).param_groups[0])
+    return {"state": state, "param_groups": [dict(group, params=list(state))]}
+
+
+def _zero_fused_load_worker(rank, world_size, device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(device)
+    twin = copy.deepcopy(model)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=LR, foreach=False)
+    saved = _adam_state(model, step=5)
+    _load_zero(model, zero, saved)
+    for p in model.parameters():  # where the fused kernel reads it: the parameter's device, fp32
+        step = zero.optim.state[p]["step"]
+        assert step.device == p.device and step.dtype == torch.float32 and float(step) == 5
+    ref.load_state_dict({"state": {i: s for i, s in enumerate(copy.deepcopy(saved)["state"].values())},
+                         "param_groups": [dict(saved["param_groups"][0], params=list(range(4)))]})
+    for p, q in zip(model.parameters(), twin.parameters()):
+        p.grad = torch.full_like(p, 1e-3)
+        q.grad = p.grad.clone()
+    zero.step()
+    ref.step()
+    for p, q in zip(model.parameters(), twin.parameters()):  # fused vs single-tensor fp32: a few ulp of lr and |w|
+        assert torch.allclose(p, q, rtol=8 * FP32_EPS, atol=8 * FP32_EPS * LR)
+
+
+def test_zero1_fused_adamw_resumes_with_step_beside_params():
+    """ZeroRedundancyOptimizer.load_state_dict moves `step` to the CPU (pytorch#124133); fused AdamW needs it
+    beside the params. The reloaded fused step equals plain AdamW's on the same state."""
+    spawn(_zero_fused_load_worker, 1, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_zero1_fused_adamw_resumes_on_cuda():
+    spawn(_zero_fused_load_worker, 1, "cuda")
+
+
+def test_place_step_for_kernel_leaves_default_kernels_alone():
+    param = nn.Parameter(torch.ones(3))
+    for fused, dtype in ((False, torch.float64), (True, torch.float32)):  # default kernel; fused already in place
+        optim = torch.optim.AdamW([param], lr=LR, fused=fused)
+        step = torch.tensor(4.0, dtype=dtype)
+        optim.state[param] = {"step": step}
+        place_step_for_kernel(optim)
+        assert optim.state[param]["step"] is step
+    optim.state[param] = {"step": torch.tensor(4.0, dtype=torch.float64)}
+    optim.param_groups[0]["fused"] = True
+    place_step_for_kernel(optim)
+    assert optim.state[param]["step"].dtype == torch.float32

@@ -201,6 +201,22 @@ def _load_zero(part, optim, optim_sd):
         if fqn in optim_sd["state"]:
             state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in optim_sd["state"][fqn].items()}
     optim.load_state_dict({"state": state, "param_groups": groups})
+    place_step_for_kernel(optim.optim)
+
+
+def place_step_for_kernel(optim):
+    """Put AdamW's `step` where its kernel reads it: on the parameter's device, fp32, when fused or capturable.
+
+    ZeroRedundancyOptimizer.load_state_dict moves every 0-dim state tensor to the CPU, and the fused CUDA kernel
+    then fails on mixed devices (pytorch#124133). Does nothing for the default kernels or CPU parameters.
+    """
+    for group in optim.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for p in group["params"]:
+            step = optim.state.get(p, {}).get("step")
+            if torch.is_tensor(step) and (step.device != p.device or step.dtype != torch.float32):
+                optim.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
 
 def load_full_state(model_parts, optimizers, model_sd, optim_sd=None, tied_aliases=None):
