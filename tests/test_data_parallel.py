@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from tests.launch import spawn
 from tests.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
 from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.data import grad_reduce_factor, validate_data_parallel
+from trainer.parallel.data import apply_data_parallel, grad_reduce_factor, gradient_sync, validate_data_parallel
 from trainer.parallel.state_dict import (TIED_EMBEDDING, clean_fqn, full_model_state_dict, full_optimizer_state_dict,
                                          _load_zero, load_full_state, place_step_for_kernel)
 
@@ -425,3 +425,53 @@ def test_place_step_for_kernel_leaves_default_kernels_alone():
     optim.param_groups[0]["fused"] = True
     place_step_for_kernel(optim)
     assert optim.state[param]["step"].dtype == torch.float32
+
+
+ACCUMULATION = 4  # micro-batches of one row per rank: a global batch of 2 * ACCUMULATION rows
+
+
+def _accumulation_batch():
+    ids = torch.randint(1, VOCAB, (2 * ACCUMULATION, SEQ), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[1, :9] = -100
+    return ids, labels
+
+
+def _accumulation_worker(rank, world_size, out_path):
+    from trainer.parallel.mesh import ParallelDims
+    dims = ParallelDims.build(world_size, device_type="cpu")
+    ids, labels = _accumulation_batch()
+    calls = []
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2 calls the first in 2.11, the second later
+        if hasattr(dist, name):
+            real = getattr(dist, name)
+            setattr(dist, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    results = {}
+    for zero_stage in (0, 2, 3):
+        model = apply_data_parallel(make_model(), dims.dp_cp_mesh, zero_stage)
+        calls.clear()
+        for i in range(ACCUMULATION):
+            row = slice(2 * i + rank, 2 * i + rank + 1)
+            with gradient_sync(model, enabled=i == ACCUMULATION - 1):
+                out = model(ids[row], labels=labels[row], num_items_in_batch=num_items(labels))
+                (out.loss * grad_reduce_factor(dims.dp)).backward()
+        results[zero_stage] = (len(calls), _full_grads(model))
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_fsdp_reduces_gradients_once_per_accumulated_step(tmp_path):
+    """Accumulating 4 micro-batches under gradient_sync: DDP and FSDP2 (ZeRO-2, ZeRO-3) reduce once, on the last,
+    one reduce-scatter per FSDP unit (each decoder block and the root), and the gradients are the single process's
+    on the whole batch (only the reduction order differs)."""
+    spawn(_accumulation_worker, 2, str(tmp_path / "acc.pt"), timeout=240)
+    results = torch.load(tmp_path / "acc.pt")
+    model = make_model()
+    ids, labels = _accumulation_batch()
+    model(ids, labels=labels, num_items_in_batch=num_items(labels)).loss.backward()
+    units = model.config.num_hidden_layers + 1
+    for zero_stage, (reduce_scatters, grads) in results.items():
+        assert reduce_scatters == (0 if zero_stage == 0 else units), zero_stage  # DDP all-reduces in C++
+        for fqn, p in model.named_parameters():
+            diff, tol = float((grads[fqn] - p.grad).abs().max()), GRAD_ULPS * FP32_EPS * float(p.grad.abs().max())
+            assert diff <= tol, (zero_stage, fqn, diff, tol)
