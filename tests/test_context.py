@@ -10,9 +10,15 @@ from launch import ROOT, spawn
 from trainer.parallel import context
 from model.model_minimind import packed_document_mask
 from trainer.parallel.context import (apply_context_parallel, context_position_ids, ring_attention,
-                                      shard_sequence, unshard_sequence)
+                                      shard_sequence)
 
 HAVE_MODEL = os.path.exists(os.path.join(ROOT, "model", "model_minimind.py"))
+
+
+def unshard_sequence(shards, dim=1):
+    """Inverse of shard_sequence: the full sequence from all ranks' shards, given in cp rank order."""
+    heads, tails = zip(*(shard.chunk(2, dim) for shard in shards))
+    return torch.cat(list(heads) + list(reversed(tails)), dim)
 
 
 def _full_attention(q, k, v, dout, positions=None):

@@ -31,15 +31,6 @@ def shard_sequence(tensor, cp_rank, cp_size, dim=1):
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim)
 
 
-def unshard_sequence(shards, dim=1):
-    """Inverse of shard_sequence: rebuild the full sequence from all ranks' shards, given in cp rank order."""
-    cp_size = len(shards)
-    if cp_size == 1:
-        return shards[0]
-    heads, tails = zip(*(shard.chunk(2, dim) for shard in shards))
-    return torch.cat(list(heads) + list(reversed(tails)), dim)
-
-
 def context_position_ids(seq_len, cp_rank, cp_size, device=None):
     """Global positions (for RoPE) of the tokens this cp rank holds, shape (1, seq_len // cp_size) like the model's default."""
     return shard_sequence(torch.arange(seq_len, device=device).unsqueeze(0), cp_rank, cp_size, dim=1)
