@@ -11,15 +11,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+import trainer.parallel.state_dict as sd
 from tests.launch import spawn
 from tests.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import apply_data_parallel, grad_reduce_factor, gradient_sync, validate_data_parallel
-from trainer.parallel.state_dict import (TIED_EMBEDDING, clean_fqn, full_model_state_dict, full_optimizer_state_dict,
-                                         _load_zero, load_full_state, place_step_for_kernel)
+from trainer.parallel.state_dict import (TIED_EMBEDDING, _load_zero, clean_fqn, full_model_state_dict, load_full_state,
+                                         place_step_for_kernel)
 
 # lr 1e-3: Adam divides by sqrt(v), so float reduction-order noise on near-zero grads grows with lr.
 STEPS, BATCH, SEQ, VOCAB, LR, MAX_NORM = 3, 4, 32, 128, 1e-3, 0.5
@@ -33,6 +35,47 @@ VARIANTS = {  # name: (zero_stage, grad_compression, apply_data_parallel extras)
     "zero2": (2, "none", {}),
     "zero3": (3, "none", {}),
 }
+
+
+def _merge_optim(into, osd, tied_aliases):
+    if not osd:
+        return
+    for k, v in osd["state"].items():
+        into["state"].setdefault(k, v)
+    for i, group in enumerate(osd["param_groups"]):
+        if i == len(into["param_groups"]):
+            into["param_groups"].append(dict(group, params=[]))
+        into["param_groups"][i]["params"] += [k for k in group["params"] if k not in into["param_groups"][i]["params"]]
+    for alias, canonical in (tied_aliases or {}).items():  # keep the shared weight once, as one process does
+        if alias in into["state"] and canonical in into["state"]:
+            del into["state"][alias]
+            for group in into["param_groups"]:
+                group["params"] = [k for k in group["params"] if k != alias]
+
+
+def full_optimizer_state_dict(model_parts, optimizers, pp_group=None, tied_aliases=None):
+    """Full fp32 CPU optimizer state keyed by FQN on global rank 0 (None on other ranks): the reference format.
+
+    optimizers: one per model part, or one over all parts. ZeroRedundancyOptimizer (ZeRO-1) is gathered with
+    consolidate_state_dict. tied_aliases (e.g. TIED_EMBEDDING when a later pipeline stage keeps a
+    copy of the tied embedding): alias entries are dropped in favour of the canonical FQN.
+    A collective: every rank must call it.
+    """
+    options = sd._full_options(pp_group)
+    local = {"state": {}, "param_groups": []}
+    for part, optim in sd._optimizer_pairs(model_parts, optimizers):
+        if isinstance(optim, ZeroRedundancyOptimizer):
+            osd = sd._zero_state_dict(part, optim)
+        else:
+            osd = get_optimizer_state_dict(part, optim, options=options)
+        _merge_optim(local, sd._cpu_fp32(osd), tied_aliases)
+    stages = sd._gather_pp(local, pp_group)
+    if not sd._is_rank0():
+        return None
+    merged = {"state": {}, "param_groups": []}
+    for stage in stages:
+        _merge_optim(merged, stage, tied_aliases)
+    return merged
 
 
 def make_model():

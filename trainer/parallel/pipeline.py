@@ -174,8 +174,8 @@ def stage_io_examples(module, micro_batch, seq_len, hidden_size, vocab_size, log
     """(input_args, output_args) meta tensors of one micro-batch through `module` (a PipelineStageModule).
 
     Inputs: (token ids, positions) on the first stage, else (hidden, aux, positions); outputs: (hidden, aux,
-    positions), or (logits, aux) on the last stage (full vocab: under a pipeline tp gathers the logits). Hidden states stay fp32
-    under autocast (fp32 residual stream); the logits take the autocast dtype.
+    positions), or (logits, aux) on the last stage (full vocab: under a pipeline tp gathers the logits). Hidden
+    states stay fp32 under autocast (fp32 residual stream); the logits take the autocast dtype.
     """
     def meta(*shape, dtype=torch.float32, grad=True):
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
