@@ -10,9 +10,15 @@ from launch import ROOT, spawn
 from trainer.parallel import context
 from model.model_minimind import packed_document_mask
 from trainer.parallel.context import (apply_context_parallel, context_position_ids, ring_attention,
-                                      shard_sequence, unshard_sequence)
+                                      shard_sequence)
 
 HAVE_MODEL = os.path.exists(os.path.join(ROOT, "model", "model_minimind.py"))
+
+
+def unshard_sequence(shards, dim=1):
+    """Inverse of shard_sequence: the full sequence from all ranks' shards, given in cp rank order."""
+    heads, tails = zip(*(shard.chunk(2, dim) for shard in shards))
+    return torch.cat(list(heads) + list(reversed(tails)), dim)
 
 
 def _full_attention(q, k, v, dout, positions=None):
@@ -67,6 +73,35 @@ def _ring_worker(rank, world_size):
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
         group = groups[rank % 2]
         _check_ring(dist.get_rank(group), 2, group, 4, 2, torch.float32, 1e-5)
+
+
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+
+
+def _ring_autocast_worker(rank, cp_size):
+    """Under bf16 autocast (fp32 q/k/v, as the model's fp32 RMSNorm weight makes them) the ring runs in bf16."""
+    generator = torch.Generator().manual_seed(7)
+    B, L, D = 2, 32, 16
+    q, k, v = (torch.randn(B, h, L, D, generator=generator) for h in (4, 2, 2))
+    dout = torch.randn(B, 4, L, D, generator=generator)
+    # reference: float64 attention of the bf16-rounded inputs (the rounding the cast at the boundary makes)
+    full = [t.bfloat16().double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_grads = _full_attention(*full, dout.bfloat16().double())
+    local = [shard_sequence(t, rank, cp_size, dim=2).requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ring_attention(*local, dist.group.WORLD)
+    assert out.dtype == torch.bfloat16
+    out.backward(shard_sequence(dout, rank, cp_size, dim=2).bfloat16())
+    shard = lambda t: shard_sequence(t, rank, cp_size, dim=2)
+    # bf16 output: a few roundings of 2^-8 relative per element (out itself, P in the kernel, dO and the grads)
+    for got, want, what in [(out, ref_out, "out")] + list(zip((t.grad for t in local), ref_grads, ("dq", "dk", "dv"))):
+        want = shard(want)
+        error = float((got.double() - want).abs().max())
+        assert error <= 4 * BF16_EPS * float(want.abs().max()), (what, error, float(want.abs().max()))
+
+
+def test_ring_attention_under_bf16_autocast():
+    spawn(_ring_autocast_worker, 2, timeout=120)
 
 
 @pytest.mark.parametrize("cp_size", [2, 4])

@@ -11,14 +11,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
+import trainer.parallel.state_dict as sd
 from tests.launch import spawn
 from tests.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
 from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.data import grad_reduce_factor, validate_data_parallel
-from trainer.parallel.state_dict import (TIED_EMBEDDING, clean_fqn, full_model_state_dict, full_optimizer_state_dict,
-                                         load_full_state)
+from trainer.parallel.data import apply_data_parallel, grad_reduce_factor, gradient_sync, validate_data_parallel
+from trainer.parallel.state_dict import (TIED_EMBEDDING, _load_zero, clean_fqn, full_model_state_dict, load_full_state,
+                                         place_step_for_kernel)
 
 # lr 1e-3: Adam divides by sqrt(v), so float reduction-order noise on near-zero grads grows with lr.
 STEPS, BATCH, SEQ, VOCAB, LR, MAX_NORM = 3, 4, 32, 128, 1e-3, 0.5
@@ -32,6 +35,47 @@ VARIANTS = {  # name: (zero_stage, grad_compression, apply_data_parallel extras)
     "zero2": (2, "none", {}),
     "zero3": (3, "none", {}),
 }
+
+
+def _merge_optim(into, osd, tied_aliases):
+    if not osd:
+        return
+    for k, v in osd["state"].items():
+        into["state"].setdefault(k, v)
+    for i, group in enumerate(osd["param_groups"]):
+        if i == len(into["param_groups"]):
+            into["param_groups"].append(dict(group, params=[]))
+        into["param_groups"][i]["params"] += [k for k in group["params"] if k not in into["param_groups"][i]["params"]]
+    for alias, canonical in (tied_aliases or {}).items():  # keep the shared weight once, as one process does
+        if alias in into["state"] and canonical in into["state"]:
+            del into["state"][alias]
+            for group in into["param_groups"]:
+                group["params"] = [k for k in group["params"] if k != alias]
+
+
+def full_optimizer_state_dict(model_parts, optimizers, pp_group=None, tied_aliases=None):
+    """Full fp32 CPU optimizer state keyed by FQN on global rank 0 (None on other ranks): the reference format.
+
+    optimizers: one per model part, or one over all parts. ZeroRedundancyOptimizer (ZeRO-1) is gathered with
+    consolidate_state_dict. tied_aliases (e.g. TIED_EMBEDDING when a later pipeline stage keeps a
+    copy of the tied embedding): alias entries are dropped in favour of the canonical FQN.
+    A collective: every rank must call it.
+    """
+    options = sd._full_options(pp_group)
+    local = {"state": {}, "param_groups": []}
+    for part, optim in sd._optimizer_pairs(model_parts, optimizers):
+        if isinstance(optim, ZeroRedundancyOptimizer):
+            osd = sd._zero_state_dict(part, optim)
+        else:
+            osd = get_optimizer_state_dict(part, optim, options=options)
+        _merge_optim(local, sd._cpu_fp32(osd), tied_aliases)
+    stages = sd._gather_pp(local, pp_group)
+    if not sd._is_rank0():
+        return None
+    merged = {"state": {}, "param_groups": []}
+    for stage in stages:
+        _merge_optim(merged, stage, tied_aliases)
+    return merged
 
 
 def make_model():
@@ -368,3 +412,109 @@ def test_validate_data_parallel():
     assert "--zero_stage 0 or 1" in validate_data_parallel(2, "powersgd")
     assert "use --zero_stage 2 or 3" in validate_data_parallel(1, "none", dp=2, tp=2)
     assert grad_reduce_factor(2, 2) == 4
+
+
+def _adam_state(model, step):
+    """An FQN-keyed AdamW state as a checkpoint holds it (step on the CPU, as every saved 0-dim tensor)."""
+    g = torch.Generator().manual_seed(2)
+    state = {n: {"step": torch.tensor(float(step)), "exp_avg": torch.randn(p.shape, generator=g) * 1e-3,
+                 "exp_avg_sq": torch.rand(p.shape, generator=g) * 1e-6} for n, p in model.named_parameters()}
+    group = dict(torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=LR).param_groups[0])
+    return {"state": state, "param_groups": [dict(group, params=list(state))]}
+
+
+def _zero_fused_load_worker(rank, world_size, device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)).to(device)
+    twin = copy.deepcopy(model)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
+    ref = torch.optim.AdamW(twin.parameters(), lr=LR, foreach=False)
+    saved = _adam_state(model, step=5)
+    _load_zero(model, zero, saved)
+    for p in model.parameters():  # where the fused kernel reads it: the parameter's device, fp32
+        step = zero.optim.state[p]["step"]
+        assert step.device == p.device and step.dtype == torch.float32 and float(step) == 5
+    ref.load_state_dict({"state": {i: s for i, s in enumerate(copy.deepcopy(saved)["state"].values())},
+                         "param_groups": [dict(saved["param_groups"][0], params=list(range(4)))]})
+    for p, q in zip(model.parameters(), twin.parameters()):
+        p.grad = torch.full_like(p, 1e-3)
+        q.grad = p.grad.clone()
+    zero.step()
+    ref.step()
+    for p, q in zip(model.parameters(), twin.parameters()):  # fused vs single-tensor fp32: a few ulp of lr and |w|
+        assert torch.allclose(p, q, rtol=8 * FP32_EPS, atol=8 * FP32_EPS * LR)
+
+
+def test_zero1_fused_adamw_resumes_with_step_beside_params():
+    """ZeroRedundancyOptimizer.load_state_dict moves `step` to the CPU (pytorch#124133); fused AdamW needs it
+    beside the params. The reloaded fused step equals plain AdamW's on the same state."""
+    spawn(_zero_fused_load_worker, 1, "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_zero1_fused_adamw_resumes_on_cuda():
+    spawn(_zero_fused_load_worker, 1, "cuda")
+
+
+def test_place_step_for_kernel_leaves_default_kernels_alone():
+    param = nn.Parameter(torch.ones(3))
+    for fused, dtype in ((False, torch.float64), (True, torch.float32)):  # default kernel; fused already in place
+        optim = torch.optim.AdamW([param], lr=LR, fused=fused)
+        step = torch.tensor(4.0, dtype=dtype)
+        optim.state[param] = {"step": step}
+        place_step_for_kernel(optim)
+        assert optim.state[param]["step"] is step
+    optim.state[param] = {"step": torch.tensor(4.0, dtype=torch.float64)}
+    optim.param_groups[0]["fused"] = True
+    place_step_for_kernel(optim)
+    assert optim.state[param]["step"].dtype == torch.float32
+
+
+ACCUMULATION = 4  # micro-batches of one row per rank: a global batch of 2 * ACCUMULATION rows
+
+
+def _accumulation_batch():
+    ids = torch.randint(1, VOCAB, (2 * ACCUMULATION, SEQ), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[1, :9] = -100
+    return ids, labels
+
+
+def _accumulation_worker(rank, world_size, out_path):
+    from trainer.parallel.mesh import ParallelDims
+    dims = ParallelDims.build(world_size, device_type="cpu")
+    ids, labels = _accumulation_batch()
+    calls = []
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2 calls the first in 2.11, the second later
+        if hasattr(dist, name):
+            real = getattr(dist, name)
+            setattr(dist, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    results = {}
+    for zero_stage in (0, 2, 3):
+        model = apply_data_parallel(make_model(), dims.dp_cp_mesh, zero_stage)
+        calls.clear()
+        for i in range(ACCUMULATION):
+            row = slice(2 * i + rank, 2 * i + rank + 1)
+            with gradient_sync(model, enabled=i == ACCUMULATION - 1):
+                out = model(ids[row], labels=labels[row], num_items_in_batch=num_items(labels))
+                (out.loss * grad_reduce_factor(dims.dp)).backward()
+        results[zero_stage] = (len(calls), _full_grads(model))
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_fsdp_reduces_gradients_once_per_accumulated_step(tmp_path):
+    """Accumulating 4 micro-batches under gradient_sync: DDP and FSDP2 (ZeRO-2, ZeRO-3) reduce once, on the last,
+    one reduce-scatter per FSDP unit (each decoder block and the root), and the gradients are the single process's
+    on the whole batch (only the reduction order differs)."""
+    spawn(_accumulation_worker, 2, str(tmp_path / "acc.pt"), timeout=240)
+    results = torch.load(tmp_path / "acc.pt")
+    model = make_model()
+    ids, labels = _accumulation_batch()
+    model(ids, labels=labels, num_items_in_batch=num_items(labels)).loss.backward()
+    units = model.config.num_hidden_layers + 1
+    for zero_stage, (reduce_scatters, grads) in results.items():
+        assert reduce_scatters == (0 if zero_stage == 0 else units), zero_stage  # DDP all-reduces in C++
+        for fqn, p in model.named_parameters():
+            diff, tol = float((grads[fqn] - p.grad).abs().max()), GRAD_ULPS * FP32_EPS * float(p.grad.abs().max())
+            assert diff <= tol, (zero_stage, fqn, diff, tol)

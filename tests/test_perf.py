@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, chunked_cross_entropy
+from trainer.metrics import cuda_table_peak, enable_tf32, peak_flops
 from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -202,3 +203,35 @@ def test_pretokenized_shard_checks_kind_and_tokenizer(tokenizer, tmp_path):
     os.remove(tmp_path / "corpus.idx")
     with pytest.raises(FileNotFoundError, match="corpus.idx"):
         PretrainDataset(str(tmp_path / "corpus.bin"), tokenizer, max_length=16)
+
+
+def test_cuda_peak_table_dense_figures():
+    """Datasheet dense peaks by the names torch.cuda.get_device_name reports; variants are not taken for the base."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert cuda_table_peak("NVIDIA H100 80GB HBM3", bf16, tf32=True) == 989.4e12
+    assert cuda_table_peak("NVIDIA H100 PCIe", fp16, tf32=True) == 756e12
+    assert cuda_table_peak("NVIDIA H100 NVL", bf16, tf32=False) == 835e12
+    assert cuda_table_peak("NVIDIA H200", fp32, tf32=True) == 989.4e12 / 2  # TF32 runs at half the bf16 rate
+    assert cuda_table_peak("NVIDIA H200", fp32, tf32=False) == 66.9e12  # strict fp32: no tensor cores
+    assert cuda_table_peak("NVIDIA A100-SXM4-80GB", fp32, tf32=True) == 156e12
+    assert cuda_table_peak("NVIDIA L40S", bf16, tf32=True) == 362.05e12  # not the L40's 181
+    assert cuda_table_peak("NVIDIA GeForce RTX 4090", bf16, tf32=True) == 165.2e12  # dense, fp32 accumulate
+    assert cuda_table_peak("NVIDIA GeForce RTX 3090", bf16, tf32=True) == 71e12
+    assert cuda_table_peak("NVIDIA T4", bf16, tf32=True) is None  # unlisted: measured instead
+
+
+def test_cpu_peak_is_measured_and_tf32_is_cuda_only():
+    """A CPU's peak is a probe's measured rate: between the 1-thread rate of a 2-FLOP/cycle core at 0.1 GHz and
+    a 2048-FLOP/cycle, 5 GHz, all-thread machine. enable_tf32 leaves CPU matmuls exact; on CUDA it picks TF32."""
+    peak = peak_flops("cpu", torch.float32)
+    assert 2e8 <= peak <= 2048 * 5e9 * torch.get_num_threads()
+    before = torch.get_float32_matmul_precision()
+    try:
+        enable_tf32("cpu", strict=False)
+        assert torch.get_float32_matmul_precision() == before
+        enable_tf32("cuda", strict=False)
+        assert torch.get_float32_matmul_precision() == "high"
+        enable_tf32("cuda", strict=True)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -51,7 +51,7 @@ def assert_close(actual, expected, what):
     assert diff <= TOL, f"{what}: max abs diff {diff}"
 
 
-def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed):
+def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed, loss_scale=None):
     model = tiny_model(moe, layers)
     reference = copy.deepcopy(model)  # deepcopy keeps lm_head tied to embed_tokens
     input_ids, targets = make_batch()
@@ -64,7 +64,10 @@ def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed):
     reference_optimizer.step()
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    loss_fn = pipeline_loss_fn(num_items, aux_weight=(BATCH // num_microbatches) / BATCH)
+    # fp16's GradScaler: a power of two, so scaled gradients are the unscaled ones times it, exactly
+    scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale) if loss_scale else None
+    loss_fn = pipeline_loss_fn(num_items, aux_weight=(BATCH // num_microbatches) / BATCH, scaler=scaler)
+    scale = loss_scale or 1.0
     schedule, modules, has_first, has_last = build_pipeline(model, mesh, schedule_name, num_microbatches,
                                                             loss_fn, "cpu", (BATCH // num_microbatches, SEQ))
     assert (has_first, has_last) == (rank == 0, rank == 1)
@@ -79,7 +82,7 @@ def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed):
 
     if has_last:
         assert len(losses) == num_microbatches
-        assert_close(torch.stack(losses).sum(), out.loss + out.aux_loss, "total loss")
+        assert_close(torch.stack(losses).sum() / scale, out.loss + out.aux_loss, "total loss")
         ce, aux = loss_fn.pop_step(num_microbatches)
         assert_close(ce, out.loss, "CE part")
         assert_close(aux, out.aux_loss, "aux part")
@@ -87,7 +90,9 @@ def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed):
     for module in modules:
         for name, param in module.named_parameters():
             names.add(name)
-            assert_close(param.grad, reference.get_parameter(name).grad, f"grad of {name}")
+            assert_close(param.grad / scale, reference.get_parameter(name).grad, f"grad of {name}")
+    for param in {id(p): p for m in modules for p in m.parameters()}.values():
+        param.grad /= scale  # what the scaler's unscale_ does next (exact: a power of two)
     everyone = [None, None]
     dist.all_gather_object(everyone, sorted(names))
     assert set().union(*everyone) == set(dict(reference.named_parameters(remove_duplicate=False)))
@@ -104,15 +109,16 @@ def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed):
 
 
 def _pipeline_worker(rank, world_size, moe, cases):
-    for schedule_name, num_microbatches, packed in cases:
+    for schedule_name, num_microbatches, packed, *loss_scale in cases:
         layers = 4 if schedule_name == "interleaved1f1b" else 2
-        _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed)
+        _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed, *loss_scale)
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_pipeline_matches_single_process(moe):
     cases = [(s, n, False) for s in ("gpipe", "1f1b", "interleaved1f1b") for n in (4, 2)]
     cases += [("1f1b", 2, True), ("interleaved1f1b", 4, True)]  # --doc_mask: masks rebuilt on every stage
+    cases += [("1f1b", 2, False, 2.0 ** 16)]  # fp16: GradScaler's initial scale
     spawn(_pipeline_worker, 2, moe, cases, timeout=100)
 
 

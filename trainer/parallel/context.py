@@ -31,17 +31,8 @@ def shard_sequence(tensor, cp_rank, cp_size, dim=1):
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim)
 
 
-def unshard_sequence(shards, dim=1):
-    """Inverse of shard_sequence: rebuild the full sequence from all ranks' shards, given in cp rank order."""
-    cp_size = len(shards)
-    if cp_size == 1:
-        return shards[0]
-    heads, tails = zip(*(shard.chunk(2, dim) for shard in shards))
-    return torch.cat(list(heads) + list(reversed(tails)), dim)
-
-
 def context_position_ids(seq_len, cp_rank, cp_size, device=None):
-    """Global positions (for RoPE) of the tokens this cp rank holds, shape (1, seq_len // cp_size) like the model's default."""
+    """Global positions (for RoPE) of this cp rank's tokens, shape (1, seq_len // cp_size) like the model's default."""
     return shard_sequence(torch.arange(seq_len, device=device).unsqueeze(0), cp_rank, cp_size, dim=1)
 
 
@@ -68,7 +59,7 @@ def _fused_kernels(q):
 
 
 def _scores(q, k, causal, scale, visible=None):
-    """q k^T * scale in the compute dtype, with the (top-left aligned) causal mask or a (B, 1, Lq, Lk) `visible` mask."""
+    """q k^T * scale in the compute dtype, with the (top-left aligned) causal mask or a (B, 1, Lq, Lk) `visible`."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if visible is not None:
         return scores.masked_fill(~visible, float("-inf"))
@@ -173,7 +164,8 @@ def _block_visible(doc_starts, src, rank, size, rows, cols, device):
     q_index = context_position_ids(length, rank, size, device)[0, rows]
     k_index = context_position_ids(length, src, size, device)[0, cols]
     starts = doc_starts[:, rows]
-    return ((k_index[None, None, :] <= q_index[None, :, None]) & (k_index[None, None, :] >= starts[:, :, None]))[:, None]
+    keys = k_index[None, None, :]
+    return ((keys <= q_index[None, :, None]) & (keys >= starts[:, :, None]))[:, None]
 
 
 class RingAttention(torch.autograd.Function):
@@ -264,7 +256,12 @@ def ring_attention(q, k, v, cp_group, position_ids=None):
         doc_starts = index - position_ids.to(q.device)
         if not bool(doc_starts.any()):  # global positions (no documents): the fused causal kernels
             doc_starts = None
-    return RingAttention.apply(q, k, v, cp_group, doc_starts)
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):  # q/k arrive fp32 (fp32 norm weight): kernels and K/V in autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    with torch.autocast(device_type, enabled=False):  # the blocks choose their own dtypes (fp32 math and merge)
+        return RingAttention.apply(q, k, v, cp_group, doc_starts)
 
 
 class LocalPositions:

@@ -6,6 +6,8 @@ batch, i.e. the SUM of the per-rank gradients of `ce_sum / num_items` (num_items
 ranks). So the trainer multiplies each rank's loss by `grad_reduce_factor(dp, cp)` = dp * cp; the
 average of the scaled gradients is then exactly the single-process gradient.
 """
+from contextlib import ExitStack, contextmanager
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -13,9 +15,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 try:  # public path since torch 2.6 (2.11, 2.13)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer.parallel.perf import decoder_blocks
 
@@ -65,8 +67,7 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
 
 
 def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,
-                        powersgd_start_iter=1000, param_dtype=None, reduce_dtype=None,
-                        find_unused_parameters=False):
+                        powersgd_start_iter=1000, param_dtype=None, find_unused_parameters=False):
     """Wrap `model` (or one pipeline model part) for data parallelism over the 1-D `dp_mesh`.
 
     dp_mesh: the dp mesh, or the flattened dp_cp mesh when context parallel is on (a ParallelDims
@@ -75,7 +76,8 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
     build_optimizer(..., zero_stage=1)); grad_compression none | bf16 | powersgd via DDP comm hooks.
     zero_stage 2/3: FSDP2 fully_shard on each decoder block then the root; parameters stay sharded
     between steps, and stage 3 also frees the gathered parameters after each forward.
-    param_dtype/reduce_dtype: FSDP2 mixed precision (None keeps fp32).
+    param_dtype: FSDP2 gathers parameters in this dtype (the autocast dtype; None keeps fp32); gradients are
+    always reduced in fp32. powersgd_*: the hook's rank and warm-up steps (the flag takes the defaults).
     Returns the wrapped module (DDP) or the same module, now an FSDPModule. A size-1 mesh returns
     `model` unchanged.
     """
@@ -95,13 +97,36 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
         return ddp_model
 
     reshard = zero_stage == 3  # ZeRO-2: keep gathered params from forward to backward
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in decoder_blocks(model):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     # The root group takes everything left: embed_tokens, norm and lm_head. A tied lm_head.weight is
     # the same Parameter as embed_tokens.weight; FSDP2 manages it once and re-ties both attributes.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     return model
+
+
+@contextmanager
+def gradient_sync(model_parts, enabled):
+    """Context for one micro-batch's backward: with `enabled` False, gradients accumulate locally and are
+    reduced later (DDP's no_sync; FSDP2's set_requires_gradient_sync). Enable it on the last micro-batch.
+
+    Under FSDP2 the skipped micro-batches keep unsharded gradients until then: memory for 1/accumulation
+    of the reduce-scatter traffic.
+    """
+    parts = model_parts if isinstance(model_parts, (list, tuple)) else [model_parts]
+    fsdp = [] if enabled else [p for p in parts if isinstance(p, FSDPModule)]
+    with ExitStack() as stack:
+        for part in parts:
+            if not enabled and isinstance(part, DistributedDataParallel):
+                stack.enter_context(part.no_sync())
+        for part in fsdp:
+            part.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for part in fsdp:
+                part.set_requires_gradient_sync(True)
 
 
 def build_optimizer(params, lr, zero_stage=0, dp_group=None, fused=None, dims=None, **adamw_kwargs):

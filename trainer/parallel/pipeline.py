@@ -124,7 +124,8 @@ class PipelineStageModule(nn.Module):
 
 # ----------------------------------------------------------------------------- loss
 class PipelineLoss:
-    """Last-stage loss_fn(output, targets) for the schedule: `(ce_sum / num_items + aux * aux_weight) * grad_scale`.
+    """Last-stage loss_fn(output, targets) for the schedule: `(ce_sum / num_items + aux * aux_weight) * grad_scale`,
+    then scaled by `scaler` (a torch.amp.GradScaler, fp16) as the non-pipeline path's scaler.scale(loss) does.
 
     num_items: target tokens of the whole step (all micro-batches, all dp ranks); aux_weight:
     micro-batch samples / global samples; grad_scale: the dp*cp factor when gradients are averaged.
@@ -132,8 +133,8 @@ class PipelineLoss:
     weighted aux (`aux * aux_weight`) for logging; read them with `pop_step`.
     """
 
-    def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0):
-        self.num_items, self.aux_weight, self.grad_scale = num_items, aux_weight, grad_scale
+    def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0, scaler=None):
+        self.num_items, self.aux_weight, self.grad_scale, self.scaler = num_items, aux_weight, grad_scale, scaler
         self.ce_parts, self.aux_parts = [], []
 
     def __call__(self, output, targets):
@@ -143,7 +144,8 @@ class PipelineLoss:
         weighted_aux = aux.sum() * self.aux_weight
         self.ce_parts.append(ce.detach())
         self.aux_parts.append(weighted_aux.detach())
-        return (ce + weighted_aux) * self.grad_scale
+        loss = (ce + weighted_aux) * self.grad_scale
+        return loss if self.scaler is None else self.scaler.scale(loss)
 
     def pop_step(self, num_microbatches):
         """(sum of CE parts, sum of weighted aux parts) of the last step's micro-batches; clears the record.
@@ -172,8 +174,8 @@ def stage_io_examples(module, micro_batch, seq_len, hidden_size, vocab_size, log
     """(input_args, output_args) meta tensors of one micro-batch through `module` (a PipelineStageModule).
 
     Inputs: (token ids, positions) on the first stage, else (hidden, aux, positions); outputs: (hidden, aux,
-    positions), or (logits, aux) on the last stage (full vocab: under a pipeline tp gathers the logits). Hidden states stay fp32
-    under autocast (fp32 residual stream); the logits take the autocast dtype.
+    positions), or (logits, aux) on the last stage (full vocab: under a pipeline tp gathers the logits). Hidden
+    states stay fp32 under autocast (fp32 residual stream); the logits take the autocast dtype.
     """
     def meta(*shape, dtype=torch.float32, grad=True):
         return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
@@ -222,21 +224,24 @@ class Pipeline:
         self.schedule = None
 
     def make_schedule(self, parts):
-        self.parts = parts
         self.schedule = make_schedule(parts, self.stage_ids, self.num_stages, self.schedule_name,
                                       self.num_microbatches, self.loss_fn, self.device, self.pp_group,
                                       self.micro_batch_shape, self.config, self.autocast_dtype)
         return self.schedule
 
-    def step(self, input_ids, targets, position_ids, num_items, aux_weight, grad_scale):
+    def step(self, input_ids, targets, position_ids, num_items, aux_weight, grad_scale, scaler=None):
         """Forward+backward of one optimizer step: `input_ids`/`targets` are the step's micro-batches
         stacked along the batch (already sharded for context parallel). `position_ids`: (samples or 1, tokens),
         this rank's context-parallel positions or packed rows' per-document ones; None means 0..L-1.
+        scaler: the step's GradScaler (fp16), which then unscales gradients the scaled loss made.
         Returns (ce, aux) summed over the micro-batches (zeros off the last stage)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         positions = position_ids.float().expand(input_ids.shape).contiguous()  # chunked per micro-batch with the ids
         self.loss_fn.num_items, self.loss_fn.aux_weight, self.loss_fn.grad_scale = num_items, aux_weight, grad_scale
+        self.loss_fn.scaler = scaler
+        if scaler is not None and not self.has_last:  # unscale_ needs the scale where no loss was scaled
+            scaler.scale(torch.ones((), device=self.device))
         pipeline_step(self.schedule, (input_ids, positions), targets, self.has_first, self.has_last)
         if not self.has_last:
             return torch.zeros(()), torch.zeros(())

@@ -135,47 +135,6 @@ def _zero_state_dict(part, optim):
             "param_groups": [dict(g, params=[index_to_fqn[i] for i in g["params"]]) for g in sd["param_groups"]]}
 
 
-def _merge_optim(into, osd, tied_aliases):
-    if not osd:
-        return
-    for k, v in osd["state"].items():
-        into["state"].setdefault(k, v)
-    for i, group in enumerate(osd["param_groups"]):
-        if i == len(into["param_groups"]):
-            into["param_groups"].append(dict(group, params=[]))
-        into["param_groups"][i]["params"] += [k for k in group["params"] if k not in into["param_groups"][i]["params"]]
-    for alias, canonical in (tied_aliases or {}).items():  # keep the shared weight once, as one process does
-        if alias in into["state"] and canonical in into["state"]:
-            del into["state"][alias]
-            for group in into["param_groups"]:
-                group["params"] = [k for k in group["params"] if k != alias]
-
-
-def full_optimizer_state_dict(model_parts, optimizers, pp_group=None, tied_aliases=None):
-    """Full fp32 CPU optimizer state keyed by FQN on global rank 0 (None on other ranks).
-
-    optimizers: one per model part, or one over all parts. ZeroRedundancyOptimizer (ZeRO-1) is gathered with
-    consolidate_state_dict. tied_aliases (e.g. TIED_EMBEDDING when a later pipeline stage keeps a
-    copy of the tied embedding): alias entries are dropped in favour of the canonical FQN.
-    A collective: every rank must call it.
-    """
-    options = _full_options(pp_group)
-    local = {"state": {}, "param_groups": []}
-    for part, optim in _optimizer_pairs(model_parts, optimizers):
-        if isinstance(optim, ZeroRedundancyOptimizer):
-            osd = _zero_state_dict(part, optim)
-        else:
-            osd = get_optimizer_state_dict(part, optim, options=options)
-        _merge_optim(local, _cpu_fp32(osd), tied_aliases)
-    stages = _gather_pp(local, pp_group)
-    if not _is_rank0():
-        return None
-    merged = {"state": {}, "param_groups": []}
-    for stage in stages:
-        _merge_optim(merged, stage, tied_aliases)
-    return merged
-
-
 def _with_aliases(optim_sd, tied_aliases):
     """Copy of optim_sd where each alias FQN also carries its canonical weight's state and group."""
     state = dict(optim_sd["state"])
@@ -201,6 +160,22 @@ def _load_zero(part, optim, optim_sd):
         if fqn in optim_sd["state"]:
             state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in optim_sd["state"][fqn].items()}
     optim.load_state_dict({"state": state, "param_groups": groups})
+    place_step_for_kernel(optim.optim)
+
+
+def place_step_for_kernel(optim):
+    """Put AdamW's `step` where its kernel reads it: on the parameter's device, fp32, when fused or capturable.
+
+    ZeroRedundancyOptimizer.load_state_dict moves every 0-dim state tensor to the CPU, and the fused CUDA kernel
+    then fails on mixed devices (pytorch#124133). Does nothing for the default kernels or CPU parameters.
+    """
+    for group in optim.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for p in group["params"]:
+            step = optim.state.get(p, {}).get("step")
+            if torch.is_tensor(step) and (step.device != p.device or step.dtype != torch.float32):
+                optim.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
 
 def load_full_state(model_parts, optimizers, model_sd, optim_sd=None, tied_aliases=None):
