@@ -5,6 +5,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -16,23 +17,30 @@ from tests import launch  # noqa: E402  (after the repo root is on sys.path)
 LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, subprocess.run, subprocess.Popen, subprocess.call,
              subprocess.check_call, subprocess.check_output)
 SUBPROCESS_CALLS = {"run", "Popen", "call", "check_call", "check_output", "start_processes", "spawn"}
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+LAUNCH_HELPERS = {"spawn", "torchrun", "python"}  # tests/launch.py's, when a test imports them in its body
+# torch.compile on CPU runs the C++ compiler in worker processes (tens of seconds on 2 cores)
+COMPILERS = (torch.compile,)
 
 
 def launches(code, namespace, seen):
-    """Whether `code` (or a test-suite function it calls, transitively) starts a process."""
+    """Whether `code` (or a function of this repository it calls, transitively) starts a process."""
     if code in seen:
         return False
     seen.add(code)
+    names = set(code.co_names)
+    if ("tests.launch" in names and LAUNCH_HELPERS & names) or ("subprocess" in names and SUBPROCESS_CALLS & names):
+        return True  # imported inside the function
+    if namespace.get("torch") is torch and "compile" in names:
+        return True
     for name in code.co_names:
         obj = namespace.get(name)
-        if any(obj is launcher for launcher in LAUNCHERS):
+        if any(obj is launcher for launcher in LAUNCHERS + COMPILERS):
             return True
         if isinstance(obj, types.ModuleType) and obj.__name__ in ("subprocess", "torch.multiprocessing",
                                                                   "multiprocessing"):
             if SUBPROCESS_CALLS & set(code.co_names):
                 return True
-        if isinstance(obj, types.FunctionType) and obj.__code__.co_filename.startswith(TESTS_DIR):
+        if isinstance(obj, types.FunctionType) and obj.__code__.co_filename.startswith(ROOT):  # the repo's code
             if launches(obj.__code__, obj.__globals__, seen):
                 return True
     # lambdas and nested functions of this code object
