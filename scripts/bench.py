@@ -94,7 +94,8 @@ def bench_one(label, flags, args, peaks, world):
     config, plan = build_config(run), resolve(run, world)
     flops = model_flops_per_token(config, plan.seq_len)
     # counted as the trainer counts them
-    step = step_flops(config, plan.seq_len, plan.global_batch * plan.seq_len, stats["tokens_per_step"], plan.chunked_loss)
+    step = step_flops(config, plan.seq_len, plan.global_batch * plan.seq_len, stats["tokens_per_step"],
+                      plan.chunked_loss)
     stats["mfu_vs_fp32_peak"] = step / stats["step_time_median"] / (peaks["float32"] * world)
     stats["target_mfu_vs_fp32_peak"] = flops * stats["tokens_per_sec"] / (peaks["float32"] * world)  # padding excluded
     result = dict(label=label, time=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=round(time.time() - start, 1),
@@ -119,7 +120,8 @@ def plan_for(flags, nproc):
                        t.pp_schedule, act_bytes, t.grad_checkpointing, t.sequence_parallel,
                        run.loss_chunk_size if t.chunked_loss else 0)  # full logits where the trainer has them
     layout = dict(nproc=nproc, dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, zero_stage=t.zero_stage, pp_schedule=t.pp_schedule,
-                  act_bytes=act_bytes, micro_batch=t.micro_batch, seq_len=t.seq_len, num_microbatches=t.num_microbatches)
+                  act_bytes=act_bytes, micro_batch=t.micro_batch, seq_len=t.seq_len,
+                  num_microbatches=t.num_microbatches)
     return layout, plan
 
 
@@ -163,7 +165,8 @@ def parse_args(argv=None):
     a("--results", default=None, help="JSONL file the results are appended to (default: out/bench.jsonl in the repo)")
     a("--label", default="run")
     a("--repeats", type=int, default=1, help="alternate baseline/config runs this many times (median ratio)")
-    a("--peak_fp32", type=float, default=None, help="fp32 peak FLOP/s for MFU (default: measured now, noisy on a busy machine)")
+    a("--peak_fp32", type=float, default=None,
+      help="fp32 peak FLOP/s for MFU (default: measured now, noisy on a busy machine)")
     args, rest = parser.parse_known_args(argv)
     flags = dict(BENCH_DEFAULTS, **given_trainer_flags(parser, rest))
     args.results_path = typed_or_default(args.results, os.path.join("out", "bench.jsonl"))
@@ -180,7 +183,8 @@ def main(argv=None):
         return
     os.makedirs(os.path.dirname(args.results_path), exist_ok=True)
     device = flags.get("device", "cpu")
-    peaks = {"float32": args.peak_fp32 or peak_flops(device, torch.float32), "bfloat16": peak_flops(device, torch.bfloat16)}
+    peaks = {"float32": args.peak_fp32 or peak_flops(device, torch.float32),
+             "bfloat16": peak_flops(device, torch.bfloat16)}
     print(f"machine: {machine_description(device)} | torch {torch.__version__} | measured matmul peak: "
           f"fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s", flush=True)
     pairs = []
