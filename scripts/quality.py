@@ -9,38 +9,40 @@ runs of the real trainer/train_pretrain.py, fp32, same seed, same training docum
   fast-same  --packing 0 --loss_chunk_size 1024   the fast numerics on the baseline's very batches
   fast       --packing 1 --loss_chunk_size 1024   the fast configuration (bench's default; --doc_mask 1)
   fast-no-doc-mask   the same with --doc_mask 0: documents in a packed row attend to each other
-Each run's final weights are scored on the held-out documents one per row, padded, mean CE per
-target token: the same measure for every run, whatever its batches looked like. `fast-same` vs
+Each run's final weights are scored by the trainer's own evaluate() (a second trainer run from those
+weights: --learning_rate 0 for one step, --eval_data_path the held-out documents, --packing 0 and
+--batch_size 1, so one document per row): mean CE per target token, the same measure for every run,
+whatever its batches looked like. `fast-same` vs
 `baseline` compares the training loss at the last step too (same batches, so it must agree);
 `fast` sees ~3x more target tokens per step than the padded runs, so only the held-out loss is
 like for like there. One JSON line per run goes to --results. Flags the script does not know go to
 the trainer.
 """
 import argparse
+import glob
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.demo_data import ensure_demo_data  # noqa: E402
-from dataset.lm_dataset import PretrainDataset  # noqa: E402
-from scripts.bench import BENCH_DEFAULTS, given_trainer_flags, trainer_args, trainer_command  # noqa: E402
-from trainer.model_config import build_config  # noqa: E402
-from trainer.train_loop import step_targets  # noqa: E402
-from trainer.trainer_utils import ROOT, init_model, typed_or_default, weight_name  # noqa: E402
+from scripts.bench import BENCH_DEFAULTS, given_trainer_flags  # noqa: E402
+from scripts.run_helper import run_trainer  # noqa: E402
+from trainer.trainer_utils import typed_or_default  # noqa: E402
 
 RUNS = {"baseline": dict(packing=0, loss_chunk_size=0),
         "fast-same": dict(packing=0, loss_chunk_size=1024),
         "fast": dict(packing=1, loss_chunk_size=1024, doc_mask=1),
         "fast-no-doc-mask": dict(packing=1, loss_chunk_size=1024, doc_mask=0)}
+# a scoring run: one step at learning rate 0 (AdamW leaves the weights as they are), then evaluate() on every
+# held-out document, one per row
+SCORE_FLAGS = dict(learning_rate=0.0, warmup_steps=0, max_steps=1, packing=0, batch_size=1, accumulation_steps=1,
+                   loss_chunk_size=0, eval_batches=10 ** 9, eval_interval=0, save_interval=10 ** 9)
 
 
 def split_corpus(tmp, heldout):
@@ -54,20 +56,23 @@ def split_corpus(tmp, heldout):
     return paths
 
 
-def heldout_loss(config, save_dir, path, seq_len, tmp):
-    """Mean CE per target token of the pretrain weights in `save_dir` over the documents of `path`, one per row."""
-    model = init_model(config, os.path.join(save_dir, weight_name("pretrain", config) + ".pth"))
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-    dataset = PretrainDataset(path, tokenizer, max_length=seq_len, packing=False, cache_dir=tmp)
-    total = count = 0.0
-    model.eval()
-    with torch.no_grad():
-        for input_ids, labels in DataLoader(dataset, batch_size=16):
-            targets = step_targets(labels)
-            n = int((targets != -100).sum())
-            out = model(input_ids, shift_labels=targets, num_items_in_batch=n)
-            total, count = total + out.loss.item() * n, count + n
-    return total / count
+def train_and_score(name, flags, steps, train_path, heldout_path, tmp):
+    """Train run `name` for `steps` steps, then score its weights on the held-out file; one results row."""
+    work = os.path.join(tmp, name)
+    run_flags = dict(flags, **RUNS[name], data_path=train_path, max_steps=steps, log_interval=1,
+                     save_interval=10 ** 9, save_dtype="float32")
+    steps_log = [r for r in run_trainer(run_flags, os.path.join(tmp, f"{name}.log"), work=work) if "loss" in r]
+    weights = glob.glob(os.path.join(work, "out", "*.pth"))
+    if len(weights) != 1:
+        raise RuntimeError(f"expected one weights file in {work}/out, found {weights}")
+    score_flags = dict(flags, **SCORE_FLAGS, data_path=train_path, eval_data_path=heldout_path, from_weight=weights[0])
+    scored = run_trainer(score_flags, os.path.join(tmp, f"{name}-score.log"), work=os.path.join(work, "score"))
+    heldout = [r["eval_loss"] for r in scored if "eval_loss" in r]
+    last10 = steps_log[-10:]
+    return dict(run=name, steps=steps, train_loss=steps_log[-1]["loss"],
+                train_loss_last10=sum(r["loss"] for r in last10) / len(last10),
+                target_tokens=steps_log[-1]["tokens"], heldout_loss=heldout[-1],
+                flags={k: v for k, v in run_flags.items() if k != "data_path"}, torch=torch.__version__)
 
 
 def main():
@@ -75,10 +80,13 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--heldout", type=int, default=300, help="documents kept out of training")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
-    parser.add_argument("--results", default=None, help="JSONL the rows are appended to (default: out/quality.jsonl in the repo)")
+    parser.add_argument("--results", default=None,
+                        help="JSONL the rows are appended to (default: out/quality.jsonl in the repo)")
     args, rest = parser.parse_known_args()
+    unknown = [name for name in args.runs.split(",") if name not in RUNS]
+    if unknown:
+        parser.error(f"--runs {','.join(unknown)} unknown; choose from {','.join(RUNS)}")
     flags = dict(BENCH_DEFAULTS, dtype="float32", seed=42, **given_trainer_flags(parser, rest))
-    config = build_config(trainer_args(flags))
     tmp = tempfile.mkdtemp(prefix="quality_")
     results = typed_or_default(args.results, os.path.join("out", "quality.jsonl"))
     os.makedirs(os.path.dirname(results), exist_ok=True)
@@ -86,27 +94,12 @@ def main():
         train_path, heldout_path = split_corpus(tmp, args.heldout)
         rows = {}
         for name in args.runs.split(","):
-            work = os.path.join(tmp, name)
-            run_flags = dict(flags, **RUNS[name], data_path=train_path, max_steps=args.steps, log_interval=1,
-                             save_interval=10 ** 9, save_dtype="float32", metrics_file=os.path.join(work, "m.jsonl"),
-                             save_dir=os.path.join(work, "out"), checkpoint_dir=os.path.join(work, "ckpt"))
-            with open(os.path.join(tmp, f"{name}.log"), "w") as log:
-                proc = subprocess.run(trainer_command(run_flags, 1), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-            if proc.returncode != 0:
-                sys.exit(f"error: the {name} run failed; log {os.path.join(tmp, name + '.log')}")
-            with open(run_flags["metrics_file"]) as f:
-                steps = [r for r in map(json.loads, f) if "step" in r and "loss" in r]
-            row = dict(run=name, steps=args.steps, train_loss=steps[-1]["loss"],
-                       train_loss_last10=sum(r["loss"] for r in steps[-10:]) / len(steps[-10:]),
-                       target_tokens=steps[-1]["tokens"],
-                       heldout_loss=heldout_loss(config, run_flags["save_dir"], heldout_path, flags["max_seq_len"], tmp),
-                       flags={k: v for k, v in run_flags.items() if k not in ("metrics_file", "save_dir", "checkpoint_dir", "data_path")},
-                       torch=torch.__version__)
-            rows[name] = row
+            row = rows[name] = train_and_score(name, flags, args.steps, train_path, heldout_path, tmp)
             with open(results, "a") as f:
                 f.write(json.dumps(row) + "\n")
-            print(f"{name:10s} step {args.steps}: train loss {row['train_loss']:.4f} (last 10: {row['train_loss_last10']:.4f}), "
-                  f"held-out loss {row['heldout_loss']:.4f}, target tokens seen {row['target_tokens']}", flush=True)
+            print(f"{name:10s} step {args.steps}: train loss {row['train_loss']:.4f} "
+                  f"(last 10: {row['train_loss_last10']:.4f}), held-out loss {row['heldout_loss']:.4f}, "
+                  f"target tokens seen {row['target_tokens']}", flush=True)
         base = rows.get("baseline")
         for name, row in rows.items():
             if base and name != "baseline":

@@ -1,6 +1,68 @@
+"""Test markers: `slow` = launches processes or trains end to end; `huge` = 16-process layouts (RUN_SLOW=1)."""
 import os
+import subprocess
 import sys
+import types
+
+import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from tests import launch  # noqa: E402  (after the repo root is on sys.path)
+
+# the ways a test starts another process: the helpers of tests/launch.py, subprocess, multiprocessing
+LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, subprocess.run, subprocess.Popen, subprocess.call,
+             subprocess.check_call, subprocess.check_output)
+SUBPROCESS_CALLS = {"run", "Popen", "call", "check_call", "check_output", "start_processes", "spawn"}
+LAUNCH_HELPERS = {"spawn", "torchrun", "python"}  # tests/launch.py's, when a test imports them in its body
+# torch.compile on CPU runs the C++ compiler in worker processes (tens of seconds on 2 cores)
+COMPILERS = (torch.compile,)
+
+
+def launches(code, namespace, seen):
+    """Whether `code` (or a function of this repository it calls, transitively) starts a process."""
+    if code in seen:
+        return False
+    seen.add(code)
+    names = set(code.co_names)
+    if ("tests.launch" in names and LAUNCH_HELPERS & names) or ("subprocess" in names and SUBPROCESS_CALLS & names):
+        return True  # imported inside the function
+    if namespace.get("torch") is torch and "compile" in names:
+        return True
+    for name in code.co_names:
+        obj = namespace.get(name)
+        if any(obj is launcher for launcher in LAUNCHERS + COMPILERS):
+            return True
+        if isinstance(obj, types.ModuleType) and obj.__name__ in ("subprocess", "torch.multiprocessing",
+                                                                  "multiprocessing"):
+            if SUBPROCESS_CALLS & set(code.co_names):
+                return True
+        if isinstance(obj, types.FunctionType) and obj.__code__.co_filename.startswith(ROOT):  # the repo's code
+            if launches(obj.__code__, obj.__globals__, seen):
+                return True
+    # lambdas and nested functions of this code object
+    return any(launches(c, namespace, seen) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+def item_launches(item):
+    """The test function or any fixture it uses (its own or conftest's) starts a process."""
+    seen = set()
+    functions = [item.function]
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        functions += [d.func for d in defs]
+    return any(launches(f.__code__, f.__globals__, seen) for f in functions if hasattr(f, "__code__"))
+
+
+def pytest_collection_modifyitems(config, items):
+    run_huge = os.environ.get("RUN_SLOW") == "1"
+    for item in items:
+        if item.get_closest_marker("slow") is not None or item.get_closest_marker("huge") is not None:
+            # a `slow` written on the test itself keeps its old meaning: a 16-process layout
+            item.add_marker(pytest.mark.huge)
+            if not run_huge:
+                item.add_marker(pytest.mark.skip(reason="16 processes on 2 cores; set RUN_SLOW=1"))
+        if item_launches(item):
+            item.add_marker(pytest.mark.slow)

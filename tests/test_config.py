@@ -6,11 +6,13 @@ import os
 import pytest
 import torch
 
+from model.model_minimind import MiniMindForCausalLM
 from trainer.checks import AT_LEAST, data_parallel_mode
 from trainer.config import TrainPlan, resolve
 from trainer.flags import add_train_args
 from trainer.launch import ConfigError
 from trainer.trainer_utils import ROOT
+from trainer.model_config import build_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # a folder: no tokenizer, no weights, not a data file
 FORBIDDEN = "/proc/forbidden"  # a folder no one can create
@@ -89,6 +91,13 @@ def test_profile_steps_and_model_sizes():
         resolve(flags("--profile_steps", "5:3"), 1)
     with pytest.raises(ConfigError, match="A:B"):
         resolve(flags("--profile_steps", "x"), 1)
+    # the model the size flags build, counted by hand: h 64, 2 layers, 4 heads of 16, 2 kv heads, MLP 96, V 6400
+    config = build_config(flags("--intermediate_size", "96"))
+    h, kv, mlp, vocab = 64, 2 * 16, 96, 6400
+    layer = h * h + 2 * h * kv + h * h + 3 * h * mlp + 2 * h + 2 * 16  # q, k, v, o, MLP, 2 norms, q/k norms
+    model = MiniMindForCausalLM(config)
+    assert sum(p.numel() for p in model.parameters()) == 2 * layer + vocab * h + h  # tied lm_head, final norm
+    assert (config.head_dim, config.intermediate_size) == (16, 96)
 
 
 def test_every_flag_has_help():

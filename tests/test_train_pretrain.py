@@ -167,14 +167,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
     expect_rejected(tmp_path, args, needle)
 
 
-@pytest.mark.parametrize("args,needle", [  # issue 10's cases end to end; every flag's range: tests/test_config.py
-    (["--learning_rate", "-1"], "--learning_rate must be a finite number, 0 or more (got -1.0)"),
-    (["--grad_clip", "-1"], "--grad_clip must be a positive number (got -1.0)"),
-    (["--tokenizer_path", "/nonexistent/tokenizer"], "--tokenizer_path /nonexistent/tokenizer is not a directory"),
-    (["--max_steps", "-3"], "--max_steps must be at least 0 (got -3; 0 runs all epochs)"),
-])
-def test_bad_input_second_round(tmp_path, args, needle):
-    expect_rejected(tmp_path, args, needle)
+def test_bad_input_second_round(tmp_path):
+    """One of issue 10's cases end to end (exit 2, one error line); every flag's range: tests/test_config.py."""
+    expect_rejected(tmp_path, ["--learning_rate", "-1"], "--learning_rate must be a finite number, 0 or more (got -1.0)")
 
 
 def test_garbage_weight_file_is_one_line(tmp_path):

@@ -1,0 +1,51 @@
+"""Run the real trainer in a temporary folder and return its metrics records (for bench and quality)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+
+from trainer.trainer_utils import ROOT  # noqa: E402
+
+TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
+
+
+def trainer_command(flags, nproc):
+    """argv for one trainer run with `flags` (a dict of trainer flag -> value); torchrun when nproc > 1."""
+    argv = []
+    for name, value in flags.items():
+        argv += [f"--{name}"] if value is True else [f"--{name}", str(value)]  # True: store_true flags
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return launcher + [TRAIN_SCRIPT] + argv
+
+
+def run_trainer(flags, log_path, nproc=1, work=None):
+    """Run the trainer with `flags`, its outputs under `work` (default: a temp folder removed after).
+
+    Metrics, weights and checkpoints go to work/metrics.jsonl, work/out, work/ckpt unless `flags` names them;
+    the trainer's output goes to `log_path`. Returns the metrics records; a failed run raises RuntimeError.
+    """
+    tmp = None if work else tempfile.mkdtemp(prefix="run_")
+    work = work or tmp
+    try:
+        flags = dict(dict(metrics_file=os.path.join(work, "metrics.jsonl"), save_dir=os.path.join(work, "out"),
+                          checkpoint_dir=os.path.join(work, "ckpt")), **flags)
+        argv = trainer_command(flags, nproc)
+        with open(log_path, "w") as log:
+            log.write(" ".join(argv) + "\n")
+            log.flush()
+            proc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            with open(log_path) as log:
+                tail = log.read()[-3000:]
+            raise RuntimeError(f"trainer exited with {proc.returncode}; log {log_path}:\n{tail}")
+        with open(flags["metrics_file"]) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
