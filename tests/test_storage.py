@@ -35,7 +35,7 @@ def small_disk(tmp_path):
         result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(disk)],
                                 capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            pytest.skip(f"needs a real small filesystem: mount -t tmpfs is not permitted here ({result.stderr.strip()})")
+            pytest.skip(f"needs a real small filesystem; mount -t tmpfs is not permitted: {result.stderr.strip()}")
         mounted.append(disk)
         return str(disk)
 
