@@ -276,16 +276,21 @@ def test_signal_stops_the_build_and_its_workers_and_the_next_run_builds_it(token
         assert lock and builder.poll() is None, "the build ended before the signal"
         sent = time.monotonic()
         builder.send_signal(sig)
-        out, _ = builder.communicate(timeout=30)
-        stopped_in = time.monotonic() - sent
+        out = ""
+        while not out.startswith("error:") and builder.poll() is None:
+            out = builder.stdout.readline() or out
+        stopped_in = time.monotonic() - sent  # the build stopped and said so
+        out += builder.communicate(timeout=30)[0]
+        exited_in = time.monotonic() - sent
     finally:
         if builder.poll() is None:
             builder.kill()
             builder.wait()
     cache_path = cache_dir / lock[0][:-len(".lock")]
-    assert stopped_in < 5, f"{stopped_in:.1f}s"
+    # the build stops in ~0.1 s; the interpreter's exit (torch, transformers loaded) adds 1.5 s idle, ~4 s here busy
+    assert stopped_in < 3 and exited_in < 15, (stopped_in, exited_in)
     assert builder.returncode == 128 + sig, out
-    assert out.strip().splitlines()[-1] == (f"error: {sig.name} while building the token cache {cache_path}: "
+    assert out.strip().splitlines()[0] == (f"error: {sig.name} while building the token cache {cache_path}: "
                                             "stopped, nothing of it kept; the next run builds it")
     time.sleep(0.5)  # SIGTERM'd workers need a moment to be gone
     assert [pid for pid in workers if alive(pid)] == []
