@@ -33,6 +33,7 @@ from dataset.token_cache import CACHE_FORMAT_VERSION, build_token_cache
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
 CHUNK_DOCS = 1024  # documents per tokenizer batch call: big enough for speed, small enough for memory
+SCAN_TOKENS = 1 << 26  # mask bytes read per block when counting rows without targets: bounded memory
 
 
 def _check_text(value):
@@ -282,6 +283,36 @@ class SFTDataset(_TokenCacheDataset):
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError("SFTDataset needs a fast tokenizer (it maps assistant text to tokens by offsets)")
         super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir, num_proc, part)
+        self.num_rows_without_targets = self._rows_without_targets()
+        if len(self) and self.num_rows_without_targets == len(self):
+            raise ValueError(f"no row of {data_path} has an assistant token within --max_seq_len {max_length}; "
+                             "raise --max_seq_len")
+
+    def no_target_line(self):
+        """The one info line about rows that teach nothing at this max_length; None when every row has a target."""
+        if not self.num_rows_without_targets:
+            return None
+        return (f"{self.num_rows_without_targets} of {len(self)} rows of {self.data_path} have no assistant token "
+                f"within --max_seq_len {self.max_length}; they teach nothing")
+
+    def _rows_without_targets(self):
+        """Rows with no labelled token at positions 1..max_length-1 (position 0 is never a target once shifted)."""
+        _, mask = self._arrays()
+        starts = self.offsets[:-1] + 1
+        ends = np.minimum(self.offsets[1:], self.offsets[:-1] + self.max_length)
+        if mask is None:
+            return len(starts)
+        without, lo = 0, 0
+        while lo < len(starts):  # blocks of rows spanning at most SCAN_TOKENS tokens (one row at least)
+            hi = max(lo + 1, int(np.searchsorted(self.offsets, self.offsets[lo] + SCAN_TOKENS, side="right")) - 1)
+            s, e = starts[lo:hi], np.maximum(ends[lo:hi], starts[lo:hi])
+            base = int(s[0])
+            block = np.append(np.asarray(mask[base:int(e.max())]), np.uint8(0))  # reduceat needs every index < len
+            windows = np.stack([s - base, e - base], axis=1).ravel()
+            has_target = (np.maximum.reduceat(block, windows)[0::2] > 0) & (e > s)  # an empty window has none
+            without += int((~has_target).sum())
+            lo = hi
+        return without
 
     def _render(self, messages, tools, add_generation_prompt=False):
         """Chat template text of `messages`, or None where the template rejects the partial list."""

@@ -12,15 +12,20 @@ Building it goes through files only, so no collective (and no --dist_timeout) is
 - the lock holder joins the parts in file order into `<cache>.tmp<pid>` and renames it to `<cache>`: the same
   bytes one process writes;
 - a rank that fails (a bad line, say) writes its one-line message to `<cache>.error`; the others read it and
-  stop with the same line instead of waiting for the timeout.
+  stop with the same line instead of waiting for the timeout;
+- SIGINT/SIGTERM stop the build at once (CacheBuildInterrupted): workers are terminated, temporary files, the
+  parts and the lock removed; the next run builds the cache from the start.
 """
 import json
 import math
 import multiprocessing
 import os
 import shutil
+import signal
 import socket
+import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -145,6 +150,8 @@ _task = None  # (data_path, field, encode, token_dtype, skip_bad_lines), set in 
 def _init_worker(task):
     global _task
     _task = task
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # Pool.terminate's SIGTERM ends a worker mid-task
 
 
 def _tokenize_range(byte_range):
@@ -197,11 +204,12 @@ def _write_part(part_dir, task, part_range, num_proc, heartbeat):
     os.makedirs(tmp_dir)
     num_docs = num_tokens = num_bad = 0
     has_mask = False
+    results = _tokenized_ranges(task, ranges, num_proc)
     try:
         with open(os.path.join(tmp_dir, "tokens.bin"), "wb") as f_tokens, \
                 open(os.path.join(tmp_dir, "mask.bin"), "wb") as f_mask, \
                 open(os.path.join(tmp_dir, "lengths.bin"), "wb") as f_lengths:
-            for token_bytes, lengths, mask_bytes, bad in _tokenized_ranges(task, ranges, num_proc):
+            for token_bytes, lengths, mask_bytes, bad in results:
                 f_tokens.write(token_bytes)
                 f_lengths.write(lengths.tobytes())
                 if mask_bytes is not None:
@@ -214,6 +222,7 @@ def _write_part(part_dir, task, part_range, num_proc, heartbeat):
                        "has_mask": has_mask}, f)
         _rename_or_discard(tmp_dir, part_dir)
     except BaseException:
+        results.close()  # leaves the pool's `with` now: its workers are terminated before the files go
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
 
@@ -314,6 +323,36 @@ def _write_error(error_path, message):
     os.replace(tmp, error_path)
 
 
+class CacheBuildInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the build; `signum` tells which (exit code 128 + signum)."""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.signum = signum
+
+
+@contextmanager
+def _interrupted_by_signals(out_dir):
+    """Within the block, the first SIGINT/SIGTERM raises CacheBuildInterrupted; later ones are ignored (cleanup)."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live on the main thread only
+        yield
+        return
+    raised = []
+
+    def handle(signum, frame):
+        if not raised:
+            raised.append(signum)
+            raise CacheBuildInterrupted(f"{signal.Signals(signum).name} while building the token cache {out_dir}: "
+                                        "stopped, nothing of it kept; the next run builds it", signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_lines=False, num_proc=None,
                       part=(0, 1), node=None, wait_timeout=WAIT_TIMEOUT_S):
     """Make sure the complete cache `out_dir` of `data_path` exists; return whether this process tokenized.
@@ -351,46 +390,60 @@ def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_l
                 pass  # taken over by someone who thought it stale: both finish the same bytes
             last_beat = time.monotonic()
 
-    try:
-        while not os.path.exists(meta_path):
-            holder = _read_json(lock_path)
-            if holder and _lock_is_stale(lock_path, holder) and not holding:
-                holder = None  # its builder died: its error and its lock no longer count
-                if rank == 0:
-                    try:
-                        os.remove(lock_path)
-                    except FileNotFoundError:
-                        pass
-            if holder is None and rank == 0 and _try_lock(lock_path, me):
-                holding, holder = True, me
-                if os.path.exists(error_path):
-                    os.remove(error_path)  # an earlier failed build's: this build tries again
-            if holder and os.path.exists(error_path) and os.stat(error_path).st_mtime >= holder.get("since", 0) - 1:
-                with open(error_path) as f:
-                    raise _ReportedError(f.read())
-            ours = bool(holder) and holder.get("node") == me["node"] and holder.get("parts") == num_parts
-            if ours and not os.path.exists(os.path.join(part_dir, "meta.json")):
-                _write_part(part_dir, task, split_range(data_path, *_extent(data_path), num_parts)[rank],
-                            num_proc, heartbeat)
-                tokenized = True
-            elif holding and all(os.path.exists(os.path.join(parts_dir, f"part{r}", "meta.json"))
-                                 for r in range(num_parts)):
-                _join_parts(out_dir, parts_dir, num_parts, data_path, token_dtype)
-            elif time.monotonic() > deadline:
-                raise TimeoutError(f"waited {wait_timeout:.0f}s for the token cache {out_dir} (lock: {holder}); "
-                                   f"if no build is running, remove {lock_path}")
-            else:
-                heartbeat()
-                time.sleep(POLL_S)
-    except _ReportedError as e:
-        raise ValueError(str(e)) from None
-    except Exception as e:
-        if not isinstance(e, TimeoutError):  # tell the other ranks, so they stop with this line, not a timeout
-            _write_error(error_path, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
-        raise
-    if holding:
-        os.remove(lock_path)
+    with _interrupted_by_signals(out_dir):
+        try:
+            while not os.path.exists(meta_path):
+                holder = _read_json(lock_path)
+                if holder and _lock_is_stale(lock_path, holder) and not holding:
+                    holder = None  # its builder died: its error and its lock no longer count
+                    if rank == 0:
+                        try:
+                            os.remove(lock_path)
+                        except FileNotFoundError:
+                            pass
+                if holder is None and rank == 0 and _try_lock(lock_path, me):
+                    holding, holder = True, me
+                    if os.path.exists(error_path):
+                        os.remove(error_path)  # an earlier failed build's: this build tries again
+                since = (holder or me).get("since", 0)  # an error file older than this build's start is a past one's
+                if os.path.exists(error_path) and os.stat(error_path).st_mtime >= since - 1:
+                    with open(error_path) as f:
+                        raise _ReportedError(f.read())
+                ours = bool(holder) and holder.get("node") == me["node"] and holder.get("parts") == num_parts
+                if ours and not os.path.exists(os.path.join(part_dir, "meta.json")):
+                    _write_part(part_dir, task, split_range(data_path, *_extent(data_path), num_parts)[rank],
+                                num_proc, heartbeat)
+                    tokenized = True
+                elif holding and all(os.path.exists(os.path.join(parts_dir, f"part{r}", "meta.json"))
+                                     for r in range(num_parts)):
+                    _join_parts(out_dir, parts_dir, num_parts, data_path, token_dtype)
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {wait_timeout:.0f}s for the token cache {out_dir} (lock: {holder}); "
+                                       f"if no build is running, remove {lock_path}")
+                else:
+                    heartbeat()
+                    time.sleep(POLL_S)
+        except _ReportedError as e:
+            raise ValueError(str(e)) from None
+        except CacheBuildInterrupted as e:
+            _abandon(str(e), error_path, lock_path if holding else None, parts_dir if holding else None)
+            raise
+        except Exception as e:
+            if not isinstance(e, TimeoutError):  # tell the other ranks, so they stop with this line, not a timeout
+                _write_error(error_path, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+            raise
+        if holding:
+            os.remove(lock_path)
     return tokenized
+
+
+def _abandon(message, error_path, lock_path, parts_dir):
+    """After a signal: tell the other ranks; the lock holder drops the parts and the lock (the cache starts over)."""
+    _write_error(error_path, message)
+    if parts_dir is not None:
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    if lock_path is not None and os.path.exists(lock_path):
+        os.remove(lock_path)
 
 
 class _ReportedError(Exception):

@@ -205,6 +205,35 @@ def test_sft_truncation(tokenizer, tmp_path):
     assert input_ids.tolist() == ids[:n] and got_labels.tolist() == labels[:n]
 
 
+LONG_QUESTION = "Tell me about the sea. " * 20
+LONG_CONVERSATION = [{"role": "user", "content": LONG_QUESTION}, {"role": "assistant", "content": "Blue."}]
+
+
+def test_sft_rows_without_an_assistant_token_are_counted(tokenizer, tmp_path, monkeypatch):
+    _, labels = hand_built_conversation(tokenizer)
+    _, long_labels = pieces_to_ids(tokenizer, [
+        (f"<|im_start|>user\n{LONG_QUESTION}<|im_end|>\n<|im_start|>assistant\n", False),
+        ("<think>\n\n</think>\n\nBlue.<|im_end|>", True), ("\n", False)])
+    first = next(i for i, label in enumerate(labels) if label != -100)  # position of the first target
+    long_first = next(i for i, label in enumerate(long_labels) if label != -100)
+    assert first < long_first
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": c} for c in (CONVERSATION, LONG_CONVERSATION,
+                                                                              CONVERSATION)])
+    # the shifted loss uses labels 1..L-1 of a row: its first target counts once L > its position
+    ds = SFTDataset(path, tokenizer, max_length=first + 1, cache_dir=tmp_path / "cache")
+    assert (ds.num_rows_without_targets, len(ds)) == (1, 3)
+    assert ds.no_target_line() == (f"1 of 3 rows of {path} have no assistant token within --max_seq_len {first + 1}; "
+                                   "they teach nothing")
+    monkeypatch.setattr(lm_dataset, "SCAN_TOKENS", 1)  # one row per scanned block: the same count
+    assert SFTDataset(path, tokenizer, max_length=first + 1, cache_dir=tmp_path / "cache").num_rows_without_targets == 1
+    full = SFTDataset(path, tokenizer, max_length=long_first + 1, cache_dir=tmp_path / "cache")
+    assert full.num_rows_without_targets == 0 and full.no_target_line() is None
+    with pytest.raises(ValueError) as error:
+        SFTDataset(path, tokenizer, max_length=first, cache_dir=tmp_path / "cache")
+    assert str(error.value) == (f"no row of {path} has an assistant token within --max_seq_len {first}; "
+                                "raise --max_seq_len")
+
+
 def minimind3_tokenizer(tmp_path):
     """A tokenizer folder in MiniMind-3's format: its tokenizer_config.json (added tokens, chat template)
     verbatim from tests/fixtures, and a small byte-level BPE trained here with its 36 added tokens."""

@@ -5,6 +5,7 @@ Run as a script, this file is one rank: `python tests/test_token_cache.py KIND D
 """
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,11 +21,17 @@ sys.path.insert(0, ROOT)
 import dataset.lm_dataset as lm_dataset  # noqa: E402
 import dataset.token_cache as token_cache  # noqa: E402
 from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
-from dataset.token_cache import build_token_cache, lines_before, split_range  # noqa: E402
+from dataset.token_cache import (  # noqa: E402
+    CacheBuildInterrupted,
+    build_token_cache,
+    lines_before,
+    split_range,
+)
 from tests.launch import demo_slice  # noqa: E402
 
 CACHE_FILES = ("tokens.bin", "offsets.bin", "mask.bin", "meta.json")
 DATASETS = {"pretrain": PretrainDataset, "sft": SFTDataset}
+BIG_REPEAT = 16  # copies of a 5000-line demo slice: ~30 MB, over 10 s of tokenizing on two busy cores
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +84,9 @@ def rank_main(kind, path, cache_dir, rank, num_parts, num_proc):
     except ValueError as e:
         print(f"error: {e}")
         sys.exit(2)
+    except CacheBuildInterrupted as e:  # what the trainer's main_guard does with it
+        print(f"error: {e}", flush=True)
+        sys.exit(128 + e.signum)
     print(json.dumps({"tokenized": bool(tokenized and tokenized[0]), "cache_path": ds.cache_path}))
 
 
@@ -213,6 +223,81 @@ def test_killed_build_leaves_no_cache_and_is_taken_over(tokenizer, tmp_path):
     expected = cache_bytes(reference("pretrain", path, tokenizer, str(tmp_path / "ref")).cache_path)
     assert cache_bytes(ds.cache_path) == expected
     assert sorted(os.listdir(cache_dir)) == [os.path.basename(ds.cache_path)]
+
+
+@pytest.fixture(scope="module")
+def big_corpus(tmp_path_factory):
+    """(path, reference cache bytes) of a corpus that takes well over 10 s to tokenize here."""
+    tmp_path = tmp_path_factory.mktemp("big")
+    source = demo_slice(tmp_path, "pretrain", 5000)
+    path = str(tmp_path / "big.jsonl")
+    with open(source) as f, open(path, "w") as out:
+        out.write(f.read() * BIG_REPEAT)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    return path, cache_bytes(reference("pretrain", path, tokenizer, str(tmp_path / "ref")).cache_path)
+
+
+def children(pid):
+    """PIDs of the live processes whose parent is `pid` (from /proc)."""
+    kids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z":
+            kids.append(int(entry))
+    return kids
+
+
+def alive(pid):
+    """Whether `pid` runs (a zombie waiting to be reaped does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_the_build_and_its_workers_and_the_next_run_builds_it(tokenizer, tmp_path, big_corpus, sig):
+    path, expected = big_corpus
+    cache_dir = tmp_path / "cache"
+    args = [sys.executable, os.path.abspath(__file__), "pretrain", path, str(cache_dir), 0, 1, 2]
+    builder = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 60
+        while len(workers := children(builder.pid)) < 2:  # the lock is taken and both workers tokenize
+            assert time.time() < deadline and builder.poll() is None, "the build never started"
+            time.sleep(0.05)
+        time.sleep(1)
+        lock = [n for n in os.listdir(cache_dir) if n.endswith(".lock")]
+        assert lock and builder.poll() is None, "the build ended before the signal"
+        sent = time.monotonic()
+        builder.send_signal(sig)
+        out = ""
+        while not out.startswith("error:") and builder.poll() is None:
+            out = builder.stdout.readline() or out
+        stopped_in = time.monotonic() - sent  # the build stopped and said so
+        out += builder.communicate(timeout=30)[0]
+        exited_in = time.monotonic() - sent
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait()
+    cache_path = cache_dir / lock[0][:-len(".lock")]
+    # the build stops in ~0.1 s; the interpreter's exit (torch, transformers loaded) adds 1.5 s idle, ~4 s here busy
+    assert stopped_in < 3 and exited_in < 15, (stopped_in, exited_in)
+    assert builder.returncode == 128 + sig, out
+    assert out.strip().splitlines()[0] == (f"error: {sig.name} while building the token cache {cache_path}: "
+                                            "stopped, nothing of it kept; the next run builds it")
+    time.sleep(0.5)  # SIGTERM'd workers need a moment to be gone
+    assert [pid for pid in workers if alive(pid)] == []
+    assert sorted(os.listdir(cache_dir)) == [cache_path.name + ".error"]  # no lock, no parts, no temporary, no cache
+    ds = PretrainDataset(path, tokenizer, max_length=16, cache_dir=cache_dir, num_proc=2)
+    assert cache_bytes(ds.cache_path) == expected
+    assert sorted(os.listdir(cache_dir)) == [cache_path.name]
 
 
 def test_bad_arguments(tokenizer, tmp_path):

@@ -1,0 +1,137 @@
+"""trainer/storage.py on a real small filesystem (a tmpfs mounted for the test; skipped where mount is not allowed)."""
+import errno
+import os
+import subprocess
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from trainer.parallel.state_dict import sharded_state_dict
+from trainer.storage import (
+    DiskFullError,
+    check_room,
+    checkpoint_bytes_estimate,
+    disk_full_as_one_line,
+    free_bytes,
+    room_warning,
+    tree_bytes,
+)
+
+MiB = 2**20
+PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs counts space in pages
+HINT = "free space or choose another --checkpoint_dir, then resume with --from_resume 1"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Mount a tmpfs of the given size under tmp_path; unmounted afterwards."""
+    mounted = []
+
+    def mount(size_mib):
+        disk = tmp_path / f"disk{len(mounted)}"
+        disk.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(disk)],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            pytest.skip(f"needs a real small filesystem; mount -t tmpfs is not permitted: {result.stderr.strip()}")
+        mounted.append(disk)
+        return str(disk)
+
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def statvfs_free(path):
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def trained_model(hidden_size):
+    """A MiniMind model and its AdamW after one step (so both moments exist), as a resume checkpoint holds them."""
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=hidden_size, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    model = MiniMindForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.arange(8).unsqueeze(0), labels=torch.arange(8).unsqueeze(0)).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_free_and_tree_bytes_count_pages_and_file_sizes(small_disk):
+    disk = small_disk(2)
+    assert free_bytes(disk) == 2 * MiB
+    os.makedirs(os.path.join(disk, "run", "step_1"))
+    with open(os.path.join(disk, "run", "a.bin"), "wb") as f:
+        f.write(b"x" * 100_000)
+    with open(os.path.join(disk, "run", "step_1", "b.bin"), "wb") as f:
+        f.write(b"y" * 5)
+    assert tree_bytes(os.path.join(disk, "run")) == 100_005
+    used_pages = -(-100_000 // PAGE) + 1
+    assert free_bytes(os.path.join(disk, "run", "not", "made", "yet")) == 2 * MiB - used_pages * PAGE
+    assert tree_bytes(os.path.join(disk, "absent")) == 0
+
+
+def test_estimate_covers_a_real_checkpoint_and_weights_file(tmp_path):
+    model, optimizer = trained_model(64)
+    embedding = model.model.embed_tokens.weight.numel()
+    num_params = sum(p.numel() for p in model.parameters())  # the tied lm_head counted once
+    dcp.save(sharded_state_dict([model], optimizer), checkpoint_id=str(tmp_path / "step_1"))
+    torch.save({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, tmp_path / "w.pth")
+    actual = tree_bytes(tmp_path / "step_1") + os.path.getsize(tmp_path / "w.pth")
+    estimate = checkpoint_bytes_estimate(model, 2)
+    assert estimate == num_params * (4 + 8 + 2) + embedding * (4 + 2)  # the tied weight is saved twice, moments once
+    # what the estimate leaves out is metadata (DCP's index, pickled headers): ~0.3 MB whatever the width
+    assert estimate <= actual <= estimate + 512 * 1024
+
+
+def test_check_room_refuses_a_checkpoint_larger_than_the_free_space(small_disk):
+    disk = small_disk(2)
+    check_room(disk, 1 * MiB)  # fits: no error
+    with pytest.raises(DiskFullError) as error:
+        check_room(disk, 3 * MiB, last_complete=os.path.join(disk, "step_4"))
+    assert str(error.value) == (f"disk full: {disk} needs 3.0 MB for a checkpoint but has 2.0 MB free; "
+                                f"the last complete checkpoint is {disk}/step_4; {HINT}")
+    assert room_warning(disk, 1 * MiB) is None
+    assert room_warning(disk, 3 * MiB) == (f"warning: {disk} has 2.0 MB free, less than one checkpoint (~3.0 MB): "
+                                           "saves will fail; free space or choose another --checkpoint_dir")
+
+
+def test_disk_filling_during_a_dcp_save_is_one_line_and_the_last_checkpoint_survives(small_disk):
+    disk = small_disk(4)
+    run_dir = os.path.join(disk, "run")
+    model, optimizer = trained_model(32)  # ~2.9 MB of fp32 weights + moments: one fits in 4 MB, two do not
+    step_1, step_2 = os.path.join(run_dir, "step_1"), os.path.join(run_dir, "step_2")
+    saved = {k: v.clone() for k, v in sharded_state_dict([model], optimizer)["model"].items()}
+    dcp.save(sharded_state_dict([model], optimizer), checkpoint_id=step_1)
+    needed = tree_bytes(step_1)
+    free_before = statvfs_free(disk)
+    assert free_before < needed
+    with pytest.raises(DiskFullError) as error:
+        check_room(run_dir, needed, last_complete=step_1)  # what Checkpointer.save checks first
+    with pytest.raises(DiskFullError) as error, \
+            disk_full_as_one_line(run_dir, needed, last_complete=step_1, partial=step_2):  # a save filling the disk
+        dcp.save(sharded_state_dict([model], optimizer), checkpoint_id=step_2)
+    # DCP reports the full disk as torch.save's "unexpected pos", not ENOSPC: the line is ours
+    assert "unexpected pos" in str(error.value.__cause__)
+    free_mb = free_before / MiB
+    assert str(error.value) == (f"disk full: {run_dir} needs {needed / MiB:.1f} MB for a checkpoint but has "
+                                f"{free_mb:.1f} MB free; the last complete checkpoint is {step_1}; {HINT}")
+    assert "\n" not in str(error.value)
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
+    dcp.load(loaded, checkpoint_id=step_1)
+    for k, v in saved.items():
+        assert torch.equal(loaded["model"][k], v), k
+
+
+def test_other_save_errors_pass_through_unchanged(tmp_path):
+    with pytest.raises(ValueError, match="not a disk problem"), disk_full_as_one_line(str(tmp_path), MiB):
+        raise ValueError("not a disk problem")
+    # ENOSPC named anywhere in the chain is a full disk, whatever the free space
+    with pytest.raises(DiskFullError, match=r"^disk full: "), disk_full_as_one_line(str(tmp_path), MiB):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("write failed") from e
