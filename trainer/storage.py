@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from trainer.guard import TrainingHalted
+from trainer.launch import TrainingHalted
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit (RLIMIT_FSIZE)
 NEARLY_FULL_BYTES = 1 << 20  # free space below this after a failed write: the write filled the disk
