@@ -1,13 +1,22 @@
 """LoRA adapters attached from outside to a plain model, saved in MiniMind's format and in PEFT's.
 
-Each adapted nn.Linear gets a submodule `lora` (A: in -> rank, B: rank -> out, plain nn.Linear so tensor-parallel
-plans can shard them like the base) and a forward hook adding `scale * B(A(dropout(x)))` to its output.
+Each adapted nn.Linear `parent.<name>` gets an adapter `parent.lora[<name>]` (A: in -> rank, B: rank -> out, plain
+nn.Linear so tensor-parallel plans shard them like the base, see lora_tp_plan) and a forward hook adding
+`scale * B(A(dropout(x)))` to its output. The adapter sits beside the base, not inside it, because torch's
+Colwise/RowwiseParallel shard every parameter of the module they are given.
 scale = alpha / rank as in PEFT; MiniMind's own LoRA has no scaling, so its files hold B * scale.
 """
 import os
+from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
 
 from model.weights import clean_state_dict, minimind_to_hf
 
@@ -34,8 +43,8 @@ class LoRA(nn.Module):
         return self.B(self.A(self.dropout(x))) * self.scale
 
 
-def _add_lora(module, args, output):
-    return output + module.lora(args[0])
+def _add_lora(adapter, module, args, output):
+    return output + adapter(args[0])
 
 
 def lora_target_names(model, targets=None):
@@ -62,25 +71,42 @@ def apply_lora(model, rank=16, alpha=None, dropout=0.0, targets=None):
     if rank < 1:
         raise LoraError(f"LoRA rank must be at least 1 (got {rank})")
     names = lora_target_names(model, targets)
-    for param in model.parameters():
-        param.requires_grad_(False)
     for name in names:
-        module = model.get_submodule(name)
+        parent_name, _, short = name.rpartition(".")
+        parent, module = model.get_submodule(parent_name), model.get_submodule(name)
+        if "lora" not in parent._modules:
+            parent.lora = nn.ModuleDict()
         weight = module.weight
-        module.lora = LoRA(weight.shape[1], weight.shape[0], rank, rank if alpha is None else alpha, dropout)
-        module.lora.to(device=weight.device, dtype=weight.dtype)
-        module._lora_hook = module.register_forward_hook(_add_lora)
+        adapter = LoRA(weight.shape[1], weight.shape[0], rank, rank if alpha is None else alpha, dropout)
+        parent.lora[short] = adapter.to(device=weight.device, dtype=weight.dtype)
+        module._lora_hook = module.register_forward_hook(partial(_add_lora, adapter))
+    freeze_base(model)
     return names
 
 
+def freeze_base(model):
+    """Only the adapters train; call again after tensor parallelism (some styles re-create parameters trainable)."""
+    adapters = {id(p) for _, _, _, adapter in _adapters(model) for p in adapter.parameters()}
+    for param in model.parameters():
+        param.requires_grad_(id(param) in adapters)
+
+
+def _adapters(model):
+    """(base name as in model, parent, base layer's attribute name, adapter) for every adapted layer."""
+    for parent_name, parent in model.named_modules():
+        adapters = parent._modules.get("lora")
+        if isinstance(adapters, nn.ModuleDict):
+            for short, adapter in adapters.items():
+                yield f"{parent_name}.{short}" if parent_name else short, parent, short, adapter
+
+
 def lora_modules(model):
-    """{clean module name: module} for every adapted layer (DDP / torch.compile prefixes dropped)."""
+    """{clean base layer name: (base nn.Linear, LoRA)} (DDP / torch.compile prefixes dropped)."""
     modules = {}
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "lora", None), LoRA):
-            for prefix in ("module.", "_orig_mod."):
-                name = name.removeprefix(prefix)
-            modules[name] = module
+    for name, parent, short, adapter in _adapters(model):
+        for prefix in ("module.", "_orig_mod."):
+            name = name.removeprefix(prefix)
+        modules[name] = (getattr(parent, short), adapter)
     return modules
 
 
@@ -94,9 +120,9 @@ def _require_lora(model):
 def lora_state_dict(model):
     """MiniMind's format: `<module>.lora.A.weight` / `<module>.lora.B.weight`, B holding the scale."""
     state = {}
-    for name, module in _require_lora(model).items():
-        state[f"{name}.lora.A.weight"] = module.lora.A.weight.detach().cpu().clone()
-        state[f"{name}.lora.B.weight"] = (module.lora.B.weight.detach() * module.lora.scale).cpu()
+    for name, (_, lora) in _require_lora(model).items():
+        state[f"{name}.lora.A.weight"] = lora.A.weight.detach().cpu().clone()
+        state[f"{name}.lora.B.weight"] = (lora.B.weight.detach() * lora.scale).cpu()
     return state
 
 
@@ -118,26 +144,29 @@ def load_lora(model, path):
     if missing or extra:
         what = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which the model has no adapter for"
         raise LoraError(f"{path} {what}; apply_lora with the targets and rank the adapter was trained with")
-    for name, module in modules.items():
+    for name, (_, lora) in modules.items():
         a, b = state[f"{name}.lora.A.weight"], state[f"{name}.lora.B.weight"]
-        if a.shape != module.lora.A.weight.shape or b.shape != module.lora.B.weight.shape:
+        if a.shape != lora.A.weight.shape or b.shape != lora.B.weight.shape:
             raise LoraError(f"{path}: {name}.lora.A.weight has shape {list(a.shape)}, the model's adapter "
-                            f"{list(module.lora.A.weight.shape)}; pass the rank and model the adapter was trained with")
+                            f"{list(lora.A.weight.shape)}; pass the rank and model the adapter was trained with")
         with torch.no_grad():
-            module.lora.A.weight.copy_(a)
-            module.lora.B.weight.copy_(b / module.lora.scale)  # the file holds B * scale
+            lora.A.weight.copy_(a)
+            lora.B.weight.copy_(b / lora.scale)  # the file holds B * scale
     return model
 
 
 def merge_lora(model):
     """Fold scale * B @ A into each base weight and remove the adapters; the model is plain again."""
-    for module in _require_lora(model).values():
-        lora = module.lora
+    _require_lora(model)
+    for _, parent, short, lora in list(_adapters(model)):
+        module = getattr(parent, short)
         with torch.no_grad():
             delta = lora.B.weight.float() @ lora.A.weight.float() * lora.scale
             module.weight.add_(delta.to(module.weight.dtype))
         module._lora_hook.remove()
-        del module.lora, module._lora_hook
+        del module._lora_hook, parent.lora[short]
+        if not len(parent.lora):
+            del parent.lora
     return model
 
 
@@ -147,7 +176,7 @@ def save_peft(model, out_dir, base_model_name_or_path=None):
     from safetensors.torch import save_file
     modules = _require_lora(model)
     hf_names = set(minimind_to_hf(model.state_dict(), model.config)[1])
-    ranks = {(m.lora.rank, m.lora.alpha) for m in modules.values()}
+    ranks = {(lora.rank, lora.alpha) for _, lora in modules.values()}
     for name in modules:
         if f"{name}.weight" not in hf_names:
             raise LoraError(f"{name} has no nn.Linear in the Hugging Face export (fused experts in this transformers); "
@@ -155,15 +184,44 @@ def save_peft(model, out_dir, base_model_name_or_path=None):
     if len(ranks) != 1:
         raise LoraError("adapters with different rank/alpha per layer do not fit one PEFT adapter_config")
     (rank, alpha), = ranks
-    first = next(iter(modules.values())).lora
+    first = next(iter(modules.values()))[1]
     dropout = first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(modules),
                         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path)
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
     tensors = {}
-    for name, module in modules.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = module.lora.A.weight.detach().cpu().contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = module.lora.B.weight.detach().cpu().contiguous()
+    for name, (_, lora) in modules.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = lora.A.weight.detach().cpu().contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = lora.B.weight.detach().cpu().contiguous()
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+class ReplicateWeights(ParallelStyle):
+    """Parameters become Replicate DTensors; DTensor inputs and outputs pass through, so Partial stays Partial."""
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(module, device_mesh)
+
+
+def lora_tp_plan(model, base_plan):
+    """TP plan entries for the adapters of the layers `base_plan` shards; call apply_lora before parallelizing.
+
+    Colwise base: A replicated, B sharded on its output (the base output's Shard(-1)).
+    Rowwise base: A sharded on its input, B replicated; the adapter output stays Partial and joins the base's
+    Partial output before its one reduction.
+    """
+    plan = {}
+    for name, _, _, _ in _adapters(model):
+        style, adapter = base_plan.get(name), f"{name.rpartition('.')[0]}.lora.{name.rpartition('.')[2]}"
+        if isinstance(style, ColwiseParallel):
+            plan[f"{adapter}.A"] = ReplicateWeights()
+            plan[f"{adapter}.B"] = ColwiseParallel(input_layouts=Replicate(), use_local_output=False)
+        elif isinstance(style, RowwiseParallel):
+            plan[f"{adapter}.A"] = RowwiseParallel(input_layouts=Shard(-1), output_layouts=Partial(),
+                                                   use_local_output=False)
+            plan[f"{adapter}.B"] = ReplicateWeights()
+        else:
+            raise LoraError(f"{name} has a LoRA adapter but no column- or row-wise entry in the TP plan")
+    return plan

@@ -1,13 +1,30 @@
 """model/lora.py: adapters add scale * x A^T B^T, save/load in MiniMind's format, export to PEFT, merge."""
+import copy
+
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers import __version__ as transformers_version
 
-from model.lora import LoraError, apply_lora, load_lora, merge_lora, save_lora, save_peft
+import trainer.parallel.tensor as tensor_parallel
+from model.lora import (
+    LoraError,
+    apply_lora,
+    freeze_base,
+    load_lora,
+    lora_modules,
+    lora_tp_plan,
+    merge_lora,
+    save_lora,
+    save_peft,
+)
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import minimind_to_hf
+from tests.launch import spawn
 
 VOCAB = 6400
 TOL = 1e-4  # fp32: our model and transformers' differ only in summation order
@@ -45,10 +62,8 @@ def folded(config, adapted):
     """An independent plain model whose weights are W + scale * B @ A, computed here from the adapter tensors."""
     reference = model_of(config)
     state = reference.state_dict()
-    for name, module in adapted.named_modules():
-        if hasattr(module, "lora"):
-            lora = module.lora
-            state[f"{name}.weight"] = state[f"{name}.weight"] + lora.scale * lora.B.weight @ lora.A.weight
+    for name, (_, lora) in lora_modules(adapted).items():
+        state[f"{name}.weight"] = state[f"{name}.weight"] + lora.scale * lora.B.weight @ lora.A.weight
     reference.load_state_dict(state)
     return reference
 
@@ -69,8 +84,8 @@ def test_hand_set_adapter_adds_scaled_low_rank_term():
     a = torch.tensor([[1.0, 0, 2, 0, 0, -1], [0, 1, 0, 0, 3, 0]])
     b = torch.tensor([[1.0, 0], [0, 1], [2, 0], [0, -1], [1, 1]])
     with torch.no_grad():
-        linear.lora.A.weight.copy_(a)
-        linear.lora.B.weight.copy_(b)
+        holder.lora.q_proj.A.weight.copy_(a)
+        holder.lora.q_proj.B.weight.copy_(b)
     x = torch.randn(3, 6)
     expected = x @ linear.weight.T + 1.5 * x @ a.T @ b.T
     torch.testing.assert_close(linear(x), expected, rtol=1e-6, atol=1e-6)
@@ -80,8 +95,8 @@ def test_only_adapters_are_trainable():
     model = model_of(tiny())
     apply_lora(model, rank=4, targets=["q_proj", "v_proj", "down_proj"])
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    expected = {f"model.layers.{i}.{m}.lora.{ab}.weight" for i in range(2) for ab in "AB"
-                for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")}
+    expected = {f"model.layers.{i}.{m}.{ab}.weight" for i in range(2) for ab in "AB"
+                for m in ("self_attn.lora.q_proj", "self_attn.lora.v_proj", "mlp.lora.down_proj")}
     assert trainable == expected
     loss = model(ids(), labels=ids()).loss
     loss.backward()
@@ -100,8 +115,8 @@ def test_minimind_format_round_trip(tmp_path):
     assert sorted(state) == sorted(f"model.layers.{i}.self_attn.{p}.lora.{ab}.weight"
                                    for i in range(2) for p in ("q_proj", "o_proj") for ab in "AB")
     # MiniMind adds B(A(x)) with no scaling: the file's B holds scale * B
-    q = model.model.layers[0].self_attn.q_proj
-    torch.testing.assert_close(state["model.layers.0.self_attn.q_proj.lora.B.weight"], 2.0 * q.lora.B.weight)
+    q_lora = model.model.layers[0].self_attn.lora.q_proj
+    torch.testing.assert_close(state["model.layers.0.self_attn.q_proj.lora.B.weight"], 2.0 * q_lora.B.weight)
     loaded = model_of(config)
     apply_lora(loaded, rank=4, alpha=8)
     load_lora(loaded, path)
@@ -208,3 +223,49 @@ def test_bad_input_is_refused():
         merge_lora(model)
     with pytest.raises(LoraError, match="rank must be at least 1"):
         apply_lora(model, rank=0)
+
+
+def _parallelize_with_lora(model, mesh, plan):
+    """trainer/parallel/tensor.py's parallelize_module call, with the adapters' entries added."""
+    return parallelize_module(model, mesh, {**plan, **lora_tp_plan(model, plan)})
+
+
+def _compare_tp_lora(rank, world_size, config_kwargs, sequence_parallel):
+    tensor_parallel.parallelize_module = _parallelize_with_lora  # this worker process only
+    config = tiny(**config_kwargs)
+    plain = model_of(config).train()
+    targets = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    apply_lora(plain, rank=4, alpha=8, targets=targets)
+    randomize(plain)
+    model = copy.deepcopy(plain).requires_grad_(True)  # apply_tensor_parallel hooks grads of every Replicate param
+    tensor_parallel.apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,)), sequence_parallel,
+                                          loss_parallel=False)
+    freeze_base(model)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n for n, p in plain.named_parameters() if p.requires_grad}
+    attn = model.model.layers[0].self_attn.lora
+    assert attn.q_proj.B.weight.placements == (Shard(0),) and attn.q_proj.A.weight.placements == (Replicate(),)
+    assert attn.o_proj.A.weight.placements == (Shard(1),) and attn.o_proj.B.weight.placements == (Replicate(),)
+    batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref = plain(batch, labels=batch)
+    ref.loss.backward()
+    out = model(batch, labels=batch)
+    out.loss.backward()
+    where = f"(sp={sequence_parallel}, {config_kwargs})"
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5, msg=f"logits {where}")
+    tp_params = dict(model.named_parameters())
+    for name, param in plain.named_parameters():
+        if param.requires_grad:
+            grad = tp_params[name].grad
+            assert isinstance(grad, DTensor) and grad.placements == tp_params[name].placements, name
+            torch.testing.assert_close(grad.full_tensor(), param.grad, rtol=1e-4, atol=1e-6, msg=f"{name} {where}")
+
+
+def _run_tp_cases(rank, world_size, cases):
+    for config_kwargs, sequence_parallel in cases:
+        _compare_tp_lora(rank, world_size, config_kwargs, sequence_parallel)
+
+
+def test_tp2_adapters_match_single_process():
+    moe = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=0)
+    spawn(_run_tp_cases, 2, [({}, False), ({}, True), (moe, False)], timeout=240)
