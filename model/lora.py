@@ -70,7 +70,13 @@ def apply_lora(model, rank=16, alpha=None, dropout=0.0, targets=None):
     """Freeze `model` and attach adapters (alpha defaults to rank: scale 1, MiniMind's math); returns their names."""
     if rank < 1:
         raise LoraError(f"LoRA rank must be at least 1 (got {rank})")
+    if alpha is not None and not alpha > 0:
+        raise LoraError(f"LoRA alpha must be positive (got {alpha})")
+    if not 0 <= dropout < 1:
+        raise LoraError(f"LoRA dropout must be in [0, 1) (got {dropout})")
     names = lora_target_names(model, targets)
+    if any(name in lora_modules(model) for name in names):
+        raise LoraError("the model already has LoRA adapters on these layers; apply_lora once (merge_lora first)")
     for name in names:
         parent_name, _, short = name.rpartition(".")
         parent, module = model.get_submodule(parent_name), model.get_submodule(name)
@@ -214,7 +220,8 @@ def lora_tp_plan(model, base_plan):
     """
     plan = {}
     for name, _, _, _ in _adapters(model):
-        style, adapter = base_plan.get(name), f"{name.rpartition('.')[0]}.lora.{name.rpartition('.')[2]}"
+        parent_name, _, short = name.rpartition(".")
+        style, adapter = base_plan.get(name), f"{parent_name}.lora.{short}"
         if isinstance(style, ColwiseParallel):
             plan[f"{adapter}.A"] = ReplicateWeights()
             plan[f"{adapter}.B"] = ColwiseParallel(input_layouts=Replicate(), use_local_output=False)

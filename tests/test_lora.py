@@ -223,6 +223,11 @@ def test_bad_input_is_refused():
         merge_lora(model)
     with pytest.raises(LoraError, match="rank must be at least 1"):
         apply_lora(model, rank=0)
+    with pytest.raises(LoraError, match="dropout must be in"):
+        apply_lora(model, dropout=1.0)
+    apply_lora(model, rank=4)
+    with pytest.raises(LoraError, match="already has LoRA adapters"):
+        apply_lora(model, rank=4, targets=["q_proj"])
 
 
 def _parallelize_with_lora(model, mesh, plan):
