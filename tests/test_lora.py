@@ -25,6 +25,7 @@ from model.lora import (
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import minimind_to_hf
 from tests.launch import spawn
+from trainer.parallel.data import apply_data_parallel
 
 VOCAB = 6400
 TOL = 1e-4  # fp32: our model and transformers' differ only in summation order
@@ -274,3 +275,29 @@ def _run_tp_cases(rank, world_size, cases):
 def test_tp2_adapters_match_single_process():
     moe = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=0)
     spawn(_run_tp_cases, 2, [({}, False), ({}, True), (moe, False)], timeout=240)
+
+
+def _compare_dp_lora(rank, world_size, zero_stage):
+    plain = model_of(tiny()).train()
+    apply_lora(plain, rank=4, alpha=8, targets=["q_proj", "o_proj", "gate_proj", "down_proj"])
+    randomize(plain)
+    model = apply_data_parallel(copy.deepcopy(plain), init_device_mesh("cpu", (world_size,)), zero_stage)
+    batch = torch.randint(0, VOCAB, (2 * world_size, 16), generator=torch.Generator().manual_seed(3))
+    plain(batch, labels=batch).loss.backward()  # the same number of target tokens on each rank: mean of means
+    local = batch[rank * 2:(rank + 1) * 2]
+    model(local, labels=local).loss.backward()
+    for (name, param), (dp_name, dp_param) in zip(plain.named_parameters(), model.named_parameters(), strict=True):
+        if not param.requires_grad:
+            assert not dp_param.requires_grad and dp_param.grad is None, dp_name
+            continue
+        grad = dp_param.grad.full_tensor() if isinstance(dp_param.grad, DTensor) else dp_param.grad
+        torch.testing.assert_close(grad, param.grad, rtol=1e-4, atol=1e-6, msg=f"{name} zero_stage={zero_stage}")
+
+
+def _run_dp_cases(rank, world_size, stages):
+    for zero_stage in stages:
+        _compare_dp_lora(rank, world_size, zero_stage)
+
+
+def test_dp2_ddp_and_fsdp2_adapter_grads_match_single_process():
+    spawn(_run_dp_cases, 2, [0, 3], timeout=240)
