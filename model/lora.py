@@ -138,12 +138,30 @@ def save_lora(model, path):
     torch.save(lora_state_dict(model), path)
 
 
-def load_lora(model, path):
-    """Load a MiniMind-format adapter file into a model prepared by apply_lora; LoraError(one line) on mismatch."""
+def _read_lora_file(path):
     try:
-        state = clean_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise LoraError(f"{path} is not a readable LoRA .pth ({type(e).__name__}); pass a file save_lora wrote")
+    if not isinstance(state, dict) or not state or not all(k.endswith((".lora.A.weight", ".lora.B.weight"))
+                                                           for k in state):
+        raise LoraError(f"{path} holds no MiniMind LoRA keys (<module>.lora.A.weight); pass a file save_lora wrote")
+    return clean_state_dict(state)
+
+
+def apply_lora_file(model, path):
+    """apply_lora with the rank and targets a MiniMind-format file shows, then load it (for --lora FILE)."""
+    state = _read_lora_file(path)
+    a_keys = [k for k in state if k.endswith(".lora.A.weight")]
+    targets = sorted({k.removesuffix(".lora.A.weight").rsplit(".", 1)[-1] for k in a_keys})
+    rank = state[a_keys[0]].shape[0]
+    apply_lora(model, rank=rank, targets=targets)  # alpha = rank: the file's B already holds the scale
+    return load_lora(model, path)
+
+
+def load_lora(model, path):
+    """Load a MiniMind-format adapter file into a model prepared by apply_lora; LoraError(one line) on mismatch."""
+    state = _read_lora_file(path)
     modules = _require_lora(model)
     expected = {f"{name}.lora.{ab}.weight" for name in modules for ab in "AB"}
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)

@@ -14,6 +14,7 @@ import trainer.parallel.tensor as tensor_parallel
 from model.lora import (
     LoraError,
     apply_lora,
+    apply_lora_file,
     freeze_base,
     load_lora,
     lora_modules,
@@ -122,6 +123,20 @@ def test_minimind_format_round_trip(tmp_path):
     apply_lora(loaded, rank=4, alpha=8)
     load_lora(loaded, path)
     torch.testing.assert_close(logits(loaded), logits(folded(config, model)), rtol=0, atol=TOL)
+
+
+def test_apply_lora_file_infers_rank_and_targets(tmp_path):
+    config = tiny()
+    model = model_of(config)
+    apply_lora(model, rank=3, alpha=6, targets=["k_proj", "up_proj"])
+    randomize(model)
+    save_lora(model, tmp_path / "sft_64.pth")
+    loaded = apply_lora_file(model_of(config), tmp_path / "sft_64.pth")
+    assert sorted(lora_modules(loaded)) == sorted(lora_modules(model))
+    torch.testing.assert_close(logits(loaded), logits(folded(config, model)), rtol=0, atol=TOL)
+    torch.save({"model.embed_tokens.weight": torch.zeros(2)}, tmp_path / "base.pth")
+    with pytest.raises(LoraError, match="holds no MiniMind LoRA keys"):
+        apply_lora_file(model_of(config), tmp_path / "base.pth")
 
 
 def test_load_refuses_adapter_of_other_targets(tmp_path):
