@@ -286,6 +286,18 @@ class MOEFeedForward(nn.Module):
         """Hook for per-sequence partial sums (B, E); context parallel all-reduces them over its group."""
         return t
 
+    def dispatch(self, x_flat, topk_idx, topk_weight):
+        """sum_k weight_k * expert_k(x) per token: tokens sorted by expert, one bincount sync for the split sizes."""
+        top_k = topk_idx.shape[-1]
+        flat_idx = topk_idx.reshape(-1)
+        order = flat_idx.argsort(stable=True)  # stable: a token's slots stay in expert order, as the old loop
+        token_idx = order // top_k
+        sizes = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()  # the layer's one host sync
+        # every expert runs, even on zero rows, so DDP/FSDP see no unused parameters
+        outs = [expert(rows) for expert, rows in zip(self.experts, x_flat[token_idx].split(sizes))]
+        out = torch.cat(outs) * topk_weight.reshape(-1)[order, None]
+        return torch.zeros_like(x_flat).index_add_(0, token_idx, out.to(x_flat.dtype))
+
     def forward(self, x):
         bsz, seq_len, hidden = x.shape
         num_experts, top_k = self.config.num_experts, self.config.num_experts_per_tok
@@ -296,12 +308,7 @@ class MOEFeedForward(nn.Module):
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         topk_weight = topk_weight.to(x.dtype)
 
-        y = torch.zeros_like(x_flat)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(topk_idx == e)
-            # runs even with zero tokens, so every expert is in the graph (DDP/FSDP see no unused params)
-            out = expert(x_flat[token_idx]) * topk_weight[token_idx, slot, None]
-            y.index_add_(0, token_idx, out.to(y.dtype))
+        y = self.dispatch(x_flat, topk_idx, topk_weight)
         if self.config.n_shared_experts > 0:
             for expert in self.shared_experts:
                 y = y + expert(x_flat)
