@@ -303,8 +303,8 @@ def explicit_causal_attention(q, k, v, attention_mask=None):
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, :].bool()
+    if attention_mask is not None:  # a 4-D document mask as it is, a 2-D padding mask over the keys
+        allowed = allowed & (attention_mask if attention_mask.dim() == 4 else attention_mask[:, None, None, :].bool())
     scores = scores.masked_fill(~allowed, -1e30)
     return torch.softmax(scores, dim=-1) @ v
 
@@ -363,8 +363,9 @@ def test_packed_document_gradients_stay_in_their_document():
 
 def test_position_ids_without_restart_keep_plain_causal_attention():
     """Context parallel's positions (global, increasing, not from 0) are not read as documents."""
-    assert packed_document_mask(torch.arange(8, 24).unsqueeze(0)) is None
-    assert packed_document_mask(torch.arange(16).unsqueeze(0)) is None
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    assert torch.equal(packed_document_mask(torch.arange(8, 24).unsqueeze(0))[0, 0], causal)
+    assert torch.equal(packed_document_mask(torch.arange(16).unsqueeze(0))[0, 0], causal)
     mask = packed_document_mask(torch.tensor([[0, 1, 2, 0, 1]]))[0, 0]
     expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]])
     assert torch.equal(mask, expected.bool())
