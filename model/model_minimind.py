@@ -208,6 +208,8 @@ def packed_document_mask(position_ids):
 
 # torch's CPU flash-attention kernel (what SDPA calls on CPU); its attn_mask argument exists since torch 2.3
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# it splits keys into blocks of 512 (FlashAttentionKernel.cpp): shorter rows have no block above the diagonal to skip
+_CPU_FLASH_KV_BLOCK = 512
 
 
 def build_attention_mask(lq, lk, attention_mask=None, device=None):
@@ -266,8 +268,8 @@ def sdpa_attention(q, k, v, attention_mask=None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if attention_mask is None and lq == 1:  # one new token attends to the whole cache
         return F.scaled_dot_product_attention(q, k, v)
-    if attention_mask is not None and attention_mask.dim() == 4 and lq == lk and q.device.type == "cpu" \
-            and _CPU_FLASH is not None:
+    if attention_mask is not None and attention_mask.dim() == 4 and lq == lk > _CPU_FLASH_KV_BLOCK \
+            and q.device.type == "cpu" and _CPU_FLASH is not None:
         return causal_masked_cpu_attention(q, k, v, attention_mask)
     mask = build_attention_mask(lq, lk, attention_mask, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

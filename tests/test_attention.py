@@ -8,6 +8,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from model.model_minimind import (
     MiniMindConfig,
     MiniMindForCausalLM,
+    causal_masked_cpu_attention,
     document_block_mask,
     packed_document_mask,
     sdpa_attention,
@@ -35,7 +36,9 @@ def test_cpu_causal_kernel_with_document_mask_matches_dense_sdpa(dtype, tol):
     fp32: blocks summed in another order, ~1e-7 of values ~1)."""
     mask = packed_document_mask(POSITIONS)
     q, k, v = qkv(dtype, requires_grad=True)
-    out, ref = sdpa_attention(q, k, v, mask), dense_reference(q, k, v, mask)
+    ref = dense_reference(q, k, v, mask)
+    assert (sdpa_attention(q, k, v, mask) - ref).abs().max().item() < tol
+    out = causal_masked_cpu_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), mask)
     assert (out - ref).abs().max().item() < tol
     weight = torch.randn(out.shape, dtype=dtype)
     grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
@@ -49,7 +52,9 @@ def test_cpu_causal_kernel_under_autocast_matches_sdpa():
     mask = packed_document_mask(POSITIONS)
     q, k, v = qkv(torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, ref = sdpa_attention(q, k, v.bfloat16(), mask), dense_reference(q, k, v.bfloat16(), mask)
+        ref = dense_reference(q, k, v.bfloat16(), mask)
+        out = causal_masked_cpu_attention(q, k.repeat_interleave(2, dim=1), v.bfloat16().repeat_interleave(2, dim=1),
+                                          mask)
     assert out.dtype == ref.dtype == torch.bfloat16
     assert (out.float() - ref.float()).abs().max().item() < 2 ** -7  # one bf16 ulp at values ~1
 
@@ -124,3 +129,13 @@ def test_compiled_blocks_do_not_recompile_across_mixed_batches():
     assert first == 2  # one training graph and one no-grad graph, both blocks sharing them
     assert counter.frame_count == first
     torch._dynamo.reset()
+
+
+def test_long_rows_take_the_causal_kernel_and_match_dense_sdpa():
+    """Rows longer than the kernel's 512-key block go through the is_causal + mask kernel: same values (fp64)."""
+    positions = torch.cat([torch.arange(300), torch.arange(340)]).expand(2, -1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 640, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = packed_document_mask(positions)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (sdpa_attention(q, k, v, mask) - ref).abs().max().item() < 1e-12
