@@ -14,6 +14,12 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
+try:  # FlexAttention (torch >= 2.5): the CUDA document mask, a BlockMask instead of a dense (B, 1, L, L) one
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+    _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiles on first call, not at import
+except ImportError:
+    BlockMask = create_block_mask = create_mask = flex_attention = _compiled_flex = None
+
 try:  # transformers >= 5: init helpers that skip weights already loaded by from_pretrained
     from transformers import initialization as hf_init
 except ImportError:  # transformers 4.x
@@ -165,21 +171,45 @@ def repeat_kv(x, n_rep):
     return x[:, :, None].expand(b, h, n_rep, l, d).reshape(b, h * n_rep, l, d)
 
 
+def document_ids(position_ids):
+    """(B, L) index of each token's document in its row: it starts where the position id restarts at 0."""
+    starts = position_ids == 0
+    starts[:, 0] = True  # a row begins a document (or the rest of one cut by the previous row)
+    return starts.cumsum(-1)
+
+
+def document_block_mask(position_ids):
+    """FlexAttention BlockMask of packed_document_mask, built once per micro-batch and shared by every layer."""
+    document = document_ids(position_ids)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
+
+    length = position_ids.shape[-1]
+    return create_block_mask(mask_mod, document.shape[0], None, length, length, device=position_ids.device)
+
+
 def packed_document_mask(position_ids):
-    """(B, 1, L, L) boolean mask of packed rows, True = attend, or None when no row holds a second document.
+    """(B, 1, L, L) boolean mask of packed rows, True = attend; the plain causal mask when no position restarts.
 
     A document starts where its position id restarts at 0 (dataset/lm_dataset.py writes them so); each
     token attends causally to the earlier tokens of its own document only. transformers' Qwen3 builds the
-    same mask from such position ids (masking_utils.find_packed_sequence_indices).
+    same mask from such position ids (masking_utils.find_packed_sequence_indices). Built for every row
+    alike, so no host sync decides whether a batch holds several documents. On CUDA a FlexAttention
+    BlockMask of the same mask (document_block_mask), so SDPA never gets a dense mask there.
     """
-    starts = position_ids == 0
-    starts[:, 0] = True  # a row begins a document (or the rest of one cut by the previous row)
-    document = starts.cumsum(-1)
-    if not bool((document[:, -1] > 1).any()):
-        return None
+    if position_ids.is_cuda and create_block_mask is not None:
+        return document_block_mask(position_ids)
+    document = document_ids(position_ids)
     length = position_ids.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
     return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+
+
+# torch's CPU flash-attention kernel (what SDPA calls on CPU); its attn_mask argument exists since torch 2.3
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# it splits keys into blocks of 512 (FlashAttentionKernel.cpp): shorter rows have no block above the diagonal to skip
+_CPU_FLASH_KV_BLOCK = 512
 
 
 def build_attention_mask(lq, lk, attention_mask=None, device=None):
@@ -198,14 +228,49 @@ def build_attention_mask(lq, lk, attention_mask=None, device=None):
     return mask
 
 
+def autocast_inputs(q, k, v):
+    """q, k, v in the autocast dtype where autocast is on: as SDPA (on autocast's list) would get them."""
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def flex_document_attention(q, k, v, block_mask):
+    """FlexAttention with a document BlockMask; GQA by enable_gqa (k/v unrepeated). Compiled on CUDA."""
+    q, k, v = autocast_inputs(q, k, v)
+    flex = _compiled_flex if q.is_cuda else flex_attention  # eager on CPU: the unfused reference, for tests
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def causal_masked_cpu_attention(q, k, v, mask):
+    """CPU flash attention with is_causal and a (B, 1, L, L) boolean mask that already holds the causal part.
+
+    SDPA drops is_causal when given a mask, so its kernel also computes every block above the diagonal;
+    calling the kernel with both skips them, and only the document mask's entries are added on top.
+    """
+    q, k, v = autocast_inputs(q, k, v)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return _CPU_FLASH(q, k, v, 0.0, True, attn_mask=bias)[0]
+
+
 def sdpa_attention(q, k, v, attention_mask=None):
-    """Causal attention with torch SDPA. q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), attention_mask (B, Lk) of 1/0 or None."""
+    """Causal attention with torch SDPA. q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D).
+
+    attention_mask: None, a (B, Lk) padding mask of 1/0, or packed_document_mask's (B, 1, L, L) mask.
+    """
+    if BlockMask is not None and isinstance(attention_mask, BlockMask):
+        return flex_document_attention(q, k, v, attention_mask)
     lq, lk = q.shape[2], k.shape[2]
     k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
     if attention_mask is None and lq == lk:  # plain causal: lets SDPA pick the flash kernel
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if attention_mask is None and lq == 1:  # one new token attends to the whole cache
         return F.scaled_dot_product_attention(q, k, v)
+    if attention_mask is not None and attention_mask.dim() == 4 and lq == lk > _CPU_FLASH_KV_BLOCK \
+            and q.device.type == "cpu" and _CPU_FLASH is not None:
+        return causal_masked_cpu_attention(q, k, v, attention_mask)
     mask = build_attention_mask(lq, lk, attention_mask, device=q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
@@ -213,6 +278,8 @@ def sdpa_attention(q, k, v, attention_mask=None):
 def eager_attention(q, k, v, attention_mask=None):
     """Same contract as sdpa_attention, written out (used when config.flash_attn is False)."""
     lq, lk = q.shape[2], k.shape[2]
+    if BlockMask is not None and isinstance(attention_mask, BlockMask):  # the dense mask it stands for
+        attention_mask = create_mask(attention_mask.mask_mod, attention_mask.shape[0], 1, lq, lk, device=q.device)
     k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     mask = build_attention_mask(lq, lk, attention_mask, device=q.device)
@@ -286,6 +353,18 @@ class MOEFeedForward(nn.Module):
         """Hook for per-sequence partial sums (B, E); context parallel all-reduces them over its group."""
         return t
 
+    def dispatch(self, x_flat, topk_idx, topk_weight):
+        """sum_k weight_k * expert_k(x) per token: tokens sorted by expert, one bincount sync for the split sizes."""
+        top_k = topk_idx.shape[-1]
+        flat_idx = topk_idx.reshape(-1)
+        order = flat_idx.argsort(stable=True)  # stable: a token's slots stay in expert order, as the old loop
+        token_idx = order // top_k
+        sizes = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()  # the layer's one host sync
+        # every expert runs, even on zero rows, so DDP/FSDP see no unused parameters
+        outs = [expert(rows) for expert, rows in zip(self.experts, x_flat[token_idx].split(sizes))]
+        out = torch.cat(outs) * topk_weight.reshape(-1)[order, None]
+        return torch.zeros_like(x_flat).index_add_(0, token_idx, out.to(x_flat.dtype))
+
     def forward(self, x):
         bsz, seq_len, hidden = x.shape
         num_experts, top_k = self.config.num_experts, self.config.num_experts_per_tok
@@ -296,12 +375,7 @@ class MOEFeedForward(nn.Module):
             topk_weight = topk_weight / topk_weight.sum(dim=-1, keepdim=True)
         topk_weight = topk_weight.to(x.dtype)
 
-        y = torch.zeros_like(x_flat)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(topk_idx == e)
-            # runs even with zero tokens, so every expert is in the graph (DDP/FSDP see no unused params)
-            out = expert(x_flat[token_idx]) * topk_weight[token_idx, slot, None]
-            y.index_add_(0, token_idx, out.to(y.dtype))
+        y = self.dispatch(x_flat, topk_idx, topk_weight)
         if self.config.n_shared_experts > 0:
             for expert in self.shared_experts:
                 y = y + expert(x_flat)
@@ -359,16 +433,15 @@ class MiniMindModel(nn.Module):
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(f"attention_mask must be a 2-D (batch, kv_len) padding mask, got {attention_mask.dim()}-D")
-            if bool(attention_mask.all()):  # no padding: keep the fast causal kernel
-                attention_mask = None
-        elif past_key_values is None and position_ids is not None:
-            attention_mask = self.document_mask(position_ids)  # packed rows: documents attend to themselves
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache()
         if position_ids is None:
             past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(past_len, past_len + inputs_embeds.shape[1],
-                                        device=inputs_embeds.device).unsqueeze(0)
+                                        device=inputs_embeds.device).expand(inputs_embeds.shape[0], -1)
+        if attention_mask is None and past_key_values is None:
+            # always a mask (documents or plain causal): one compiled block graph for every batch, and no sync
+            attention_mask = self.document_mask(position_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
 
         hidden_states = self.dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)

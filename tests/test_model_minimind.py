@@ -227,6 +227,38 @@ def test_moe_aux_loss_hooks_for_context_parallel():
     assert abs(moe.aux_loss.item() - expected) < 1e-6
 
 
+def _moe_by_loop(moe, x_flat, topk_idx, topk_weight):
+    """The old dispatch: one torch.where per expert, outputs added back by index_add_."""
+    y = torch.zeros_like(x_flat)
+    for e, expert in enumerate(moe.experts):
+        token_idx, slot = torch.where(topk_idx == e)
+        y.index_add_(0, token_idx, expert(x_flat[token_idx]) * topk_weight[token_idx, slot, None])
+    return y
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_sorted_dispatch_matches_per_expert_loop(dtype, tol, top_k):
+    """Outputs and all gradients equal the per-expert loop; expert 3 gets no token and still gets a (zero) grad."""
+    torch.manual_seed(0)
+    moe = MOEFeedForward(tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=top_k)).to(dtype)
+    x = torch.randn(40, 64, dtype=dtype, requires_grad=True)
+    topk_idx = (torch.randint(0, 3, (40, 1)) + torch.arange(top_k)) % 3  # distinct experts per token, never 3
+    topk_weight = torch.rand(40, top_k, dtype=dtype, requires_grad=True)
+    grads = []
+    for fn in (moe.dispatch, lambda *a: _moe_by_loop(moe, *a)):
+        moe.zero_grad(set_to_none=True)
+        out = fn(x, topk_idx, topk_weight)
+        params = [x, topk_weight] + [p for e in moe.experts for p in e.parameters()]
+        grads.append((out, torch.autograd.grad((out * out.detach().sin()).sum(), params, allow_unused=True)))
+    (out, g), (ref_out, ref_g) = grads
+    # fp32: an expert's matmul over a different number of rows may block its sums differently (~1e-6 relative)
+    assert max_diff(out, ref_out) < tol * max(1.0, ref_out.abs().max().item())
+    assert g[-1] is not None and g[-1].abs().max().item() == 0.0  # expert 3 took part with zero rows
+    for a, b in zip(g[:-3], ref_g[:-3]):
+        assert max_diff(a, b) < tol * max(1.0, b.abs().max().item())
+
+
 def test_dense_aux_loss_is_zero_tensor():
     out = minimind(tiny_config())(batch())
     assert torch.is_tensor(out.aux_loss) and out.aux_loss.dim() == 0 and out.aux_loss.item() == 0.0
@@ -271,8 +303,8 @@ def explicit_causal_attention(q, k, v, attention_mask=None):
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, :].bool()
+    if attention_mask is not None:  # a 4-D document mask as it is, a 2-D padding mask over the keys
+        allowed = allowed & (attention_mask if attention_mask.dim() == 4 else attention_mask[:, None, None, :].bool())
     scores = scores.masked_fill(~allowed, -1e30)
     return torch.softmax(scores, dim=-1) @ v
 
@@ -331,8 +363,9 @@ def test_packed_document_gradients_stay_in_their_document():
 
 def test_position_ids_without_restart_keep_plain_causal_attention():
     """Context parallel's positions (global, increasing, not from 0) are not read as documents."""
-    assert packed_document_mask(torch.arange(8, 24).unsqueeze(0)) is None
-    assert packed_document_mask(torch.arange(16).unsqueeze(0)) is None
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    assert torch.equal(packed_document_mask(torch.arange(8, 24).unsqueeze(0))[0, 0], causal)
+    assert torch.equal(packed_document_mask(torch.arange(16).unsqueeze(0))[0, 0], causal)
     mask = packed_document_mask(torch.tensor([[0, 1, 2, 0, 1]]))[0, 0]
     expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1]])
     assert torch.equal(mask, expected.bool())

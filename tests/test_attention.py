@@ -1,0 +1,141 @@
+"""Document-masked attention kernels, host syncs per step, and recompiles of compiled blocks."""
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from model.model_minimind import (
+    MiniMindConfig,
+    MiniMindForCausalLM,
+    causal_masked_cpu_attention,
+    document_block_mask,
+    packed_document_mask,
+    sdpa_attention,
+)
+
+POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3],
+                          [5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7]])
+
+
+def qkv(dtype, requires_grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8))  # GQA: 4 query heads over 2 kv heads
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_(requires_grad) for s in shapes]
+
+
+def dense_reference(q, k, v, mask):
+    """SDPA with the dense boolean mask and the kv heads repeated by hand."""
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_cpu_causal_kernel_with_document_mask_matches_dense_sdpa(dtype, tol):
+    """Outputs and gradients of the is_causal + mask kernel equal SDPA with the dense mask (same kernel family,
+    fp32: blocks summed in another order, ~1e-7 of values ~1)."""
+    mask = packed_document_mask(POSITIONS)
+    q, k, v = qkv(dtype, requires_grad=True)
+    ref = dense_reference(q, k, v, mask)
+    assert (sdpa_attention(q, k, v, mask) - ref).abs().max().item() < tol
+    out = causal_masked_cpu_attention(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), mask)
+    assert (out - ref).abs().max().item() < tol
+    weight = torch.randn(out.shape, dtype=dtype)
+    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weight).sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < 10 * tol
+
+
+def test_cpu_causal_kernel_under_autocast_matches_sdpa():
+    """bf16 autocast: the kernel gets q/k/v in bf16, as autocast hands them to SDPA; same bf16 result."""
+    mask = packed_document_mask(POSITIONS)
+    q, k, v = qkv(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = dense_reference(q, k, v.bfloat16(), mask)
+        out = causal_masked_cpu_attention(q, k.repeat_interleave(2, dim=1), v.bfloat16().repeat_interleave(2, dim=1),
+                                          mask)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert (out.float() - ref.float()).abs().max().item() < 2 ** -7  # one bf16 ulp at values ~1
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_flex_block_mask_matches_dense_mask(dtype, tol):
+    """The CUDA path's BlockMask (run here by eager flex_attention, forward only on CPU) is the dense mask."""
+    q, k, v = qkv(dtype)
+    out = sdpa_attention(q, k, v, document_block_mask(POSITIONS))
+    assert (out - dense_reference(q, k, v, packed_document_mask(POSITIONS))).abs().max().item() < tol
+
+
+def tiny_model(**kw):
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            vocab_size=512, **kw)
+    return MiniMindForCausalLM(config)
+
+
+def count_syncs(monkeypatch, fn):
+    """Host syncs in fn(): every Python-level tensor->host read (item, tolist, bool, int, float, nonzero)."""
+    calls = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    original_nonzero = torch.nonzero
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **kw: calls.append("torch.nonzero") or original_nonzero(*a, **kw))
+    fn()
+    monkeypatch.undo()
+    return calls
+
+
+def packed_step(model, positions=POSITIONS):
+    ids = torch.randint(3, 512, positions.shape, generator=torch.Generator().manual_seed(1))
+    model(ids, position_ids=positions, shift_labels=ids, num_items_in_batch=ids.numel()).loss.backward()
+
+
+@pytest.mark.parametrize("use_moe,chunk,expected", [
+    (False, 0, []),
+    (False, 8, ["nonzero"]),  # the chunked loss drops ignored targets before the lm_head: one nonzero
+    (True, 0, ["tolist", "tolist"]),  # MoE: one bincount read per layer for the split sizes
+])
+def test_host_syncs_per_forward_backward(monkeypatch, use_moe, chunk, expected):
+    model = tiny_model(use_moe=use_moe, num_experts=4, num_experts_per_tok=2, loss_chunk_size=chunk)
+    assert count_syncs(monkeypatch, lambda: packed_step(model)) == expected
+
+
+def test_compiled_blocks_do_not_recompile_across_mixed_batches():
+    """No recompiles after the first training step and the first evaluation (grad mode is a guard: one more
+    graph), over batches with one or several documents and position_ids None or given, under one autocast."""
+    torch._dynamo.reset()
+    model = tiny_model()
+    counter = CompileCounterWithBackend("aot_eager")
+    for block in model.model.layers:
+        block.compile(backend=counter)
+    ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+    one_doc = torch.arange(16).expand(2, -1)
+    batches = [POSITIONS, one_doc, None, POSITIONS.flip(0), None, one_doc]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, position_ids=POSITIONS, labels=ids).loss.backward()
+        with torch.no_grad():
+            model(ids, position_ids=POSITIONS)
+        first = counter.frame_count
+        for positions in batches:
+            model(ids, position_ids=positions, labels=ids).loss.backward()
+            with torch.no_grad():
+                model(ids, position_ids=positions)
+    assert first == 2  # one training graph and one no-grad graph, both blocks sharing them
+    assert counter.frame_count == first
+    torch._dynamo.reset()
+
+
+def test_long_rows_take_the_causal_kernel_and_match_dense_sdpa():
+    """Rows longer than the kernel's 512-key block go through the is_causal + mask kernel: same values (fp64)."""
+    positions = torch.cat([torch.arange(300), torch.arange(340)]).expand(2, -1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 640, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = packed_document_mask(positions)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (sdpa_attention(q, k, v, mask) - ref).abs().max().item() < 1e-12
