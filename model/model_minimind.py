@@ -433,15 +433,18 @@ class MiniMindModel(nn.Module):
         if attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError(f"attention_mask must be a 2-D (batch, kv_len) padding mask, got {attention_mask.dim()}-D")
-        if position_ids is None:
-            past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = torch.arange(past_len, past_len + inputs_embeds.shape[1],
-                                        device=inputs_embeds.device).expand(inputs_embeds.shape[0], -1)
-        if attention_mask is None and past_key_values is None:
-            # always a mask (documents or plain causal): one compiled block graph for every batch, and no sync
+            if bool(attention_mask.all()):  # generation without padding keeps the causal kernel (never in training)
+                attention_mask = None
+        elif past_key_values is None and position_ids is not None:
+            # packed rows (the trainer passes position ids only with --doc_mask 1, a static choice): a mask for every
+            # batch alike, so no host sync asks whether it holds several documents and the compiled graph is one
             attention_mask = self.document_mask(position_ids)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
+        if position_ids is None:
+            past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(past_len, past_len + inputs_embeds.shape[1],
+                                        device=inputs_embeds.device).unsqueeze(0)
 
         hidden_states = self.dropout(inputs_embeds)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)

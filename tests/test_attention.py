@@ -108,7 +108,7 @@ def test_host_syncs_per_forward_backward(monkeypatch, use_moe, chunk, expected):
 
 def test_compiled_blocks_do_not_recompile_across_mixed_batches():
     """No recompiles after the first training step and the first evaluation (grad mode is a guard: one more
-    graph), over batches with one or several documents and position_ids None or given, under one autocast."""
+    graph), over packed batches with one or several documents, under one autocast."""
     torch._dynamo.reset()
     model = tiny_model()
     counter = CompileCounterWithBackend("aot_eager")
@@ -116,7 +116,7 @@ def test_compiled_blocks_do_not_recompile_across_mixed_batches():
         block.compile(backend=counter)
     ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     one_doc = torch.arange(16).expand(2, -1)
-    batches = [POSITIONS, one_doc, None, POSITIONS.flip(0), None, one_doc]
+    batches = [POSITIONS, one_doc, POSITIONS.flip(0), one_doc]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids, position_ids=POSITIONS, labels=ids).loss.backward()
         with torch.no_grad():
