@@ -146,7 +146,7 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
         assert err.startswith("error: ") and expected in err and "\n" not in err, err
     (tmp_path / "a_file").write_text("")
     cases = [(["--weight", str(ckpt), "--out_dir", str(tmp_path / "a_file")], "--out_dir " + str(tmp_path / "a_file")
-              + " is not writable"),
+              + ": " + str(tmp_path / "a_file") + " is a file, not a folder"),
              (["--to", "minimind", "--out_dir", str(tmp_path), "--weight", str(tmp_path / "x.pth")], "has no config.json"),
              (["--to", "minimind", "--out_dir", str(tmp_path / "hf"), "--weight", str(tmp_path)], "writes a .pth file")]
     assert convert_main(["--weight", str(ckpt), "--out_dir", str(tmp_path / "hf")]) == 0  # a real folder to import

@@ -13,7 +13,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import (WeightsError, flag_conflicts, infer_config, load_weights, read_checkpoint, read_weights,
                            save_weights_file, shape_mismatch, sidecar_path, weight_fields)
-from trainer.config import MODEL_FLAGS, weight_shapes
+from trainer.flags import MODEL_FLAGS
+from trainer.model_config import weight_shapes
 
 VOCAB = 512
 
