@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import atomic_save
 from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
-from trainer.checkpoint import MANIFEST, Checkpointer, TrainState, latest_checkpoint, load_resume
+from trainer.checkpoint import (MANIFEST, Checkpointer, TrainState, latest_checkpoint, load_resume, rng_state,
+                                set_rng_state)
 from trainer.launch import ConfigError
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 
@@ -218,3 +219,18 @@ def test_minimind_resume_file_continues_in_the_trainer(tmp_path):
         assert full["optim"][f"param_groups.{name}.weight_decay"] == 0.05  # MiniMind's optimizer, as it loads it
         v_ratio, w_ratio = adamw_bound(before, after, record["lr"], 0.05, (0.9, 0.999), 1e-8)
         assert v_ratio <= 1 and w_ratio <= 1, (name, v_ratio, w_ratio)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.py runs it)")
+def test_cuda_rng_state_is_the_current_devices_only():
+    """A checkpoint holds the current GPU's RNG state, so it resumes on fewer GPUs; an older one with every visible
+    GPU's state (8 here) restores this device's entry instead of raising IndexError for the devices it lacks."""
+    torch.cuda.init()
+    state = rng_state()
+    assert torch.is_tensor(state["cuda"]) and torch.equal(state["cuda"], torch.cuda.get_rng_state())
+    expected = torch.rand(4, device="cuda")
+    set_rng_state(state)
+    assert torch.equal(torch.rand(4, device="cuda"), expected)
+    set_rng_state(dict(state, cuda=[state["cuda"]] * 8))
+    assert torch.equal(torch.rand(4, device="cuda"), expected)

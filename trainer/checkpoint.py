@@ -67,9 +67,10 @@ class TrainState:
 
 
 def rng_state():
+    """This rank's RNG states; CUDA's of its current device only, so a run resumes on fewer visible GPUs."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -77,8 +78,12 @@ def set_rng_state(state):
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, (list, tuple)):  # earlier checkpoints held every visible GPU's (get_rng_state_all)
+            device = torch.cuda.current_device()
+            cuda = cuda[device] if device < len(cuda) else cuda[0]
+        torch.cuda.set_rng_state(cuda)  # the current device: init_distributed_mode set it to the local rank
 
 
 def check_config(saved, config, path):
