@@ -91,6 +91,8 @@ class TrainPlan:
     packing: bool
     skip_bad_lines: bool
     dist_timeout: int
+    dist_init_timeout: int
+    tf32: bool
     use_wandb: bool
     wandb_project: str
     flags: dict  # the flags as typed: saved in checkpoints and the tracker's config, never read by the trainer
@@ -166,12 +168,14 @@ def resolve(args, world_size, local_rank=0):
 
 COPIED = ("learning_rate", "weight_decay", "warmup_steps", "grad_clip", "epochs", "max_steps", "log_interval",
           "save_interval", "save_weights_every", "eval_interval", "eval_batches", "keep_checkpoints", "grace_seconds",
-          "max_bad_steps", "check_replicas", "num_workers", "num_proc", "dist_timeout", "wandb_project")
+          "max_bad_steps", "check_replicas", "num_workers", "num_proc", "dist_timeout", "dist_init_timeout",
+          "wandb_project")
 
 
 def copied_flags(args):
     """Flags the plan takes as they are (plus the 0/1 switches as bools)."""
-    switches = {name: bool(getattr(args, name)) for name in ("async_save", "packing", "skip_bad_lines", "use_wandb")}
+    switches = {name: bool(getattr(args, name)) for name in ("async_save", "packing", "skip_bad_lines", "use_wandb",
+                                                                   "tf32")}
     return dict({name: getattr(args, name) for name in COPIED}, **switches)
 
 

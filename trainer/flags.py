@@ -108,7 +108,10 @@ def add_guard_args(parser):
 def add_parallel_args(parser):
     """The layout flags (4D parallelism, ZeRO, collectives)."""
     a = parser.add_argument
-    a("--dist_timeout", type=int, default=60, help="seconds before a hung collective fails")
+    a("--dist_timeout", type=int, default=600, help="seconds a collective may hang once training runs (from step 2)")
+    a("--dist_init_timeout", type=int, default=1800, help="seconds for start-up to the end of the first step "
+      "(rendezvous, token cache, loading weights, compile) before a hung collective fails")
+    a("--tf32", type=int, default=1, choices=[0, 1], help="CUDA: fp32 matmuls in TF32 (0: strict fp32)")
     a("--tp", type=int, default=1, help="tensor-parallel degree")
     a("--pp", type=int, default=1, help="pipeline-parallel degree (micro-batches = --accumulation_steps)")
     a("--cp", type=int, default=1, help="context-parallel (ring attention) degree")

@@ -35,22 +35,46 @@ def local_tensor(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def init_distributed_mode(timeout_s=60):
-    """Start the process group under torchrun (nccl on CUDA, gloo on CPU); return local rank (0 if single)."""
+def backend_for(device):
+    """The process group's backend for the plan's device: NCCL moves CUDA tensors, gloo CPU ones. The device decides,
+    not the host: `--device cpu` on a GPU host must not put CPU tensors through NCCL."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed_mode(device="cpu", timeout_s=1800):
+    """Start the process group under torchrun for `device`; return the local rank (0 without torchrun).
+
+    On CUDA each rank takes cuda:<local rank> (device_id binds the NCCL group to it) and a gloo group beside it
+    carries the small CPU collectives (token counts), which then never wait for the GPU. `timeout_s` covers start-up
+    up to the end of the first step; set_collective_timeout shortens it once training runs."""
+    global CPU_GROUP
     if int(os.environ.get("RANK", -1)) == -1:
         return 0
     local_rank = int(os.environ["LOCAL_RANK"])
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
+    backend = backend_for(device)
+    device_id = None
+    if backend == "nccl":
+        device_id = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device_id)
     timeout = timedelta(seconds=timeout_s)
     store, rank_, world_size = next(dist.rendezvous("env://", timeout=timeout))
     # torchrun --max-restarts keeps its store across restarts: without a per-attempt prefix a restarted rank can read
     # a dead worker's address from the last attempt and fail in "Gloo connectFullMesh ... Connection refused"
     store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank_, world_size=world_size,
-                            timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world_size, timeout=timeout,
+                            device_id=device_id)
+    CPU_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
     return local_rank
+
+
+CPU_GROUP = None  # the gloo group beside NCCL (None: the default group is gloo already)
+
+
+def set_collective_timeout(seconds):
+    """After the first step: a hung collective of the default group fails after `seconds` (torchtitan's
+    train_timeout_seconds); the start-up timeout had to cover the token cache, weights and compile."""
+    if dist.is_initialized() and hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # private; present in 2.11
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), None)
 
 
 def setup_seed(seed):
@@ -68,13 +92,14 @@ def world_sum(values, device):
     return t.tolist()
 
 
-def group_sum(value, group, device):
-    """Sum an int over a process group (None: one process), e.g. the step's target tokens over dp."""
-    if group is None:
+def count_sum(value, replicas=1):
+    """Sum an int held on every rank over all ranks, on the CPU (no device sync); `replicas`: how many ranks hold
+    the same value of one data-parallel rank (tp x pp x cp), so the result is the sum over data parallel."""
+    if not dist.is_initialized():
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=group)
-    return int(t.item())
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, group=CPU_GROUP)
+    return int(t.item()) // replicas
 
 
 def per_rank(value, device):

@@ -23,17 +23,18 @@ from trainer.config import resolve
 from trainer.guard import Preemption, StepGuard, check_replicas
 from trainer.launch import (
     ConfigError,
-    group_sum,
+    count_sum,
     init_distributed_mode,
     is_main_process,
     per_rank,
+    set_collective_timeout,
     setup_seed,
     world_sum,
 )
-from trainer.metrics import StepTimer, peak_flops, peak_mem_gb, step_flops
+from trainer.metrics import StepTimer, enable_tf32, peak_flops, peak_mem_gb, step_flops
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.context import context_position_ids, shard_sequence
-from trainer.parallel.data import build_optimizer, grad_reduce_factor
+from trainer.parallel.data import build_optimizer, grad_reduce_factor, gradient_sync
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
@@ -62,7 +63,8 @@ class Trainer:
 def setup(args):
     """Phase 1: check the flags into a TrainPlan, start the process group and mesh, seed. Returns (plan, dims)."""
     plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
-    init_distributed_mode(plan.dist_timeout)
+    init_distributed_mode(plan.device, plan.dist_init_timeout)
+    enable_tf32(plan.device, strict=not plan.tf32)  # before peak_flops reads the matmul precision
     dims = ParallelDims.build(plan.world_size, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                               device_type=torch.device(plan.device).type)
     Logger(dims.summary())
@@ -232,25 +234,27 @@ def train_step(trainer, micro_batches, bar=None):
     lr = get_lr(progress.global_step, trainer.total_steps, plan.learning_rate, plan.warmup_steps)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    targets = [step_targets(batch[1]).to(plan.device) for batch in micro_batches]
-    inputs = [batch[0].to(plan.device) for batch in micro_batches]
-    doc_positions = [batch[2].to(plan.device) if len(batch) > 2 else None for batch in micro_batches]  # --doc_mask
-    local_items = sum(int((t != -100).sum()) for t in targets)
-    num_items = group_sum(local_items, trainer.dims.group("dp"), plan.device)
+    cpu_targets = [step_targets(batch[1]) for batch in micro_batches]
+    local_items = sum(int((t != -100).sum()) for t in cpu_targets)  # from the CPU labels: no device sync
+    num_items = count_sum(local_items, plan.tp * plan.pp * plan.cp)  # over data parallel, on the CPU
+    # the loader pins its batches on CUDA, so these copies overlap with compute
+    targets = [t.to(plan.device, non_blocking=True) for t in cpu_targets]
+    inputs = [batch[0].to(plan.device, non_blocking=True) for batch in micro_batches]
+    doc_positions = [batch[2].to(plan.device, non_blocking=True) if len(batch) > 2 else None  # --doc_mask
+                     for batch in micro_batches]
     aux_weight = plan.micro_batch / plan.global_batch / plan.cp  # every cp rank adds the (shared) aux
     grad_factor = grad_reduce_factor(plan.dp, plan.cp)
     if trainer.pipeline is not None:  # the schedule runs every micro-batch, forward and backward
         (x, t), positions = shard_for_context(trainer.dims, [torch.cat(inputs), torch.cat(targets)],
                                               None if doc_positions[0] is None else torch.cat(doc_positions))
-        ce, aux = trainer.pipeline.step(x, t, positions, num_items, aux_weight, grad_factor)
+        ce, aux = trainer.pipeline.step(x, t, positions, num_items, aux_weight, grad_factor, scaler)
         bar.update(len(micro_batches))
     else:
         model, ce, aux = trainer.model_parts[0], 0.0, 0.0
         for i, (x, t, p) in enumerate(zip(inputs, targets, doc_positions)):
             (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
-            # DDP all-reduces gradients on the last micro-batch only
-            sync = model.no_sync() if hasattr(model, "no_sync") and i < len(inputs) - 1 else nullcontext()
-            with sync, tp_loss_context(plan.tp > 1):
+            # DDP and FSDP2 reduce gradients on the last micro-batch only
+            with gradient_sync(trainer.model_parts, i == len(inputs) - 1), tp_loss_context(plan.tp > 1):
                 with autocast(plan):
                     out = model(x, position_ids=positions, shift_labels=t, num_items_in_batch=num_items)
                 loss = out.loss + out.aux_loss * aux_weight
