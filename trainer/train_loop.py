@@ -260,9 +260,9 @@ def train_step(trainer, micro_batches, bar=None):
                 loss = out.loss + out.aux_loss * aux_weight
                 scaler.scale(loss * grad_factor).backward()
             ce, aux = ce + local_value(out.loss), aux + local_value(out.aux_loss) * aux_weight
-            bar.update(1)
             if not plan.device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
                 bar.set_postfix(loss=f"{float(ce + aux) * len(inputs) / (i + 1):.4f}", refresh=False)
+            bar.update(1)  # shows the loss just set
     scaler.unscale_(trainer.optimizer)
     grad_norm = clip_gradients(trainer, plan.grad_clip)
     skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.device)  # agreed by every rank
