@@ -1,11 +1,9 @@
 """End-to-end runs of trainer/train_pretrain.py: quick start, learning, exact resume, bad input."""
 import math
 import os
-import shutil
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
@@ -38,42 +36,12 @@ def test_quick_start_tiny_learns_on_demo_corpus(tmp_path):
     model.load_state_dict(weights)  # a plain full state dict, loadable by one process
 
 
-def to_legacy(ckpt_dir, version, drop=()):
-    """Rewrite the newest DCP checkpoint of ckpt_dir as the single file formats 1 and 2 were (full fp32 state, the
-    optimizer keyed by FQN), minus `drop` train-state keys, and remove the directories: only the old file is left."""
-    run_dir = os.path.join(ckpt_dir, "pretrain_64")
-    step_dir = max((os.path.join(run_dir, d) for d in os.listdir(run_dir)), key=lambda d: int(d.rsplit("_", 1)[1]))
-    dcp_to_torch_save(step_dir, os.path.join(ckpt_dir, "full.pt"))
-    full = torch.load(os.path.join(ckpt_dir, "full.pt"), weights_only=False)
-    state, group = {}, {}
-    for key, value in full["optim"].items():
-        section, rest = key.split(".", 1)
-        fqn, name = rest.rsplit(".", 1)
-        if section == "state":
-            state.setdefault(fqn, {})[name] = value
-        else:
-            group[name] = value
-    saved = torch.load(os.path.join(step_dir, "train_state.pt"), weights_only=False)
-    ckpt = dict(model=full["model"], optimizer={"state": state, "param_groups": [dict(group, params=list(state))]},
-                rng=torch.load(os.path.join(step_dir, "rng_0.pt"), weights_only=False),
-                **{k: saved[k] for k in ("scaler", "world_size", "global_batch", "args", "config")})
-    train_state = {k: v for k, v in saved["train_state"].items() if k not in drop}
-    ckpt.update(dict(format_version=1, **train_state) if version == 1
-                else dict(format_version=2, train_state=train_state))
-    torch.save(ckpt, os.path.join(ckpt_dir, "pretrain_64_resume.pth"))
-    shutil.rmtree(run_dir)
-    os.remove(os.path.join(ckpt_dir, "full.pt"))
-
-
-@pytest.mark.parametrize("saved_format", [3, 2, 1])
-def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path, saved_format):
+def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path):
     data = demo_slice(tmp_path, "pretrain", 48)  # 48 docs / (4 x 2) = 6 steps per epoch
     common = ["--data_path", data, "--packing", "0", "--epochs", "2", "--max_seq_len", "64", "--batch_size", "4",
               "--accumulation_steps", "2", "--learning_rate", "2e-3"]
     full, _ = run_pretrain(tmp_path / "full", *common, "--max_steps", "9")
     first, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "4")  # stops mid-epoch 1
-    if saved_format < 3:  # a single-file checkpoint of a previous format resumes the same
-        to_legacy(str(tmp_path / "split" / "ckpt"), saved_format)
     resumed, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "9", "--from_resume", "1")
     assert [r["step"] for r in full] == list(range(1, 10))
     assert [r["step"] for r in resumed] == list(range(1, 10))  # the resumed run appends to the metrics file
@@ -81,19 +49,6 @@ def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path, saved_format):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
         assert a["tokens"] == b["tokens"] and a["lr"] == b["lr"] and a["epoch"] == b["epoch"]
     assert full[-1]["epoch"] == 1  # crossed the epoch boundary
-
-
-def test_checkpoint_without_tokens_seen_is_one_line(tmp_path):
-    """A resume file of commit 7ec8d16 (format 1, no tokens_seen) once raised KeyError; now one error line."""
-    data = demo_slice(tmp_path, "pretrain", 48)
-    common = ["--data_path", data, "--max_seq_len", "64", "--batch_size", "4", "--accumulation_steps", "1"]
-    run_pretrain(tmp_path, *common, "--max_steps", "1")
-    to_legacy(str(tmp_path / "ckpt"), 1, drop=("tokens_seen",))
-    proc = python(SCRIPT, [*TINY_MODEL, "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
-                           *common, "--max_steps", "2", "--from_resume", "1"], timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert lines[-1].startswith("error:") and "checkpoint format 1 without tokens_seen" in lines[-1]
 
 
 def test_typed_paths_follow_the_cwd(tmp_path):
@@ -169,7 +124,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
 
 def test_bad_input_second_round(tmp_path):
     """One of issue 10's cases end to end (exit 2, one error line); every flag's range: tests/test_config.py."""
-    expect_rejected(tmp_path, ["--learning_rate", "-1"], "--learning_rate must be a finite number, 0 or more (got -1.0)")
+    expect_rejected(tmp_path, ["--learning_rate", "-1"],
+                    "--learning_rate must be a finite number, 0 or more (got -1.0)")
 
 
 def test_garbage_weight_file_is_one_line(tmp_path):

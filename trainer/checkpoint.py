@@ -38,6 +38,7 @@ from trainer.parallel.state_dict import (
     load_sharded_state,
     sharded_state_dict,
 )
+from trainer.storage import check_room, disk_full_as_one_line, tree_bytes
 from trainer.trainer_utils import Logger
 
 # 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save
@@ -185,16 +186,28 @@ class Checkpointer:
     save, and the end of the run (wait), wait for it. A save counts once rank 0 has written its manifest.
     """
 
-    def __init__(self, run_dir, async_save=False, keep=3, parts=None):
+    def __init__(self, run_dir, async_save=False, keep=3, parts=None, estimate=0):
         self.run_dir, self.async_save, self.keep, self.parts = run_dir, async_save, keep, parts
         self.pending = None  # (future, manifest-written event) of the async save in flight
+        self.needed, self.last = estimate, None  # bytes a save takes (the last one's, else the estimate); last one
         # a separate group, so the writer thread's collectives never interleave with training's (a collective)
         self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
     def save(self, step):
-        """Write step `step`'s checkpoint (a collective); returns once it is written, or staged under async_save."""
+        """Write step `step`'s checkpoint (a collective); returns once it is written, or staged under async_save.
+
+        A disk without room for it (the last checkpoint's size), or one that fills during the write, ends the run
+        with one line naming the directory, the space needed and free, and the last complete checkpoint."""
         self.wait()
         path = os.path.join(self.run_dir, f"step_{step}")
+        self.last = latest_checkpoint(self.run_dir)
+        self.needed = tree_bytes(self.last) if self.last else self.needed
+        check_room(self.run_dir, self.needed, self.last)  # a collective: every rank stops together
+        with disk_full_as_one_line(self.run_dir, self.needed, self.last, partial=path):
+            self.save_files(path)
+
+    def save_files(self, path):
+        """train_state.pt (rank 0), this rank's RNG file and its DCP shards into `path`."""
         if rank() == 0 and os.path.exists(os.path.join(path, MANIFEST)):
             os.remove(os.path.join(path, MANIFEST))  # rewriting a step: it is incomplete until written again
         if dist.is_initialized():
@@ -243,7 +256,8 @@ class Checkpointer:
             return
         future, marked = self.pending
         self.pending = None
-        future.result()
+        with disk_full_as_one_line(self.run_dir, self.needed, self.last):
+            future.result()
         if rank() == 0:
             marked.wait()
 

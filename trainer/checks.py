@@ -49,8 +49,9 @@ def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compress
 AT_LEAST = dict(max_seq_len=2, batch_size=1, accumulation_steps=1, epochs=1, log_interval=1, save_interval=1,
                 hidden_size=1, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, intermediate_size=1,
                 moe_intermediate_size=1, head_dim=1, num_experts=1, num_experts_per_tok=1, eval_batches=1,
-                max_bad_steps=1, dist_timeout=1, dist_init_timeout=1, warmup_steps=0, num_workers=0, eval_interval=0, max_steps=0,
-                loss_chunk_size=0, check_replicas=0, seed=0, keep_checkpoints=0, save_weights_every=0, num_proc=1)
+                max_bad_steps=1, dist_timeout=1, dist_init_timeout=1, warmup_steps=0, num_workers=0, eval_interval=0,
+                max_steps=0, loss_chunk_size=0, check_replicas=0, seed=0, keep_checkpoints=0, save_weights_every=0,
+                num_proc=1)
 HINTS = dict(max_steps="0 runs all epochs", keep_checkpoints="0 keeps all",
              save_weights_every="0 saves at the end only",
              num_proc="leave it unset for the cores available", eval_interval="0 evaluates at the end only",

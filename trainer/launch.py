@@ -10,6 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dataset.token_cache import CacheBuildInterrupted
+
 RANK0_REPORT_SECONDS = 2
 
 
@@ -118,7 +120,7 @@ def main_guard(main):
     code = 0
     try:
         main()
-    except (ConfigError, TrainingHalted) as e:
+    except (ConfigError, TrainingHalted, CacheBuildInterrupted) as e:
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         elif not dist.is_initialized():
@@ -126,7 +128,7 @@ def main_guard(main):
             time.sleep(RANK0_REPORT_SECONDS)
         if dist.is_initialized():
             dist.destroy_process_group()
-        code = 2 if isinstance(e, ConfigError) else 3
+        code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingHalted) else 128 + e.signum
     if int(os.environ.get("RANK", -1)) != -1:  # a torchrun worker
         leave_without_finalizing(code)
     sys.exit(code)

@@ -38,6 +38,7 @@ from trainer.parallel.data import build_optimizer, grad_reduce_factor, gradient_
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
+from trainer.storage import checkpoint_bytes_estimate, room_warning
 from trainer.tracking import StepProfiler, Tracker
 from trainer.trainer_utils import Logger, SkipBatchSampler, get_lr, init_model
 
@@ -58,6 +59,7 @@ class Trainer:
     checkpointer: Checkpointer
     guard: StepGuard  # non-finite skips and the agreed preemption stop
     resumed: bool = False
+    started: bool = False  # the first step is done: collectives run under the per-step timeout
 
 
 def setup(args):
@@ -86,6 +88,9 @@ def load_datasets(plan, make_dataset, demo_kind):
         skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
         if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
             Logger(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
+    for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds):  # SFT rows whose targets lie past --max_seq_len
+        if hasattr(ds, "no_target_line") and ds.no_target_line():
+            Logger(ds.no_target_line())
     if describe_mixture(train_ds, data_path):
         Logger(describe_mixture(train_ds, data_path))
     if len(train_ds) < plan.global_batch:
@@ -115,6 +120,9 @@ def build_trainer(plan, dims, steps_per_epoch):
     config = plan.model_config
     ckpt = load_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
+    estimate = checkpoint_bytes_estimate(model, plan.save_dtype.itemsize)
+    if room_warning(plan.checkpoint_dir, estimate):
+        Logger(room_warning(plan.checkpoint_dir, estimate))
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, plan.learning_rate, plan.zero_stage, dims.group("dp_cp"),
@@ -124,12 +132,14 @@ def build_trainer(plan, dims, steps_per_epoch):
     progress = TrainState()
     checkpointer = Checkpointer(plan.run_dir, plan.async_save, plan.keep_checkpoints, parts=dict(
         model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress,
-        tied=tied_aliases(pipeline, config), plan=plan, config=config))
+        tied=tied_aliases(pipeline, config), plan=plan, config=config), estimate=estimate)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
                       plan.epochs * steps_per_epoch, checkpointer,
                       StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds)), resumed=ckpt is not None)
     if ckpt is not None:
         restore(trainer, ckpt)
+        # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
+        progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
         Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
                f"({ckpt['world_size']} processes when saved)")
     return trainer
@@ -186,6 +196,9 @@ def train_epoch(trainer, batches, tracker, eval_ds, timer, profiler, bar):
         profiler.begin(progress.global_step + 1)
         start = time.perf_counter()
         metrics = train_step(trainer, [next(batches) for _ in range(plan.num_microbatches)], bar)
+        if not trainer.started:  # start-up (token cache, weights, compile) is over
+            set_collective_timeout(plan.dist_timeout)
+            trainer.started = True
         progress.step_in_epoch += 1
         timer.add(metrics["num_items"], step_flops(trainer.config, plan.seq_len, plan.global_batch * plan.seq_len,
                                                    metrics["num_items"], plan.chunked_loss))

@@ -21,6 +21,9 @@ def parallelize(model, dims, plan):
         pipeline = Pipeline(model, dims.group("pp"), plan.pp_schedule, plan.num_microbatches, plan.device,
                             micro_batch_shape=plan.micro_batch_shape, autocast_dtype=plan.autocast_dtype)
         parts = pipeline.stage_modules
+        if not plan.doc_mask:  # rows are single sequences: no mask, SDPA's causal kernel (cp swaps in its ring)
+            for part in parts:
+                part.document_mask = no_document_mask
     for part in parts:
         if plan.tp > 1:
             # a pipeline schedule computes the loss itself: gather the last stage's logits there
@@ -33,8 +36,14 @@ def parallelize(model, dims, plan):
         if plan.use_compile:
             compile_blocks(part)
     if plan.dp_mode != "none":
-        parts = [apply_data_parallel(part, dims.mesh("dp_cp"), plan.zero_stage, plan.grad_compression)
-                 for part in parts]
+        # FSDP2 gathers parameters in the autocast dtype and reduces gradients in fp32
+        parts = [apply_data_parallel(part, dims.mesh("dp_cp"), plan.zero_stage, plan.grad_compression,
+                                     param_dtype=plan.autocast_dtype) for part in parts]
     if pipeline is not None:
         pipeline.make_schedule(parts)
     return parts, pipeline
+
+
+def no_document_mask(position_ids):
+    """A pipeline stage's document_mask when rows hold one sequence each: none (the causal kernel)."""
+    return None

@@ -110,7 +110,7 @@ class PipelineStageModule(nn.Module):
             hidden, (aux, positions) = x, carried
         position_ids = positions.detach().long()
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
-        mask = self.document_mask(position_ids)  # None unless packed rows hold several documents
+        mask = self.document_mask(position_ids)  # packed rows: their documents; parallelize sets none without
         for layer in self.model.layers.values():
             hidden = layer(hidden, position_embeddings, mask)
             layer_aux = getattr(layer.mlp, "aux_loss", None)

@@ -14,10 +14,14 @@ per FQN, so pipeline stages holding disjoint FQNs save and reload under any spli
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.checkpoint.state_dict import _flatten_optim_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _flatten_optim_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
