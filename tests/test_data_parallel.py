@@ -451,6 +451,7 @@ def test_zero1_fused_adamw_resumes_with_step_beside_params():
     spawn(_zero_fused_load_worker, 1, "cpu")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_zero1_fused_adamw_resumes_on_cuda():
     spawn(_zero_fused_load_worker, 1, "cuda")
