@@ -92,8 +92,8 @@ def stdlib_docstrings(stdlib_dir=None, min_chars=MIN_DOCSTRING_CHARS):
 
 def chatterbot_conversations(languages=CHATTERBOT_LANGUAGES):
     """chatterbot-corpus dialogues as lists of utterances, in sorted (language, file) order."""
-    import yaml
     import chatterbot_corpus
+    import yaml
     data_dir = os.path.join(os.path.dirname(os.path.abspath(chatterbot_corpus.__file__)), "data")
     conversations = []
     for language in languages:

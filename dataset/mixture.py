@@ -41,7 +41,8 @@ def _expand(path):
         files = sorted(glob.glob(path))
     files = [f for f in files if os.path.isfile(f) and f.endswith(DATA_SUFFIXES)]
     if not files:
-        what = ("is a directory with no data file" if os.path.isdir(path) else "does not exist" if not glob.has_magic(path)
+        what = ("is a directory with no data file" if os.path.isdir(path)
+                else "does not exist" if not glob.has_magic(path)
                 else "matches no data file")
         raise FileNotFoundError(f"{path} {what} (give a file, a directory or a glob of {', '.join(DATA_SUFFIXES)})")
     return files

@@ -167,8 +167,8 @@ def repeat_kv(x, n_rep):
     """(B, Hkv, L, D) -> (B, Hkv * n_rep, L, D), each kv head repeated for its group of query heads."""
     if n_rep == 1:
         return x
-    b, h, l, d = x.shape
-    return x[:, :, None].expand(b, h, n_rep, l, d).reshape(b, h * n_rep, l, d)
+    b, h, length, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, length, d).reshape(b, h * n_rep, length, d)
 
 
 def document_ids(position_ids):
@@ -432,7 +432,8 @@ class MiniMindModel(nn.Module):
             inputs_embeds = self.embed_tokens(input_ids)
         if attention_mask is not None:
             if attention_mask.dim() != 2:
-                raise ValueError(f"attention_mask must be a 2-D (batch, kv_len) padding mask, got {attention_mask.dim()}-D")
+                raise ValueError("attention_mask must be a 2-D (batch, kv_len) padding mask, "
+                                 f"got {attention_mask.dim()}-D")
             if bool(attention_mask.all()):  # generation without padding keeps the causal kernel (never in training)
                 attention_mask = None
         elif past_key_values is None and position_ids is not None:

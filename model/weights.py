@@ -114,10 +114,12 @@ def read_sidecar(path):
 
 
 def _read_dcp_checkpoint(path):
-    """(state_dict, config_dict, args) of the trainer's resume directory: its model entries, whatever layout saved it."""
+    """(state_dict, config_dict, args) of the trainer's resume directory: its model entries, whatever layout saved
+    it."""
     try:
         state = {}  # the planner fills it with full tensors from every rank's files (as dcp_to_torch_save does)
-        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys={"model"}),
+        _load_state_dict(state, storage_reader=FileSystemReader(path),
+                         planner=_EmptyStateDictLoadPlanner(keys={"model"}),
                          no_dist=True)
         saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
     except Exception as e:

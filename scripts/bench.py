@@ -1,6 +1,7 @@
 """Benchmark the real trainer, or print the layout model's memory and communication for a layout.
 
     python scripts/bench.py --steps 10 --warmup 3 --packing 1 --baseline      # fast config vs reference mode
+    python scripts/bench.py --packing 1 --baseline_flags doc_mask=0 --repeats 3  # one flag's cost, side by side
     python scripts/bench.py --nproc 2 --tp 2 --steps 5                         # under torchrun
     python scripts/bench.py --plan --nproc 64 --tp 4 --pp 4 --hidden_size 2048 --num_hidden_layers 32
 
@@ -25,10 +26,11 @@ from scripts.layout_model import plan_layout, plan_table  # noqa: E402
 from scripts.run_helper import run_trainer  # noqa: E402
 from trainer.config import resolve  # noqa: E402
 from trainer.flags import add_train_args  # noqa: E402
-from trainer.model_config import build_config  # noqa: E402
-from trainer.metrics import model_flops_per_token, peak_flops, step_flops  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
+from trainer.metrics import model_flops_per_token, peak_flops, step_flops  # noqa: E402
+from trainer.model_config import build_config  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
+
 # the benchmark's default model: MiniMind's small config
 BENCH_DEFAULTS = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
                       max_seq_len=256, batch_size=8, accumulation_steps=1,
@@ -156,6 +158,16 @@ def given_trainer_flags(parser, rest):
     return vars(given)
 
 
+def baseline_flags(args):
+    """The flags the baseline run changes: --baseline_flags k=v,... or the reference mode."""
+    if not args.baseline_flags:
+        return BASELINE_FLAGS
+    pairs = [item.split("=", 1) for item in args.baseline_flags.split(",")]
+    if any(len(pair) != 2 or not pair[0] for pair in pairs):
+        raise SystemExit(f"error: --baseline_flags {args.baseline_flags}: write name=value[,name=value]")
+    return dict(pairs)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = parser.add_argument
@@ -163,6 +175,8 @@ def parse_args(argv=None):
     a("--warmup", type=int, default=3, help="optimizer steps not measured (allocator, compile)")
     a("--nproc", type=int, default=1, help="processes (torchrun --nproc_per_node) for parallel layouts")
     a("--baseline", action="store_true", help="also run the reference mode (fp32, no packing/compile/checkpointing)")
+    a("--baseline_flags", default=None, help="the baseline is the config with these trainer flags instead of the "
+      "reference mode, e.g. doc_mask=0 (implies --baseline)")
     a("--plan", action="store_true", help="print the memory/communication plan of the layout; no training")
     a("--plan_table", action="store_true", help="print docs/scaling.md's tables (plan for 3 models x layouts)")
     a("--results", default=None, help="JSONL file the results are appended to (default: out/bench.jsonl in the repo)")
@@ -173,6 +187,7 @@ def parse_args(argv=None):
     args, rest = parser.parse_known_args(argv)
     flags = dict(BENCH_DEFAULTS, **given_trainer_flags(parser, rest))
     args.results_path = typed_or_default(args.results, os.path.join("out", "bench.jsonl"))
+    args.baseline = args.baseline or bool(args.baseline_flags)
     return args, flags
 
 
@@ -193,8 +208,8 @@ def main(argv=None):
     pairs = []
     for repeat in range(args.repeats):  # alternate baseline and config: both see the same machine load
         suffix = f"-r{repeat + 1}" if args.repeats > 1 else ""
-        base = bench_one(f"{args.label}-baseline{suffix}", dict(flags, **BASELINE_FLAGS), args, peaks, args.nproc) \
-            if args.baseline else None
+        base = bench_one(f"{args.label}-baseline{suffix}", dict(flags, **baseline_flags(args)), args, peaks,
+                         args.nproc) if args.baseline else None
         pairs.append((base, bench_one(args.label + suffix, flags, args, peaks, args.nproc)))
     if args.baseline:
         ratios = [fast["tokens_per_sec_median"] / base["tokens_per_sec_median"] for base, fast in pairs]

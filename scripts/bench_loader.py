@@ -29,8 +29,8 @@ from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
 from scripts.bench import machine_description  # noqa: E402
 from trainer.flags import add_train_args  # noqa: E402
 from trainer.launch import ConfigError, main_guard  # noqa: E402
-from trainer.model_config import build_config  # noqa: E402
 from trainer.metrics import model_flops_per_token  # noqa: E402
+from trainer.model_config import build_config  # noqa: E402
 from trainer.train_loop import epoch_loader  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
 

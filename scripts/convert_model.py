@@ -26,9 +26,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.weights import (WeightsError, clean_state_dict, flag_conflicts, minimind_to_hf,  # noqa: E402
-                           read_checkpoint, read_weights, save_weights_file, shape_mismatch,
-                           sidecar_path, weight_fields)
+from model.weights import (  # noqa: E402
+    WeightsError,
+    clean_state_dict,
+    flag_conflicts,
+    minimind_to_hf,
+    read_checkpoint,
+    read_weights,
+    save_weights_file,
+    shape_mismatch,
+    sidecar_path,
+    weight_fields,
+)
 from trainer.checks import check_writable  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
 
@@ -223,7 +232,8 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     if diff is not None and not diff <= MAX_LOGIT_DIFF:  # NaN logits fail too
-        print(f"error: logits differ by {diff:.3g} > {MAX_LOGIT_DIFF:g}; the converted folder is wrong", file=sys.stderr)
+        print(f"error: logits differ by {diff:.3g} > {MAX_LOGIT_DIFF:g}; the converted folder is wrong",
+              file=sys.stderr)
         return 1
     return 0
 

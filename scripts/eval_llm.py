@@ -38,7 +38,9 @@ def load_folder(folder):
 
 def tokenizer_folder(args):
     """--tokenizer_path, else the --load_from folder, else the repo's model/."""
-    return typed_or_default(args.tokenizer_path, "model") if args.tokenizer_path or not args.load_from else args.load_from
+    if args.tokenizer_path or not args.load_from:
+        return typed_or_default(args.tokenizer_path, "model")
+    return args.load_from
 
 
 def check_args(args):
@@ -116,11 +118,14 @@ def reply(model, tokenizer, text, args):
 def parse_args(argv=None):
     """The flags; --load_from made absolute (typed paths follow the cwd)."""
     parser = argparse.ArgumentParser(description="MiniMind text generation and chat")
-    parser.add_argument("--load_from", default=None, help="a Hugging Face folder (ours, MiniMind's, Qwen3) instead of --weight")
+    parser.add_argument("--load_from", default=None,
+                        help="a Hugging Face folder (ours, MiniMind's, Qwen3) instead of --weight")
     parser.add_argument("--save_dir", default=None, help="where --weight files are (default: the repo's out/)")
     parser.add_argument("--weight", default="pretrain", help="weight prefix (pretrain, full_sft, ...) or a .pth path")
-    parser.add_argument("--checkpoint", default=None, help="a resume checkpoint (checkpoints/<weight>_<hidden>/step_<N>) instead of --weight")
-    parser.add_argument("--tokenizer_path", default=None, help="default: the --load_from folder, else the repo's model/")
+    parser.add_argument("--checkpoint", default=None,
+                        help="a resume checkpoint (checkpoints/<weight>_<hidden>/step_<N>) instead of --weight")
+    parser.add_argument("--tokenizer_path", default=None,
+                        help="default: the --load_from folder, else the repo's model/")
     parser.add_argument("--hidden_size", type=int, default=768)
     parser.add_argument("--num_hidden_layers", type=int, default=8)
     parser.add_argument("--num_attention_heads", type=int, default=8)
@@ -129,9 +134,13 @@ def parse_args(argv=None):
     parser.add_argument("--num_experts", type=int, default=4)
     parser.add_argument("--num_experts_per_tok", type=int, default=1)
     parser.add_argument("--prompt", default=None, help="text to continue (or a chat turn with --chat 1)")
-    parser.add_argument("--interactive", type=int, default=0, choices=[0, 1], help="multi-turn chat from stdin, with history")
-    parser.add_argument("--chat", type=int, default=None, choices=[0, 1], help="apply the chat template (default: on unless pretrain)")
-    parser.add_argument("--open_thinking", type=int, default=0, choices=[0, 1], help="leave the think block open for the model to reason (open_thinking / enable_thinking in the template)")
+    parser.add_argument("--interactive", type=int, default=0, choices=[0, 1],
+                        help="multi-turn chat from stdin, with history")
+    parser.add_argument("--chat", type=int, default=None, choices=[0, 1],
+                        help="apply the chat template (default: on unless pretrain)")
+    parser.add_argument("--open_thinking", type=int, default=0, choices=[0, 1],
+                        help="leave the think block open for the model to reason (open_thinking / enable_thinking "
+                        "in the template)")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.85, help="0: greedy")
     parser.add_argument("--top_p", type=float, default=0.85)

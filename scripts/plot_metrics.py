@@ -72,7 +72,8 @@ def main(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("files", nargs="+", help="metrics JSONL files written by the trainer")
     parser.add_argument("--out", default="metrics.png", help="PNG to write")
-    parser.add_argument("--labels", default=None, help="comma-separated legend names, one per file; unset: the file names")
+    parser.add_argument("--labels", default=None,
+                        help="comma-separated legend names, one per file; unset: the file names")
     parser.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNG")
     args = parser.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [os.path.basename(f) for f in args.files]

@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from dataset.lm_dataset import SFTDataset, PretrainDataset, _tokenizer_fingerprint, shard_files  # noqa: E402
+from dataset.lm_dataset import PretrainDataset, SFTDataset, _tokenizer_fingerprint, shard_files  # noqa: E402
 from dataset.token_cache import default_num_proc  # noqa: E402
 from trainer.checks import check_tokenizer, check_writable  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402

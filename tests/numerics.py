@@ -38,7 +38,8 @@ def assert_adam_first_step_close(weight, ref_weight, grad, ref_grad, lr, eps, wh
     bound = adam_first_step_bound(grad, ref_grad, ref_weight, lr, eps)
     excess = (weight.double() - ref_weight.double()).abs() - bound
     worst = int(excess.argmax())
-    assert excess.max() <= 0, (f"{what}: element {worst} differs by {float(excess.flatten()[worst] + bound.flatten()[worst]):.3g}"
+    differs = float(excess.flatten()[worst] + bound.flatten()[worst])
+    assert excess.max() <= 0, (f"{what}: element {worst} differs by {differs:.3g}"
                                f" > bound {float(bound.flatten()[worst]):.3g} (grads {float(grad.flatten()[worst]):.3g}"
                                f" vs {float(ref_grad.flatten()[worst]):.3g})")
     return bound

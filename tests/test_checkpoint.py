@@ -15,8 +15,15 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import atomic_save
 from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
-from trainer.checkpoint import (MANIFEST, Checkpointer, TrainState, latest_checkpoint, load_resume, rng_state,
-                                set_rng_state)
+from trainer.checkpoint import (
+    MANIFEST,
+    Checkpointer,
+    TrainState,
+    latest_checkpoint,
+    load_resume,
+    rng_state,
+    set_rng_state,
+)
 from trainer.launch import ConfigError
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 

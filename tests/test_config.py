@@ -11,8 +11,8 @@ from trainer.checks import AT_LEAST, data_parallel_mode
 from trainer.config import TrainPlan, resolve
 from trainer.flags import add_train_args
 from trainer.launch import ConfigError
-from trainer.trainer_utils import ROOT
 from trainer.model_config import build_config
+from trainer.trainer_utils import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # a folder: no tokenizer, no weights, not a data file
 FORBIDDEN = "/proc/forbidden"  # a folder no one can create

@@ -5,12 +5,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from launch import ROOT, spawn
-from trainer.parallel import context
+
 from model.model_minimind import packed_document_mask
-from trainer.parallel.context import (apply_context_parallel, context_position_ids, ring_attention,
-                                      shard_sequence)
+from trainer.parallel import context
+from trainer.parallel.context import apply_context_parallel, context_position_ids, ring_attention, shard_sequence
 
 HAVE_MODEL = os.path.exists(os.path.join(ROOT, "model", "model_minimind.py"))
 
@@ -54,7 +53,8 @@ def _check_ring(rank, cp_size, group, num_heads, num_kv_heads, dtype, tol, packe
     local = [shard_sequence(t.detach(), rank, cp_size, dim=2).requires_grad_() for t in (q, k, v)]
     out = ring_attention(*local, group, None if positions is None else shard_sequence(positions, rank, cp_size))
     out.backward(shard_sequence(dout, rank, cp_size, dim=2))
-    shard = lambda t: shard_sequence(t, rank, cp_size, dim=2)
+    def shard(t):
+        return shard_sequence(t, rank, cp_size, dim=2)
     torch.testing.assert_close(out, shard(ref_out), atol=tol, rtol=tol)
     for name, tensor, ref_grad in zip("qkv", local, ref_grads):
         torch.testing.assert_close(tensor.grad, shard(ref_grad), atol=tol, rtol=tol, msg=f"d{name} differs")
@@ -92,7 +92,8 @@ def _ring_autocast_worker(rank, cp_size):
         out = ring_attention(*local, dist.group.WORLD)
     assert out.dtype == torch.bfloat16
     out.backward(shard_sequence(dout, rank, cp_size, dim=2).bfloat16())
-    shard = lambda t: shard_sequence(t, rank, cp_size, dim=2)
+    def shard(t):
+        return shard_sequence(t, rank, cp_size, dim=2)
     # bf16 output: a few roundings of 2^-8 relative per element (out itself, P in the kernel, dO and the grads)
     for got, want, what in [(out, ref_out, "out")] + list(zip((t.grad for t in local), ref_grads, ("dq", "dk", "dv"))):
         want = shard(want)
@@ -161,7 +162,8 @@ def _model_worker(rank, cp_size):
     labels[0, :5] = -100  # a masked prompt, so num_items differs from the token count
     targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # shifted by the trainer, then sharded like the inputs
     num_items = (targets != -100).sum()
-    shard = lambda t: shard_sequence(t, rank, cp_size, dim=1)
+    def shard(t):
+        return shard_sequence(t, rank, cp_size, dim=1)
     for use_moe, packed in ((False, False), (True, False), (False, True), (True, True)):
         positions = _packed_positions(2, 32) if packed else None  # --doc_mask: documents restart at 0
         model = _tiny_model(use_moe)

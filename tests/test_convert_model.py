@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM,
-                          __version__ as transformers_version)
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
+from transformers import __version__ as transformers_version
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
@@ -124,7 +124,8 @@ def test_qwen3_round_trip_is_exact(tmp_path, use_moe):
     torch.save(model.state_dict(), tmp_path / "w.pth")
     assert convert_main(["--weight", str(tmp_path / "w.pth"), "--out_dir", str(tmp_path / "hf"),
                          "--num_experts_per_tok", "2"]) == 0
-    assert convert_main(["--to", "minimind", "--out_dir", str(tmp_path / "hf"), "--weight", str(tmp_path / "b.pth")]) == 0
+    argv = ["--to", "minimind", "--out_dir", str(tmp_path / "hf"), "--weight", str(tmp_path / "b.pth")]
+    assert convert_main(argv) == 0
     back, original = torch.load(tmp_path / "b.pth"), model.state_dict()
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
 
@@ -134,8 +135,8 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
     torch.save(model.state_dict(), tmp_path / "moe.pth")
     ckpt = resume_checkpoint(tmp_path / "r.pth", model, os.path.join(ROOT, "model"))
     cases = [(["--weight", str(tmp_path / "moe.pth")], "top-k is unknown; pass --num_experts_per_tok"),
-             (["--weight", str(ckpt), "--num_experts_per_tok", "1"], "--num_experts_per_tok 1 (the weights have 2): "
-                                                                     "the model is defined by the weights; drop the flag"),
+             (["--weight", str(ckpt), "--num_experts_per_tok", "1"],
+              "--num_experts_per_tok 1 (the weights have 2): the model is defined by the weights; drop the flag"),
              (["--weight", str(ckpt), "--hidden_size", "768"], "--hidden_size 768 (the weights have 64)"),
              (["--weight", str(ckpt), "--tokenizer_path", str(tmp_path)], "holds no tokenizer.json"),
              (["--weight", str(ckpt), "--rope_theta", "-5"], "--rope_theta must be a positive number (got -5.0)"),
@@ -147,7 +148,8 @@ def test_bad_input_is_one_error_line(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")
     cases = [(["--weight", str(ckpt), "--out_dir", str(tmp_path / "a_file")], "--out_dir " + str(tmp_path / "a_file")
               + ": " + str(tmp_path / "a_file") + " is a file, not a folder"),
-             (["--to", "minimind", "--out_dir", str(tmp_path), "--weight", str(tmp_path / "x.pth")], "has no config.json"),
+             (["--to", "minimind", "--out_dir", str(tmp_path), "--weight", str(tmp_path / "x.pth")],
+              "has no config.json"),
              (["--to", "minimind", "--out_dir", str(tmp_path / "hf"), "--weight", str(tmp_path)], "writes a .pth file")]
     assert convert_main(["--weight", str(ckpt), "--out_dir", str(tmp_path / "hf")]) == 0  # a real folder to import
     capsys.readouterr()
@@ -175,7 +177,8 @@ def test_cli_resolves_typed_paths_against_the_cwd(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "hf_here" / "model.safetensors").is_file()
-    missing = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_model.py"), "--weight", "nope.pth"],
+    script = os.path.join(ROOT, "scripts", "convert_model.py")
+    missing = subprocess.run([sys.executable, script, "--weight", "nope.pth"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and missing.stderr.strip() == \
         f"error: {tmp_path / 'nope.pth'} does not exist; pass a .pth file, a resume checkpoint or a Hugging Face folder"

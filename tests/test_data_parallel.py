@@ -20,8 +20,14 @@ from tests.launch import spawn
 from tests.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import apply_data_parallel, grad_reduce_factor, gradient_sync, validate_data_parallel
-from trainer.parallel.state_dict import (TIED_EMBEDDING, _load_zero, clean_fqn, full_model_state_dict, load_full_state,
-                                         place_step_for_kernel)
+from trainer.parallel.state_dict import (
+    TIED_EMBEDDING,
+    _load_zero,
+    clean_fqn,
+    full_model_state_dict,
+    load_full_state,
+    place_step_for_kernel,
+)
 
 # lr 1e-3: Adam divides by sqrt(v), so float reduction-order noise on near-zero grads grows with lr.
 STEPS, BATCH, SEQ, VOCAB, LR, MAX_NORM = 3, 4, 32, 128, 1e-3, 0.5
@@ -331,8 +337,9 @@ def test_zero3_state_loads_into_plain_model(runs):
     optimizer.step()
     for fqn, p in model.named_parameters():
         saved = optim_sd["state"][fqn]
-        state = dict(step=int(saved["step"]), exp_avg=saved["exp_avg"].double(), exp_avg_sq=saved["exp_avg_sq"].double(),
-                     abs_avg=saved["exp_avg"].double().abs())  # the one new step rounds against these
+        state = dict(step=int(saved["step"]), exp_avg=saved["exp_avg"].double(),
+                     # the one new step rounds against these
+                     exp_avg_sq=saved["exp_avg_sq"].double(), abs_avg=saved["exp_avg"].double().abs())
         expected, bound = adamw_f64_step(before[fqn], p.grad, state, LR)
         assert ((p.detach().double() - expected).abs() <= bound).all(), fqn
 

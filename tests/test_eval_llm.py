@@ -96,8 +96,8 @@ def test_load_from_folder_equals_transformers_generate(tmp_path, fmt):
     reference = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     expected = greedy_reply(reference, tokenizer, [{"role": "user", "content": "What is a list?"}], 12)
-    proc = python("scripts/eval_llm.py", ["--load_from", str(folder), "--prompt", "What is a list?",
-                                          "--temperature", "0", "--max_new_tokens", "12", "--device", "cpu"], timeout=180)
+    proc = python("scripts/eval_llm.py", ["--load_from", str(folder), "--prompt", "What is a list?", "--temperature",
+                                          "0", "--max_new_tokens", "12", "--device", "cpu"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expected.strip() and expected.strip() in proc.stdout, (expected, proc.stdout)
 
@@ -137,7 +137,8 @@ def test_open_thinking_reaches_the_chat_template(tmp_path):
 
 
 def test_bad_folder_is_one_error_line(tmp_path):
-    proc = python("scripts/eval_llm.py", ["--load_from", str(tmp_path), "--prompt", "x", "--device", "cpu"], timeout=180)
+    proc = python("scripts/eval_llm.py", ["--load_from", str(tmp_path), "--prompt", "x", "--device", "cpu"],
+                  timeout=180)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: --load_from {tmp_path} has no config.json; it takes a Hugging Face model "
                                    "folder")

@@ -3,8 +3,9 @@
 Each layout runs the real trainer/train_pretrain.py under torchrun (gloo, CPU) for 10 steps on the
 same global batches as a single-process run: the per-step losses are compared with it, the exported
 weights with the run's own checkpoint, and the last step with a single process stepping from the
-layout's own state (assert_same_run says why not final weights against final weights). Rows are packed with the default --doc_mask 1 (attention within
-documents, in every layout: SDPA's mask, each pipeline stage's, the ring's per-block mask).
+layout's own state (assert_same_run says why not final weights against final weights). Rows are packed with the
+default --doc_mask 1 (attention within documents, in every layout: SDPA's mask, each pipeline stage's, the ring's
+per-block mask).
 """
 import math
 import os
@@ -210,7 +211,8 @@ def test_resume_under_a_different_layout(save_layout, resume_layout, data, refer
         proc = python(SCRIPT, run_args(workdir, data, "dense", 1, ["--max_steps", str(STEPS), "--from_resume", "1"]))
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
-        run_layout(tmp_path, data, "dense", *RESUME_LAYOUTS[resume_layout], ["--max_steps", str(STEPS), "--from_resume", "1"])
+        run_layout(tmp_path, data, "dense", *RESUME_LAYOUTS[resume_layout],
+                   ["--max_steps", str(STEPS), "--from_resume", "1"])
     assert_same_run(workdir, data, "dense", reference["dense"])
 
 
@@ -247,7 +249,8 @@ def test_a_dying_rank_stops_the_others(data, tmp_path):
         while not (os.path.exists(metrics) and len(read_metrics(metrics)) >= 2):
             assert proc.poll() is None and time.time() < deadline, "training did not start"
             time.sleep(0.5)
-        workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train_pretrain.py"], capture_output=True, text=True)
+        workers = subprocess.run(["pgrep", "-f", "-P", str(proc.pid), "train_pretrain.py"], capture_output=True,
+                                 text=True)
         pids = [int(p) for p in workers.stdout.split()]
         assert len(pids) == 2, pids
         os.kill(pids[1], signal.SIGKILL)

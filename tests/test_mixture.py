@@ -10,8 +10,14 @@ from torch.utils.data import ConcatDataset, Dataset
 from transformers import AutoTokenizer
 
 from dataset.lm_dataset import PretrainDataset
-from dataset.mixture import (absolute_data_spec, MixtureDataset, _largest_remainder, describe_mixture, load_data_spec,
-                             resolve_data_spec)
+from dataset.mixture import (
+    MixtureDataset,
+    _largest_remainder,
+    absolute_data_spec,
+    describe_mixture,
+    load_data_spec,
+    resolve_data_spec,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -414,7 +414,8 @@ def test_attn_fn_receives_unrepeated_gqa_heads():
 def test_config_defaults_and_validate():
     c = MiniMindConfig()
     # minimind-3: intermediate = ceil(768 * pi / 64) * 64 = ceil(37.70) * 64 = 38 * 64 = 2432, experts the same size
-    assert (c.hidden_size, c.num_hidden_layers, c.vocab_size, c.head_dim, c.intermediate_size) == (768, 8, 6400, 96, 2432)
+    shape = (c.hidden_size, c.num_hidden_layers, c.vocab_size, c.head_dim, c.intermediate_size)
+    assert shape == (768, 8, 6400, 96, 2432)
     assert (c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, c.n_shared_experts) == (2432, 4, 1, 0)
     assert (c.router_aux_loss_coef, c.rope_theta, c.rms_norm_eps, c.tie_word_embeddings) == (5e-4, 1e6, 1e-6, True)
     assert MiniMindConfig(hidden_size=512).intermediate_size == 1664  # ceil(512 * pi / 64) = ceil(25.13) = 26

@@ -11,8 +11,14 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import build_pipeline, spawn
 from tests.numerics import assert_adam_first_step_close
 from trainer.parallel.pipeline import PipelineLoss as pipeline_loss_fn
-from trainer.parallel.pipeline import (PipelineStageModule, params_for_grad_norm, pipeline_stage_ranges, pipeline_step,
-                                       pp_validate, sync_tied_grads)
+from trainer.parallel.pipeline import (
+    PipelineStageModule,
+    params_for_grad_norm,
+    pipeline_stage_ranges,
+    pipeline_step,
+    pp_validate,
+    sync_tied_grads,
+)
 
 VOCAB, SEQ, BATCH, TOL = 128, 32, 4, 1e-5
 LR, ADAM_EPS = 1e-2, 1e-8  # torch's default eps: near-zero grads are handled by the per-element bound

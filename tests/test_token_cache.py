@@ -322,8 +322,9 @@ def test_pretokenize_num_proc_writes_the_cache_bytes(tokenizer, tmp_path):
     bad = run("--num_proc", "0")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --num_proc must be at least 1, got 0"
     bad = run("--tokenizer_path", str(tmp_path))  # a folder, but no tokenizer in it: one line, not HF's traceback
-    assert bad.returncode == 2 and bad.stderr.strip() == (f"error: --tokenizer_path {tmp_path} has no tokenizer.json or "
-                                                          "tokenizer_config.json; pass a Hugging Face tokenizer folder")
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        f"error: --tokenizer_path {tmp_path} has no tokenizer.json or tokenizer_config.json; pass a Hugging Face "
+        "tokenizer folder")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,18 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import (WeightsError, flag_conflicts, infer_config, load_weights, read_checkpoint, read_weights,
-                           save_weights_file, shape_mismatch, sidecar_path, weight_fields)
+from model.weights import (
+    WeightsError,
+    flag_conflicts,
+    infer_config,
+    load_weights,
+    read_checkpoint,
+    read_weights,
+    save_weights_file,
+    shape_mismatch,
+    sidecar_path,
+    weight_fields,
+)
 from trainer.flags import MODEL_FLAGS
 from trainer.model_config import weight_shapes
 
@@ -189,7 +199,8 @@ def tiny_qwen3(vocab=VOCAB):
 
 
 def write_minimind_folder(folder, reference):
-    """Write `reference` (a tiny dense Qwen3) as MiniMind's export does: its config field names, tied lm_head left out."""
+    """Write `reference` (a tiny dense Qwen3) as MiniMind's export does: its config field names, tied lm_head left
+    out."""
     cfg = reference.config
     folder.mkdir()
     state = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}

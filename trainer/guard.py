@@ -66,6 +66,7 @@ class StepGuard:
         self.skipped_steps = self.in_a_row = 0
         self.stop = False
         self.last_good_save = None  # global step of the last checkpoint saved outside a run of skipped steps
+        self.last_loss = None  # this rank's loss of the last step, read with the check's flags (for the bar)
 
     def check(self, loss, grad_norm, check_norm, device):
         """True when this step must be skipped; sets self.stop when any rank was signalled (collective)."""
@@ -77,7 +78,7 @@ class StepGuard:
         flags = torch.stack([bad.float(), torch.tensor(float(signalled), device=device)])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        skip, stop = flags.tolist()
+        skip, stop, self.last_loss = torch.cat([flags, loss.reshape(1)]).tolist()  # the step's one host sync
         self.stop = stop > 0
         return skip > 0
 

@@ -203,7 +203,7 @@ def train_epoch(trainer, batches, tracker, eval_ds, timer, profiler, bar):
         timer.add(metrics["num_items"], step_flops(trainer.config, plan.seq_len, plan.global_batch * plan.seq_len,
                                                    metrics["num_items"], plan.chunked_loss))
         after_step(trainer, tracker, eval_ds, metrics, timer, progress.step_in_epoch == trainer.steps_per_epoch)
-        bar.set_postfix(loss=f"{float(metrics['ce'] + metrics['aux']):.4f}", lr=f"{metrics['lr']:.2e}",
+        bar.set_postfix(loss=f"{trainer.guard.last_loss:.4f}", lr=f"{metrics['lr']:.2e}",
                         tok_s=f"{metrics['num_items'] / (time.perf_counter() - start):.0f}", refresh=False)
 
 
