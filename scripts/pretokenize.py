@@ -35,8 +35,11 @@ def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_line
     work = tempfile.mkdtemp(prefix=".pretokenize_", dir=out_dir)  # same filesystem: the moves are renames
     try:
         dataset_class = PretrainDataset if kind == "pretrain" else SFTDataset
-        ds = dataset_class(data_path, tokenizer, max_length=2, skip_bad_lines=skip_bad_lines, cache_dir=work,
-                           num_proc=num_proc)
+        # the cache holds whole documents whatever the row length; SFT counts rows with a target within it, so a
+        # row length no conversation reaches keeps that count (an all-empty file is still refused)
+        max_length = 2 if kind == "pretrain" else 2 ** 31 - 1
+        ds = dataset_class(data_path, tokenizer, max_length=max_length, skip_bad_lines=skip_bad_lines,
+                           cache_dir=work, num_proc=num_proc)
         files = shard_files(out_prefix)
         for name in ("tokens", "offsets", "mask"):
             source = os.path.join(ds.cache_path, f"{name}.bin")
