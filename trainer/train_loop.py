@@ -121,8 +121,9 @@ def build_trainer(plan, dims, steps_per_epoch):
     ckpt = load_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
     estimate = checkpoint_bytes_estimate(model, plan.save_dtype.itemsize)
-    if room_warning(plan.checkpoint_dir, estimate):
-        Logger(room_warning(plan.checkpoint_dir, estimate))
+    warning = room_warning(plan.checkpoint_dir, estimate)
+    if warning:
+        Logger(warning)
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, plan.learning_rate, plan.zero_stage, dims.group("dp_cp"),
