@@ -3,7 +3,7 @@
 No side effects: nothing is created; writability is checked on the nearest existing folder.
 """
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -96,6 +96,7 @@ class TrainPlan:
     use_wandb: bool
     wandb_project: str
     flags: dict  # the flags as typed: saved in checkpoints and the tracker's config, never read by the trainer
+    stage: object = None  # a post-training stage's own frozen plan (LoRA, DPO, distillation), else None
 
     @property
     def micro_batch_shape(self):
@@ -112,8 +113,10 @@ class TrainPlan:
         return None if self.dtype == torch.float32 else self.dtype
 
 
-def resolve(args, world_size, local_rank=0):
-    """Check the flags and derive the frozen TrainPlan; raises ConfigError before any collective."""
+def resolve(args, world_size, local_rank=0, resolve_stage=None):
+    """Check the flags and derive the frozen TrainPlan; raises ConfigError before any collective.
+
+    resolve_stage(args, plan) -> the stage's own frozen plan (checked), kept as plan.stage."""
     check_numbers(args)
     check_device(args.device)
     save_dir = typed_or_default(args.save_dir, "out")
@@ -146,7 +149,7 @@ def resolve(args, world_size, local_rank=0):
     metrics_file = typed_or_default(args.metrics_file, None) or os.path.join(save_dir, f"{name}_metrics.jsonl")
     check_metrics_file(metrics_file)
     device = f"cuda:{local_rank}" if world_size > 1 and args.device.startswith("cuda") else args.device
-    return TrainPlan(
+    plan = TrainPlan(
         world_size=world_size, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, zero_stage=zero_stage, dp_mode=dp_mode,
         grad_compression=args.grad_compression, pp_schedule=args.pp_schedule,
         sequence_parallel=bool(args.sequence_parallel), grad_checkpointing=bool(args.grad_checkpointing),
@@ -164,6 +167,7 @@ def resolve(args, world_size, local_rank=0):
         run_dir=os.path.join(checkpoint_dir, name),
         save_dtype=getattr(torch, args.save_dtype), from_resume=args.from_resume, **copied_flags(args),
         flags=dict(vars(args)))
+    return replace(plan, stage=resolve_stage(args, plan)) if resolve_stage is not None else plan
 
 
 COPIED = ("learning_rate", "weight_decay", "warmup_steps", "grad_clip", "epochs", "max_steps", "log_interval",

@@ -121,10 +121,29 @@ def add_parallel_args(parser):
     a("--grad_compression", default="none", help="none|bf16|powersgd (DDP communication hook)")
 
 
-def parse_args(description, **defaults):
-    """The script's flags; --help shows every default."""
+def add_lora_args(parser):
+    """train_lora.py: the adapters (model/lora.py)."""
+    a = parser.add_argument  # noqa: F841 (filled in by the LoRA stage)
+
+
+def add_dpo_args(parser):
+    """train_dpo.py: the preference loss and its reference model (trainer/dpo.py)."""
+    a = parser.add_argument  # noqa: F841 (filled in by the DPO stage)
+
+
+def add_distillation_args(parser):
+    """train_distillation.py: the teacher and the mixed loss (trainer/distillation.py)."""
+    a = parser.add_argument  # noqa: F841 (filled in by the distillation stage)
+
+
+def parse_args(description, stage_args=None, **defaults):
+    """The script's flags (plus a stage's own, `stage_args(parser)`, e.g. add_dpo_args); --help shows every default."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    return add_train_args(parser, **defaults).parse_args()
+    add_train_args(parser)
+    if stage_args is not None:
+        stage_args(parser)
+    parser.set_defaults(**defaults)
+    return parser.parse_args()
 
 
 MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",

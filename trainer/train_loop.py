@@ -62,9 +62,11 @@ class Trainer:
     started: bool = False  # the first step is done: collectives run under the per-step timeout
 
 
-def setup(args):
-    """Phase 1: check the flags into a TrainPlan, start the process group and mesh, seed. Returns (plan, dims)."""
-    plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+def setup(args, resolve_stage=None):
+    """Phase 1: check the flags into a TrainPlan, start the process group and mesh, seed. Returns (plan, dims).
+
+    resolve_stage: a post-training stage's resolver (see config.resolve)."""
+    plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), resolve_stage)
     init_distributed_mode(plan.device, plan.dist_init_timeout)
     enable_tf32(plan.device, strict=not plan.tf32)  # before peak_flops reads the matmul precision
     dims = ParallelDims.build(plan.world_size, tp=plan.tp, pp=plan.pp, cp=plan.cp,
