@@ -132,8 +132,14 @@ def add_dpo_args(parser):
 
 
 def add_distillation_args(parser):
-    """train_distillation.py: the teacher and the mixed loss (trainer/distillation.py)."""
-    a = parser.add_argument  # noqa: F841 (filled in by the distillation stage)
+    """train_distillation.py: the teacher and the mixed loss (trainer/distillation.py); MiniMind's defaults."""
+    a = parser.add_argument
+    a("--teacher_weight", default="full_sft_768_moe",
+      help="the teacher: a .pth, a resume checkpoint (step_<N> folder or *_resume.pth), a Hugging Face folder, or a "
+      "weight name in save_dir (default: MiniMind's teacher, the MoE SFT model <save_dir>/full_sft_768_moe.pth); "
+      "any size, dense or MoE, with the student's tokenizer")
+    a("--alpha", type=float, default=0.5, help="loss = alpha * CE + (1 - alpha) * T^2 * KL(teacher || student)")
+    a("--temperature", type=float, default=1.5, help="softmax temperature T of both models in the KL")
 
 
 def parse_args(description, stage_args=None, **defaults):

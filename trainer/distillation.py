@@ -1,0 +1,198 @@
+"""Knowledge distillation (train_distillation.py): MiniMind's loss alpha * CE + (1 - alpha) * T^2 *
+KL(teacher || student) over the assistant tokens, with a frozen teacher beside the student in the same layout.
+
+The KL runs over chunks of --loss_chunk_size target tokens (student and teacher lm_head per chunk), so neither
+model's full fp32 logits exist at once; under tensor parallel both models' logits stay vocab-sharded instead.
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
+from transformers import AutoTokenizer
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import WeightsError, load_weights, read_checkpoint, weight_fields
+from trainer.launch import ConfigError
+from trainer.parallel.context import apply_context_parallel
+from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
+from trainer.trainer_utils import typed_or_default
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class DistillationPlan:
+    """The distillation stage's checked flags: the loss weights and the teacher (a file and its model fields)."""
+    alpha: float  # weight of the CE; 1 - alpha weights T^2 * KL
+    temperature: float
+    teacher_path: str
+    teacher_fields: dict  # MiniMindConfig fields of the teacher weights
+    chunk_size: int  # target tokens per KL chunk; 0: the full logits (also under tensor parallel)
+
+    @property
+    def teacher_config(self):
+        return MiniMindConfig(**self.teacher_fields)
+
+
+def resolve_distillation(args, plan):
+    """Check --alpha, --temperature and the teacher against the student (vocabulary, tokenizer, layout)."""
+    if not 0 <= args.alpha <= 1:
+        raise ConfigError(f"--alpha must lie in [0, 1] (got {args.alpha}): the CE's weight, 1 - alpha the KL's")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ConfigError(f"--temperature must be a positive number (got {args.temperature}); MiniMind uses 1.5")
+    if plan.pp > 1:
+        raise ConfigError("--pp > 1 is not supported by distillation (the teacher is not split into pipeline "
+                          "stages); use --tp, --cp or data parallel")
+    path = teacher_path(args.teacher_weight, plan.save_dir)
+    fields = teacher_fields(path, plan)
+    return DistillationPlan(alpha=args.alpha, temperature=args.temperature, teacher_path=path, teacher_fields=fields,
+                            chunk_size=plan.model_config.loss_chunk_size if plan.chunked_loss else 0)
+
+
+def teacher_path(value, save_dir):
+    """--teacher_weight as a path: a .pth or a folder as typed, else a weight name in save_dir."""
+    if value.endswith(".pth") or os.sep in value or os.path.isdir(value):
+        path = typed_or_default(value, None)
+    else:
+        path = os.path.join(save_dir, value + ".pth")
+    if not os.path.exists(path):
+        raise ConfigError(f"--teacher_weight: {path} does not exist; train the teacher first (MiniMind's: "
+                          "train_sft.py --use_moe 1) or pass a .pth, a resume checkpoint or an HF folder")
+    return path
+
+
+def teacher_fields(path, plan):
+    """The teacher's MiniMindConfig fields, after checking its vocabulary, tokenizer and tensor-parallel split."""
+    try:
+        state_dict, saved_config, saved_args = read_checkpoint(path)
+        fields = weight_fields(state_dict, saved_config)
+    except WeightsError as e:
+        raise ConfigError(f"--teacher_weight: {e}") from None
+    fields = dict(fields, loss_chunk_size=0)
+    student_vocab = plan.model_config.vocab_size
+    if fields["vocab_size"] != student_vocab:
+        raise ConfigError(f"--teacher_weight {path} has vocab_size {fields['vocab_size']}, the student "
+                          f"{student_vocab}: distillation compares both models' token distributions, so pass a "
+                          "teacher trained with the student's tokenizer")
+    teacher_tokenizer = tokenizer_folder(path, saved_args)
+    if teacher_tokenizer and not same_vocabulary(teacher_tokenizer, plan.tokenizer_path):
+        raise ConfigError(f"--teacher_weight {path}: its tokenizer ({teacher_tokenizer}) differs from the "
+                          f"student's ({plan.tokenizer_path}); pass a teacher trained with the student's tokenizer")
+    split = tp_validate(MiniMindConfig(**fields), plan.tp)
+    if split:
+        raise ConfigError(f"--teacher_weight {path}: the teacher is split like the student: {split}")
+    return fields
+
+
+def tokenizer_folder(path, saved_args):
+    """The tokenizer the teacher names: an HF folder's own files, or the one its resume checkpoint trained with."""
+    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        return path
+    named = (saved_args or {}).get("tokenizer_path")
+    return named if named and os.path.isdir(named) else None
+
+
+def same_vocabulary(folder, other):
+    """Both tokenizer folders map the same strings to the same ids."""
+    if os.path.realpath(folder) == os.path.realpath(other):
+        return True
+    return AutoTokenizer.from_pretrained(folder).get_vocab() == AutoTokenizer.from_pretrained(other).get_vocab()
+
+
+def build_teacher(stage, plan, dims):
+    """The frozen teacher on plan.device in the training dtype, eval mode, split like the student (tp, cp)."""
+    teacher = MiniMindForCausalLM(stage.teacher_config)
+    try:
+        load_weights(teacher, stage.teacher_path)
+    except WeightsError as e:
+        raise ConfigError(f"--teacher_weight: {e}") from None
+    teacher = teacher.to(plan.device, dtype=plan.dtype).eval()
+    if plan.tp > 1:  # vocab-sharded logits, like the student's
+        apply_tensor_parallel(teacher, dims.mesh("tp"), sequence_parallel=plan.sequence_parallel)
+    if plan.cp > 1:
+        apply_context_parallel(teacher, dims.mesh("cp"))
+    return teacher.requires_grad_(False)
+
+
+class _ChunkedDistillation(torch.autograd.Function):
+    """(loss_sum, ce_sum, kl_sum) of the rows of `hidden` over chunks; the student's gradients are formed in forward.
+
+    loss_sum = alpha * ce_sum + (1 - alpha) * T^2 * kl_sum; only loss_sum has a gradient. As in
+    model_minimind's _ChunkedLinearCrossEntropy only one chunk's logits (of each model) exist at a time.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, chunk_size, alpha, temperature):
+        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        kl_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        rows = torch.arange(min(chunk_size, hidden.shape[0]), device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+            logits = F.linear(h, weight).float()
+            teacher_log_probs = F.linear(teacher_hidden[start:start + chunk_size], teacher_weight).float()
+            teacher_log_probs = torch.log_softmax(teacher_log_probs.div_(temperature), dim=-1)
+            log_probs = torch.log_softmax(logits / temperature, dim=-1)
+            teacher_probs = teacher_log_probs.exp()
+            # in place and as a dot product: no further chunk-sized temporaries
+            kl_sum += torch.dot(teacher_probs.view(-1), teacher_log_probs.sub_(log_probs).view(-1))
+            del teacher_log_probs
+            ce_sum += F.cross_entropy(logits, t, reduction="sum")
+            # d(alpha CE + (1-alpha) T^2 KL)/d logits = alpha (softmax - one_hot) + (1-alpha) T (softmax(z/T) - p)
+            grad_logits = log_probs.exp_().sub_(teacher_probs).mul_((1 - alpha) * temperature)
+            del teacher_probs, log_probs
+            ce_grad = torch.softmax(logits, dim=-1)
+            del logits
+            ce_grad[rows[:len(t)], t] -= 1
+            grad_logits.add_(ce_grad, alpha=alpha)
+            del ce_grad
+            grad_logits = grad_logits.to(weight.dtype)  # as the lm_head backward sees it (autocast casts in mm)
+            if grad_hidden is not None:
+                grad_hidden[start:start + chunk_size] = torch.mm(grad_logits, weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += torch.mm(grad_logits.t().to(h.dtype), h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(ce_sum, kl_sum)
+        return alpha * ce_sum + (1 - alpha) * temperature ** 2 * kl_sum, ce_sum, kl_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_ce, grad_kl):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
+        grad_weight = grad_weight * grad_loss if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def chunked_distillation(hidden, weight, teacher_hidden, teacher_weight, targets, alpha, temperature, chunk_size):
+    """(loss_sum, ce_sum, kl_sum) over targets != -100, from the two models' final hidden states and lm_head weights.
+
+    hidden (..., H), teacher_hidden (..., H_t), targets (...); positions without a target are dropped first."""
+    keep = (targets.reshape(-1) != -100).nonzero().squeeze(1)
+    rows = [t.reshape(-1, t.shape[-1]).index_select(0, keep) for t in (hidden, teacher_hidden)]
+    return _ChunkedDistillation.apply(rows[0], weight, rows[1].detach(), teacher_weight.detach(),
+                                      targets.reshape(-1).index_select(0, keep), chunk_size, alpha, temperature)
+
+
+def full_distillation(logits, teacher_logits, targets, alpha, temperature):
+    """(loss_sum, ce_sum, kl_sum) from both models' full logits (B, L, V): the unchunked formula, also on
+    vocab-sharded DTensor logits (tensor parallel, inside loss_parallel())."""
+    logits, teacher_logits = logits.float(), teacher_logits.float().detach()
+    ce_sum = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-100, reduction="sum")
+    teacher_log_probs = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    per_token = (teacher_log_probs.exp() * (teacher_log_probs - torch.log_softmax(logits / temperature, dim=-1)))
+    mask = (targets != -100).to(per_token.dtype)
+    if isinstance(per_token, DTensor):  # the mask is the same on every tp rank
+        mask = DTensor.from_local(mask, per_token.device_mesh, [Replicate()], run_check=False)
+    kl_sum = (per_token.sum(-1) * mask).sum()
+    ce_sum, kl_sum = local(ce_sum), local(kl_sum)
+    return alpha * ce_sum + (1 - alpha) * temperature ** 2 * kl_sum, ce_sum.detach(), kl_sum.detach()
+
+
+def local(t):
+    """A plain tensor of a (possibly partial) DTensor scalar: summed over tp ranks, autograd-aware."""
+    return t.redistribute(t.device_mesh, [Replicate()]).to_local() if isinstance(t, DTensor) else t
