@@ -183,14 +183,23 @@ def full_distillation(logits, teacher_logits, targets, alpha, temperature):
     vocab-sharded DTensor logits (tensor parallel, inside loss_parallel())."""
     logits, teacher_logits = logits.float(), teacher_logits.float().detach()
     ce_sum = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-100, reduction="sum")
-    teacher_log_probs = torch.log_softmax(teacher_logits / temperature, dim=-1)
-    per_token = (teacher_log_probs.exp() * (teacher_log_probs - torch.log_softmax(logits / temperature, dim=-1)))
+    teacher_log_probs = log_softmax(teacher_logits / temperature)
+    per_token = teacher_log_probs.exp() * (teacher_log_probs - log_softmax(logits / temperature))
     mask = (targets != -100).to(per_token.dtype)
     if isinstance(per_token, DTensor):  # the mask is the same on every tp rank
         mask = DTensor.from_local(mask, per_token.device_mesh, [Replicate()], run_check=False)
     kl_sum = (per_token.sum(-1) * mask).sum()
     ce_sum, kl_sum = local(ce_sum), local(kl_sum)
     return alpha * ce_sum + (1 - alpha) * temperature ** 2 * kl_sum, ce_sum.detach(), kl_sum.detach()
+
+
+def log_softmax(logits):
+    """log_softmax over the last dimension; on vocab-sharded DTensors spelt out in reductions that DTensor shards
+    (loss_parallel's own log_softmax has a backward that is right only when nll_loss follows it)."""
+    if not isinstance(logits, DTensor):
+        return torch.log_softmax(logits, dim=-1)
+    shifted = logits - logits.detach().amax(-1, keepdim=True)
+    return shifted - shifted.exp().sum(-1, keepdim=True).log()
 
 
 def local(t):
