@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import WeightsError, load_weights, read_checkpoint, weight_fields
 from trainer.launch import ConfigError
+from trainer.objective import LMObjective
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
 from trainer.trainer_utils import typed_or_default
@@ -115,6 +116,59 @@ def build_teacher(stage, plan, dims):
     if plan.cp > 1:
         apply_context_parallel(teacher, dims.mesh("cp"))
     return teacher.requires_grad_(False)
+
+
+class DistillationObjective(LMObjective):
+    """alpha * CE + (1 - alpha) * T^2 * KL(teacher || student), summed over the target tokens / num_items.
+
+    The teacher runs inside loss() on the same (context-sharded) inputs; stats: the CE and KL sums, logged as ce
+    and kl (means over the step's target tokens)."""
+
+    stat_names = ("ce_sum", "kl_sum")
+
+    def __init__(self, teacher, stage):
+        self.teacher, self.stage = teacher, stage
+
+    def loss(self, model, input_ids, targets, position_ids, extra, num_items):
+        stage, teacher = self.stage, self.teacher
+        if stage.chunk_size:
+            with torch.no_grad():
+                teacher_hidden = teacher.model(input_ids, position_ids=position_ids)[0]
+            core, sums = getattr(model, "module", model), []  # DDP wraps the model; FSDP2 keeps it
+
+            def chunked(module, args, output):  # inside the student's forward, where FSDP2 has gathered lm_head
+                sums.extend(chunked_distillation(output[0], core.lm_head.weight, teacher_hidden,
+                                                 teacher.lm_head.weight, targets, stage.alpha, stage.temperature,
+                                                 stage.chunk_size))
+            handle = core.model.register_forward_hook(chunked)
+            try:  # the root forward (DDP and FSDP2 hook it); its own lm_head sees one position only
+                out = model(input_ids, position_ids=position_ids, logits_to_keep=1)
+            finally:
+                handle.remove()
+            loss_sum, ce_sum, kl_sum = sums
+        else:  # full logits: --loss_chunk_size 0, or vocab-sharded under tensor parallel
+            with torch.no_grad():
+                teacher_logits = teacher(input_ids, position_ids=position_ids).logits
+            out = model(input_ids, position_ids=position_ids)
+            loss_sum, ce_sum, kl_sum = full_distillation(out.logits, teacher_logits, targets, stage.alpha,
+                                                         stage.temperature)
+        return loss_sum / num_items, out.aux_loss, dict(ce_sum=ce_sum, kl_sum=kl_sum)
+
+    def pipeline_loss(self, logits, targets, extra, num_items):
+        raise RuntimeError("distillation has no pipeline schedule: resolve_distillation refuses --pp > 1")
+
+    def record(self, stats, num_items):
+        return dict(ce=stats["ce_sum"] / num_items, kl=stats["kl_sum"] / num_items)
+
+
+def describe(stage, plan, teacher):
+    """The run's one line at start: where the student and the teacher come from, and the loss."""
+    config = stage.teacher_config
+    params = sum(p.numel() for p in teacher.parameters()) / 1e6  # a DTensor counts its full size
+    return (f"Distillation: student from {plan.from_weight} (default --from_weight full_sft: MiniMind's chain, SFT "
+            f"-> distillation), teacher {stage.teacher_path} ({params:.2f}M, hidden {config.hidden_size}, "
+            f"{'MoE' if config.use_moe else 'dense'}), loss = {stage.alpha} * CE + {1 - stage.alpha:g} * "
+            f"{stage.temperature}^2 * KL(teacher || student)")
 
 
 class _ChunkedDistillation(torch.autograd.Function):

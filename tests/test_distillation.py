@@ -1,0 +1,201 @@
+"""Distillation (trainer/distillation.py, trainer/train_distillation.py): the loss against the formula by hand, the
+chunked KL against the full logits, layouts against the single process, exact resume after a kill, bad input."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+from transformers import AutoTokenizer
+
+from dataset.lm_dataset import SFTDataset
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import save_weights_file
+from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from trainer.distillation import DistillationObjective, DistillationPlan
+from trainer.train_loop import step_targets
+
+SCRIPT = "trainer/train_distillation.py"
+STUDENT = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+# larger and MoE: the teacher shares only the vocabulary with the student
+TEACHER = MiniMindConfig(hidden_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         use_moe=True, num_experts=2)
+STEPS = 4
+
+
+def seeded(config, seed):
+    torch.manual_seed(seed)
+    return MiniMindForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The student's starting weights, a teacher, one with another vocabulary, and a small SFT file."""
+    root = tmp_path_factory.mktemp("distill")
+    paths = dict(student=str(root / "full_sft_64.pth"), teacher=str(root / "teacher.pth"),
+                 other_vocab=str(root / "other_vocab.pth"), data=demo_slice(root, "sft", 64))
+    other = MiniMindConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=6000)
+    for name, config, seed in (("student", STUDENT, 1), ("teacher", TEACHER, 2), ("other_vocab", other, 3)):
+        model = seeded(config, seed)
+        save_weights_file(model.state_dict(), model.config, paths[name])
+    paths["root"] = str(root)
+    return paths
+
+
+def sft_batch(data, n=4, seq_len=64):
+    """The first n rows of the seed-42 epoch-0 order, as the trainer draws them (assistant-only labels)."""
+    dataset = SFTDataset(data, AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")), max_length=seq_len)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=42, drop_last=True)
+    rows = [dataset[i] for i in list(sampler)[:n]]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+def by_hand(student, teacher, input_ids, labels, alpha, temperature):
+    """MiniMind's loss from full logits: mean CE and T^2 * mean KL(teacher || student) over the target tokens."""
+    logits = student(input_ids).logits[:, :-1].reshape(-1, STUDENT.vocab_size)
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids).logits[:, :-1].reshape(-1, STUDENT.vocab_size)
+    targets = labels[:, 1:].reshape(-1)
+    mask = targets != -100
+    logits, teacher_logits, targets = logits[mask], teacher_logits[mask], targets[mask]
+    log_q = logits - logits.logsumexp(-1, keepdim=True)
+    ce = -log_q.gather(1, targets[:, None]).mean()
+    log_p = teacher_logits / temperature - (teacher_logits / temperature).logsumexp(-1, keepdim=True)
+    log_q_t = logits / temperature - (logits / temperature).logsumexp(-1, keepdim=True)
+    kl = (log_p.exp() * (log_p - log_q_t)).sum(-1).mean()
+    return alpha * ce + (1 - alpha) * temperature ** 2 * kl, ce, kl
+
+
+def objective_loss(student, teacher, input_ids, labels, alpha, temperature, chunk_size):
+    stage = DistillationPlan(alpha=alpha, temperature=temperature, teacher_path="", teacher_fields={},
+                             chunk_size=chunk_size)
+    objective = DistillationObjective(teacher, stage)
+    num_items = objective.count(labels, ())
+    loss, aux, stats = objective.loss(student, input_ids, step_targets(labels), None, (), num_items)
+    return loss, objective.record({k: float(v) for k, v in stats.items()}, num_items)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 7, 1024])  # full logits, many chunks with a ragged last one, one chunk
+def test_loss_and_gradient_equal_the_formula_by_hand(files, chunk_size):
+    input_ids, labels = sft_batch(files["data"])
+    student, teacher = seeded(STUDENT, 1), seeded(TEACHER, 2).eval().requires_grad_(False)
+    alpha, temperature = 0.3, 1.7
+    want, want_ce, want_kl = by_hand(student, teacher, input_ids, labels, alpha, temperature)
+    want_grads = torch.autograd.grad(want, list(student.parameters()))
+    got, record = objective_loss(student, teacher, input_ids, labels, alpha, temperature, chunk_size)
+    got_grads = torch.autograd.grad(got, list(student.parameters()))
+    assert float(got.detach()) == pytest.approx(float(want), rel=1e-5)
+    assert record["ce"] == pytest.approx(float(want_ce), rel=1e-5)
+    assert record["kl"] == pytest.approx(float(want_kl), rel=1e-4)  # a difference of near-equal log-probs
+    assert want_kl > 1e-3  # the teacher is another model: the KL term is tested, not zero
+    for (name, _), g, w in zip(student.named_parameters(), got_grads, want_grads):
+        # fp32 sums over the 6400-way vocabulary and the tokens, in another order: a few hundred ulp of the largest
+        assert float((g - w).abs().max()) <= 256 * torch.finfo(torch.float32).eps * float(w.abs().max()), name
+
+
+@pytest.mark.parametrize("chunk_size", [0, 16])
+def test_teacher_equal_to_student_with_alpha_0_gives_zero(files, chunk_size):
+    input_ids, labels = sft_batch(files["data"])
+    student = seeded(STUDENT, 1)
+    teacher = copy.deepcopy(student).eval().requires_grad_(False)
+    loss, record = objective_loss(student, teacher, input_ids, labels, 0.0, 1.5, chunk_size)
+    grads = torch.autograd.grad(loss, list(student.parameters()))
+    assert float(loss) == 0.0 and record["kl"] == 0.0 and record["ce"] > 1.0  # same logits: p log(p / p) = 0
+    ce_loss, _ = objective_loss(student, teacher, input_ids, labels, 1.0, 1.5, chunk_size)
+    ce_grads = torch.autograd.grad(ce_loss, list(student.parameters()))
+    for g, scale in zip(grads, ce_grads):  # q - p is 0; autograd's log_softmax backward forms q * sum(p) - p
+        assert float(g.abs().max()) <= 64 * torch.finfo(torch.float32).eps * float(scale.abs().max())
+
+
+def run_args(files, name, accumulation_steps, extra=()):
+    out = os.path.join(files["root"], name)
+    return [*TINY_MODEL, "--data_path", files["data"], "--max_seq_len", "64", "--batch_size", "2",
+            "--accumulation_steps", str(accumulation_steps), "--learning_rate", "2e-3", "--log_interval", "1",
+            "--max_steps", str(STEPS), "--from_weight", files["student"], "--teacher_weight", files["teacher"],
+            "--alpha", "0.3", "--temperature", "2", "--loss_chunk_size", "16", "--save_dir", out,
+            "--checkpoint_dir", os.path.join(out, "ckpt"), "--metrics_file", os.path.join(out, "metrics.jsonl"),
+            *extra]
+
+
+def metrics(argv):
+    return read_metrics(argv[argv.index("--metrics_file") + 1])
+
+
+@pytest.fixture(scope="module")
+def single(files):
+    """The single-process run every layout and the resumed run are compared with (global batch 8)."""
+    argv = run_args(files, "single", 4)
+    proc = python(SCRIPT, argv, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "default --from_weight full_sft" in proc.stdout and "hidden 96, MoE" in proc.stdout
+    records = metrics(argv)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r in records:  # the logged loss is its two logged parts, mixed
+        assert r["loss"] == pytest.approx(0.3 * r["ce"] + 0.7 * 4 * r["kl"], rel=1e-6)
+    return records
+
+
+def assert_same_steps(got, want):
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for a, b in zip(got, want):  # fp32 in another reduction order, a few optimizer steps on
+        assert a["tokens"] == b["tokens"]
+        for key in ("loss", "ce", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("layout", [
+    ["--accumulation_steps", "2"],  # dp 2 (DDP): the chunked KL
+    ["--tp", "2", "--loss_chunk_size", "0"],  # tp 2: both models' logits vocab-sharded
+])
+def test_layouts_equal_the_single_process(files, single, layout):
+    name = "layout_" + "_".join(a.strip("-") for a in layout)
+    argv = run_args(files, name, 4, layout)
+    proc = torchrun(SCRIPT, 2, argv, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_steps(metrics(argv), single)
+
+
+KILL_AT = """import os, signal, sys
+sys.path.insert(0, {root!r})
+from trainer import train_distillation, train_loop
+from trainer.launch import main_guard
+real_after_step = train_loop.after_step
+def after_step(trainer, *args, **kwargs):
+    real_after_step(trainer, *args, **kwargs)
+    if trainer.progress.global_step == {step}:
+        os.kill(os.getpid(), signal.SIGKILL)
+train_loop.after_step = after_step
+main_guard(train_distillation.main)
+"""
+
+
+def test_resume_after_a_kill_is_exact(files, single):
+    """SIGKILL after step 3 (the checkpoint is step 2's): the resumed run repeats step 3 with the same losses."""
+    argv = run_args(files, "killed", 4, ["--save_interval", "2"])
+    code = KILL_AT.format(root=ROOT, step=3)  # the trainer has no test hooks: the fault is patched in from here
+    killed = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [r["step"] for r in metrics(argv)] == [1, 2, 3]
+    resumed = python(SCRIPT, argv + ["--from_resume", "1"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from epoch 0, step 2" in resumed.stdout
+    got = metrics(argv)
+    assert_same_steps(got, single)
+    for a, b in zip(got, single):  # one process both times, the same reduction order: equal to fp32 rounding
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--alpha", "1.5"], "error: --alpha must lie in [0, 1] (got 1.5)"),
+    (["--teacher_weight", "OTHER"], "has vocab_size 6000, the student 6400"),
+])
+def test_bad_input_is_one_line_exit_2(files, flags, message):
+    flags = [files["other_vocab"] if f == "OTHER" else f for f in flags]
+    proc = python(SCRIPT, run_args(files, "bad", 4, flags), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert message in lines[-1] and lines[-1].startswith("error:"), proc.stderr[-2000:]

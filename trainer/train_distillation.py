@@ -1,0 +1,41 @@
+"""Knowledge distillation on chat data: a frozen teacher's token distributions guide the student (MiniMind's
+alpha * CE + (1 - alpha) * T^2 * KL over the assistant tokens); same flags, loop, layouts and checkpoints as SFT."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from dataset.lm_dataset import SFTDataset  # noqa: E402
+from dataset.token_cache import local_part  # noqa: E402
+from trainer.distillation import DistillationObjective, build_teacher, describe, resolve_distillation  # noqa: E402
+from trainer.flags import add_distillation_args, parse_args  # noqa: E402
+from trainer.launch import main_guard  # noqa: E402
+from trainer.train_loop import build_trainer, load_datasets, setup, steps_per_epoch, train  # noqa: E402
+from trainer.trainer_utils import Logger  # noqa: E402
+
+
+def main():
+    args = parse_args("MiniMind Knowledge Distillation", stage_args=add_distillation_args, save_weight="full_dist",
+                      from_weight="full_sft", learning_rate=5e-6, max_seq_len=340, batch_size=32,
+                      accumulation_steps=1, epochs=6, wandb_project="MiniMind-Distillation")
+    # 1. set-up: checks (the teacher's too) -> TrainPlan, process group, mesh, seed
+    plan, dims = setup(args, resolve_stage=resolve_distillation)
+    # 2. tokenizer and data (the embedded chat corpus unless --data_path)
+    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
+    train_ds, eval_ds = load_datasets(plan, lambda path: SFTDataset(
+        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines,
+        cache_dir=plan.cache_dir, num_proc=plan.num_proc, part=local_part()), demo_kind="sft")
+    # 3. the teacher: frozen, eval mode, the training dtype, split like the student (tp, cp)
+    teacher = build_teacher(plan.stage, plan, dims)
+    Logger(describe(plan.stage, plan, teacher))
+    # 4-7. resume state, student (from --from_weight), parallel wrap (tp -> cp -> dp), optimizer
+    objective = DistillationObjective(teacher, plan.stage)
+    trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective=objective)
+    # 8. the loop
+    train(trainer, train_ds, eval_ds)
+
+
+if __name__ == "__main__":
+    main_guard(main)
