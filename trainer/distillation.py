@@ -140,12 +140,17 @@ class DistillationObjective(LMObjective):
                 sums.extend(chunked_distillation(output[0], core.lm_head.weight, teacher_hidden,
                                                  teacher.lm_head.weight, targets, stage.alpha, stage.temperature,
                                                  stage.chunk_size))
-            handle = core.model.register_forward_hook(chunked)
+
+            def as_output(module, args, output):  # a root output: ZeRO-3 gathers lm_head again before its backward
+                output["loss"] = sums[0]
+                return output
+            handles = [core.model.register_forward_hook(chunked), core.register_forward_hook(as_output, prepend=True)]
             try:  # the root forward (DDP and FSDP2 hook it); its own lm_head sees one position only
                 out = model(input_ids, position_ids=position_ids, logits_to_keep=1)
             finally:
-                handle.remove()
-            loss_sum, ce_sum, kl_sum = sums
+                for handle in handles:
+                    handle.remove()
+            loss_sum, ce_sum, kl_sum = out.loss, sums[1], sums[2]
         else:  # full logits: --loss_chunk_size 0, or vocab-sharded under tensor parallel
             with torch.no_grad():
                 teacher_logits = teacher(input_ids, position_ids=position_ids).logits
