@@ -135,7 +135,7 @@ def single(files):
     argv = run_args(files, "single", 4)
     proc = python(SCRIPT, argv, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "default --from_weight full_sft" in proc.stdout and "hidden 96, MoE" in proc.stdout
+    assert "default full_sft" in proc.stdout and "hidden 96, MoE" in proc.stdout
     records = metrics(argv)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for r in records:  # the logged loss is its two logged parts, mixed

@@ -170,8 +170,8 @@ def describe(stage, plan, teacher):
     """The run's one line at start: where the student and the teacher come from, and the loss."""
     config = stage.teacher_config
     params = sum(p.numel() for p in teacher.parameters()) / 1e6  # a DTensor counts its full size
-    return (f"Distillation: student from {plan.from_weight} (default --from_weight full_sft: MiniMind's chain, SFT "
-            f"-> distillation), teacher {stage.teacher_path} ({params:.2f}M, hidden {config.hidden_size}, "
+    return (f"Distillation: student from {plan.from_weight} (--from_weight; MiniMind's default full_sft: SFT -> "
+            f"distillation), teacher {stage.teacher_path} ({params:.2f}M, hidden {config.hidden_size}, "
             f"{'MoE' if config.use_moe else 'dense'}), loss = {stage.alpha} * CE + {1 - stage.alpha:g} * "
             f"{stage.temperature}^2 * KL(teacher || student)")
 
