@@ -547,3 +547,38 @@ def test_fsdp_reduces_gradients_once_per_accumulated_step(tmp_path):
         for fqn, p in model.named_parameters():
             diff, tol = float((grads[fqn] - p.grad).abs().max()), GRAD_ULPS * FP32_EPS * float(p.grad.abs().max())
             assert diff <= tol, (zero_stage, fqn, diff, tol)
+
+
+def _fp16_found_inf_worker(rank, world_size, out_path):
+    """Each rank owns different parameters (as a pipeline stage does); only rank 0's fp16 backward overflows."""
+    from trainer.guard import StepGuard, scaler_found_inf
+    torch.manual_seed(rank)
+    model = nn.Linear(8, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    # rank 0: 4 rows of 1e3 times the scale 2^10 sum to ~4e6 in the fp16 weight gradient (> 65504: inf)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5)) * (1e3 if rank == 0 else 1.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().sum()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    local_inf = float(sum(scaler_found_inf(scaler, optimizer)))
+    StepGuard(max_bad_steps=3).check(loss.detach(), 0.0, False, "cpu", scaler_found_inf(scaler, optimizer))
+    scaler.step(optimizer)
+    scaler.update()
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    results = [None, None]
+    dist.all_gather_object(results, (local_inf, unchanged, scaler.get_scale()))
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_fp16_scaler_skips_on_every_rank_when_one_overflows(tmp_path):
+    """Sharded gradients: each rank's GradScaler sees only its own; the guard's all-reduce makes every rank skip the
+    step and halve the scale (GradScaler's backoff 0.5) when one rank's fp16 gradient overflowed."""
+    spawn(_fp16_found_inf_worker, 2, str(tmp_path / "inf.pt"), timeout=120)
+    (inf0, unchanged0, scale0), (inf1, unchanged1, scale1) = torch.load(tmp_path / "inf.pt")
+    assert (inf0, inf1) == (1.0, 0.0)  # the overflow is rank 0's alone
+    assert unchanged0 and unchanged1
+    assert scale0 == scale1 == 2.0 ** 9

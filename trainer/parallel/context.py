@@ -41,10 +41,11 @@ _FAILED_KERNELS = set()  # (kernel, direction, device type, dtype, head dim) tha
 
 
 def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    """Flash backward of one block; dropout 0 and dense rows, so cum_seq/philox are empty placeholders."""
-    empty = torch.empty(0, dtype=torch.long, device=q.device)
+    """Flash backward of one block. cum_seq None: the dense kernel (a defined one means varlen); dropout 0 reads
+    no philox state, so empty tensors stand for the forward's."""
+    rng = torch.empty(0, dtype=torch.long, device=q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, empty, empty, q.shape[-2], k.shape[-2], 0.0, causal, empty, empty, scale=scale)
+        dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, rng, rng, scale=scale)
 
 
 def _cuda_efficient_forward(q, k, v, causal, scale):
@@ -56,9 +57,9 @@ def _cuda_efficient_forward(q, k, v, causal, scale):
 def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
     """Memory-efficient backward of one block; the lse padded back to the forward's multiple of 32 rows."""
     lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
-    empty = torch.empty(0, dtype=torch.long, device=q.device)
+    rng = torch.empty(0, dtype=torch.long, device=q.device)  # dropout 0: not read
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse, empty, empty, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+        dout, q, k, v, None, out, lse, rng, rng, 0.0, [True, True, True, False], causal, scale=scale)[:3]
 
 
 def _fused_kernels(q):
