@@ -114,7 +114,7 @@ def build_teacher(stage, plan, dims):
     if plan.tp > 1:  # vocab-sharded logits, like the student's
         apply_tensor_parallel(teacher, dims.mesh("tp"), sequence_parallel=plan.sequence_parallel)
     if plan.cp > 1:
-        apply_context_parallel(teacher, dims.mesh("cp"))
+        apply_context_parallel(teacher, dims.mesh("cp"), doc_mask=plan.doc_mask)
     return teacher.requires_grad_(False)
 
 

@@ -19,14 +19,14 @@ from trainer.trainer_utils import Logger  # noqa: E402
 def main():
     args = parse_args("MiniMind Knowledge Distillation", stage_args=add_distillation_args, save_weight="full_dist",
                       from_weight="full_sft", learning_rate=5e-6, max_seq_len=340, batch_size=32,
-                      accumulation_steps=1, epochs=6, wandb_project="MiniMind-Distillation")
+                      accumulation_steps=1, epochs=6, wandb_project="MiniMind-Distillation", packing=1)
     # 1. set-up: checks (the teacher's too) -> TrainPlan, process group, mesh, seed
     plan, dims = setup(args, resolve_stage=resolve_distillation)
-    # 2. tokenizer and data (the embedded chat corpus unless --data_path)
+    # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
     train_ds, eval_ds = load_datasets(plan, lambda path: SFTDataset(
-        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines,
-        cache_dir=plan.cache_dir, num_proc=plan.num_proc, part=local_part()), demo_kind="sft")
+        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
+        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
     # 3. the teacher: frozen, eval mode, the training dtype, split like the student (tp, cp)
     teacher = build_teacher(plan.stage, plan, dims)
     Logger(describe(plan.stage, plan, teacher))
