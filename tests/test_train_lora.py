@@ -1,0 +1,188 @@
+"""End-to-end LoRA (trainer/train_lora.py): base frozen, adapters in MiniMind's and PEFT's formats, every layout.
+
+One single-process run is the reference. Two 4-process composites cover the layouts (dp2 x tp2 on FSDP2 ZeRO-3;
+pp2 x cp2 on FSDP2 ZeRO-2 over the cp ranks) and a killed-and-resumed dp2 ZeRO-1 run (DDP + sharded optimizer)
+covers exact resume: every run's losses and adapters equal the reference's.
+"""
+import os
+
+import pytest
+import torch
+from peft import PeftModel
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.utils.data import DistributedSampler
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+from dataset.lm_dataset import SFTDataset
+from model.lora import apply_lora_file
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import read_sidecar, save_weights_file
+from scripts.convert_model import main as convert_main
+from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+
+SCRIPT = "trainer/train_lora.py"
+STEPS = 4
+GLOBAL_BATCH = 4  # samples per micro-batch over all dp ranks; 2 micro-batches per step
+TARGETS = "q_proj,v_proj,o_proj,up_proj,down_proj"  # column- and row-wise layers, square and not
+SCALE = 2.0  # --lora_alpha 8 / --lora_rank 4
+STEM = "lora_identity_64"
+# Adapters after STEPS AdamW steps in another layout: gradients differ by reduction-order rounding (~1e-6 relative),
+# which moves an update lr * g / (|g| + eps) by ~1e-6 * lr where |g| >> eps; 1e-2 * lr per step leaves room for
+# elements with |g| within ~100x of eps, and still fails on any real error (one wrong step moves a weight ~lr).
+ADAPTER_ATOL = STEPS * 1e-2 * 1e-3
+LOGIT_ATOL = 1e-4  # fp32: our model, transformers' and PEFT's differ only in summation order
+
+
+def tiny_config():
+    return MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return demo_slice(tmp_path_factory.mktemp("data"), "sft", 64)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The base weights (MiniMind's full_sft file): a seeded model with non-trivial logits."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(tiny_config())
+    path = str(tmp_path_factory.mktemp("base") / "full_sft_64.pth")
+    save_weights_file(model.state_dict(), model.config, path)
+    return path
+
+
+def run_args(workdir, data, base, dp, extra=()):
+    return [*TINY_MODEL, "--from_weight", base, "--data_path", data, "--max_seq_len", "64",
+            "--batch_size", str(GLOBAL_BATCH // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3",
+            "--lora_rank", "4", "--lora_alpha", "8", "--lora_targets", TARGETS, "--log_interval", "1",
+            "--max_steps", str(STEPS), "--save_interval", "2", "--save_dir", os.path.join(workdir, "out"),
+            "--checkpoint_dir", os.path.join(workdir, "ckpt"), "--metrics_file", os.path.join(workdir, "m.jsonl"),
+            *extra]
+
+
+def adapters(workdir):
+    return torch.load(os.path.join(workdir, "out", "lora", f"{STEM}.pth"))
+
+
+def final_model_state(workdir):
+    """The full model of the run's last DCP checkpoint (base and adapters)."""
+    path = os.path.join(workdir, "full.pt")
+    dcp_to_torch_save(os.path.join(workdir, "ckpt", STEM, f"step_{STEPS}"), path)
+    return torch.load(path, weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(data, base, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("ref"))
+    proc = python(SCRIPT, run_args(workdir, data, base, 1), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def first_step_loss(base, data):
+    """Independent step 1: the plain base model on the first global batch of (seed 42, epoch 0)."""
+    model = MiniMindForCausalLM(tiny_config())
+    model.load_state_dict(torch.load(base))
+    dataset = SFTDataset(data, AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")), max_length=64)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=42, drop_last=True)
+    sampler.set_epoch(0)
+    first = list(sampler)[:2 * GLOBAL_BATCH]
+    input_ids = torch.stack([dataset[i][0] for i in first])
+    labels = torch.stack([dataset[i][1] for i in first])
+    with torch.no_grad():
+        return model(input_ids, labels=labels).loss.item()
+
+
+def test_step_one_is_the_base_and_only_adapters_change(reference, base, data):
+    records = read_metrics(os.path.join(reference, "m.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert records[0]["loss"] == pytest.approx(first_step_loss(base, data), rel=1e-5)  # B = 0: the base model
+    base_sd, final = torch.load(base), final_model_state(reference)
+    lora_keys = [k for k in final if ".lora." in k]
+    assert len(lora_keys) == 2 * 2 * 5  # A and B, 2 layers, 5 targets
+    assert all(torch.equal(final[k], base_sd[k]) for k in base_sd)  # the base, bitwise
+    assert all(final[k].abs().max() > 0 for k in lora_keys)  # every adapter trained (B started at zero)
+    saved = adapters(reference)  # MiniMind's keys <module>.lora.A/B.weight, B holding the scale
+    for key in lora_keys:
+        parent, _, short, ab, _ = key.rsplit(".", 4)
+        value = saved[f"{parent}.{short}.lora.{ab}.weight"]
+        assert torch.equal(value, final[key] * (SCALE if ab == "B" else 1.0)), key
+    assert read_sidecar(os.path.join(reference, "out", "lora", f"{STEM}.pth"))["hidden_size"] == 64
+
+
+def folded_logits(base, saved, input_ids):
+    """Logits of an independent plain model with W + B @ A folded in by hand (MiniMind's file: B holds the scale)."""
+    state = torch.load(base)
+    for key, a in saved.items():
+        if key.endswith(".lora.A.weight"):
+            module = key.removesuffix(".lora.A.weight")
+            state[f"{module}.weight"] = state[f"{module}.weight"] + saved[f"{module}.lora.B.weight"] @ a
+    model = MiniMindForCausalLM(tiny_config()).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def test_saved_adapters_load_in_minimind_and_peft_format(reference, base, tmp_path):
+    input_ids = torch.randint(0, 6400, (2, 24), generator=torch.Generator().manual_seed(5))
+    path = os.path.join(reference, "out", "lora", f"{STEM}.pth")
+    expected = folded_logits(base, adapters(reference), input_ids)
+    model = MiniMindForCausalLM(tiny_config()).eval()
+    model.load_state_dict(torch.load(base))
+    apply_lora_file(model, path)  # model/lora.py's load_lora, as MiniMind's own loader reads the file
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, expected, rtol=0, atol=LOGIT_ATOL)
+    assert convert_main(["--weight", base, "--out_dir", str(tmp_path / "hf")]) == 0
+    hf_model = Qwen3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf_model, os.path.join(reference, "out", "lora", f"{STEM}_peft")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=input_ids).logits, expected, rtol=0, atol=LOGIT_ATOL)
+
+
+def assert_same_as_reference(workdir, reference):
+    records, want = read_metrics(os.path.join(workdir, "m.jsonl")), read_metrics(os.path.join(reference, "m.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for got, ref in zip(records, want):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (got["step"], got["loss"], ref["loss"])
+        assert got["tokens"] == ref["tokens"]
+    saved, ref_saved = adapters(workdir), adapters(reference)
+    assert saved.keys() == ref_saved.keys()
+    for key, value in ref_saved.items():
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=ADAPTER_ATOL, msg=key)
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2", "--zero_stage", "3"], ["--pp", "2", "--cp", "2", "--zero_stage", "2"]],
+                         ids=["dp2xtp2_zero3", "pp2xcp2_zero2"])
+def test_layout_matches_single_process(flags, reference, base, data, tmp_path):
+    dp = 2 if "--tp" in flags else 1
+    proc = torchrun(SCRIPT, 4, run_args(str(tmp_path), data, base, dp, flags), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert_same_as_reference(str(tmp_path), reference)
+
+
+def test_zero1_resume_after_a_kill_is_exact(reference, base, data, tmp_path):
+    """dp2 ZeRO-1 killed after step 3 (checkpoint at step 2), resumed: step 3 again bitwise, and the whole run
+    equals the single process."""
+    workdir = str(tmp_path)
+    args = run_args(workdir, data, base, 2, ["--zero_stage", "1"])
+    env = {"MINIMIND_TEST_KILL_AT_STEP": "3", "MINIMIND_TEST_KILL_RANK": "1"}
+    killed = torchrun("tests/lora_fault_entry.py", 2, args, timeout=300, env=env)
+    assert killed.returncode != 0 and "SIGKILL rank 1 at step 3" in killed.stdout + killed.stderr
+    before = read_metrics(os.path.join(workdir, "m.jsonl"))
+    assert [r["step"] for r in before] == [1, 2, 3]
+    resumed = torchrun(SCRIPT, 2, [*args, "--from_resume", "1"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from" in resumed.stdout
+    after = read_metrics(os.path.join(workdir, "m.jsonl"))
+    assert after[2]["loss"] == before[2]["loss"]  # step 3 from the step-2 checkpoint: bitwise the same
+    assert_same_as_reference(workdir, reference)
+
+
+@pytest.mark.parametrize("flags,needle", [(["--lora_rank", "0"], "--lora_rank must be at least 1"),
+                                          (["--lora_targets", "q_proj,qkv"], "qkv is not one of")])
+def test_bad_lora_flags_are_one_error_line(flags, needle, data, base, tmp_path):
+    proc = python(SCRIPT, run_args(str(tmp_path), data, base, 1, flags), timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    assert not os.path.exists(os.path.join(str(tmp_path), "m.jsonl"))  # no step ran
