@@ -76,7 +76,7 @@ def full_optimizer_state_dict(model_parts, optimizers, pp_group=None, tied_alias
             osd = get_optimizer_state_dict(part, optim, options=options)
         _merge_optim(local, sd._cpu_fp32(osd), tied_aliases)
     stages = sd._gather_pp(local, pp_group)
-    if not sd._is_rank0():
+    if not sd.is_main_process():
         return None
     merged = {"state": {}, "param_groups": []}
     for stage in stages:
