@@ -20,9 +20,10 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import read_sidecar, save_weights_file
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from trainer import train_lora
 from trainer.config import resolve
 from trainer.flags import add_lora_args, parse_args
-from trainer.launch import ConfigError
+from trainer.launch import ConfigError, main_guard
 from trainer.lora_stage import resolve_lora
 
 SCRIPT = "trainer/train_lora.py"
@@ -184,11 +185,13 @@ def test_zero1_resume_after_a_kill_is_exact(reference, base, data, tmp_path):
     assert_same_as_reference(workdir, reference)
 
 
-def test_bad_lora_rank_is_one_error_line_before_training(data, base, tmp_path):
-    proc = python(SCRIPT, run_args(str(tmp_path), data, base, 1, ["--lora_rank", "0"]), timeout=120)
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert "--lora_rank must be at least 1 (got 0)" in errors[0]
+def test_bad_lora_rank_is_one_error_line_before_training(data, base, monkeypatch, capsys, tmp_path):
+    """The script's own entry (main_guard(train_lora.main)), in this process: one `error:` line, exit 2, no step."""
+    monkeypatch.setattr(sys, "argv", [SCRIPT, *map(str, run_args(str(tmp_path), data, base, 1, ["--lora_rank", "0"]))])
+    with pytest.raises(SystemExit) as caught:
+        main_guard(train_lora.main)
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err == "error: --lora_rank must be at least 1 (got 0); MiniMind uses 16"
     assert not os.path.exists(os.path.join(str(tmp_path), "m.jsonl"))  # no step ran
 
 
