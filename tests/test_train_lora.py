@@ -87,15 +87,20 @@ def reference(data, base, tmp_path_factory):
 
 
 def first_step_loss(base, data):
-    """Independent step 1: the plain base model on the first global batch of (seed 42, epoch 0)."""
+    """Independent step 1: the plain base model on the conversations of the first global batch of (seed 42, epoch 0),
+    each alone and padded (the run packs them, by default): CE summed over them / their target tokens."""
     model = MiniMindForCausalLM(tiny_config())
     model.load_state_dict(torch.load(base))
-    dataset = SFTDataset(data, AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")), max_length=64)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=42, drop_last=True)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    packed = SFTDataset(data, tokenizer, max_length=64, packing=True)
+    alone = SFTDataset(data, tokenizer, max_length=64)
+    sampler = DistributedSampler(packed, num_replicas=1, rank=0, shuffle=True, seed=42, drop_last=True)
     sampler.set_epoch(0)
-    first = list(sampler)[:2 * GLOBAL_BATCH]
-    input_ids = torch.stack([dataset[i][0] for i in first])
-    labels = torch.stack([dataset[i][1] for i in first])
+    rows = list(sampler)[:2 * GLOBAL_BATCH]
+    conversations = [int(c) for r in rows for c in packed.row_docs[packed.row_offsets[r]:packed.row_offsets[r + 1]]]
+    assert len(conversations) > len(rows)  # the rows do hold several conversations
+    input_ids = torch.stack([alone[i][0] for i in conversations])
+    labels = torch.stack([alone[i][1] for i in conversations])
     with torch.no_grad():
         return model(input_ids, labels=labels).loss.item()
 

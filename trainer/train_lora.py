@@ -22,17 +22,17 @@ from trainer.trainer_utils import Logger  # noqa: E402
 def main():
     # save_weight None: the run (checkpoints, metrics) takes the adapter's name, as MiniMind's lm_checkpoint does
     args = parse_args("MiniMind LoRA", stage_args=add_lora_args, save_weight=None, from_weight="full_sft",
-                      learning_rate=1e-4, max_seq_len=340, batch_size=32, accumulation_steps=1, epochs=2)
+                      learning_rate=1e-4, max_seq_len=340, batch_size=32, accumulation_steps=1, epochs=2, packing=1)
     if args.save_weight is None:
         args.save_weight = args.lora_name
     # 1. set-up: checks -> TrainPlan (+ LoraPlan), process group, mesh, seed
     plan, dims = setup(args, resolve_stage=resolve_lora)
     Logger(f"LoRA on --from_weight {plan.from_weight}; adapters to {plan.stage.weights_path}")
-    # 2. tokenizer and data (the embedded chat corpus unless --data_path)
+    # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
     train_ds, eval_ds = load_datasets(plan, lambda path: SFTDataset(
-        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines,
-        cache_dir=plan.cache_dir, num_proc=plan.num_proc, part=local_part()), demo_kind="sft")
+        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
+        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
     # 3-6. resume state, model (from --from_weight) + adapters, parallel wrap (pp -> tp -> cp -> dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
     # 7. the loop
