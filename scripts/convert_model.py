@@ -3,6 +3,9 @@
 Export (a .pth or a resume checkpoint -> folder: Qwen3 / Qwen3-MoE by default, or MiniMind's own format):
     python scripts/convert_model.py --weight out/pretrain_768.pth --out_dir out/hf_model
     python scripts/convert_model.py --weight checkpoints/full_sft_768/step_1000 --out_dir out/mm --format minimind
+Merge a LoRA adapter (MiniMind's format, from trainer/train_lora.py) into the weights, then export; the merged .pth
+goes to --merged_weight (default: out/merge_<name>_<hidden>.pth beside --weight, MiniMind's name):
+    python scripts/convert_model.py --weight out/full_sft_768.pth --lora out/lora/lora_identity_768.pth --out_dir out/hf
 Import (a Qwen3 / Qwen3-MoE / MiniMind `model_type: minimind` folder -> .pth):
     python scripts/convert_model.py --to minimind --out_dir path/to/folder --weight out/from_hf_768.pth
 
@@ -13,6 +16,7 @@ with AutoModelForCausalLM and its logits compared with the source model (fp32; a
 Typed relative paths resolve against the current directory, the defaults against the repository root.
 """
 import argparse
+import copy
 import glob
 import json
 import math
@@ -25,6 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import (  # noqa: E402
     WeightsError,
@@ -126,6 +131,8 @@ def export(args):
     state_dict = clean_state_dict(state_dict, True)
     save_dtype = state_dict["model.embed_tokens.weight"].dtype
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    if args.lora:
+        model = merged_with_lora(model, config, args, save_dtype)
     os.makedirs(args.out_dir, exist_ok=True)
     if args.format == "minimind":
         out_model = MiniMindForCausalLM(config)
@@ -149,6 +156,20 @@ def export(args):
     diff = max_logit_diff(model, args.out_dir, config.vocab_size, trust_remote_code=args.format == "minimind")
     print(f"verify: max abs logits diff {diff:.3g} (folder via AutoModelForCausalLM vs source, fp32)")
     return diff
+
+
+def merged_with_lora(model, config, args, save_dtype):
+    """The plain model with --lora folded in (W + B @ A, in save_dtype as it is written); the merged .pth is saved."""
+    adapted = apply_lora_file(copy.deepcopy(model), args.lora)
+    merged = merge_lora(copy.deepcopy(adapted)).to(save_dtype)
+    save_weights_file(merged.state_dict(), config, args.merged_weight)
+    merged = merged.float().eval()
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (merged(ids).logits - adapted.eval()(ids).logits).abs().max().item()
+    print(f"merged {args.lora} into {args.weight}: wrote {args.merged_weight} ({save_dtype}); max abs logits diff "
+          f"{diff:.3g} against base + adapter (fp32; rounding to {save_dtype} included)")
+    return merged
 
 
 def import_folder(args):
@@ -188,6 +209,9 @@ def parse_args(argv=None):
     parser.add_argument("--out_dir", "--hf_dir", dest="out_dir", default=None,
                         help="Hugging Face folder (export output / import input); default out/hf_model")
     parser.add_argument("--tokenizer_path", default=None, help="default: the checkpoint's saved --tokenizer_path")
+    parser.add_argument("--lora", default=None, help="export: merge this LoRA adapter (MiniMind's .pth) first")
+    parser.add_argument("--merged_weight", default=None,
+                        help="with --lora: the merged .pth (default: merge_<adapter name>.pth beside --weight)")
     parser.add_argument("--trust_remote_code", type=int, default=0, choices=[0, 1],
                         help="import: run a minimind folder's own code to compare logits")
     for name in SHAPE_FLAGS + ("num_experts_per_tok",):  # must agree with the weights; only for a .pth without .json
@@ -198,6 +222,11 @@ def parse_args(argv=None):
     # typed paths resolve against the current directory, defaults against the repository root
     args.weight = os.path.abspath(args.weight) if args.weight else os.path.join(ROOT, "out", "pretrain_768.pth")
     args.out_dir = os.path.abspath(args.out_dir) if args.out_dir else os.path.join(ROOT, "out", "hf_model")
+    if args.lora:
+        args.lora = os.path.abspath(args.lora)
+        name = os.path.splitext(os.path.basename(args.lora))[0].removeprefix("lora_")
+        args.merged_weight = os.path.abspath(args.merged_weight) if args.merged_weight else os.path.join(
+            os.path.dirname(args.weight), f"merge_{name}.pth")
     return args
 
 
@@ -218,6 +247,11 @@ def check_args(args):
         check_writable(os.path.dirname(args.weight), "--weight folder")
     else:
         check_writable(args.out_dir, "--out_dir")
+    if args.lora and (args.to != "hf" or not os.path.isfile(args.lora)):
+        raise ConfigError(f"--lora {args.lora} is not a file" if args.to == "hf" else
+                          "--lora merges an adapter on export (--to hf); import the folder without it")
+    if args.lora:
+        check_writable(os.path.dirname(args.merged_weight), "--merged_weight folder")
 
 
 def main(argv=None):
@@ -228,7 +262,7 @@ def main(argv=None):
         if args.use_moe is not None:
             args.use_moe = bool(args.use_moe)
         diff = export(args) if args.to == "hf" else import_folder(args)
-    except (ConfigError, WeightsError) as e:
+    except (ConfigError, WeightsError, LoraError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if diff is not None and not diff <= MAX_LOGIT_DIFF:  # NaN logits fail too

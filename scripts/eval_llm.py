@@ -3,6 +3,7 @@
     python scripts/eval_llm.py --weight pretrain --prompt "The Python interpreter"
     python scripts/eval_llm.py --load_from out/hf_model --interactive 1        # any HF folder: ours, MiniMind's, Qwen3
     python scripts/eval_llm.py --load_from ./minimind-3 --open_thinking 1 --prompt "Why is the sky blue?"
+    python scripts/eval_llm.py --weight full_sft --lora lora_identity   # base + adapter (out/lora/<name>_<hidden>.pth)
 
 --interactive 1 reads turns from stdin and keeps the conversation history (an empty line or EOF ends it).
 Typed relative paths resolve against the current directory, the defaults against the repository root.
@@ -19,6 +20,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # noqa: E402
 
+from model.lora import LoraError, apply_lora_file  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import WeightsError, load_weights, read_checkpoint, read_weights, weight_fields  # noqa: E402
 from trainer.checks import check_device, check_tokenizer  # noqa: E402
@@ -93,6 +95,18 @@ def load_model(args):
     return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path)
 
 
+def lora_path(args, config):
+    """--lora: a .pth path, or an adapter name in <save_dir>/lora/<name>_<hidden>[_moe].pth (MiniMind's)."""
+    if args.lora.endswith(".pth"):
+        path = os.path.abspath(args.lora)
+    else:
+        stem = f"{args.lora}_{config.hidden_size}{'_moe' if getattr(config, 'use_moe', False) else ''}"
+        path = os.path.join(typed_or_default(args.save_dir, "out"), "lora", stem + ".pth")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--lora: {path} does not exist; pass the adapter trainer/train_lora.py wrote")
+    return path
+
+
 def render_prompt(tokenizer, messages, chat, open_thinking):
     """The text the model continues: the chat template (with the thinking switch) or bos + raw text."""
     if not chat:
@@ -126,6 +140,8 @@ def parse_args(argv=None):
                         help="a resume checkpoint (checkpoints/<weight>_<hidden>/step_<N>) instead of --weight")
     parser.add_argument("--tokenizer_path", default=None,
                         help="default: the --load_from folder, else the repo's model/")
+    parser.add_argument("--lora", "--lora_weight", dest="lora", default=None,
+                        help="a LoRA adapter on top: a .pth (MiniMind's format) or a name in <save_dir>/lora/")
     parser.add_argument("--hidden_size", type=int, default=768)
     parser.add_argument("--num_hidden_layers", type=int, default=8)
     parser.add_argument("--num_attention_heads", type=int, default=8)
@@ -152,12 +168,15 @@ def parse_args(argv=None):
     return args
 
 
-def main():
-    args = parse_args()
+def main(argv=None):
+    args = parse_args(argv)
     try:
         check_args(args)
-        model = load_model(args).eval().to(args.device)
-    except (ConfigError, WeightsError) as e:
+        model = load_model(args)
+        if args.lora:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
+            apply_lora_file(model, lora_path(args, model.config))
+        model = model.eval().to(args.device)
+    except (ConfigError, WeightsError, LoraError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     torch.manual_seed(args.seed)

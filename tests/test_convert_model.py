@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers import __version__ as transformers_version
 
+from model.lora import apply_lora, save_lora
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, python
@@ -224,3 +225,55 @@ def test_a_wrong_export_exits_non_zero(tmp_path, capsys, monkeypatch):
     assert convert_main(["--weight", str(tmp_path / "w.pth"), "--out_dir", str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' progress bars
     assert err.startswith("error: logits differ by ") and err.endswith("the converted folder is wrong"), err
+
+
+def lora_adapter(tmp_path, config, seed=3):
+    """A trained-looking adapter (non-zero A and B, scale 2) in MiniMind's format, from model/lora.py."""
+    model = source_model(config)
+    apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "o_proj", "down_proj"])
+    torch.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if ".lora." in name:
+            torch.nn.init.normal_(param, std=0.1)
+    save_lora(model, tmp_path / "lora_medical_64.pth")
+    return tmp_path / "lora_medical_64.pth"
+
+
+def hand_folded(weight_path, adapter_path, config):
+    """An independent plain model with W + B @ A added here (MiniMind's file: B already holds the scale)."""
+    state, adapter = torch.load(weight_path), torch.load(adapter_path)
+    for key in [k for k in adapter if k.endswith(".lora.A.weight")]:
+        module = key.removesuffix(".lora.A.weight")
+        state[f"{module}.weight"] = state[f"{module}.weight"] + adapter[f"{module}.lora.B.weight"] @ adapter[key]
+    model = MiniMindForCausalLM(config).eval()
+    model.load_state_dict(state)
+    return model
+
+
+def test_lora_merges_into_the_pth_and_the_folder(tmp_path, capsys):
+    config = tiny()
+    torch.save(source_model(config).state_dict(), tmp_path / "full_sft_64.pth")
+    adapter = lora_adapter(tmp_path, config)
+    assert convert_main(["--weight", str(tmp_path / "full_sft_64.pth"), "--lora", str(adapter),
+                         "--out_dir", str(tmp_path / "hf")]) == 0
+    assert "wrote " + str(tmp_path / "merge_medical_64.pth") in capsys.readouterr().out  # MiniMind's merged name
+    reference = hand_folded(tmp_path / "full_sft_64.pth", adapter, config)
+    merged = MiniMindForCausalLM(config).eval()
+    merged.load_state_dict(torch.load(tmp_path / "merge_medical_64.pth"))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids()).logits, reference(ids()).logits, rtol=0, atol=TOL)
+        assert (reference(ids()).logits - source_model(config)(ids()).logits).abs().max() > 100 * TOL  # it acts
+    assert logits_diff(reference, tmp_path / "hf") <= TOL
+
+
+def test_lora_for_another_model_is_one_error_line(tmp_path, capsys):
+    torch.save(source_model(tiny()).state_dict(), tmp_path / "full_sft_64.pth")
+    wide = lora_adapter(tmp_path, tiny(hidden_size=128))
+    cases = [(wide, "lora.A.weight has shape [4, 128], the model's adapter [4, 64]"),
+             (tmp_path / "full_sft_64.pth", "holds no MiniMind LoRA keys"),
+             (tmp_path / "missing.pth", "is not a file")]
+    for adapter, expected in cases:
+        assert convert_main(["--weight", str(tmp_path / "full_sft_64.pth"), "--lora", str(adapter),
+                             "--out_dir", str(tmp_path / "hf")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and expected in err and "\n" not in err, err

@@ -11,7 +11,9 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from scripts.convert_model import main as convert_main
 from scripts.eval_llm import check_args, parse_args, render_prompt
+from scripts.eval_llm import main as eval_main
 from tests.launch import ROOT, python
+from tests.test_convert_model import hand_folded, lora_adapter
 from trainer.launch import ConfigError
 
 
@@ -175,3 +177,32 @@ def test_bad_sampling_value_exits_2_with_one_line(tmp_path):
                                           "--device", "cpu"], timeout=180)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: --top_p must be in (0, 1] (got 2.0); 1 keeps every token"
+
+
+def test_lora_chats_with_base_plus_adapter(tmp_path, capsys):
+    """--lora NAME finds out/lora/<NAME>_<hidden>.pth; the greedy reply is a hand-folded model's (W + B @ A)."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    base = MiniMindForCausalLM(config).eval()
+    save_weights_file(base.state_dict(), config, str(tmp_path / "full_sft_64.pth"))
+    (tmp_path / "lora").mkdir()
+    adapter = lora_adapter(tmp_path / "lora", config)
+    reference = hand_folded(tmp_path / "full_sft_64.pth", adapter, config)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    prompt = "The Python interpreter"
+    expected = greedy_continuation(reference, tokenizer, prompt, 12)
+    assert expected != greedy_continuation(base, tokenizer, prompt, 12)  # the adapter changes the reply
+    eval_main(["--save_dir", str(tmp_path), "--weight", "full_sft", "--hidden_size", "64", "--lora", "lora_medical",
+               "--prompt", prompt, "--chat", "0", "--temperature", "0", "--max_new_tokens", "12", "--device", "cpu"])
+    assert expected and expected in capsys.readouterr().out
+
+
+def test_lora_for_another_shape_exits_2_with_one_line(tmp_path, capsys):
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    save_weights_file(MiniMindForCausalLM(config).state_dict(), config, str(tmp_path / "w.pth"))
+    wide = lora_adapter(tmp_path, MiniMindConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                                 num_key_value_heads=2))
+    with pytest.raises(SystemExit) as caught:
+        eval_main(["--weight", str(tmp_path / "w.pth"), "--lora", str(wide), "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err.startswith("error: ") and "\n" not in err
+    assert "lora.A.weight has shape [4, 128], the model's adapter [4, 64]" in err

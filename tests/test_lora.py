@@ -6,7 +6,6 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import parallelize_module
 from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers import __version__ as transformers_version
 
@@ -15,10 +14,8 @@ from model.lora import (
     LoraError,
     apply_lora,
     apply_lora_file,
-    freeze_base,
     load_lora,
     lora_modules,
-    lora_tp_plan,
     merge_lora,
     save_lora,
     save_peft,
@@ -246,22 +243,15 @@ def test_bad_input_is_refused():
         apply_lora(model, rank=4, targets=["q_proj"])
 
 
-def _parallelize_with_lora(model, mesh, plan):
-    """trainer/parallel/tensor.py's parallelize_module call, with the adapters' entries added."""
-    return parallelize_module(model, mesh, {**plan, **lora_tp_plan(model, plan)})
-
-
 def _compare_tp_lora(rank, world_size, config_kwargs, sequence_parallel):
-    tensor_parallel.parallelize_module = _parallelize_with_lora  # this worker process only
     config = tiny(**config_kwargs)
     plain = model_of(config).train()
     targets = ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
     apply_lora(plain, rank=4, alpha=8, targets=targets)
     randomize(plain)
-    model = copy.deepcopy(plain).requires_grad_(True)  # apply_tensor_parallel hooks grads of every Replicate param
+    model = copy.deepcopy(plain)  # frozen base: apply_tensor_parallel adds the adapters' plan and keeps it frozen
     tensor_parallel.apply_tensor_parallel(model, init_device_mesh("cpu", (world_size,)), sequence_parallel,
                                           loss_parallel=False)
-    freeze_base(model)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
         n for n, p in plain.named_parameters() if p.requires_grad}
     attn = model.model.layers[0].self_attn.lora

@@ -282,9 +282,15 @@ class Checkpointer:
 
 
 def save_weights(trainer):
-    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0."""
+    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0
+    (or the stage's own files: plan.stage.save_weights(model_state, config, save_dtype))."""
     pp_group = trainer.dims.group("pp") if trainer.plan.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
-    if is_main_process():
-        weights = {k: v.to(trainer.plan.save_dtype) for k, v in model_sd.items()}
-        save_weights_file(weights, trainer.config, trainer.plan.weights_path)
+    if not is_main_process():
+        return
+    stage = trainer.plan.stage
+    if hasattr(stage, "save_weights"):  # a stage writing its own files (LoRA: the adapters only)
+        stage.save_weights(model_sd, trainer.config, trainer.plan.save_dtype)
+        return
+    weights = {k: v.to(trainer.plan.save_dtype) for k, v in model_sd.items()}
+    save_weights_file(weights, trainer.config, trainer.plan.weights_path)

@@ -124,7 +124,14 @@ def add_parallel_args(parser):
 
 def add_lora_args(parser):
     """train_lora.py: the adapters (model/lora.py)."""
-    a = parser.add_argument  # noqa: F841 (filled in by the LoRA stage)
+    a = parser.add_argument
+    a("--lora_name", default="lora_identity", help="adapter name: <save_dir>/lora/<lora_name>_<hidden>[_moe].pth "
+      "(MiniMind's format) and a PEFT folder <lora_name>_<hidden>[_moe]_peft beside it")
+    a("--lora_rank", type=int, default=16, help="rank of each adapter (A: in -> rank, B: rank -> out)")
+    a("--lora_alpha", type=float, default=None, help="scale = alpha / rank (default: alpha = rank, MiniMind's scale 1)")
+    a("--lora_dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    a("--lora_targets", default=None, help="comma list of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj "
+      "(MoE experts included; default: MiniMind's choice, every square linear layer)")
 
 
 def add_dpo_args(parser):

@@ -126,6 +126,8 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     config = plan.model_config
     ckpt = load_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
+    if hasattr(plan.stage, "prepare_model"):  # e.g. LoRA: adapters on the plain loaded model, base frozen
+        model = plan.stage.prepare_model(model)
     estimate = checkpoint_bytes_estimate(model, plan.save_dtype.itemsize)
     warning = room_warning(plan.checkpoint_dir, estimate)
     if warning:
@@ -237,7 +239,8 @@ def after_step(trainer, tracker, eval_ds, metrics, timer, epoch_end):
 
 def finish(trainer):
     """Say where the weights are and leave the process group."""
-    Logger(f"Done: {trainer.progress.global_step} steps, weights in {trainer.plan.weights_path}")
+    weights_path = getattr(trainer.plan.stage, "weights_path", trainer.plan.weights_path)  # a stage's own file
+    Logger(f"Done: {trainer.progress.global_step} steps, weights in {weights_path}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -288,6 +288,8 @@ def sync_tied_grads(stage_modules, pp_group):
     if (first is None) == (last is None) or not stage_modules[0].tied:
         return
     weight = first.model.embed_tokens.weight if first is not None else last.lm_head.weight
+    if not weight.requires_grad:  # frozen (a LoRA base): no gradient to exchange
+        return
     peer = dist.get_world_size(pp_group) - 1 if first is not None else 0
     peer = dist.get_global_rank(pp_group, peer)
     if weight.grad is None:

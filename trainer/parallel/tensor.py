@@ -31,6 +31,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from model.lora import lora_tp_plan
+
 # In q = q_proj(x).view(B, L, heads, head_dim) the heads axis is 2; q/k_norm see that layout.
 HEADS_DIM = 2
 
@@ -197,6 +199,8 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel
     layers = inner.layers.items() if isinstance(inner.layers, nn.ModuleDict) else enumerate(inner.layers)
     for i, block in layers:
         plan.update(_block_plan(f"model.layers.{i}", block, sequence_parallel))
+    plan.update(lora_tp_plan(model, plan))  # LoRA adapters (if any) sharded to match their base layers
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
 
     if tied:
@@ -205,8 +209,9 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel
     missed = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
     if missed:  # a model change the plan does not know about; fail loudly rather than train wrong
         raise RuntimeError(f"tensor-parallel plan does not cover parameters: {missed}")
-    for param in model.parameters():
-        if param.placements == (Replicate(),):
+    for name, param in model.named_parameters():
+        param.requires_grad_(trainable[name])  # the styles make new Parameters, trainable; a frozen base stays frozen
+        if param.requires_grad and param.placements == (Replicate(),):
             param.register_post_accumulate_grad_hook(_reduce_partial_grad)
     model.register_forward_hook(_loss_to_local)
     return model

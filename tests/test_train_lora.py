@@ -1,0 +1,221 @@
+"""End-to-end LoRA (trainer/train_lora.py): base frozen, adapters in MiniMind's and PEFT's formats, every layout.
+
+One single-process run is the reference. Two 4-process composites cover the layouts (dp2 x tp2 on FSDP2 ZeRO-3;
+pp2 x cp2 on FSDP2 ZeRO-2 over the cp ranks) and a killed-and-resumed dp2 ZeRO-1 run (DDP + sharded optimizer)
+covers exact resume: every run's losses and adapters equal the reference's.
+"""
+import os
+import sys
+
+import pytest
+import torch
+from peft import PeftModel
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.utils.data import DistributedSampler
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+from dataset.lm_dataset import SFTDataset
+from model.lora import apply_lora_file
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import read_sidecar, save_weights_file
+from scripts.convert_model import main as convert_main
+from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from trainer import train_lora
+from trainer.config import resolve
+from trainer.flags import add_lora_args, parse_args
+from trainer.launch import ConfigError, main_guard
+from trainer.lora_stage import resolve_lora
+
+SCRIPT = "trainer/train_lora.py"
+STEPS = 4
+GLOBAL_BATCH = 4  # samples per micro-batch over all dp ranks; 2 micro-batches per step
+TARGETS = "q_proj,v_proj,o_proj,up_proj,down_proj"  # column- and row-wise layers, square and not
+SCALE = 2.0  # --lora_alpha 8 / --lora_rank 4
+STEM = "lora_identity_64"
+# Adapters after STEPS AdamW steps in another layout: gradients differ by reduction-order rounding (~1e-6 relative),
+# which moves an update lr * g / (|g| + eps) by ~1e-6 * lr where |g| >> eps; 1e-2 * lr per step leaves room for
+# elements with |g| within ~100x of eps, and still fails on any real error (one wrong step moves a weight ~lr).
+ADAPTER_ATOL = STEPS * 1e-2 * 1e-3
+LOGIT_ATOL = 1e-4  # fp32: our model, transformers' and PEFT's differ only in summation order
+
+
+def tiny_config():
+    return MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return demo_slice(tmp_path_factory.mktemp("data"), "sft", 64)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """The base weights (MiniMind's full_sft file): a seeded model with non-trivial logits."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(tiny_config())
+    path = str(tmp_path_factory.mktemp("base") / "full_sft_64.pth")
+    save_weights_file(model.state_dict(), model.config, path)
+    return path
+
+
+def run_args(workdir, data, base, dp, extra=()):
+    return [*TINY_MODEL, "--from_weight", base, "--data_path", data, "--max_seq_len", "64",
+            "--batch_size", str(GLOBAL_BATCH // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3",
+            "--lora_rank", "4", "--lora_alpha", "8", "--lora_targets", TARGETS, "--log_interval", "1",
+            "--max_steps", str(STEPS), "--save_interval", "2", "--save_dir", os.path.join(workdir, "out"),
+            "--checkpoint_dir", os.path.join(workdir, "ckpt"), "--metrics_file", os.path.join(workdir, "m.jsonl"),
+            *extra]
+
+
+def adapters(workdir):
+    return torch.load(os.path.join(workdir, "out", "lora", f"{STEM}.pth"))
+
+
+def final_model_state(workdir):
+    """The full model of the run's last DCP checkpoint (base and adapters)."""
+    path = os.path.join(workdir, "full.pt")
+    dcp_to_torch_save(os.path.join(workdir, "ckpt", STEM, f"step_{STEPS}"), path)
+    return torch.load(path, weights_only=False)["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(data, base, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("ref"))
+    proc = python(SCRIPT, run_args(workdir, data, base, 1), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir
+
+
+def first_step_loss(base, data):
+    """Independent step 1: the plain base model on the conversations of the first global batch of (seed 42, epoch 0),
+    each alone and padded (the run packs them, by default): CE summed over them / their target tokens."""
+    model = MiniMindForCausalLM(tiny_config())
+    model.load_state_dict(torch.load(base))
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    packed = SFTDataset(data, tokenizer, max_length=64, packing=True)
+    alone = SFTDataset(data, tokenizer, max_length=64)
+    sampler = DistributedSampler(packed, num_replicas=1, rank=0, shuffle=True, seed=42, drop_last=True)
+    sampler.set_epoch(0)
+    rows = list(sampler)[:2 * GLOBAL_BATCH]
+    conversations = [int(c) for r in rows for c in packed.row_docs[packed.row_offsets[r]:packed.row_offsets[r + 1]]]
+    assert len(conversations) > len(rows)  # the rows do hold several conversations
+    input_ids = torch.stack([alone[i][0] for i in conversations])
+    labels = torch.stack([alone[i][1] for i in conversations])
+    with torch.no_grad():
+        return model(input_ids, labels=labels).loss.item()
+
+
+def test_step_one_is_the_base_and_only_adapters_change(reference, base, data):
+    records = read_metrics(os.path.join(reference, "m.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert records[0]["loss"] == pytest.approx(first_step_loss(base, data), rel=1e-5)  # B = 0: the base model
+    base_sd, final = torch.load(base), final_model_state(reference)
+    lora_keys = [k for k in final if ".lora." in k]
+    assert len(lora_keys) == 2 * 2 * 5  # A and B, 2 layers, 5 targets
+    assert all(torch.equal(final[k], base_sd[k]) for k in base_sd)  # the base, bitwise
+    assert all(final[k].abs().max() > 0 for k in lora_keys)  # every adapter trained (B started at zero)
+    saved = adapters(reference)  # MiniMind's keys <module>.lora.A/B.weight, B holding the scale
+    for key in lora_keys:
+        parent, _, short, ab, _ = key.rsplit(".", 4)
+        value = saved[f"{parent}.{short}.lora.{ab}.weight"]
+        assert torch.equal(value, final[key] * (SCALE if ab == "B" else 1.0)), key
+    assert read_sidecar(os.path.join(reference, "out", "lora", f"{STEM}.pth"))["hidden_size"] == 64
+
+
+def folded_logits(base, saved, input_ids):
+    """Logits of an independent plain model with W + B @ A folded in by hand (MiniMind's file: B holds the scale)."""
+    state = torch.load(base)
+    for key, a in saved.items():
+        if key.endswith(".lora.A.weight"):
+            module = key.removesuffix(".lora.A.weight")
+            state[f"{module}.weight"] = state[f"{module}.weight"] + saved[f"{module}.lora.B.weight"] @ a
+    model = MiniMindForCausalLM(tiny_config()).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def test_saved_adapters_load_in_minimind_and_peft_format(reference, base, tmp_path):
+    input_ids = torch.randint(0, 6400, (2, 24), generator=torch.Generator().manual_seed(5))
+    path = os.path.join(reference, "out", "lora", f"{STEM}.pth")
+    expected = folded_logits(base, adapters(reference), input_ids)
+    model = MiniMindForCausalLM(tiny_config()).eval()
+    model.load_state_dict(torch.load(base))
+    apply_lora_file(model, path)  # model/lora.py's load_lora, as MiniMind's own loader reads the file
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids).logits, expected, rtol=0, atol=LOGIT_ATOL)
+    assert convert_main(["--weight", base, "--out_dir", str(tmp_path / "hf")]) == 0
+    hf_model = Qwen3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf_model, os.path.join(reference, "out", "lora", f"{STEM}_peft")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=input_ids).logits, expected, rtol=0, atol=LOGIT_ATOL)
+
+
+def assert_same_as_reference(workdir, reference):
+    records, want = read_metrics(os.path.join(workdir, "m.jsonl")), read_metrics(os.path.join(reference, "m.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for got, ref in zip(records, want):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5), (got["step"], got["loss"], ref["loss"])
+        assert got["tokens"] == ref["tokens"]
+    saved, ref_saved = adapters(workdir), adapters(reference)
+    assert saved.keys() == ref_saved.keys()
+    for key, value in ref_saved.items():
+        torch.testing.assert_close(saved[key], value, rtol=0, atol=ADAPTER_ATOL, msg=key)
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2", "--zero_stage", "3"], ["--pp", "2", "--cp", "2", "--zero_stage", "2"]],
+                         ids=["dp2xtp2_zero3", "pp2xcp2_zero2"])
+def test_layout_matches_single_process(flags, reference, base, data, tmp_path):
+    dp = 2 if "--tp" in flags else 1
+    proc = torchrun(SCRIPT, 4, run_args(str(tmp_path), data, base, dp, flags), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert_same_as_reference(str(tmp_path), reference)
+
+
+def test_zero1_resume_after_a_kill_is_exact(reference, base, data, tmp_path):
+    """dp2 ZeRO-1 killed after step 3 (checkpoint at step 2), resumed: step 3 again bitwise, and the whole run
+    equals the single process."""
+    workdir = str(tmp_path)
+    args = run_args(workdir, data, base, 2, ["--zero_stage", "1"])
+    env = {"MINIMIND_TEST_KILL_AT_STEP": "3", "MINIMIND_TEST_KILL_RANK": "1"}
+    killed = torchrun("tests/lora_fault_entry.py", 2, args, timeout=300, env=env)
+    assert killed.returncode != 0 and "SIGKILL rank 1 at step 3" in killed.stdout + killed.stderr
+    before = read_metrics(os.path.join(workdir, "m.jsonl"))
+    assert [r["step"] for r in before] == [1, 2, 3]
+    resumed = torchrun(SCRIPT, 2, [*args, "--from_resume", "1"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resuming from" in resumed.stdout
+    after = read_metrics(os.path.join(workdir, "m.jsonl"))
+    assert after[2]["loss"] == before[2]["loss"]  # step 3 from the step-2 checkpoint: bitwise the same
+    assert_same_as_reference(workdir, reference)
+
+
+def test_bad_lora_rank_is_one_error_line_before_training(data, base, monkeypatch, capsys, tmp_path):
+    """The script's own entry (main_guard(train_lora.main)), in this process: one `error:` line, exit 2, no step."""
+    monkeypatch.setattr(sys, "argv", [SCRIPT, *map(str, run_args(str(tmp_path), data, base, 1, ["--lora_rank", "0"]))])
+    with pytest.raises(SystemExit) as caught:
+        main_guard(train_lora.main)
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err == "error: --lora_rank must be at least 1 (got 0); MiniMind uses 16"
+    assert not os.path.exists(os.path.join(str(tmp_path), "m.jsonl"))  # no step ran
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--lora_targets", "q_proj,qkv"], "--lora_targets 'q_proj,qkv': qkv is not one of q_proj,k_proj"),
+    (["--lora_targets", ","], "--lora_targets ',': empty is not one of"),
+    (["--lora_alpha", "0"], "--lora_alpha must be positive (got 0.0)"),
+    (["--lora_dropout", "1"], "--lora_dropout must be in [0, 1) (got 1.0)"),
+    (["--lora_name", "a/b"], "--lora_name must be a plain file name"),
+    (["--lora_targets", "gate_proj", "--use_moe", "1", "--num_experts", "2"], None),
+])
+def test_bad_lora_flags_are_config_errors(flags, needle, base, monkeypatch, tmp_path):
+    """resolve_lora's checks in-process (main_guard turns a ConfigError into the one line and exit 2, above)."""
+    monkeypatch.setattr(sys, "argv", ["train_lora.py", *TINY_MODEL, "--from_weight", "none", "--save_dir",
+                                      str(tmp_path), *flags])
+    args = parse_args("MiniMind LoRA", stage_args=add_lora_args, save_weight="lora_identity")
+    if needle is None:  # a layer the model has: no error (MoE experts are targets too)
+        assert resolve(args, 1, resolve_stage=resolve_lora).stage.targets == ("gate_proj",)
+        return
+    with pytest.raises(ConfigError) as caught:
+        resolve(args, 1, resolve_stage=resolve_lora)
+    assert needle in str(caught.value) and "\n" not in str(caught.value)

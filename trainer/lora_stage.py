@@ -1,0 +1,98 @@
+"""The LoRA stage's plan: checked flags, the adapters put on the loaded base, and the adapter files it writes.
+
+The loss is the LM objective unchanged; what differs from SFT is the model (base frozen, adapters trained) and the
+weights file (only the adapters: MiniMind's format plus a PEFT folder). Resume checkpoints hold the whole model.
+"""
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from model.lora import TARGETS, LoraError, apply_lora, lora_state_dict, lora_target_names, save_peft
+from model.model_minimind import MiniMindForCausalLM
+from model.weights import atomic_save, config_fields, sidecar_path
+from trainer.launch import ConfigError
+from trainer.trainer_utils import Logger, weight_name
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """--lora_* flags, checked, and where the adapters go."""
+    rank: int
+    alpha: float
+    dropout: float
+    targets: Optional[tuple]  # short names (q_proj, ...); None: MiniMind's square layers
+    name: str
+    weights_path: str  # <save_dir>/lora/<name>_<hidden>[_moe].pth, MiniMind's format
+    peft_dir: str  # <save_dir>/lora/<name>_<hidden>[_moe]_peft
+    base_weight: str  # --from_weight, recorded in the sidecar and PEFT's base_model_name_or_path
+
+    def prepare_model(self, model):
+        """Attach the adapters to the plain, loaded model and freeze its base (before parallelizing)."""
+        names = apply_lora(model, self.rank, self.alpha, self.dropout, self.targets)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        Logger(f"LoRA rank {self.rank} alpha {self.alpha} on {len(names)} layers: {trained / 1e6:.3f}M trainable "
+               f"parameters of {total / 1e6:.2f}M ({100 * trained / total:.2f}%)")
+        return model
+
+    def save_weights(self, model_state, config, save_dtype):
+        """Rank 0: the adapters of a gathered model state dict, in MiniMind's format (+ sidecar) and PEFT's."""
+        model = MiniMindForCausalLM(config)
+        apply_lora(model, self.rank, self.alpha, self.dropout, self.targets)
+        model.load_state_dict(model_state)
+        model.to(save_dtype)
+        atomic_save(lora_state_dict(model), self.weights_path)
+        fields = dict(config_fields(config.to_dict()), model_type="minimind", lora=dict(
+            rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=list(self.targets or ()),
+            base_weight=self.base_weight))
+        fields.pop("loss_chunk_size", None)  # a training knob
+        sidecar = sidecar_path(self.weights_path)
+        with open(sidecar + ".tmp", "w") as f:
+            json.dump(fields, f, indent=2, sort_keys=True)
+        os.replace(sidecar + ".tmp", sidecar)  # a killed save never leaves half a sidecar
+        try:
+            save_peft(model, self.peft_dir, base_model_name_or_path=self.base_weight)
+        except LoraError as e:  # MoE expert targets: transformers 5 fuses experts, PEFT has no layer to adapt
+            Logger(f"PEFT export skipped: {e}")
+
+
+def parse_targets(spec):
+    """--lora_targets 'q_proj,o_proj' -> ('o_proj', 'q_proj'); None or '' -> None (MiniMind's square layers)."""
+    if not spec:
+        return None
+    names = tuple(sorted({name.strip() for name in spec.split(",") if name.strip()}))
+    unknown = [name for name in names if name not in TARGETS]
+    if unknown or not names:
+        raise ConfigError(f"--lora_targets {spec!r}: {unknown[0] if unknown else 'empty'} is not one of "
+                          f"{','.join(TARGETS)}")
+    return names
+
+
+def resolve_lora(args, plan):
+    """The checked LoraPlan; a bad --lora_* flag, or targets no layer of the model matches, is a ConfigError."""
+    if args.lora_rank < 1:
+        raise ConfigError(f"--lora_rank must be at least 1 (got {args.lora_rank}); MiniMind uses 16")
+    if args.lora_alpha is not None and not args.lora_alpha > 0:
+        raise ConfigError(f"--lora_alpha must be positive (got {args.lora_alpha}); leave it out for alpha = rank")
+    if not 0 <= args.lora_dropout < 1:
+        raise ConfigError(f"--lora_dropout must be in [0, 1) (got {args.lora_dropout})")
+    if not args.lora_name or os.sep in args.lora_name:
+        raise ConfigError(f"--lora_name must be a plain file name (got {args.lora_name!r})")
+    if plan.from_weight == "none":
+        Logger("--from_weight none: LoRA on a randomly initialised base (pass --from_weight full_sft or a .pth)")
+    targets = parse_targets(args.lora_targets)
+    with torch.device("meta"):  # only the layer names and shapes: no memory, no init
+        model = MiniMindForCausalLM(plan.model_config)
+    try:
+        lora_target_names(model, targets)
+    except LoraError as e:
+        raise ConfigError(f"--lora_targets: {e}") from None
+    stem = weight_name(args.lora_name, plan.model_config)
+    folder = os.path.join(plan.save_dir, "lora")
+    return LoraPlan(rank=args.lora_rank, alpha=float(args.lora_rank if args.lora_alpha is None else args.lora_alpha),
+                    dropout=args.lora_dropout, targets=targets, name=args.lora_name,
+                    weights_path=os.path.join(folder, stem + ".pth"), peft_dir=os.path.join(folder, stem + "_peft"),
+                    base_weight=plan.from_weight)

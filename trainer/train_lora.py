@@ -1,0 +1,43 @@
+"""LoRA fine-tuning on chat data (MiniMind's train_lora.py): the SFT loss, base frozen, only the adapters train.
+
+The adapters go to <save_dir>/lora/<lora_name>_<hidden>[_moe].pth (MiniMind's format) and a PEFT folder beside it;
+resume checkpoints, layouts and flags are those of every stage.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from dataset.lm_dataset import SFTDataset  # noqa: E402
+from dataset.token_cache import local_part  # noqa: E402
+from trainer.flags import add_lora_args, parse_args  # noqa: E402
+from trainer.launch import main_guard  # noqa: E402
+from trainer.lora_stage import resolve_lora  # noqa: E402
+from trainer.train_loop import build_trainer, load_datasets, setup, steps_per_epoch, train  # noqa: E402
+from trainer.trainer_utils import Logger  # noqa: E402
+
+
+def main():
+    # save_weight None: the run (checkpoints, metrics) takes the adapter's name, as MiniMind's lm_checkpoint does
+    args = parse_args("MiniMind LoRA", stage_args=add_lora_args, save_weight=None, from_weight="full_sft",
+                      learning_rate=1e-4, max_seq_len=340, batch_size=32, accumulation_steps=1, epochs=2, packing=1)
+    if args.save_weight is None:
+        args.save_weight = args.lora_name
+    # 1. set-up: checks -> TrainPlan (+ LoraPlan), process group, mesh, seed
+    plan, dims = setup(args, resolve_stage=resolve_lora)
+    Logger(f"LoRA on --from_weight {plan.from_weight}; adapters to {plan.stage.weights_path}")
+    # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
+    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
+    train_ds, eval_ds = load_datasets(plan, lambda path: SFTDataset(
+        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
+        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
+    # 3-6. resume state, model (from --from_weight) + adapters, parallel wrap (pp -> tp -> cp -> dp), optimizer
+    trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
+    # 7. the loop
+    train(trainer, train_ds, eval_ds)
+
+
+if __name__ == "__main__":
+    main_guard(main)
