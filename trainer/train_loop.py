@@ -32,6 +32,7 @@ from trainer.launch import (
     world_sum,
 )
 from trainer.metrics import StepTimer, enable_tf32, peak_flops, peak_mem_gb, step_flops
+from trainer.objective import LMObjective
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.context import context_position_ids, shard_sequence
 from trainer.parallel.data import build_optimizer, grad_reduce_factor, gradient_sync
@@ -58,6 +59,7 @@ class Trainer:
     total_steps: int  # of the lr schedule (all epochs)
     checkpointer: Checkpointer
     guard: StepGuard  # non-finite skips and the agreed preemption stop
+    objective: object = None  # what train_step minimises (trainer/objective.py); build_trainer sets LMObjective
     resumed: bool = False
     started: bool = False  # the first step is done: collectives run under the per-step timeout
 
@@ -117,8 +119,10 @@ def build_model(config, plan, model_state=None):
     return model.to(plan.device)
 
 
-def build_trainer(plan, dims, steps_per_epoch):
-    """Phases 3-6: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once."""
+def build_trainer(plan, dims, steps_per_epoch, objective=None):
+    """Phases 3-6: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once.
+
+    objective: what the stage minimises (trainer/objective.py); None: LMObjective (pretraining, SFT)."""
     config = plan.model_config
     ckpt = load_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
@@ -138,7 +142,8 @@ def build_trainer(plan, dims, steps_per_epoch):
         tied=tied_aliases(pipeline, config), plan=plan, config=config), estimate=estimate)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
                       plan.epochs * steps_per_epoch, checkpointer,
-                      StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds)), resumed=ckpt is not None)
+                      StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds)),
+                      objective=objective or LMObjective(), resumed=ckpt is not None)
     if ckpt is not None:
         restore(trainer, ckpt)
         # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
@@ -240,8 +245,9 @@ def finish(trainer):
 def train_step(trainer, micro_batches, bar=None):
     """One optimizer step over `micro_batches` [(input_ids, labels[, position_ids])]; returns its measurements.
 
-    Each micro-batch adds ce_sum/num_items (num_items = the step's target tokens over all dp ranks)
-    and aux * samples/global samples, so the sums over micro-batches and ranks are the step loss. The
+    The objective (trainer/objective.py; LM: CE over target tokens) gives each micro-batch's share of the step's
+    mean, main loss / num_items (num_items: the step's denominator over all dp ranks, e.g. target tokens), plus
+    aux * samples/global samples, so the sums over micro-batches and ranks are the step loss. The
     gradient is multiplied by dp*cp because DDP/FSDP average over those ranks. `bar`, a progress bar, advances
     per micro-batch.
     """
@@ -250,32 +256,34 @@ def train_step(trainer, micro_batches, bar=None):
     lr = get_lr(progress.global_step, trainer.total_steps, plan.learning_rate, plan.warmup_steps)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    cpu_targets = [step_targets(batch[1]) for batch in micro_batches]
-    local_items = sum(int((t != -100).sum()) for t in cpu_targets)  # from the CPU labels: no device sync
+    objective = trainer.objective
+    unpacked = [objective.unpack(batch) for batch in micro_batches]  # (input_ids, labels, positions, extra)
+    local_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)  # CPU: no device sync
     num_items = count_sum(local_items, plan.tp * plan.pp * plan.cp)  # over data parallel, on the CPU
     # the loader pins its batches on CUDA, so these copies overlap with compute
-    targets = [t.to(plan.device, non_blocking=True) for t in cpu_targets]
-    inputs = [batch[0].to(plan.device, non_blocking=True) for batch in micro_batches]
-    doc_positions = [batch[2].to(plan.device, non_blocking=True) if len(batch) > 2 else None  # --doc_mask
-                     for batch in micro_batches]
+    inputs, targets, doc_positions, extras = zip(*[(
+        to_device(x, plan.device), to_device(step_targets(labels), plan.device), to_device(p, plan.device),
+        tuple(to_device(e, plan.device) for e in extra)) for x, labels, p, extra in unpacked])
     aux_weight = plan.micro_batch / plan.global_batch / plan.cp  # every cp rank adds the (shared) aux
     grad_factor = grad_reduce_factor(plan.dp, plan.cp)
     if trainer.pipeline is not None:  # the schedule runs every micro-batch, forward and backward
         (x, t), positions = shard_for_context(trainer.dims, [torch.cat(inputs), torch.cat(targets)],
                                               None if doc_positions[0] is None else torch.cat(doc_positions))
-        ce, aux = trainer.pipeline.step(x, t, positions, num_items, aux_weight, grad_factor, scaler)
+        ce, aux, stats = trainer.pipeline.step(x, t, positions, num_items, aux_weight, grad_factor, scaler,
+                                               objective, extras)
         bar.update(len(micro_batches))
     else:
-        model, ce, aux = trainer.model_parts[0], 0.0, 0.0
-        for i, (x, t, p) in enumerate(zip(inputs, targets, doc_positions)):
+        model, ce, aux, stats = trainer.model_parts[0], 0.0, 0.0, {}
+        for i, (x, t, p, extra) in enumerate(zip(inputs, targets, doc_positions, extras)):
             (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
             # DDP and FSDP2 reduce gradients on the last micro-batch only
             with gradient_sync(trainer.model_parts, i == len(inputs) - 1), tp_loss_context(plan.tp > 1):
                 with autocast(plan):
-                    out = model(x, position_ids=positions, shift_labels=t, num_items_in_batch=num_items)
-                loss = out.loss + out.aux_loss * aux_weight
+                    main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
+                loss = main_loss + aux_loss * aux_weight
                 scaler.scale(loss * grad_factor).backward()
-            ce, aux = ce + local_value(out.loss), aux + local_value(out.aux_loss) * aux_weight
+            ce, aux = ce + local_value(main_loss), aux + local_value(aux_loss) * aux_weight
+            stats = add_stats(stats, micro_stats)
             if not plan.device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
                 bar.set_postfix(loss=f"{float(ce + aux) * len(inputs) / (i + 1):.4f}", refresh=False)
             bar.update(1)  # shows the loss just set
@@ -289,7 +297,19 @@ def train_step(trainer, micro_batches, bar=None):
     progress.global_step += 1
     progress.tokens_seen += num_items
     trainer.guard.record(skip, progress, plan.num_microbatches, ce + aux, grad_norm)
-    return dict(ce=ce, aux=aux, lr=lr, num_items=num_items)
+    return dict(ce=ce, aux=aux, lr=lr, num_items=num_items, stats=stats)
+
+
+def to_device(tensor, device):
+    """A CPU batch tensor on the device (None stays None); non-blocking, as the loader pins on CUDA."""
+    return None if tensor is None else tensor.to(device, non_blocking=True)
+
+
+def add_stats(total, stats):
+    """Sum an objective's per-micro-batch stats (detached tensors) into `total`, name by name."""
+    for name, value in stats.items():
+        total[name] = total.get(name, 0.0) + local_value(value)
+    return total
 
 
 def step_targets(labels):
@@ -397,14 +417,16 @@ def make_tracker(trainer):
 def step_record(trainer, metrics, timer):
     """A step's record: loss summed over ranks, the window's rates, peak memory per rank (collective)."""
     device, counts, progress = trainer.plan.device, trainer.dims.counts_loss, trainer.progress
-    loss, aux_loss = world_sum([float(metrics["ce"]) if counts else 0.0,
-                                float(metrics["aux"]) if counts else 0.0], device)
+    names = trainer.objective.stat_names  # the same on every rank, whether or not it computed the loss
+    loss, aux_loss, *stat_sums = world_sum([float(v) if counts else 0.0 for v in (
+        metrics["ce"], metrics["aux"], *(metrics["stats"].get(n, 0.0) for n in names))], device)
+    extra = trainer.objective.record(dict(zip(names, stat_sums)), metrics["num_items"])
     tokens_per_sec, mfu, elapsed = timer.rates()
     memory = per_rank(peak_mem_gb(device), device)
     return dict(step=progress.global_step, epoch=progress.epoch, loss=loss, aux_loss=aux_loss, lr=metrics["lr"],
                 tokens=progress.tokens_seen, tokens_per_sec=tokens_per_sec, mfu=mfu, peak_mem_gb=max(memory),
                 peak_mem_gb_per_rank=[round(m, 4) for m in memory], elapsed_s=elapsed,
-                skipped_steps=trainer.guard.skipped_steps)
+                skipped_steps=trainer.guard.skipped_steps, **extra)
 
 
 def evaluate(trainer, eval_ds):

@@ -27,11 +27,11 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from model.model_minimind import packed_document_mask
+from trainer.objective import LMObjective
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
@@ -124,39 +124,43 @@ class PipelineStageModule(nn.Module):
 
 # ----------------------------------------------------------------------------- loss
 class PipelineLoss:
-    """Last-stage loss_fn(output, targets) for the schedule: `(ce_sum / num_items + aux * aux_weight) * grad_scale`,
-    then scaled by `scaler` (a torch.amp.GradScaler, fp16) as the non-pipeline path's scaler.scale(loss) does.
+    """Last-stage loss_fn(output, targets) for the schedule: `(main + aux * aux_weight) * grad_scale`, then scaled by
+    `scaler` (a torch.amp.GradScaler, fp16) as the non-pipeline path's scaler.scale(loss) does.
 
-    num_items: target tokens of the whole step (all micro-batches, all dp ranks); aux_weight:
-    micro-batch samples / global samples; grad_scale: the dp*cp factor when gradients are averaged.
-    Update the attributes before each step. Records per-micro-batch CE (`ce_sum / num_items`) and
-    weighted aux (`aux * aux_weight`) for logging; read them with `pop_step`.
+    main: the objective's share of the step's mean (trainer/objective.py; LM: ce_sum / num_items, num_items the
+    step's target tokens over all dp ranks); aux_weight: micro-batch samples / global samples; grad_scale: the dp*cp
+    factor when gradients are averaged. Update the attributes before each step. Records each micro-batch's main
+    loss, weighted aux and stats for logging; read them with `pop_step`.
     """
 
-    def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0, scaler=None):
+    def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0, scaler=None, objective=None):
         self.num_items, self.aux_weight, self.grad_scale, self.scaler = num_items, aux_weight, grad_scale, scaler
-        self.ce_parts, self.aux_parts = [], []
+        self.objective = objective or LMObjective()
+        self.ce_parts, self.aux_parts, self.stats_parts = [], [], []
 
     def __call__(self, output, targets):
         logits, aux = output
-        ce_sum = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
-        ce = ce_sum / self.num_items
+        ce, stats = self.objective.pipeline_loss(logits, targets, (), self.num_items)
         weighted_aux = aux.sum() * self.aux_weight
         self.ce_parts.append(ce.detach())
         self.aux_parts.append(weighted_aux.detach())
+        self.stats_parts.append(stats)
         loss = (ce + weighted_aux) * self.grad_scale
         return loss if self.scaler is None else self.scaler.scale(loss)
 
     def pop_step(self, num_microbatches):
-        """(sum of CE parts, sum of weighted aux parts) of the last step's micro-batches; clears the record.
-
-        Only the last `num_microbatches` records count: torch >= 2.13 also calls the loss once while
+        """(sum of main parts, sum of weighted aux parts, stats summed) of the last step's micro-batches; clears the
+        record. Only the last `num_microbatches` records count: torch >= 2.13 also calls the loss once while
         inferring shapes on the first step.
         """
         ce = torch.stack(self.ce_parts[-num_microbatches:]).sum()
         aux = torch.stack(self.aux_parts[-num_microbatches:]).sum()
-        self.ce_parts, self.aux_parts = [], []
-        return ce, aux
+        stats = {}
+        for part in self.stats_parts[-num_microbatches:]:
+            for name, value in part.items():
+                stats[name] = stats.get(name, 0.0) + value.detach()
+        self.ce_parts, self.aux_parts, self.stats_parts = [], [], []
+        return ce, aux, stats
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -229,22 +233,24 @@ class Pipeline:
                                       self.micro_batch_shape, self.config, self.autocast_dtype)
         return self.schedule
 
-    def step(self, input_ids, targets, position_ids, num_items, aux_weight, grad_scale, scaler=None):
+    def step(self, input_ids, targets, position_ids, num_items, aux_weight, grad_scale, scaler=None, objective=None,
+             extras=None):
         """Forward+backward of one optimizer step: `input_ids`/`targets` are the step's micro-batches
         stacked along the batch (already sharded for context parallel). `position_ids`: (samples or 1, tokens),
         this rank's context-parallel positions or packed rows' per-document ones; None means 0..L-1.
         scaler: the step's GradScaler (fp16), which then unscales gradients the scaled loss made.
-        Returns (ce, aux) summed over the micro-batches (zeros off the last stage)."""
+        objective: the stage's (trainer/objective.py), None: LMObjective; extras: its per-micro-batch extra tensors.
+        Returns (main loss, aux, stats) summed over the micro-batches (zeros and {} off the last stage)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         positions = position_ids.float().expand(input_ids.shape).contiguous()  # chunked per micro-batch with the ids
         self.loss_fn.num_items, self.loss_fn.aux_weight, self.loss_fn.grad_scale = num_items, aux_weight, grad_scale
-        self.loss_fn.scaler = scaler
+        self.loss_fn.scaler, self.loss_fn.objective = scaler, objective or LMObjective()
         if scaler is not None and not self.has_last:  # unscale_ needs the scale where no loss was scaled
             scaler.scale(torch.ones((), device=self.device))
         pipeline_step(self.schedule, (input_ids, positions), targets, self.has_first, self.has_last)
         if not self.has_last:
-            return torch.zeros(()), torch.zeros(())
+            return torch.zeros(()), torch.zeros(()), {}
         return self.loss_fn.pop_step(self.num_microbatches)
 
     def sync_tied_grads(self):

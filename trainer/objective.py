@@ -1,0 +1,37 @@
+"""What a stage minimises, seen by the one shared train_step: LMObjective for pretraining, SFT and LoRA.
+
+A post-training stage (trainer/dpo.py, trainer/distillation.py) defines an objective with the same methods and
+hands it to build_trainer; the loop, the layouts, checkpoints and tracking stay the same. Every method but
+`record` runs without a host sync: counts come from CPU tensors, stats stay on the device until a log step.
+"""
+import torch.nn.functional as F
+
+
+class LMObjective:
+    """The mean next-token cross-entropy over the step's target tokens (labels != -100), plus the MoE aux loss."""
+
+    stat_names = ()  # the names of the stats loss() returns, summed over ranks at log steps (fixed: a collective)
+
+    def unpack(self, batch):
+        """A loader batch -> (input_ids, labels, position_ids or None, extra): CPU tensors.
+
+        position_ids come with packed rows under --doc_mask (a third tensor); LM needs no extra."""
+        return batch[0], batch[1], batch[2] if len(batch) > 2 else None, ()
+
+    def count(self, labels, extra):
+        """This rank's share of the step's denominator, from the CPU labels: its target tokens."""
+        return int((labels[:, 1:] != -100).sum())
+
+    def loss(self, model, input_ids, targets, position_ids, extra, num_items):
+        """(CE sum / num_items, the MoE aux loss, stats) of one micro-batch; the model forms the (chunked) CE."""
+        out = model(input_ids, position_ids=position_ids, shift_labels=targets, num_items_in_batch=num_items)
+        return out.loss, out.aux_loss, {}
+
+    def pipeline_loss(self, logits, targets, extra, num_items):
+        """The same on the last pipeline stage's logits: (CE sum / num_items, stats)."""
+        ce_sum = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
+        return ce_sum / num_items, {}
+
+    def record(self, stats, num_items):
+        """Extra values for a log step's record, from `stats` summed over micro-batches and ranks: none for LM."""
+        return {}
