@@ -1,8 +1,11 @@
 """DPO (trainer/dpo.py, trainer/train_dpo.py, DPODataset): the loss and its gradient against transformers' Qwen3 and
 the formula by hand, ln 2 at step 1, the layouts against one process, exact resume, bad input."""
+import glob
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,8 +15,10 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from dataset.lm_dataset import DPODataset, SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import minimind_to_hf
-from tests.launch import ROOT, demo_slice
+from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from trainer import train_dpo
 from trainer.dpo import DPOObjective, sequence_log_probs
+from trainer.launch import main_guard, setup_seed
 from trainer.train_loop import step_targets
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -133,3 +138,107 @@ def test_chunked_log_probs_and_gradient_equal_the_full_log_softmax():
     assert torch.allclose(got.double(), expected, atol=1e-5)  # the forward runs in fp32
     assert torch.allclose(logits.grad, expected_grad, atol=1e-6)
     assert got[2].item() == 0.0
+
+
+# ----------------------------------------------------------------------------- end to end
+SCRIPT = "trainer/train_dpo.py"
+STEPS = 6
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
+def run_args(tmp_path, name, data, dp=1, extra=()):
+    """4 pairs per step (2 micro-batches), from the seeded init, which is also the reference (--from_weight none)."""
+    out = os.path.join(str(tmp_path), name)
+    return [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "64", "--batch_size",
+            str(2 // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3", "--save_dir", out,
+            "--checkpoint_dir", os.path.join(out, "ckpt"), "--cache_dir", os.path.join(out, "cache"),
+            "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1", "--max_steps", str(STEPS),
+            *extra]
+
+
+def metrics_of(argv):
+    return read_metrics(argv[argv.index("--metrics_file") + 1])
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    """The single-process run every other run is compared with: (its argv, its records, the data file)."""
+    tmp_path = tmp_path_factory.mktemp("dpo_single")
+    data = demo_slice(tmp_path, "dpo", 40)
+    argv = run_args(tmp_path, "single", data)
+    proc = python(SCRIPT, argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--from_weight none" in proc.stdout and "reference" in proc.stdout
+    return argv, metrics_of(argv), data
+
+
+def test_first_step_is_ln2_and_the_reference_is_the_starting_model(single_run, tokenizer):
+    argv, records, data = single_run
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    # the policy is the reference at step 1: every margin is 0 up to fp32 rounding of sums of ~50 log-probs
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert records[0]["rewards/chosen"] == pytest.approx(0, abs=1e-4)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.05  # lr 1e-3: it learns to prefer the chosen answers
+    assert records[-1]["rewards/margins"] > 0
+    # the cached reference log-probs: the seeded init (seed 42) through transformers' Qwen3, by hand
+    (cache,) = glob.glob(os.path.join(argv[argv.index("--cache_dir") + 1], "*.dpo_ref.*.pt"))
+    cached = torch.load(cache)
+    ds = DPODataset(data, tokenizer, max_length=64, cache_dir=os.path.dirname(cache))
+    setup_seed(42)
+    hf = hf_model(MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY)))
+    with torch.no_grad():
+        for i in (0, 1, 7):
+            expected = hand_log_probs(hf, ds[i][0], ds[i][1])
+            assert torch.allclose(cached[i].double(), expected, atol=1e-3), (i, cached[i], expected)
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["dp2xtp2", "dp2xpp2"])
+def test_layouts_equal_the_single_process(single_run, tmp_path, layout):
+    argv, records, data = single_run
+    run = run_args(tmp_path, "layout", data, dp=2, extra=layout)
+    proc = torchrun(SCRIPT, 4, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = metrics_of(run)
+    assert [r["step"] for r in got] == [r["step"] for r in records]
+    for a, b in zip(got, records):  # other reduction orders (fsdp, tp's sharded matmuls, pp's stages): fp32 rounding
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+        for name in REWARDS:
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), (a["step"], name, a[name], b[name])
+
+
+def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path):
+    argv, records, data = single_run
+    run = run_args(tmp_path, "killed", data, extra=["--save_interval", "1"])
+    code = ("import sys; sys.argv = ['train_dpo.py'] + sys.argv[1:]; "
+            "from tests.fault_entry import patch_kill; patch_kill(3, 'step', 0); "
+            "from trainer import train_dpo; from trainer.launch import main_guard; main_guard(train_dpo.main)")
+    killed = subprocess.run([sys.executable, "-c", code, *run], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    for path in glob.glob(os.path.join(run[run.index("--cache_dir") + 1], "*.dpo_ref.*.pt")):
+        os.remove(path)  # the resumed run computes the reference again: from the reference weights, not the policy
+    resumed = python(SCRIPT, [*run, "--from_resume", "1"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from epoch 0, step 3" in resumed.stdout
+    got = metrics_of(run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, records):  # same process count, same reduction order
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["rewards/margins"] == pytest.approx(b["rewards/margins"],
+                                                                                            abs=1e-6), (a, b)
+
+
+def run_in_process(monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "argv", ["train_dpo.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        main_guard(train_dpo.main)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    rows = pair_rows(8)
+    del rows[4]["rejected"]
+    data = write_rows(tmp_path / "bad.jsonl", rows)
+    code, err = run_in_process(monkeypatch, capsys, run_args(tmp_path, "bad", data))
+    assert code == 2 and err[-1].startswith("error: ") and err[-1].endswith("bad.jsonl:5: no 'rejected' field"), err
+    code, err = run_in_process(monkeypatch, capsys, run_args(tmp_path, "beta", data) + ["--beta", "0"])
+    assert code == 2 and err == ["error: --beta must be > 0 (MiniMind uses 0.15), got 0.0"], err

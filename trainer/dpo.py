@@ -35,6 +35,7 @@ class DPOPlan:
     beta: float
     ref_weight: str  # the reference model's weights (a .pth, a step_<N> checkpoint, an HF folder), or "none"
     ref_identity: str  # what the reference log-probs depend on besides the data: weights file(s), model, dtype
+    rows_per_sample: int = 2  # a sample is a chosen/rejected pair: two model rows (pipeline stage shapes)
 
 
 def resolve_dpo(args, plan):
@@ -151,13 +152,16 @@ def pair_losses(log_probs, reference, beta):
 class DPOObjective:
     """The preference loss for trainer/train_loop.py's train_step (see trainer/objective.py for the methods)."""
 
+    stat_names = ("chosen_reward_sum", "rejected_reward_sum", "accuracy_sum", "margin_sum")
+
     def __init__(self, beta):
         self.beta = beta
 
     def unpack(self, batch):
-        """(B, 2, L) pairs -> (2B, L) rows, chosen and rejected of a pair adjacent; the reference's (B, 2) as extra."""
+        """(B, 2, L) pairs -> (2B, L) rows, chosen and rejected of a pair adjacent; extra: the reference's log-prob of
+        each row (2B, 1), so that a pipeline cuts it into micro-batches with the rows."""
         input_ids, labels, reference = batch
-        return input_ids.flatten(0, 1), labels.flatten(0, 1), None, (reference,)
+        return input_ids.flatten(0, 1), labels.flatten(0, 1), None, (reference.reshape(-1, 1),)
 
     def count(self, labels, extra):
         return labels.shape[0] // 2  # pairs
@@ -265,3 +269,17 @@ def forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective
         with tp_loss_context(plan.tp > 1), autocast(plan):
             return objective.log_probs(model_parts[0], input_ids, targets)[0]
     return pipeline_log_probs(pipeline, input_ids, targets)
+
+
+def pipeline_log_probs(pipeline, input_ids, targets):
+    """Forward only through the pipeline's schedule (schedule.eval, torch >= 2.9): the last stage's loss function
+    returns each micro-batch's summed log-probs, which the schedule collects; zeros on the other stages."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).float().expand(input_ids.shape)
+    collected = []
+    pipeline.loss_fn.forward_only = sequence_log_probs
+    args = (input_ids, positions.contiguous()) if pipeline.has_first else ()
+    if pipeline.has_last:
+        pipeline.schedule.eval(*args, target=pipeline.loss_fn.pack(targets, None), losses=collected)
+        return torch.cat(collected)
+    pipeline.schedule.eval(*args)
+    return torch.zeros(input_ids.shape[0])
