@@ -19,6 +19,7 @@ from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, tor
 from trainer import train_dpo
 from trainer.dpo import DPOObjective, sequence_log_probs
 from trainer.launch import main_guard, setup_seed
+from trainer.parallel.pipeline import PipelineLoss
 from trainer.train_loop import step_targets
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -138,6 +139,20 @@ def test_chunked_log_probs_and_gradient_equal_the_full_log_softmax():
     assert torch.allclose(got.double(), expected, atol=1e-5)  # the forward runs in fp32
     assert torch.allclose(logits.grad, expected_grad, atol=1e-6)
     assert got[2].item() == 0.0
+
+
+def test_the_pipeline_loss_gets_each_micro_batch_its_own_reference():
+    """Pipeline.step packs the extras behind the targets; the schedule cuts rows into micro-batches (tensor_split)."""
+    targets = torch.randint(-100, 50, (8, 5))
+    reference = [torch.randn(4, 1) * 100, torch.randn(4, 1) * 100]  # two micro-batches of two pairs (4 rows)
+    loss = PipelineLoss(objective=DPOObjective(BETA))
+    packed = loss.pack(targets, [(reference[0],), (reference[1],)])
+    for k, micro in enumerate(packed.tensor_split(2)):
+        got_targets, (got_reference,) = loss.unpack(micro)
+        assert torch.equal(got_targets, targets[4 * k:4 * k + 4]) and torch.equal(got_reference, reference[k])
+    assert loss.pack(targets, ((), ())) is targets  # LM: no extras, the targets untouched
+    got_targets, extra = loss.unpack(targets)
+    assert torch.equal(got_targets, targets) and extra == ()
 
 
 # ----------------------------------------------------------------------------- end to end
