@@ -130,7 +130,9 @@ class PipelineLoss:
     main: the objective's share of the step's mean (trainer/objective.py; LM: ce_sum / num_items, num_items the
     step's target tokens over all dp ranks); aux_weight: micro-batch samples / global samples; grad_scale: the dp*cp
     factor when gradients are averaged. Update the attributes before each step. Records each micro-batch's main
-    loss, weighted aux and stats for logging; read them with `pop_step`.
+    loss, weighted aux and stats for logging; read them with `pop_step`. The objective's extra tensors (one entry
+    per row, e.g. DPO's reference log-probs) ride behind the targets (`pack`): the schedule calls the loss once per
+    micro-batch with that micro-batch's slice of the targets, so each loss gets its own extras, in any schedule.
     """
 
     def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0, scaler=None, objective=None):
