@@ -8,7 +8,8 @@ read back with numpy.memmap: the corpus never lives in memory as Python strings.
 The cache key covers the file (path, size, mtime), the tokenizer and the format version.
 
 Both datasets return `(input_ids, labels)` LongTensors of length max_length, labels aligned with
-input_ids (the trainer shifts them) and -100 where there is no loss.
+input_ids (the trainer shifts them) and -100 where there is no loss; packed rows with doc_mask add
+per-document position ids as a third tensor.
 
 What SFT labels: exactly what the assistant generates after its role header, in every assistant turn:
     <think>\n{reasoning_content}\n</think>\n\n{content}<tool_call>...</tool_call><|im_end|>
@@ -20,6 +21,7 @@ supplies it), the "\n" after <|im_end|> (generation stops at eos) and padding. W
 model's own output given everything it is shown, so it learns to reason, answer, call tools and stop.
 Unlike MiniMind, empty think blocks are never dropped at random: the cache is a pure function of the file.
 """
+import bisect
 import hashlib
 import json
 import os
@@ -195,6 +197,38 @@ class _TokenCacheDataset(Dataset):
         return input_ids, target
 
 
+# ----------------------------------------------------------------------------- packing SFT rows
+def pack_conversations(lengths, max_length):
+    """Best-fit decreasing: place conversations of `lengths` (each <= max_length) into rows of max_length tokens.
+
+    Returns (row_offsets, slots): row r holds conversations slots[row_offsets[r]:row_offsets[r + 1]] (indices
+    into `lengths`), in ascending order; rows are ordered by their first conversation. A pure function of the
+    lengths, so every rank and every layout packs alike. O(n log max_length).
+    """
+    free, rows_with, rows = [], {}, []  # sorted distinct free spaces of open rows, space -> rows, row -> slots
+    for slot in np.argsort(-np.asarray(lengths), kind="stable").tolist():
+        need = int(lengths[slot])
+        k = bisect.bisect_left(free, need)
+        if k == len(free):  # no open row has room: open one
+            row, space = len(rows), max_length
+            rows.append([])
+        else:
+            space = free[k]
+            row = rows_with[space].pop()
+            if not rows_with[space]:
+                del rows_with[space], free[k]
+        rows[row].append(slot)
+        space -= need
+        if space > 0:
+            if space not in rows_with:
+                bisect.insort(free, space)
+                rows_with[space] = []
+            rows_with[space].append(row)
+    rows = sorted(sorted(row) for row in rows)
+    row_offsets = np.cumsum([0] + [len(row) for row in rows]).astype(np.int64)
+    return row_offsets, np.array([slot for row in rows for slot in row], dtype=np.int64)
+
+
 # ----------------------------------------------------------------------------- the datasets
 
 class PretrainDataset(_TokenCacheDataset):
@@ -274,45 +308,62 @@ class SFTDataset(_TokenCacheDataset):
     schemas, on the system message) and tool_calls (on assistant messages), the last two as lists or
     as JSON strings. The schemas go to apply_chat_template(tools=...), so the template renders them.
     Labelling is described in the module docstring.
+
+    packing=False: one conversation per sample, truncated and padded to max_length.
+    packing=True: whole conversations (each truncated to max_length, never split across rows) packed into rows
+    of max_length by pack_conversations, once, when the dataset is opened; conversations without a target are
+    left out. Labels are the same tokens' labels. doc_mask=True (with packing): samples are (input_ids, labels,
+    position_ids), positions restarting at 0 at each conversation, so the model attends within conversations.
     """
 
     kind, field = "sft", "conversations"
 
     def __init__(self, data_path, tokenizer, max_length=1024, skip_bad_lines=False, cache_dir=None, num_proc=None,
-                 part=(0, 1)):
+                 part=(0, 1), packing=False, doc_mask=False):
         if not getattr(tokenizer, "is_fast", False):
             raise TypeError("SFTDataset needs a fast tokenizer (it maps assistant text to tokens by offsets)")
         super().__init__(data_path, tokenizer, max_length, skip_bad_lines, cache_dir, num_proc, part)
-        self.num_rows_without_targets = self._rows_without_targets()
-        if len(self) and self.num_rows_without_targets == len(self):
+        self.packing, self.doc_mask = bool(packing), bool(doc_mask and packing)
+        self.num_conversations = len(self.offsets) - 1
+        has_target = self._has_targets()
+        self.num_rows_without_targets = int((~has_target).sum())
+        if self.num_conversations and self.num_rows_without_targets == self.num_conversations:
             raise ValueError(f"no row of {data_path} has an assistant token within --max_seq_len {max_length}; "
                              "raise --max_seq_len")
+        if self.packing:  # conversations without a target add no loss and no gradient: they take no room
+            kept = np.flatnonzero(has_target)
+            lengths = np.minimum(self.offsets[kept + 1] - self.offsets[kept], max_length)
+            self.row_offsets, row_slots = pack_conversations(lengths, max_length)
+            self.row_docs = kept[row_slots]
 
     def no_target_line(self):
         """The one info line about rows that teach nothing at this max_length; None when every row has a target."""
         if not self.num_rows_without_targets:
             return None
+        if self.packing:
+            return (f"{self.num_rows_without_targets} of {self.num_conversations} conversations of {self.data_path} "
+                    f"have no assistant token within --max_seq_len {self.max_length}; they teach nothing and are "
+                    "left out of the packed rows")
         return (f"{self.num_rows_without_targets} of {len(self)} rows of {self.data_path} have no assistant token "
                 f"within --max_seq_len {self.max_length}; they teach nothing")
 
-    def _rows_without_targets(self):
-        """Rows with no labelled token at positions 1..max_length-1 (position 0 is never a target once shifted)."""
+    def _has_targets(self):
+        """Per conversation: a labelled token at positions 1..max_length-1 (position 0 is never a target)."""
         _, mask = self._arrays()
         starts = self.offsets[:-1] + 1
         ends = np.minimum(self.offsets[1:], self.offsets[:-1] + self.max_length)
         if mask is None:
-            return len(starts)
-        without, lo = 0, 0
+            return np.zeros(len(starts), dtype=bool)
+        has_target, lo = [], 0
         while lo < len(starts):  # blocks of rows spanning at most SCAN_TOKENS tokens (one row at least)
             hi = max(lo + 1, int(np.searchsorted(self.offsets, self.offsets[lo] + SCAN_TOKENS, side="right")) - 1)
             s, e = starts[lo:hi], np.maximum(ends[lo:hi], starts[lo:hi])
             base = int(s[0])
             block = np.append(np.asarray(mask[base:int(e.max())]), np.uint8(0))  # reduceat needs every index < len
             windows = np.stack([s - base, e - base], axis=1).ravel()
-            has_target = (np.maximum.reduceat(block, windows)[0::2] > 0) & (e > s)  # an empty window has none
-            without += int((~has_target).sum())
+            has_target.append((np.maximum.reduceat(block, windows)[0::2] > 0) & (e > s))  # an empty window has none
             lo = hi
-        return without
+        return np.concatenate(has_target) if has_target else np.zeros(0, dtype=bool)
 
     def _render(self, messages, tools, add_generation_prompt=False):
         """Chat template text of `messages`, or None where the template rejects the partial list."""
@@ -390,13 +441,32 @@ class SFTDataset(_TokenCacheDataset):
         return out
 
     def __len__(self):
-        return len(self.offsets) - 1
+        return len(self.row_offsets) - 1 if self.packing else self.num_conversations
 
-    def __getitem__(self, index):
+    def _conversation(self, index):
+        """(ids, labels) of conversation `index`, truncated to max_length."""
         tokens, mask = self._arrays()
         a, b = self.offsets[index], min(self.offsets[index + 1], self.offsets[index] + self.max_length)
         ids = np.asarray(tokens[a:b], dtype=np.int64)
-        labels = np.where(mask[a:b] > 0, ids, -100)
+        return ids, np.where(mask[a:b] > 0, ids, -100)
+
+    def _packed_row(self, index):
+        """Packed row `index`: its conversations back to back, then padding; per-conversation positions."""
+        parts = [self._conversation(d) for d in self.row_docs[self.row_offsets[index]:self.row_offsets[index + 1]]]
+        for _, labels in parts:
+            labels[0] = -100  # the shift would make it the previous conversation's last target
+        ids = np.concatenate([p[0] for p in parts])
+        input_ids, labels = self._padded(ids, np.concatenate([p[1] for p in parts]))
+        if not self.doc_mask:
+            return input_ids, labels
+        # 0, 1, ... per conversation, and for the padding after them (a document of its own)
+        sizes = [len(p[0]) for p in parts] + ([self.max_length - len(ids)] if len(ids) < self.max_length else [])
+        return input_ids, labels, torch.from_numpy(np.concatenate([np.arange(n) for n in sizes]))
+
+    def __getitem__(self, index):
+        if self.packing:
+            return self._packed_row(index)
+        ids, labels = self._conversation(index)
         return self._padded(ids, labels)
 
 

@@ -13,18 +13,18 @@ from trainer.trainer_utils import ROOT  # noqa: E402
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
 
 
-def trainer_command(flags, nproc):
-    """argv for one trainer run with `flags` (a dict of trainer flag -> value); torchrun when nproc > 1."""
+def trainer_command(flags, nproc, script=TRAIN_SCRIPT):
+    """argv for one run of `script` with `flags` (a dict of trainer flag -> value); torchrun when nproc > 1."""
     argv = []
     for name, value in flags.items():
         argv += [f"--{name}"] if value is True else [f"--{name}", str(value)]  # True: store_true flags
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return launcher + [TRAIN_SCRIPT] + argv
+    return launcher + [script] + argv
 
 
-def run_trainer(flags, log_path, nproc=1, work=None):
+def run_trainer(flags, log_path, nproc=1, work=None, script=TRAIN_SCRIPT):
     """Run the trainer with `flags`, its outputs under `work` (default: a temp folder removed after).
 
     Metrics, weights and checkpoints go to work/metrics.jsonl, work/out, work/ckpt unless `flags` names them;
@@ -35,7 +35,7 @@ def run_trainer(flags, log_path, nproc=1, work=None):
     try:
         flags = dict(dict(metrics_file=os.path.join(work, "metrics.jsonl"), save_dir=os.path.join(work, "out"),
                           checkpoint_dir=os.path.join(work, "ckpt")), **flags)
-        argv = trainer_command(flags, nproc)
+        argv = trainer_command(flags, nproc, script)
         with open(log_path, "w") as log:
             log.write(" ".join(argv) + "\n")
             log.flush()

@@ -76,7 +76,7 @@ def full_optimizer_state_dict(model_parts, optimizers, pp_group=None, tied_alias
             osd = get_optimizer_state_dict(part, optim, options=options)
         _merge_optim(local, sd._cpu_fp32(osd), tied_aliases)
     stages = sd._gather_pp(local, pp_group)
-    if not sd._is_rank0():
+    if not sd.is_main_process():
         return None
     merged = {"state": {}, "param_groups": []}
     for stage in stages:
@@ -488,25 +488,40 @@ def _accumulation_batch():
     return ids, labels
 
 
+def _count_calls(names, calls, kind):
+    """Wrap the dist functions `names` (those this torch has) to append `kind` to `calls` on each call."""
+    for name in names:
+        if hasattr(dist, name):
+            real = getattr(dist, name)
+            setattr(dist, name, lambda *a, _real=real, **k: calls.append(kind) or _real(*a, **k))
+
+
 def _accumulation_worker(rank, world_size, out_path):
     from trainer.parallel.mesh import ParallelDims
     dims = ParallelDims.build(world_size, device_type="cpu")
     ids, labels = _accumulation_batch()
     calls = []
-    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):  # FSDP2 calls the first in 2.11, the second later
-        if hasattr(dist, name):
-            real = getattr(dist, name)
-            setattr(dist, name, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
+    # FSDP2 calls the first of each pair in 2.11, the second later
+    _count_calls(("reduce_scatter_tensor", "reduce_scatter_single"), calls, "reduce_scatter")
+    _count_calls(("all_gather_into_tensor", "all_gather_single"), calls, "all_gather")
     results = {}
     for zero_stage in (0, 2, 3):
         model = apply_data_parallel(make_model(), dims.dp_cp_mesh, zero_stage)
-        calls.clear()
-        for i in range(ACCUMULATION):
-            row = slice(2 * i + rank, 2 * i + rank + 1)
-            with gradient_sync(model, enabled=i == ACCUMULATION - 1):
-                out = model(ids[row], labels=labels[row], num_items_in_batch=num_items(labels))
-                (out.loss * grad_reduce_factor(dims.dp)).backward()
-        results[zero_stage] = (len(calls), _full_grads(model))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        counts = []
+        for step in range(2):  # the second step's forwards must gather the updated shards again
+            calls.clear()
+            for i in range(ACCUMULATION):
+                row = slice(2 * i + rank, 2 * i + rank + 1)
+                with gradient_sync(model, enabled=i == ACCUMULATION - 1):
+                    out = model(ids[row], labels=labels[row], num_items_in_batch=num_items(labels))
+                    (out.loss * grad_reduce_factor(dims.dp)).backward()
+            counts.append((calls.count("reduce_scatter"), calls.count("all_gather")))
+            if step == 0:
+                grads = _full_grads(model)
+                optimizer.step()
+                optimizer.zero_grad()
+        results[zero_stage] = (counts, grads)
     if rank == 0:
         torch.save(results, out_path)
 
@@ -514,15 +529,56 @@ def _accumulation_worker(rank, world_size, out_path):
 def test_fsdp_reduces_gradients_once_per_accumulated_step(tmp_path):
     """Accumulating 4 micro-batches under gradient_sync: DDP and FSDP2 (ZeRO-2, ZeRO-3) reduce once, on the last,
     one reduce-scatter per FSDP unit (each decoder block and the root), and the gradients are the single process's
-    on the whole batch (only the reduction order differs)."""
+    on the whole batch (only the reduction order differs). ZeRO-2 gathers each unit once per step (parameters stay
+    gathered across micro-batches, resharded after the last backward); ZeRO-3 gathers every block twice per
+    micro-batch (forward, backward) and the root once (kept gathered from forward to backward, FSDP2's root default)."""
     spawn(_accumulation_worker, 2, str(tmp_path / "acc.pt"), timeout=240)
     results = torch.load(tmp_path / "acc.pt")
     model = make_model()
     ids, labels = _accumulation_batch()
     model(ids, labels=labels, num_items_in_batch=num_items(labels)).loss.backward()
-    units = model.config.num_hidden_layers + 1
-    for zero_stage, (reduce_scatters, grads) in results.items():
-        assert reduce_scatters == (0 if zero_stage == 0 else units), zero_stage  # DDP all-reduces in C++
+    layers = model.config.num_hidden_layers
+    units = layers + 1
+    all_gathers = {0: 0, 2: units, 3: ACCUMULATION * (2 * layers + 1)}  # DDP broadcasts/all-reduces in C++
+    for zero_stage, (counts, grads) in results.items():
+        for reduce_scatters, gathers in counts:  # the same on both optimizer steps
+            assert reduce_scatters == (0 if zero_stage == 0 else units), zero_stage
+            assert gathers == all_gathers[zero_stage], (zero_stage, gathers)
         for fqn, p in model.named_parameters():
             diff, tol = float((grads[fqn] - p.grad).abs().max()), GRAD_ULPS * FP32_EPS * float(p.grad.abs().max())
             assert diff <= tol, (zero_stage, fqn, diff, tol)
+
+
+def _fp16_found_inf_worker(rank, world_size, out_path):
+    """Each rank owns different parameters (as a pipeline stage does); only rank 0's fp16 backward overflows."""
+    from trainer.guard import StepGuard, scaler_found_inf
+    torch.manual_seed(rank)
+    model = nn.Linear(8, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    # rank 0: 4 rows of 1e3 times the scale 2^10 sum to ~4e6 in the fp16 weight gradient (> 65504: inf)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(5)) * (1e3 if rank == 0 else 1.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().sum()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    local_inf = float(sum(scaler_found_inf(scaler, optimizer)))
+    StepGuard(max_bad_steps=3).check(loss.detach(), 0.0, False, "cpu", scaler_found_inf(scaler, optimizer))
+    scaler.step(optimizer)
+    scaler.update()
+    unchanged = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    results = [None, None]
+    dist.all_gather_object(results, (local_inf, unchanged, scaler.get_scale()))
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_fp16_scaler_skips_on_every_rank_when_one_overflows(tmp_path):
+    """Sharded gradients: each rank's GradScaler sees only its own; the guard's all-reduce makes every rank skip the
+    step and halve the scale (GradScaler's backoff 0.5) when one rank's fp16 gradient overflowed."""
+    spawn(_fp16_found_inf_worker, 2, str(tmp_path / "inf.pt"), timeout=120)
+    (inf0, unchanged0, scale0), (inf1, unchanged1, scale1) = torch.load(tmp_path / "inf.pt")
+    assert (inf0, inf1) == (1.0, 0.0)  # the overflow is rank 0's alone
+    assert unchanged0 and unchanged1
+    assert scale0 == scale1 == 2.0 ** 9

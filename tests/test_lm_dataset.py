@@ -16,6 +16,8 @@ from transformers import AutoTokenizer
 import dataset.lm_dataset as lm_dataset
 from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset, SFTDataset
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.launch import demo_slice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINIMIND3_CONFIG = os.path.join(ROOT, "tests", "fixtures", "minimind3_tokenizer_config.json")
@@ -327,6 +329,125 @@ def test_sft_parquet_equals_jsonl(tokenizer, tmp_path):
     assert len(a) == len(b) == 2
     for i in range(2):
         assert all(torch.equal(x, y) for x, y in zip(a[i], b[i]))
+
+
+
+# ----------------------------------------------------------------------------- packed SFT
+
+SHORT_CONVERSATION = CONVERSATION[1:3]  # user "Say hi.", assistant "Hi there."
+TINY_CONVERSATION = CONVERSATION[3:5]  # user "再说一次", assistant "你好！"
+
+
+def one_turn(user, answer):
+    """(ids, labels) of a user + assistant conversation, written out by hand."""
+    return pieces_to_ids(AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")), [
+        (f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n", False),
+        (f"<think>\n\n</think>\n\n{answer}<|im_end|>", True), ("\n", False)])
+
+
+def test_sft_packing_three_conversations_by_hand(tokenizer, tmp_path):
+    """Best fit decreasing: the longest conversation (a) opens row 0, the next (c) does not fit beside it and opens
+    row 1, the shortest (b) fills row 0 exactly. Labels are each conversation's own; positions restart at each."""
+    a, b, c = hand_built_conversation(tokenizer), one_turn("Say hi.", "Hi there."), one_turn("再说一次", "你好！")
+    assert len(a[0]) > len(c[0]) > len(b[0])
+    length = len(a[0]) + len(b[0])
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": x}
+                                              for x in (CONVERSATION, SHORT_CONVERSATION, TINY_CONVERSATION)])
+    ds = SFTDataset(path, tokenizer, max_length=length, cache_dir=tmp_path / "cache", packing=True, doc_mask=True)
+    assert len(ds) == 2
+    pad = length - len(c[0])
+    rows = [(a[0] + b[0], a[1] + b[1], list(range(len(a[0]))) + list(range(len(b[0])))),
+            (c[0] + [PAD] * pad, c[1] + [-100] * pad, list(range(len(c[0]))) + list(range(pad)))]
+    for r, (ids, labels, positions) in enumerate(rows):
+        input_ids, got_labels, got_positions = ds[r]
+        assert input_ids.tolist() == ids and got_labels.tolist() == labels and got_positions.tolist() == positions
+    assert labelled_runs(tokenizer, *ds[0][:2]) == ["<think>\n\n</think>\n\nHi there.<|im_end|>",
+                                                    "<think>\n\n</think>\n\n你好！<|im_end|>",
+                                                    "<think>\n\n</think>\n\nHi there.<|im_end|>"]
+    plain = SFTDataset(path, tokenizer, max_length=length, cache_dir=tmp_path / "cache", packing=True)
+    assert [len(x) for x in plain[0]] == [length, length] and torch.equal(plain[0][1], ds[0][1])  # no positions
+
+
+def segments(positions):
+    """[start, end) of each run of positions counting up from 0."""
+    starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def test_sft_packing_keeps_every_conversation_whole_once(tokenizer, tmp_path, monkeypatch):
+    """Demo chat rows at a length that truncates some: every conversation with a target is one segment of one
+    packed row, equal to its padded sample; rows are full within best-fit decreasing's bound; one cache serves both."""
+    path = demo_slice(tmp_path, "sft", 800)
+    padded = SFTDataset(path, tokenizer, max_length=96, cache_dir=tmp_path / "cache")
+    monkeypatch.setattr(lm_dataset, "_build_cache", lambda *a, **k: pytest.fail("packing rebuilt the token cache"))
+    packed = SFTDataset(path, tokenizer, max_length=96, cache_dir=tmp_path / "cache", packing=True, doc_mask=True)
+    expected = []
+    for i in range(len(padded)):
+        ids, labels = padded[i]
+        n = int((ids != PAD).sum()) if ids[-1] == PAD else len(ids)  # pad is never inside a conversation
+        if (labels[1:n] != -100).any():
+            expected.append((tuple(ids[:n].tolist()), tuple(labels[:n].tolist())))
+    assert 0 < len(expected) < len(padded)  # some truncated conversations lose every target
+    got, used = [], 0
+    for r in range(len(packed)):
+        ids, labels, positions = packed[r]
+        spans = segments(positions.tolist())
+        real = spans if ids[-1] != PAD else spans[:-1]  # the padding is a segment of its own
+        got += [(tuple(ids[a:b].tolist()), tuple(labels[a:b].tolist())) for a, b in real]
+        used += sum(b - a for a, b in real)
+    assert sorted(got) == sorted(expected)
+    assert len(packed) <= math.ceil(11 / 9 * math.ceil(used / 96)) + 1  # BFD <= 11/9 OPT + 6/9 rows
+    assert packed.no_target_line() == (
+        f"{len(padded) - len(expected)} of {len(padded)} conversations of {path} have no assistant token within "
+        "--max_seq_len 96; they teach nothing and are left out of the packed rows")
+
+
+def test_sft_packing_no_target_rules(tokenizer, tmp_path):
+    """Packing keeps the padded rules: counted, left out of the rows; nothing at all to learn is an error."""
+    _, labels = hand_built_conversation(tokenizer)
+    first = next(i for i, label in enumerate(labels) if label != -100)
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": c} for c in (CONVERSATION, LONG_CONVERSATION)])
+    ds = SFTDataset(path, tokenizer, max_length=first + 1, cache_dir=tmp_path / "cache", packing=True)
+    assert (ds.num_rows_without_targets, len(ds)) == (1, 1)
+    assert ds[0][0].tolist() == hand_built_conversation(tokenizer)[0][:first + 1]
+    with pytest.raises(ValueError, match="no row of .* has an assistant token within --max_seq_len"):
+        SFTDataset(path, tokenizer, max_length=first, cache_dir=tmp_path / "cache", packing=True)
+
+
+def test_sft_packed_row_loss_is_the_sum_of_its_conversations(tokenizer, tmp_path):
+    """Through the real model (fp32): a packed row's summed CE equals its conversations' CE, each alone and padded,
+    per target token too: the document mask and restarting positions keep conversations apart."""
+    path = write_jsonl(tmp_path / "s.jsonl", [{"conversations": x} for x in (
+        CONVERSATION, SHORT_CONVERSATION, TINY_CONVERSATION, TOOL_CONVERSATION, LONG_CONVERSATION)])
+    length = 352
+    packed = SFTDataset(path, tokenizer, max_length=length, cache_dir=tmp_path / "cache", packing=True, doc_mask=True)
+    alone = SFTDataset(path, tokenizer, max_length=length, cache_dir=tmp_path / "cache")
+    torch.manual_seed(0)
+    # initializer_range 0.3: peaked attention, so a token's loss depends on what it sees (0.02 barely would)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, loss_chunk_size=0, initializer_range=0.3)).eval()
+    rows = [packed[r] for r in range(len(packed))]
+    assert len(rows) < len(alone) and sum(len(segments(p.tolist())) for *_, p in rows) > len(rows)
+    with torch.no_grad():
+        ids, labels, positions = map(torch.stack, zip(*rows))
+        out = model(ids, position_ids=positions, labels=labels, num_items_in_batch=1)
+        packed_tokens = token_losses(out.logits, labels)
+        singles = [model(x[None], labels=y[None], num_items_in_batch=1) for x, y in (alone[i] for i in range(5))]
+        unmasked = float(model(ids, labels=labels, num_items_in_batch=1).loss)  # rows as single sequences
+    expected = sum(float(s.loss) for s in singles)
+    # fp32: each token's CE carries ~1e-6 relative error from differently ordered sums; about a hundred tokens
+    assert float(out.loss) == pytest.approx(expected, rel=1e-5)
+    assert abs(unmasked / expected - 1) > 1e-3  # without the document mask the sum would differ: the test can tell
+    alone_tokens = torch.cat([token_losses(s.logits, alone[i][1][None]) for i, s in enumerate(singles)])
+    torch.testing.assert_close(packed_tokens.sort().values, alone_tokens.sort().values, rtol=1e-5, atol=1e-5)
+
+
+def token_losses(logits, labels):
+    """The CE of every target token of a batch (labels shifted as the model does)."""
+    targets = labels[:, 1:].reshape(-1)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets, reduction="none",
+                                           ignore_index=-100)
+    return ce[targets != -100]
 
 
 # ----------------------------------------------------------------------------- cache

@@ -27,20 +27,25 @@ def test_sft_starts_from_pretrained_weights_and_learns(tmp_path):
     records = read_metrics(str(tmp_path / "sft.jsonl"))
     assert len(records) == 15
 
-    # independent reference for step 1: the pretrained weights on the first batch of (seed 42, epoch 0)
+    # independent reference for step 1 (packed by default): the pretrained weights on the conversations of the first
+    # batch of (seed 42, epoch 0), each alone and padded: CE summed over them / their target tokens
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     model = MiniMindForCausalLM(config)
     model.load_state_dict(torch.load(os.path.join(out, "pretrain_64.pth")))
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-    dataset = SFTDataset(sft_data, tokenizer, max_length=64)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=42, drop_last=True)
+    packed = SFTDataset(sft_data, tokenizer, max_length=64, packing=True)
+    alone = SFTDataset(sft_data, tokenizer, max_length=64)
+    sampler = DistributedSampler(packed, num_replicas=1, rank=0, shuffle=True, seed=42, drop_last=True)
     sampler.set_epoch(0)
-    first = list(sampler)[:8]
-    input_ids = torch.stack([dataset[i][0] for i in first])
-    labels = torch.stack([dataset[i][1] for i in first])
+    conversations = [int(c) for r in list(sampler)[:8] for c in packed.row_docs[packed.row_offsets[r]:
+                                                                                 packed.row_offsets[r + 1]]]
+    assert len(conversations) > 8  # the rows do hold several conversations
+    input_ids = torch.stack([alone[i][0] for i in conversations])
+    labels = torch.stack([alone[i][1] for i in conversations])
     with torch.no_grad():
         expected = model(input_ids, labels=labels).loss.item()
     assert abs(records[0]["loss"] - expected) < 1e-5, (records[0]["loss"], expected)
+    assert records[0]["tokens"] == int((labels[:, 1:] != -100).sum())
     assert sum(r["loss"] for r in records[-3:]) / 3 < records[0]["loss"] - 0.5  # it learns the chat data
     assert os.path.exists(os.path.join(out, "full_sft_64.pth"))
 

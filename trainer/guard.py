@@ -1,8 +1,9 @@
 """What keeps a run sane: preemption signals, the non-finite step guard, the data-parallel replica check.
 
 The loop calls `StepGuard.check` once per optimizer step, between clipping and the optimizer step: one small
-all-reduce tells every rank whether any rank saw a non-finite loss or gradient norm (skip the step) and whether
-any rank was signalled (stop after this step), so all ranks skip and stop at the same step.
+all-reduce tells every rank whether any rank saw a non-finite loss or gradient norm (skip the step), whether the
+fp16 scaler found an inf on any rank, and whether any rank was signalled (stop after this step), so all ranks skip,
+back off the loss scale and stop at the same step.
 """
 import os
 import signal
@@ -68,17 +69,23 @@ class StepGuard:
         self.last_good_save = None  # global step of the last checkpoint saved outside a run of skipped steps
         self.last_loss = None  # this rank's loss of the last step, read with the check's flags (for the bar)
 
-    def check(self, loss, grad_norm, check_norm, device):
-        """True when this step must be skipped; sets self.stop when any rank was signalled (collective)."""
+    def check(self, loss, grad_norm, check_norm, device, found_inf=None):
+        """True when this step must be skipped; sets self.stop when any rank was signalled (collective).
+
+        found_inf: the fp16 scaler's per-device found-inf tensors (scaler_found_inf), set to the value agreed over
+        every rank, so that all ranks skip the step and lower the scale together (each sees only its own grads)."""
         loss = torch.as_tensor(loss, dtype=torch.float32, device=device)
         bad = ~torch.isfinite(loss)
         if check_norm:  # under the fp16 scaler an inf gradient norm is the scaler's (it skips and lowers the scale)
             bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=device))
         signalled = self.preemption is not None and self.preemption.requested is not None
-        flags = torch.stack([bad.float(), torch.tensor(float(signalled), device=device)])
+        inf = sum((t.to(device=device, dtype=torch.float32) for t in found_inf or ()), torch.zeros((), device=device))
+        flags = torch.stack([bad.float(), torch.tensor(float(signalled), device=device), (inf > 0).float()])
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        skip, stop, self.last_loss = torch.cat([flags, loss.reshape(1)]).tolist()  # the step's one host sync
+        skip, stop, any_inf, self.last_loss = torch.cat([flags, loss.reshape(1)]).tolist()  # the step's one host sync
+        for tensor in found_inf or ():
+            tensor.fill_(any_inf)
         self.stop = stop > 0
         return skip > 0
 
@@ -102,6 +109,16 @@ class StepGuard:
     def saved(self, step):
         if self.in_a_row == 0:
             self.last_good_save = step
+
+
+def scaler_found_inf(scaler, optimizer):
+    """The fp16 GradScaler's found-inf tensors of this step (after unscale_), for StepGuard.check; None when off.
+
+    torch all-reduces found-inf over a DTensor gradient's mesh only (DTensor's found_inf_reduce_handler), never
+    across pipeline stages or plain-tensor layouts, hence the guard's agreement over every rank."""
+    if not scaler.is_enabled():
+        return None
+    return list(scaler._found_inf_per_device(optimizer).values())  # private, in every torch 2.x (2.11 too)
 
 
 def replica_checksums(model_parts):

@@ -20,7 +20,7 @@ from dataset.demo_data import ensure_demo_data
 from dataset.mixture import describe_mixture, load_data_spec
 from trainer.checkpoint import Checkpointer, TrainState, load_resume, restore, save_weights, tied_aliases
 from trainer.config import resolve
-from trainer.guard import Preemption, StepGuard, check_replicas
+from trainer.guard import Preemption, StepGuard, check_replicas, scaler_found_inf
 from trainer.launch import (
     ConfigError,
     count_sum,
@@ -289,7 +289,8 @@ def train_step(trainer, micro_batches, bar=None):
             bar.update(1)  # shows the loss just set
     scaler.unscale_(trainer.optimizer)
     grad_norm = clip_gradients(trainer, plan.grad_clip)
-    skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.device)  # agreed by every rank
+    skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.device,  # agreed by every rank
+                               found_inf=scaler_found_inf(scaler, trainer.optimizer))
     if not skip:
         scaler.step(trainer.optimizer)
     scaler.update()  # after a skip too: unscale_ recorded its inf checks

@@ -15,14 +15,14 @@ from trainer.train_loop import build_trainer, load_datasets, setup, steps_per_ep
 
 def main():
     args = parse_args("MiniMind Full SFT", save_weight="full_sft", from_weight="pretrain", learning_rate=1e-5,
-                      max_seq_len=340, batch_size=16, accumulation_steps=1, epochs=2)
+                      max_seq_len=340, batch_size=16, accumulation_steps=1, epochs=2, packing=1)
     # 1. set-up: checks -> TrainPlan, process group, mesh, seed
     plan, dims = setup(args)
-    # 2. tokenizer and data (the embedded chat corpus unless --data_path)
+    # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
     train_ds, eval_ds = load_datasets(plan, lambda path: SFTDataset(
-        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines,
-        cache_dir=plan.cache_dir, num_proc=plan.num_proc, part=local_part()), demo_kind="sft")
+        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
+        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
     # 3-6. resume state, model (from --from_weight), parallel wrap (pp -> tp -> cp -> dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
     # 7. the loop

@@ -37,25 +37,66 @@ def context_position_ids(seq_len, cp_rank, cp_size, device=None):
 
 
 # ----------------------------------------------------------------------------- per-block kernels
-_FAILED_KERNELS = set()  # (kernel, device type, dtype, head dim) that raised once: don't retry them every block
+_FAILED_KERNELS = set()  # (kernel, direction, device type, dtype, head dim) that raised once: don't retry every block
+
+
+def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    """Flash backward of one block. cum_seq None: the dense kernel (a defined one means varlen); dropout 0 reads
+    no philox state, so empty tensors stand for the forward's."""
+    rng = torch.empty(0, dtype=torch.long, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, rng, rng, scale=scale)
+
+
+def _cuda_efficient_forward(q, k, v, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                      scale=scale)[:2]
+    return out, lse[..., :q.shape[-2]]  # its lse is padded to a multiple of 32 rows
+
+
+def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    """Memory-efficient backward of one block; the lse padded back to the forward's multiple of 32 rows."""
+    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
+    rng = torch.empty(0, dtype=torch.long, device=q.device)  # dropout 0: not read
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse, rng, rng, 0.0, [True, True, True, False], causal, scale=scale)[:3]
 
 
 def _fused_kernels(q):
-    """Candidate fused ops returning (out, lse) for this device, best first."""
+    """Candidate fused (name, forward, backward) ops for this device and dtype, best first.
+
+    forward(q, k, v, causal, scale) -> (out, lse); backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
+    from the *global* out and lse, as torch's context parallel calls them (_templated_ring_attention_backward)."""
     aten = torch.ops.aten
-    if q.device.type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        yield "flash_cpu", lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)[:2]
+    if q.device.type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        yield ("flash_cpu",
+               lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu(
+                   q, k, v, 0.0, causal, scale=scale),
+               lambda dout, q, k, v, out, lse, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                   dout, q, k, v, out, lse, 0.0, causal, scale=scale))
     if q.device.type == "cuda":
         if q.dtype in (torch.float16, torch.bfloat16) and hasattr(aten, "_scaled_dot_product_flash_attention"):
-            yield "flash_cuda", lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention(
-                q, k, v, 0.0, causal, False, scale=scale)[:2]
+            yield ("flash_cuda",
+                   lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention(
+                       q, k, v, 0.0, causal, False, scale=scale)[:2],
+                   _cuda_flash_backward)
         if hasattr(aten, "_scaled_dot_product_efficient_attention"):
-            def efficient(q, k, v, causal, scale):
-                out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                        scale=scale)[:2]
-                return out, lse[..., :q.shape[-2]]  # its lse is padded to a multiple of 32 rows
-            yield "efficient_cuda", efficient
+            yield "efficient_cuda", _cuda_efficient_forward, _cuda_efficient_backward
+
+
+def _run_fused(direction, q, *args):
+    """The first fused kernel for q that runs (direction 1: forward, 2: backward), or None: the math kernel."""
+    for kernel in _fused_kernels(q):
+        key = (kernel[0], direction, q.device.type, q.dtype, q.shape[-1])
+        if key in _FAILED_KERNELS:
+            continue
+        try:
+            return kernel[direction](*args)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError):
+            _FAILED_KERNELS.add(key)  # unsupported dtype / head dim / build: use the next kernel
+    return None
 
 
 def _scores(q, k, causal, scale, visible=None):
@@ -77,35 +118,32 @@ def _finite(lse):
 def _block_forward(q, k, v, causal, scale, visible=None):
     """Attention of a q block over one (GQA-expanded) k/v block -> (out, lse) in the compute dtype.
 
-    visible: a document mask for this block (math kernel; a row that sees nothing gets lse -inf, out 0)."""
+    Unmasked blocks: torch's fused kernel in the inputs' dtype. visible: a document mask for this block
+    (math in the compute dtype; a row that sees nothing gets lse -inf, out 0)."""
     compute = torch.promote_types(q.dtype, torch.float32)
-    if visible is not None:
-        scores = _scores(q.to(compute), k.to(compute), causal, scale, visible)
-        lse = scores.logsumexp(-1)
-        return torch.matmul(torch.exp(scores - _finite(lse).unsqueeze(-1)), v.to(compute)), lse
-    for name, kernel in _fused_kernels(q):
-        key = (name, q.device.type, q.dtype, q.shape[-1])
-        if key in _FAILED_KERNELS:
-            continue
-        try:
-            out, lse = kernel(q, k, v, causal, scale)
-            return out.to(compute), lse.to(compute)
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, NotImplementedError):
-            _FAILED_KERNELS.add(key)  # unsupported dtype / head dim / build: use the next kernel
-    # math fallback: scores -> logsumexp -> softmax
-    scores = _scores(q.to(compute), k.to(compute), causal, scale)
+    if visible is None:
+        result = _run_fused(1, q, q, k, v, causal, scale)
+        if result is not None:
+            return result[0].to(compute), result[1].to(compute)
+    scores = _scores(q.to(compute), k.to(compute), causal, scale, visible)
     lse = scores.logsumexp(-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.to(compute)), lse
+    return torch.matmul(torch.exp(scores - _finite(lse).unsqueeze(-1)), v.to(compute)), lse
 
 
-def _block_backward(dout, q, k, v, lse, delta, causal, scale, visible=None):
-    """Gradients of one block from the final lse and delta = rowsum(dO * O); all in the compute dtype.
+def _block_backward(dout, q, k, v, out, lse, causal, scale, visible=None):
+    """Gradients (in lse's compute dtype) of one block from the global out and lse.
 
-    Plain math (dS = P * (dP - delta)) per block in fp32 or better: correctness first; because P is
-    rebuilt from the global lse, the blocks' gradients add up to the exact full-attention gradient.
+    Because P is rebuilt from the global lse, the blocks' gradients add up to the full-attention gradient.
+    Each block's backward runs in its forward's precision: the fused kernel where the forward used one,
+    else math (dS = P * (dP - rowsum(dO * O))) in the compute dtype.
     """
+    compute = lse.dtype
+    if visible is None:
+        grads = _run_fused(2, q, *(t.contiguous() for t in (dout, q, k, v, out, lse)), causal, scale)
+        if grads is not None:
+            return tuple(grad.to(compute) for grad in grads)
+    dout, q, k, v = (t.to(compute) for t in (dout, q, k, v))
+    delta = (dout * out.to(compute)).sum(-1)
     probs = torch.exp(_scores(q, k, causal, scale, visible) - lse.unsqueeze(-1))
     dv = torch.matmul(probs.transpose(-1, -2), dout)
     dscores = probs * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
@@ -198,9 +236,10 @@ class RingAttention(torch.autograd.Function):
                 for request in requests:
                     request.wait()
                 kv = next_kv
+        out = out.to(q.dtype)  # what the fused backward kernels take, as torch's context parallel saves it
         ctx.group, ctx.doc_starts = group, doc_starts
-        ctx.save_for_backward(q, k, v, out, lse)  # out kept in the compute dtype for an exact delta
-        return out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
@@ -208,11 +247,9 @@ class RingAttention(torch.autograd.Function):
         group, doc_starts = ctx.group, ctx.doc_starts
         rank, size = _rank_size(group)
         scale, n_rep, half = q.shape[-1] ** -0.5, q.shape[1] // k.shape[1], q.shape[2] // 2
-        compute = out.dtype
-        dout = dout.to(compute)
-        delta = (dout * out).sum(-1)
-        qc = q.to(compute)
-        dq = torch.zeros_like(qc)
+        compute = lse.dtype  # gradients accumulate (and dK/dV travel) in fp32 or better
+        dout = dout.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=compute, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=compute, device=kv.device)  # dK/dV of the block we hold
         for step in range(size):
@@ -223,8 +260,8 @@ class RingAttention(torch.autograd.Function):
             src = (rank - step) % size
             rows, cols, causal = _block_plan(src, rank, half)
             dq_block, dk_block, dv_block = _block_backward(
-                dout[:, :, rows], qc[:, :, rows], _expand_kv(kv[0][:, :, cols].to(compute), n_rep),
-                _expand_kv(kv[1][:, :, cols].to(compute), n_rep), lse[:, :, rows], delta[:, :, rows],
+                dout[:, :, rows], q[:, :, rows], _expand_kv(kv[0][:, :, cols], n_rep),
+                _expand_kv(kv[1][:, :, cols], n_rep), out[:, :, rows], lse[:, :, rows],
                 causal, scale, _block_visible(doc_starts, src, rank, size, rows, cols, q.device))
             dq[:, :, rows] += dq_block
             dkv[0][:, :, cols] += _reduce_kv_grad(dk_block, n_rep)
@@ -243,8 +280,9 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, cp_group, position_ids=None):
     """Causal ring attention. q (B, Hq, L_local, D), k/v (B, Hkv, L_local, D), sharded by shard_sequence.
 
-    position_ids: (B or 1, L_local) this rank's positions; where they restart per document (packed rows,
-    sharded with shard_sequence) each token attends within its document only. None: plain causal."""
+    position_ids: (B or 1, L_local) this rank's positions, restarting per document (packed rows, sharded
+    with shard_sequence): each token attends within its document only (masked blocks, math kernel).
+    None: plain causal (fused kernels). The caller decides from the plan (--doc_mask), never from the values."""
     if q.shape[2] != k.shape[2] or q.shape[2] % 2:
         raise ValueError(f"ring attention needs equal, even local q/k lengths, got {q.shape[2]} and {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
@@ -253,9 +291,7 @@ def ring_attention(q, k, v, cp_group, position_ids=None):
     if position_ids is not None:
         rank, size = _rank_size(cp_group)
         index = context_position_ids(q.shape[2] * size, rank, size, q.device)
-        doc_starts = index - position_ids.to(q.device)
-        if not bool(doc_starts.any()):  # global positions (no documents): the fused causal kernels
-            doc_starts = None
+        doc_starts = index - position_ids.to(q.device)  # global index of each query's document start
     device_type = q.device.type
     if torch.is_autocast_enabled(device_type):  # q/k arrive fp32 (fp32 norm weight): kernels and K/V in autocast dtype
         dtype = torch.get_autocast_dtype(device_type)
@@ -271,12 +307,17 @@ class LocalPositions:
         self.position_ids = position_ids
 
 
+def _no_document_mask(position_ids):
+    """document_mask without --doc_mask: the positions are global (RoPE only), the ring is plain causal."""
+    return None
+
+
 def make_ring_attn_fn(cp_group):
     """An `attn_fn(q, k, v, attention_mask=None)` for the model's Attention modules, using ring attention."""
     def ring_attn_fn(q, k, v, attention_mask=None):
         if isinstance(attention_mask, LocalPositions):
             return ring_attention(q, k, v, cp_group, attention_mask.position_ids)
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if attention_mask is not None:  # the model drops an all-ones mask itself: this one pads
             raise ValueError("context parallel supports causal attention without padding masks; "
                              "train with attention_mask=None (packed or fully padded-with-labels batches)")
         return ring_attention(q, k, v, cp_group)
@@ -288,13 +329,14 @@ def _all_reduce_sum(tensor, group):
     return dist_nn.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 
-def apply_context_parallel(model, cp_mesh):
+def apply_context_parallel(model, cp_mesh, doc_mask=True):
     """Swap in ring attention (with the positions for document masks) and cp-wide MoE router statistics, in place.
 
     cp_mesh: a 1-D DeviceMesh (e.g. mesh["cp"]) or a ProcessGroup. Inputs, targets and position_ids
-    must be sharded with shard_sequence / context_position_ids. The router-stat all-reduce's backward
-    sums gradients over the group, so each cp rank's objective should weight the (replicated) MoE aux
-    loss by 1/cp for the ranks' summed gradients to equal the single-process ones.
+    must be sharded with shard_sequence / context_position_ids. doc_mask (the plan's): position ids restart
+    per document, so the ring masks by them; False: plain causal with the fused kernels (no host sync decides).
+    The router-stat all-reduce's backward sums gradients over the group, so each cp rank's objective should
+    weight the (replicated) MoE aux loss by 1/cp for the ranks' summed gradients to equal the single-process ones.
     """
     group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
     cp_size = _rank_size(group)[1]
@@ -306,7 +348,7 @@ def apply_context_parallel(model, cp_mesh):
             module.attn_fn = attn_fn
             num_attention += 1
         if hasattr(module, "document_mask"):  # the model / a pipeline stage: the ring masks by positions
-            module.document_mask = LocalPositions
+            module.document_mask = LocalPositions if doc_mask else _no_document_mask
         if hasattr(module, "reduce_router_stats"):
             module.reduce_router_stats = reduce_fn
             module.seq_len_scale = cp_size  # local token counts are normalised by the full length

@@ -102,7 +102,10 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
     # The root group takes everything left: embed_tokens, norm and lm_head. A tied lm_head.weight is
     # the same Parameter as embed_tokens.weight; FSDP2 manages it once and re-ties both attributes.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    # The root stays gathered from forward to backward (backward needs it at once): FSDP2's own default
+    # for the root, which an explicit True would override with one more all-gather per micro-batch.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    model.keep_gathered_across_microbatches = zero_stage == 2  # read by gradient_sync
     return model
 
 
@@ -112,21 +115,27 @@ def gradient_sync(model_parts, enabled):
     reduced later (DDP's no_sync; FSDP2's set_requires_gradient_sync). Enable it on the last micro-batch.
 
     Under FSDP2 the skipped micro-batches keep unsharded gradients until then: memory for 1/accumulation
-    of the reduce-scatter traffic.
+    of the reduce-scatter traffic. ZeRO-2 also keeps the gathered parameters until the last micro-batch's
+    backward (set_reshard_after_backward): one all-gather per step instead of one per micro-batch.
     """
     parts = model_parts if isinstance(model_parts, (list, tuple)) else [model_parts]
     fsdp = [] if enabled else [p for p in parts if isinstance(p, FSDPModule)]
+    gathered = [p for p in fsdp if getattr(p, "keep_gathered_across_microbatches", False)]
     with ExitStack() as stack:
         for part in parts:
             if not enabled and isinstance(part, DistributedDataParallel):
                 stack.enter_context(part.no_sync())
         for part in fsdp:
             part.set_requires_gradient_sync(False)
+        for part in gathered:
+            part.set_reshard_after_backward(False)
         try:
             yield
         finally:
             for part in fsdp:
                 part.set_requires_gradient_sync(True)
+            for part in gathered:  # the next forward finds them unsharded; the last backward reshards
+                part.set_reshard_after_backward(True)
 
 
 def build_optimizer(params, lr, zero_stage=0, dp_group=None, fused=None, dims=None, **adamw_kwargs):

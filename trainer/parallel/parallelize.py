@@ -30,7 +30,7 @@ def parallelize(model, dims, plan):
             apply_tensor_parallel(part, dims.mesh("tp"), sequence_parallel=plan.sequence_parallel,
                                   loss_parallel=plan.pp == 1)
         if plan.cp > 1:
-            apply_context_parallel(part, dims.mesh("cp"))
+            apply_context_parallel(part, dims.mesh("cp"), doc_mask=plan.doc_mask)
         if plan.grad_checkpointing:
             apply_activation_checkpointing(part)
         if plan.use_compile:

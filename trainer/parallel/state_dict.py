@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.launch import is_main_process
+
 # alias -> canonical FQN of a weight a pipeline stage keeps a synchronised copy of (tied embeddings).
 TIED_EMBEDDING = {"lm_head.weight": "model.embed_tokens.weight"}
 _WRAPPER_NAMES = {"module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
@@ -68,10 +70,6 @@ def _optimizer_pairs(model_parts, optimizers):
 
 def _pp_size(pp_group):
     return dist.get_world_size(pp_group) if pp_group is not None and dist.is_initialized() else 1
-
-
-def _is_rank0():
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _full_options(pp_group):
@@ -118,7 +116,7 @@ def full_model_state_dict(model_parts, pp_group=None):
     for part in _as_list(model_parts):
         local.update(_cpu_fp32(get_model_state_dict(part, options=options)))
     stages = _gather_pp(local, pp_group)
-    if not _is_rank0():
+    if not is_main_process():
         return None
     merged = {}
     for stage in stages:
