@@ -7,9 +7,12 @@ Embedded default corpora, built from text that ships with the installed software
   chatterbot-corpus English and Chinese dialogues, plus MiniMind-3-style rows with reasoning_content
   (arithmetic worked out step by step) and tool calls (tools over standard-library facts: gcd,
   Unicode character names, weekdays, computed here), tools/tool_calls as JSON strings and as lists.
+- dpo_demo.jsonl       {"chosen": [messages], "rejected": [messages]}, MiniMind's dpo.jsonl: the same computed
+  facts (sums, products, gcd, Unicode names, weekdays; with and without tools), the chosen answer right, the rejected
+  one another question's answer or the right one with a wrong number. Standard library only.
 
 Both are a pure function of the installed Python and packages: same bytes on every such machine.
-Run `python dataset/demo_data.py` to build both, or call `ensure_demo_data("pretrain" | "sft")`.
+Run `python dataset/demo_data.py` to build them all, or call `ensure_demo_data("pretrain" | "sft" | "dpo")`.
 """
 import ast
 import datetime
@@ -25,11 +28,12 @@ DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 PRETRAIN_DEMO = os.path.join(DATASET_DIR, "pretrain_demo.jsonl")
 SFT_DEMO = os.path.join(DATASET_DIR, "sft_demo_v2.jsonl")
 # v2 of the SFT demo adds tool-call and reasoning rows; a new name, so a checkout's older build is not reused
-DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl"}
+DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl", "dpo": "dpo_demo.jsonl"}
 
 CHATTERBOT_LANGUAGES = ("english", "chinese")
 NUM_TOOL_CONVERSATIONS = 48       # tool-call rows in the SFT demo: enough that every short run meets some
 NUM_REASONING_CONVERSATIONS = 48  # rows with reasoning_content
+NUM_DPO_PAIRS = 600  # preference pairs: a few epochs of the default DPO batch on a CPU in minutes
 MIN_DOCSTRING_CHARS = 200   # shorter docstrings are mostly one-line signatures, not prose
 MAX_CHUNK_CHARS = 2000      # pydoc topics are cut into paragraph chunks of at most about this size
 # stdlib folders that hold tests, third-party code, GUIs demos or binaries rather than documentation
@@ -206,6 +210,45 @@ def sft_records():
     return records
 
 
+def _arithmetic_pair(rng):
+    """A sum or product: chosen worked out and right, rejected off by a few units without working."""
+    a, b = rng.randrange(11, 100), rng.randrange(11, 100)
+    op, value = ("+", a + b) if rng.random() < 0.5 else ("*", a * b)
+    wrong = value + rng.choice([-10, -2, -1, 1, 2, 10])
+    question = [{"role": "user", "content": f"What is {a} {op} {b}?"}]
+    chosen = {"role": "assistant", "content": f"{a} {op} {b} = {value}.",
+              "reasoning_content": f"Work out {a} {op} {b} digit by digit: {value}."}
+    return question + [chosen], question + [{"role": "assistant", "content": f"{a} {op} {b} = {wrong}."}]
+
+
+def _fact_pair(rng, other_answer, with_tools):
+    """A gcd / Unicode name / weekday question: chosen answers it (through the tool where one is offered), rejected
+    gives `other_answer` (another question's) at once. Returns (pair, this question's answer)."""
+    question, call, result, answer = _tool_question(rng)
+    prompt = [{"role": "user", "content": question}]
+    if not with_tools:
+        return (prompt + [{"role": "assistant", "content": answer}],
+                prompt + [{"role": "assistant", "content": other_answer}]), answer
+    prompt.insert(0, {"role": "system", "content": "You are a helpful assistant with tools.",
+                      "tools": [DEMO_TOOLS[call["name"]]]})
+    chosen = prompt + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "content": json.dumps(result, ensure_ascii=False)},
+                       {"role": "assistant", "content": answer}]
+    return (chosen, prompt + [{"role": "assistant", "content": other_answer}]), answer
+
+
+def dpo_records(n=NUM_DPO_PAIRS, seed=2):
+    """Preference pairs from computed facts: half arithmetic, half facts (one in four of those with a tool)."""
+    rng, records, last_answer = random.Random(seed), [], "I do not know."
+    for i in range(n):
+        if i % 2 == 0:
+            chosen, rejected = _arithmetic_pair(rng)
+        else:
+            (chosen, rejected), last_answer = _fact_pair(rng, last_answer, with_tools=i % 8 == 1)
+        records.append({"chosen": chosen, "rejected": rejected})
+    return records
+
+
 def _write_jsonl_atomic(records, path):
     """Write records as JSONL to a temporary file, then rename it over `path`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -220,13 +263,13 @@ def _write_jsonl_atomic(records, path):
 
 
 def build_demo_data(kind, out_dir=DATASET_DIR, stdlib_dir=None):
-    """(Re)build one demo corpus ("pretrain" or "sft") into out_dir; returns its path.
+    """(Re)build one demo corpus ("pretrain", "sft" or "dpo") into out_dir; returns its path.
 
     stdlib_dir: where pretraining docstrings are read from (default: this Python's standard library).
     """
     if kind not in DEMO_FILES:
         raise ValueError(f"unknown demo data kind {kind!r}, expected one of {sorted(DEMO_FILES)}")
-    records = pretrain_records(stdlib_dir) if kind == "pretrain" else sft_records()
+    records = {"pretrain": lambda: pretrain_records(stdlib_dir), "sft": sft_records, "dpo": dpo_records}[kind]()
     return _write_jsonl_atomic(records, os.path.join(out_dir, DEMO_FILES[kind]))
 
 

@@ -100,8 +100,9 @@ class TrainPlan:
 
     @property
     def micro_batch_shape(self):
-        """(samples, tokens) of one micro-batch on one rank (tokens after context parallel's split)."""
-        return self.micro_batch, self.seq_len // self.cp
+        """(rows, tokens) of one micro-batch on one rank (tokens after context parallel's split); a stage may put
+        several rows in one sample (DPO: a chosen/rejected pair), its plan says how many (rows_per_sample)."""
+        return self.micro_batch * getattr(self.stage, "rows_per_sample", 1), self.seq_len // self.cp
 
     @property
     def has_dtensor(self):

@@ -136,7 +136,10 @@ def add_lora_args(parser):
 
 def add_dpo_args(parser):
     """train_dpo.py: the preference loss and its reference model (trainer/dpo.py)."""
-    a = parser.add_argument  # noqa: F841 (filled in by the DPO stage)
+    a = parser.add_argument
+    a("--beta", type=float, default=0.15, help="DPO's beta: how far the policy may move from the reference (> 0)")
+    a("--ref_weight", default=None, help="the reference model: a weight prefix in save_dir, a .pth, a resume "
+      "checkpoint step_<N> or an HF folder (default: the starting weights, --from_weight)")
 
 
 def add_distillation_args(parser):

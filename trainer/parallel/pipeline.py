@@ -130,17 +130,47 @@ class PipelineLoss:
     main: the objective's share of the step's mean (trainer/objective.py; LM: ce_sum / num_items, num_items the
     step's target tokens over all dp ranks); aux_weight: micro-batch samples / global samples; grad_scale: the dp*cp
     factor when gradients are averaged. Update the attributes before each step. Records each micro-batch's main
-    loss, weighted aux and stats for logging; read them with `pop_step`.
+    loss, weighted aux and stats for logging; read them with `pop_step`. The objective's extra tensors (one entry
+    per row, e.g. DPO's reference log-probs) ride behind the targets (`pack`): the schedule calls the loss once per
+    micro-batch with that micro-batch's slice of the targets, so each loss gets its own extras, in any schedule.
     """
 
     def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0, scaler=None, objective=None):
         self.num_items, self.aux_weight, self.grad_scale, self.scaler = num_items, aux_weight, grad_scale, scaler
         self.objective = objective or LMObjective()
         self.ce_parts, self.aux_parts, self.stats_parts = [], [], []
+        self.extra_layout = []  # (dtype, shape of one row) of each extra tensor packed behind the targets
+        self.forward_only = None  # fn(logits, targets) -> what schedule.eval collects per micro-batch, or None
+
+    def pack(self, targets, extras):
+        """The step's targets (rows, L) with the objective's extras appended as float64 bits (one entry per row, given
+        per micro-batch), so the schedule cuts both into the same micro-batches; `__call__` unpacks them."""
+        self.extra_layout = []
+        if not extras or not extras[0]:
+            return targets
+        columns = [targets]
+        for k in range(len(extras[0])):
+            extra = torch.cat([micro[k] for micro in extras])
+            self.extra_layout.append((extra.dtype, extra.shape[1:]))
+            columns.append(extra.to(torch.float64).reshape(targets.shape[0], -1).view(torch.int64))
+        return torch.cat(columns, dim=1)
+
+    def unpack(self, targets):
+        """(targets, extra tensors) of one micro-batch's packed targets."""
+        end, extra = targets.shape[1], []
+        for dtype, shape in reversed(self.extra_layout):
+            width = shape.numel()
+            bits = targets[:, end - width:end].contiguous()
+            extra.insert(0, bits.view(torch.float64).to(dtype).reshape(targets.shape[0], *shape))
+            end -= width
+        return targets[:, :end], tuple(extra)
 
     def __call__(self, output, targets):
         logits, aux = output
-        ce, stats = self.objective.pipeline_loss(logits, targets, (), self.num_items)
+        targets, extra = self.unpack(targets)
+        if self.forward_only is not None:  # schedule.eval(): no loss, no backward
+            return self.forward_only(logits, targets)
+        ce, stats = self.objective.pipeline_loss(logits, targets, extra, self.num_items)
         weighted_aux = aux.sum() * self.aux_weight
         self.ce_parts.append(ce.detach())
         self.aux_parts.append(weighted_aux.detach())
@@ -248,6 +278,7 @@ class Pipeline:
         self.loss_fn.scaler, self.loss_fn.objective = scaler, objective or LMObjective()
         if scaler is not None and not self.has_last:  # unscale_ needs the scale where no loss was scaled
             scaler.scale(torch.ones((), device=self.device))
+        targets = self.loss_fn.pack(targets, extras)  # an objective's extras travel with their micro-batch's targets
         pipeline_step(self.schedule, (input_ids, positions), targets, self.has_first, self.has_last)
         if not self.has_last:
             return torch.zeros(()), torch.zeros(()), {}

@@ -1,0 +1,259 @@
+"""DPO (trainer/dpo.py, trainer/train_dpo.py, DPODataset): the loss and its gradient against transformers' Qwen3 and
+the formula by hand, ln 2 at step 1, the layouts against one process, exact resume, bad input."""
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+from dataset.lm_dataset import DPODataset, SFTDataset
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import minimind_to_hf
+from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from trainer import train_dpo
+from trainer.dpo import DPOObjective, sequence_log_probs
+from trainer.launch import main_guard, setup_seed
+from trainer.parallel.pipeline import PipelineLoss
+from trainer.train_loop import step_targets
+
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+BETA = 0.15
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+def pair_rows(n):
+    def conversation(i, answer):
+        return [{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": answer}]
+    return [{"chosen": conversation(i, f"{2 * i}."), "rejected": conversation(i, f"{2 * i + 1}, I think.")}
+            for i in range(n)]
+
+
+def test_pairs_are_sft_conversations_chosen_first(tmp_path, tokenizer):
+    rows = pair_rows(3)
+    ds = DPODataset(write_rows(tmp_path / "d.jsonl", rows), tokenizer, max_length=48, cache_dir=tmp_path / "c")
+    for side, k in (("chosen", 0), ("rejected", 1)):  # each side as SFT would read it as a conversation file
+        sft = SFTDataset(write_rows(tmp_path / f"{side}.jsonl", [{"conversations": r[side]} for r in rows]),
+                         tokenizer, max_length=48, cache_dir=tmp_path / "c")
+        for i in range(3):
+            input_ids, labels = ds[i]
+            assert input_ids.shape == labels.shape == (2, 48)
+            assert torch.equal(input_ids[k], sft[i][0]) and torch.equal(labels[k], sft[i][1])
+    ds.set_reference([[-1.0, -2.0]] * 3)
+    assert torch.equal(ds[1][2], torch.tensor([-1.0, -2.0]))
+
+
+def test_a_row_without_rejected_names_its_line_or_is_skipped(tmp_path, tokenizer):
+    rows = pair_rows(4)
+    del rows[2]["rejected"]
+    path = write_rows(tmp_path / "d.jsonl", rows)
+    with pytest.raises(ValueError, match=r"d\.jsonl:3: no 'rejected' field"):
+        DPODataset(path, tokenizer, max_length=48, cache_dir=tmp_path / "c")
+    ds = DPODataset(path, tokenizer, max_length=48, cache_dir=tmp_path / "c", skip_bad_lines=True)
+    assert len(ds) == 3 and ds.num_bad_lines == 1
+    assert "3 + 3?" in tokenizer.decode(ds[2][0][1]) and "7, I think." in tokenizer.decode(ds[2][0][1])
+
+
+def hf_model(model):
+    hf_config, hf_sd = minimind_to_hf(model.state_dict(), model.config)
+    hf_config._attn_implementation = "eager"
+    hf = Qwen3ForCausalLM(hf_config)
+    hf.load_state_dict(hf_sd, strict=True)
+    return hf
+
+
+def hand_log_probs(hf, input_ids, labels):
+    """sum over the assistant tokens of log softmax(logits)[next token], written out from transformers' logits."""
+    logits = hf(input_ids).logits[:, :-1].double()
+    targets = labels[:, 1:]
+    picked = torch.log_softmax(logits, dim=-1).gather(2, targets.clamp(min=0)[..., None]).squeeze(-1)
+    return (picked * (targets != -100)).sum(dim=1)
+
+
+def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenizer):
+    data = demo_slice(tmp_path, "dpo", 6)
+    ds = DPODataset(data, tokenizer, max_length=64, cache_dir=tmp_path / "c")
+    input_ids = torch.stack([ds[i][0] for i in range(6)])  # (6, 2, 64)
+    labels = torch.stack([ds[i][1] for i in range(6)])
+    config = MiniMindConfig(vocab_size=len(tokenizer), **TINY)
+    torch.manual_seed(0)
+    policy = MiniMindForCausalLM(config)
+    torch.manual_seed(1)
+    reference = hf_model(MiniMindForCausalLM(config))
+    hf_policy = hf_model(policy)
+    rows, row_labels = input_ids.flatten(0, 1), labels.flatten(0, 1)
+    with torch.no_grad():
+        ref = hand_log_probs(reference, rows, row_labels).view(6, 2)
+    pc, pr = hand_log_probs(hf_policy, rows, row_labels).view(6, 2).unbind(1)
+    expected = -F.logsigmoid(BETA * ((pc - ref[:, 0]) - (pr - ref[:, 1]))).mean()
+    expected.backward()
+
+    objective = DPOObjective(BETA)
+    x, y, positions, extra = objective.unpack((input_ids, labels, ref.float()))
+    assert objective.count(y, extra) == 6
+    loss, _, stats = objective.loss(policy, x, step_targets(y), positions, extra, num_items=6)
+    loss.backward()
+    # fp32 model against a float64 formula over fp32 logits: sums of ~40 log-probs of size ~9, rounding ~1e-5
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+    hf_grads = dict(hf_policy.named_parameters())
+    for name, param in policy.named_parameters():
+        ref_grad = hf_grads[name].grad.float()
+        scale = ref_grad.abs().max().item()
+        assert (param.grad - ref_grad).abs().max().item() <= 1e-4 * scale + 1e-9, name
+    record = objective.record({k: float(v) for k, v in stats.items()}, 6)
+    chosen_rewards = BETA * (pc - ref[:, 0]).detach()
+    rejected_rewards = BETA * (pr - ref[:, 1]).detach()
+    assert record["rewards/chosen"] == pytest.approx(chosen_rewards.mean().item(), abs=1e-5)
+    assert record["rewards/rejected"] == pytest.approx(rejected_rewards.mean().item(), abs=1e-5)
+    assert record["rewards/margins"] == pytest.approx((chosen_rewards - rejected_rewards).mean().item(), abs=1e-5)
+    assert record["rewards/accuracies"] == int((chosen_rewards > rejected_rewards).sum()) / 6
+
+
+def test_chunked_log_probs_and_gradient_equal_the_full_log_softmax():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 17, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 17, (3, 5))
+    targets[0, :2] = targets[2] = -100
+    weights = torch.tensor([0.5, -2.0, 3.0], dtype=torch.float64)
+    picked = torch.log_softmax(logits, -1).gather(2, targets.clamp(min=0)[..., None]).squeeze(-1)
+    expected = (picked * (targets != -100)).sum(1)
+    (expected * weights).sum().backward()
+    expected_grad, logits.grad = logits.grad.clone(), None
+    got = sequence_log_probs(logits, targets, chunk_size=4)  # chunks cut across rows
+    (got * weights).sum().backward()
+    assert torch.allclose(got.double(), expected, atol=1e-5)  # the forward runs in fp32
+    assert torch.allclose(logits.grad, expected_grad, atol=1e-6)
+    assert got[2].item() == 0.0
+
+
+def test_the_pipeline_loss_gets_each_micro_batch_its_own_reference():
+    """Pipeline.step packs the extras behind the targets; the schedule cuts rows into micro-batches (tensor_split)."""
+    targets = torch.randint(-100, 50, (8, 5))
+    reference = [torch.randn(4, 1) * 100, torch.randn(4, 1) * 100]  # two micro-batches of two pairs (4 rows)
+    loss = PipelineLoss(objective=DPOObjective(BETA))
+    packed = loss.pack(targets, [(reference[0],), (reference[1],)])
+    for k, micro in enumerate(packed.tensor_split(2)):
+        got_targets, (got_reference,) = loss.unpack(micro)
+        assert torch.equal(got_targets, targets[4 * k:4 * k + 4]) and torch.equal(got_reference, reference[k])
+    assert loss.pack(targets, ((), ())) is targets  # LM: no extras, the targets untouched
+    got_targets, extra = loss.unpack(targets)
+    assert torch.equal(got_targets, targets) and extra == ()
+
+
+# ----------------------------------------------------------------------------- end to end
+SCRIPT = "trainer/train_dpo.py"
+STEPS = 6
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
+def run_args(tmp_path, name, data, dp=1, extra=()):
+    """4 pairs per step (2 micro-batches), from the seeded init, which is also the reference (--from_weight none)."""
+    out = os.path.join(str(tmp_path), name)
+    return [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "64", "--batch_size",
+            str(2 // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3", "--save_dir", out,
+            "--checkpoint_dir", os.path.join(out, "ckpt"), "--cache_dir", os.path.join(out, "cache"),
+            "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1", "--max_steps", str(STEPS),
+            *extra]
+
+
+def metrics_of(argv):
+    return read_metrics(argv[argv.index("--metrics_file") + 1])
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    """The single-process run every other run is compared with: (its argv, its records, the data file)."""
+    tmp_path = tmp_path_factory.mktemp("dpo_single")
+    data = demo_slice(tmp_path, "dpo", 40)
+    argv = run_args(tmp_path, "single", data)
+    proc = python(SCRIPT, argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--from_weight none" in proc.stdout and "reference" in proc.stdout
+    return argv, metrics_of(argv), data
+
+
+def test_first_step_is_ln2_and_the_reference_is_the_starting_model(single_run, tokenizer):
+    argv, records, data = single_run
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    # the policy is the reference at step 1: every margin is 0 up to fp32 rounding of sums of ~50 log-probs
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert records[0]["rewards/chosen"] == pytest.approx(0, abs=1e-4)
+    assert records[-1]["loss"] < records[0]["loss"] - 0.05  # lr 1e-3: it learns to prefer the chosen answers
+    assert records[-1]["rewards/margins"] > 0
+    # the cached reference log-probs: the seeded init (seed 42) through transformers' Qwen3, by hand
+    (cache,) = glob.glob(os.path.join(argv[argv.index("--cache_dir") + 1], "*.dpo_ref.*.pt"))
+    cached = torch.load(cache)
+    ds = DPODataset(data, tokenizer, max_length=64, cache_dir=os.path.dirname(cache))
+    setup_seed(42)
+    hf = hf_model(MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY)))
+    with torch.no_grad():
+        for i in (0, 1, 7):
+            expected = hand_log_probs(hf, ds[i][0], ds[i][1])
+            assert torch.allclose(cached[i].double(), expected, atol=1e-3), (i, cached[i], expected)
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["dp2xtp2", "dp2xpp2"])
+def test_layouts_equal_the_single_process(single_run, tmp_path, layout):
+    argv, records, data = single_run
+    run = run_args(tmp_path, "layout", data, dp=2, extra=layout)
+    proc = torchrun(SCRIPT, 4, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = metrics_of(run)
+    assert [r["step"] for r in got] == [r["step"] for r in records]
+    for a, b in zip(got, records):  # other reduction orders (fsdp, tp's sharded matmuls, pp's stages): fp32 rounding
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+        for name in REWARDS:
+            assert a[name] == pytest.approx(b[name], rel=1e-4, abs=1e-6), (a["step"], name, a[name], b[name])
+
+
+def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path):
+    argv, records, data = single_run
+    run = run_args(tmp_path, "killed", data, extra=["--save_interval", "1"])
+    code = ("import sys; sys.argv = ['train_dpo.py'] + sys.argv[1:]; "
+            "from tests.fault_entry import patch_kill; patch_kill(3, 'step', 0); "
+            "from trainer import train_dpo; from trainer.launch import main_guard; main_guard(train_dpo.main)")
+    killed = subprocess.run([sys.executable, "-c", code, *run], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    for path in glob.glob(os.path.join(run[run.index("--cache_dir") + 1], "*.dpo_ref.*.pt")):
+        os.remove(path)  # the resumed run computes the reference again: from the reference weights, not the policy
+    resumed = python(SCRIPT, [*run, "--from_resume", "1"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from epoch 0, step 3" in resumed.stdout
+    got = metrics_of(run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, records):  # same process count, same reduction order
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["rewards/margins"] == pytest.approx(b["rewards/margins"],
+                                                                                            abs=1e-6), (a, b)
+
+
+def run_in_process(monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "argv", ["train_dpo.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        main_guard(train_dpo.main)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    rows = pair_rows(8)
+    del rows[4]["rejected"]
+    data = write_rows(tmp_path / "bad.jsonl", rows)
+    code, err = run_in_process(monkeypatch, capsys, run_args(tmp_path, "bad", data))
+    assert code == 2 and err[-1].startswith("error: ") and err[-1].endswith("bad.jsonl:5: no 'rejected' field"), err
+    code, err = run_in_process(monkeypatch, capsys, run_args(tmp_path, "beta", data) + ["--beta", "0"])
+    assert code == 2 and err == ["error: --beta must be > 0 (MiniMind uses 0.15), got 0.0"], err
