@@ -16,6 +16,7 @@ def _count_sum(rank, world_size, out):
     value = 5 if rank < 2 else 7
     assert count_sum(value, replicas=2) == 12
     assert count_sum(rank) == 0 + 1 + 2 + 3
+    assert count_sum([value, 1], replicas=2) == [12, 2]  # several counts in one collective (items, tokens)
 
 
 def test_count_sum_over_data_parallel_on_the_cpu(tmp_path):

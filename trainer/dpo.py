@@ -153,6 +153,7 @@ class DPOObjective:
     """The preference loss for trainer/train_loop.py's train_step (see trainer/objective.py for the methods)."""
 
     stat_names = ("chosen_reward_sum", "rejected_reward_sum", "accuracy_sum", "margin_sum")
+    items_are_tokens = False  # count() gives pairs
 
     def __init__(self, beta):
         self.beta = beta

@@ -95,13 +95,14 @@ def world_sum(values, device):
 
 
 def count_sum(value, replicas=1):
-    """Sum an int held on every rank over all ranks, on the CPU (no device sync); `replicas`: how many ranks hold
-    the same value of one data-parallel rank (tp x pp x cp), so the result is the sum over data parallel."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, group=CPU_GROUP)
-    return int(t.item()) // replicas
+    """Sum an int (or a list of ints) held on every rank over all ranks, on the CPU (no device sync); `replicas`: how
+    many ranks hold the same value of one data-parallel rank (tp x pp x cp), so the result is the sum over dp."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if dist.is_initialized():
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, group=CPU_GROUP)
+        values = [int(v) // replicas for v in t.tolist()]
+    return values if isinstance(value, (list, tuple)) else values[0]
 
 
 def per_rank(value, device):

@@ -11,6 +11,7 @@ class LMObjective:
     """The mean next-token cross-entropy over the step's target tokens (labels != -100), plus the MoE aux loss."""
 
     stat_names = ()  # the names of the stats loss() returns, summed over ranks at log steps (fixed: a collective)
+    items_are_tokens = True  # count() gives target tokens (else train_step counts them for tokens/s and MFU)
 
     def unpack(self, batch):
         """A loader batch -> (input_ids, labels, position_ids or None, extra): CPU tensors.

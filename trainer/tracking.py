@@ -16,7 +16,9 @@ from trainer.launch import rank as launch_rank
 # Console line: (record key, format) in print order; other keys are left to the JSONL and the dashboards.
 CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", "aux_loss {:.6f}"),
                    ("lr", "lr {:.3e}"), ("tokens_per_sec", "tokens/s {:.0f}"), ("mfu", "mfu {:.1%}"),
-                   ("peak_mem_gb", "mem {:.2f}GB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}")]
+                   ("peak_mem_gb", "mem {:.2f}GB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}"),
+                   ("ce", "ce {:.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:.4f}"),
+                   ("rewards/accuracies", "acc {:.2f}")]
 
 
 def truncate_metrics(path, step):

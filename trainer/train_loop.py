@@ -210,11 +210,12 @@ def train_epoch(trainer, batches, tracker, eval_ds, timer, profiler, bar):
             set_collective_timeout(plan.dist_timeout)
             trainer.started = True
         progress.step_in_epoch += 1
-        timer.add(metrics["num_items"], step_flops(trainer.config, plan.seq_len, plan.global_batch * plan.seq_len,
-                                                   metrics["num_items"], plan.chunked_loss))
+        rows = plan.micro_batch_shape[0] * plan.num_microbatches * plan.dp  # a DPO sample is two rows
+        timer.add(metrics["num_tokens"], step_flops(trainer.config, plan.seq_len, rows * plan.seq_len,
+                                                    metrics["num_tokens"], plan.chunked_loss))
         after_step(trainer, tracker, eval_ds, metrics, timer, progress.step_in_epoch == trainer.steps_per_epoch)
         bar.set_postfix(loss=f"{trainer.guard.last_loss:.4f}", lr=f"{metrics['lr']:.2e}",
-                        tok_s=f"{metrics['num_items'] / (time.perf_counter() - start):.0f}", refresh=False)
+                        tok_s=f"{metrics['num_tokens'] / (time.perf_counter() - start):.0f}", refresh=False)
 
 
 def after_step(trainer, tracker, eval_ds, metrics, timer, epoch_end):
@@ -262,7 +263,9 @@ def train_step(trainer, micro_batches, bar=None):
     objective = trainer.objective
     unpacked = [objective.unpack(batch) for batch in micro_batches]  # (input_ids, labels, positions, extra)
     local_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)  # CPU: no device sync
-    num_items = count_sum(local_items, plan.tp * plan.pp * plan.cp)  # over data parallel, on the CPU
+    local_tokens = local_items if objective.items_are_tokens else sum(
+        int((labels[:, 1:] != -100).sum()) for _, labels, _, _ in unpacked)  # for tokens/s and MFU
+    num_items, num_tokens = count_sum([local_items, local_tokens], plan.tp * plan.pp * plan.cp)  # over dp, on CPU
     # the loader pins its batches on CUDA, so these copies overlap with compute
     inputs, targets, doc_positions, extras = zip(*[(
         to_device(x, plan.device), to_device(step_targets(labels), plan.device), to_device(p, plan.device),
@@ -299,9 +302,9 @@ def train_step(trainer, micro_batches, bar=None):
     scaler.update()  # after a skip too: unscale_ recorded its inf checks
     trainer.optimizer.zero_grad(set_to_none=True)
     progress.global_step += 1
-    progress.tokens_seen += num_items
+    progress.tokens_seen += num_tokens
     trainer.guard.record(skip, progress, plan.num_microbatches, ce + aux, grad_norm)
-    return dict(ce=ce, aux=aux, lr=lr, num_items=num_items, stats=stats)
+    return dict(ce=ce, aux=aux, lr=lr, num_items=num_items, num_tokens=num_tokens, stats=stats)
 
 
 def to_device(tensor, device):
