@@ -75,14 +75,14 @@ def train_and_score(name, flags, steps, train_path, heldout_path, tmp):
                 flags={k: v for k, v in run_flags.items() if k != "data_path"}, torch=torch.__version__)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--heldout", type=int, default=300, help="documents kept out of training")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--results", default=None,
                         help="JSONL the rows are appended to (default: out/quality.jsonl in the repo)")
-    args, rest = parser.parse_known_args()
+    args, rest = parser.parse_known_args(argv)
     unknown = [name for name in args.runs.split(",") if name not in RUNS]
     if unknown:
         parser.error(f"--runs {','.join(unknown)} unknown; choose from {','.join(RUNS)}")
