@@ -86,7 +86,7 @@ def train_and_score(name, flags, steps, train_path, heldout_path, tmp):
                 flags={k: v for k, v in run_flags.items() if k != "data_path"}, torch=torch.__version__)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--heldout", type=int, default=300, help="documents kept out of training")
@@ -95,7 +95,7 @@ def main():
     parser.add_argument("--sft", action="store_true", help="SFT: padded vs packed rows on the embedded chat corpus")
     parser.add_argument("--results", default=None,
                         help="JSONL the rows are appended to (default: out/quality.jsonl in the repo)")
-    args, rest = parser.parse_known_args()
+    args, rest = parser.parse_known_args(argv)
     runs = SFT_RUNS if args.sft else RUNS
     args.runs = args.runs or ",".join(runs)
     unknown = [name for name in args.runs.split(",") if name not in runs]

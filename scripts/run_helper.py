@@ -24,6 +24,12 @@ def trainer_command(flags, nproc, script=TRAIN_SCRIPT):
     return launcher + [script] + argv
 
 
+def run_argv(argv, log_path):
+    """Run argv from the repo root, its output appended to log_path; the exit code."""
+    with open(log_path, "a") as log:
+        return subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+
+
 def run_trainer(flags, log_path, nproc=1, work=None, script=TRAIN_SCRIPT):
     """Run the trainer with `flags`, its outputs under `work` (default: a temp folder removed after).
 
@@ -38,12 +44,11 @@ def run_trainer(flags, log_path, nproc=1, work=None, script=TRAIN_SCRIPT):
         argv = trainer_command(flags, nproc, script)
         with open(log_path, "w") as log:
             log.write(" ".join(argv) + "\n")
-            log.flush()
-            proc = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
+        code = run_argv(argv, log_path)
+        if code != 0:
             with open(log_path) as log:
                 tail = log.read()[-3000:]
-            raise RuntimeError(f"trainer exited with {proc.returncode}; log {log_path}:\n{tail}")
+            raise RuntimeError(f"trainer exited with {code}; log {log_path}:\n{tail}")
         with open(flags["metrics_file"]) as f:
             return [json.loads(line) for line in f if line.strip()]
     finally:

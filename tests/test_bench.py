@@ -1,20 +1,17 @@
 """scripts/bench.py, layout_model.py, quality.py: statistics by hand, the layout model against the real model and a
 measured run, tiny real bench and quality runs."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch.nn as nn
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from scripts import bench, quality, run_helper
 from scripts.bench import parse_args, plan_for, print_plan, step_stats
 from scripts.layout_model import plan_layout
 from scripts.run_helper import run_trainer, trainer_command
+from tests.launch import forked_argv
 from trainer.metrics import step_flops
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_step_stats_by_hand():
@@ -80,13 +77,19 @@ def test_parse_args_passes_trainer_flags_and_defaults():
     assert "--nproc_per_node=2" in argv and "--packing" in argv
 
 
-def test_tiny_real_bench_run(tmp_path):
+@pytest.fixture
+def forked_trainer_runs(monkeypatch):
+    """bench.py's and quality.py's trainer runs forked from this process (tests/launch.py forked): the same runs,
+    without ~8 s of imports each."""
+    monkeypatch.setattr(run_helper, "run_argv", forked_argv)
+
+
+def test_tiny_real_bench_run(tmp_path, forked_trainer_runs):
     """One tiny run through the real trainer (< 60 s): a results line with the figures."""
     results = tmp_path / "bench.jsonl"
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--steps", "2", "--warmup", "1",
-                    "--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "2",
-                    "--num_key_value_heads", "1", "--max_seq_len", "32", "--batch_size", "2", "--packing", "1",
-                    "--results", str(results)], check=True, capture_output=True, text=True, timeout=300)
+    bench.main(["--steps", "2", "--warmup", "1", "--hidden_size", "32", "--num_hidden_layers", "1",
+                "--num_attention_heads", "2", "--num_key_value_heads", "1", "--max_seq_len", "32", "--batch_size", "2",
+                "--packing", "1", "--results", str(results)])
     line = json.loads(results.read_text().splitlines()[-1])
     assert line["steps"] == 2 and line["tokens_per_sec"] > 0 and line["peak_mem_gb"] > 0
     assert line["config"]["packing"] == 1 and line["torch"] and line["machine"]
@@ -106,16 +109,13 @@ def test_step_flops_counts_the_model_matmuls():
     assert step_flops(config, seq, 100, 40, True) == 100 * (per_token - head) + 40 * head
 
 
-def test_quality_script_same_batches_same_quality(tmp_path):
+def test_quality_script_same_batches_same_quality(tmp_path, forked_trainer_runs):
     """scripts/quality.py end to end (tiny model, 4 steps): the chunked loss on the baseline's batches
     gives the baseline's training loss and held-out loss."""
     results = str(tmp_path / "q.jsonl")
-    proc = subprocess.run([sys.executable, "scripts/quality.py", "--steps", "4", "--runs", "baseline,fast-same",
-                           "--results", results, "--hidden_size", "64", "--num_hidden_layers", "2",
-                           "--num_attention_heads", "4", "--num_key_value_heads", "2", "--max_seq_len", "64"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    quality.main(["--steps", "4", "--runs", "baseline,fast-same", "--results", results, "--hidden_size", "64",
+                  "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
+                  "--max_seq_len", "64"])
     with open(results) as f:
         base, fast = [json.loads(line) for line in f]
     assert base["target_tokens"] == fast["target_tokens"] > 0

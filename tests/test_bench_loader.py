@@ -4,8 +4,6 @@ num_workers, the step estimate is 6N + attention of the real default model, bad 
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.model_minimind import MiniMindForCausalLM
 from scripts.bench_loader import main, step_tokens_per_s, time_loader
+from tests.launch import forked
 from trainer.flags import add_train_args
 from trainer.model_config import build_config
 from trainer.train_loop import epoch_loader
@@ -99,8 +98,8 @@ def test_main_writes_one_record_per_case_and_worker_count(tmp_path):
     (["--cases", "packed2048", "--repeat_corpus", "1", "--workers", "0"], "raise --repeat_corpus"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_loader.py"), *args,
-                           "--results", str(tmp_path / "r.jsonl")], capture_output=True, text=True, timeout=120)
+    proc = forked("scripts/bench_loader.py", [*args, "--results", str(tmp_path / "r.jsonl")], timeout=120,
+                  cwd=os.getcwd())
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: ") and needle in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "r.jsonl").exists()

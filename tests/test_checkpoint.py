@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import atomic_save
-from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.checkpoint import (
     MANIFEST,
     Checkpointer,
@@ -206,7 +206,7 @@ def test_minimind_resume_file_continues_in_the_trainer(tmp_path):
     saved = minimind_resume_file(str(ckpt_dir / "pretrain_64_resume.pth"), config, epoch=0, step=5, world_size=2,
                                  weight_decay=0.05)
     data = demo_slice(tmp_path, "pretrain", 48)  # 48 samples / 6 = 8 steps per epoch
-    proc = python("trainer/train_pretrain.py", [
+    proc = forked("trainer/train_pretrain.py", [
         *TINY_MODEL, "--save_dir", out, "--checkpoint_dir", ckpt_dir, "--metrics_file", out / "metrics.jsonl",
         "--data_path", data, "--packing", "0", "--max_seq_len", "32", "--batch_size", "2", "--accumulation_steps", "3",
         "--max_steps", "4", "--from_resume", "1", "--log_interval", "1"], timeout=600)

@@ -14,7 +14,7 @@ from transformers import __version__ as transformers_version
 from model.lora import apply_lora, save_lora
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
-from tests.launch import ROOT, TINY_MODEL, demo_slice, python
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 from tests.test_weights import tiny_qwen3, write_minimind_folder
 
 VOCAB = 6400  # the tokenizers copied are model/'s
@@ -172,15 +172,11 @@ def test_non_finite_logits_fail_the_verification(tmp_path, capsys):
 def test_cli_resolves_typed_paths_against_the_cwd(tmp_path):
     """Run as a program from outside the repository: relative --weight / --out_dir are the cwd's."""
     torch.save(source_model(tiny()).state_dict(), tmp_path / "w.pth")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "convert_model.py"), "--weight", "w.pth",
-                           "--out_dir", "hf_here", "--tokenizer_path", os.path.join(ROOT, "model")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = forked("scripts/convert_model.py", ["--weight", "w.pth", "--out_dir", "hf_here", "--tokenizer_path",
+                                               os.path.join(ROOT, "model")], cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "hf_here" / "model.safetensors").is_file()
-    script = os.path.join(ROOT, "scripts", "convert_model.py")
-    missing = subprocess.run([sys.executable, script, "--weight", "nope.pth"],
-                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    missing = forked("scripts/convert_model.py", ["--weight", "nope.pth"], cwd=str(tmp_path))
     assert missing.returncode == 2 and missing.stderr.strip() == \
         f"error: {tmp_path / 'nope.pth'} does not exist; pass a .pth file, a resume checkpoint or a Hugging Face folder"
 
@@ -189,7 +185,7 @@ def test_export_from_the_trainers_own_resume_checkpoint(tmp_path, capsys):
     """A checkpoint written by trainer/train_pretrain.py (top-2 MoE, its own --tokenizer_path) exports faithfully."""
     tok = custom_tokenizer(tmp_path)
     ckpt_dir = tmp_path / "ckpt"
-    proc = python("trainer/train_pretrain.py", [
+    proc = forked("trainer/train_pretrain.py", [
         *TINY_MODEL, "--use_moe", "1", "--num_experts_per_tok", "2", "--tokenizer_path", str(tok),
         "--data_path", demo_slice(tmp_path, "pretrain", 8), "--max_seq_len", "32", "--batch_size", "4",
         "--accumulation_steps", "1", "--max_steps", "2", "--save_dir", str(tmp_path / "out"),

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, TINY_MODEL, demo_slice, free_port, python, read_metrics, torchrun
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
 
 SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
 FAULT_SCRIPT = os.path.join(ROOT, "tests", "fault_entry.py")  # the same script, with faults injected by the test
@@ -41,7 +41,7 @@ def data(tmp_path_factory):
 def test_torchrun_restart_resumes_exactly(data, tmp_path):
     """torchrun --max-restarts 1, rank 1 SIGKILLed after step 3: the restart resumes from step 2's checkpoint."""
     two_rank = ["--batch_size", "2", "--epochs", "1", "--save_interval", "2", "--dist_timeout", "60"]  # 6 steps
-    reference = torchrun(SCRIPT, 2, run_args(str(tmp_path / "ref"), data, *two_rank), timeout=300)
+    reference = forked(SCRIPT, run_args(str(tmp_path / "ref"), data, *two_rank), 2, timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", FAULT_SCRIPT,
@@ -64,8 +64,7 @@ def complete_lines(path):
 def kill_at_random(args, metrics, rng):
     """Start the run, wait for one more logged step, SIGKILL it a random fraction of a step later."""
     before = complete_lines(metrics)
-    proc = subprocess.Popen([sys.executable, SCRIPT, *args], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_forked(SCRIPT, args)
     try:
         deadline = time.time() + 120
         while complete_lines(metrics) <= before and proc.poll() is None:
@@ -81,10 +80,10 @@ def kill_at_random(args, metrics, rng):
 def test_sigkill_mid_step_and_mid_save_resumes_exactly(async_save, data, tmp_path):
     """Killed inside a save (shards written, no manifest) and at random points: every resume continues exactly."""
     single = ["--batch_size", "4", "--epochs", "2", "--save_interval", "1", "--async_save", async_save]  # 12 steps
-    reference = python(SCRIPT, run_args(str(tmp_path / "ref"), data, *single), timeout=300)
+    reference = forked(SCRIPT, run_args(str(tmp_path / "ref"), data, *single), timeout=300)
     assert reference.returncode == 0, reference.stderr[-3000:]
     args, metrics = run_args(str(tmp_path / "run"), data, *single), str(tmp_path / "run" / "m.jsonl")
-    killed = python(FAULT_SCRIPT, args, timeout=300,
+    killed = forked(FAULT_SCRIPT, args, timeout=300,
                     env=dict(MINIMIND_TEST_KILL_AT_STEP="3", MINIMIND_TEST_KILL_POINT="save"))
     assert killed.returncode == -signal.SIGKILL
     step_3 = tmp_path / "run" / "ckpt" / "pretrain_64" / "step_3"
@@ -92,7 +91,7 @@ def test_sigkill_mid_step_and_mid_save_resumes_exactly(async_save, data, tmp_pat
     rng = random.Random(int(async_save))
     for _ in range(2):
         kill_at_random(args, metrics, rng)
-    finished = python(SCRIPT, args, timeout=300)
+    finished = forked(SCRIPT, args, timeout=300)
     assert finished.returncode == 0, finished.stderr[-3000:]
     assert "Resuming from" in finished.stdout
     assert_same_losses(read_metrics(metrics), read_metrics(str(tmp_path / "ref" / "m.jsonl")))

@@ -1,7 +1,5 @@
 """scripts/eval_llm.py generates from weights and HF folders: its greedy output equals transformers' generate()."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from model.weights import save_weights_file
 from scripts.convert_model import main as convert_main
 from scripts.eval_llm import check_args, parse_args, render_prompt
 from scripts.eval_llm import main as eval_main
-from tests.launch import ROOT, python
+from tests.launch import ROOT, forked
 from tests.test_convert_model import hand_folded, lora_adapter
 from trainer.launch import ConfigError
 
@@ -31,7 +29,7 @@ def test_eval_llm_streams_the_greedy_continuation(tmp_path):
             next_id = model(ids).logits[0, -1].argmax()
         ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
     expected = tokenizer.decode(ids[0, -12:], skip_special_tokens=True)
-    proc = python("scripts/eval_llm.py", ["--save_dir", str(tmp_path), "--weight", "pretrain", "--hidden_size", "64",
+    proc = forked("scripts/eval_llm.py", ["--save_dir", str(tmp_path), "--weight", "pretrain", "--hidden_size", "64",
                                           "--num_hidden_layers", "2", "--num_attention_heads", "4",
                                           "--num_key_value_heads", "2", "--prompt", prompt, "--temperature", "0",
                                           "--max_new_tokens", "12", "--device", "cpu"], timeout=180)
@@ -62,7 +60,7 @@ def test_trainers_moe_weights_need_no_model_flag(tmp_path):
     expected = greedy_continuation(model, tokenizer, prompt, 12)
     model.config.num_experts_per_tok = 1  # what the flags' default would have run
     assert expected and greedy_continuation(model, tokenizer, prompt, 12) != expected
-    proc = python("scripts/eval_llm.py", ["--weight", str(tmp_path / "pretrain_64_moe.pth"), "--prompt", prompt,
+    proc = forked("scripts/eval_llm.py", ["--weight", str(tmp_path / "pretrain_64_moe.pth"), "--prompt", prompt,
                                           "--chat", "0", "--temperature", "0", "--max_new_tokens", "12",
                                           "--device", "cpu"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -98,7 +96,7 @@ def test_load_from_folder_equals_transformers_generate(tmp_path, fmt):
     reference = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     expected = greedy_reply(reference, tokenizer, [{"role": "user", "content": "What is a list?"}], 12)
-    proc = python("scripts/eval_llm.py", ["--load_from", str(folder), "--prompt", "What is a list?", "--temperature",
+    proc = forked("scripts/eval_llm.py", ["--load_from", str(folder), "--prompt", "What is a list?", "--temperature",
                                           "0", "--max_new_tokens", "12", "--device", "cpu"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expected.strip() and expected.strip() in proc.stdout, (expected, proc.stdout)
@@ -115,10 +113,9 @@ def test_interactive_mode_keeps_the_history(tmp_path):
     second = greedy_reply(reference, tokenizer, history, 10)
     alone = greedy_reply(reference, tokenizer, [{"role": "user", "content": turns[1]}], 10)
     assert second != alone  # otherwise this test could not tell history from no history
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eval_llm.py"), "--load_from", "qwen3",
-                           "--interactive", "1", "--temperature", "0", "--max_new_tokens", "10", "--device", "cpu"],
-                          input="\n".join(turns) + "\n", capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = forked("scripts/eval_llm.py", ["--load_from", "qwen3", "--interactive", "1", "--temperature", "0",
+                                          "--max_new_tokens", "10", "--device", "cpu"],
+                  input="\n".join(turns) + "\n", timeout=180, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert out.index(first.strip()) < out.index(">>> And then?") < out.index(second.strip()), (first, second, out)
@@ -139,7 +136,7 @@ def test_open_thinking_reaches_the_chat_template(tmp_path):
 
 
 def test_bad_folder_is_one_error_line(tmp_path):
-    proc = python("scripts/eval_llm.py", ["--load_from", str(tmp_path), "--prompt", "x", "--device", "cpu"],
+    proc = forked("scripts/eval_llm.py", ["--load_from", str(tmp_path), "--prompt", "x", "--device", "cpu"],
                   timeout=180)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: --load_from {tmp_path} has no config.json; it takes a Hugging Face model "
@@ -173,7 +170,7 @@ def test_folder_without_tokenizer_names_load_from(tmp_path):
 def test_bad_sampling_value_exits_2_with_one_line(tmp_path):
     torch.save(MiniMindForCausalLM(MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                                   num_key_value_heads=2)).state_dict(), tmp_path / "w.pth")
-    proc = python("scripts/eval_llm.py", ["--weight", str(tmp_path / "w.pth"), "--hidden_size", "64", "--top_p", "2",
+    proc = forked("scripts/eval_llm.py", ["--weight", str(tmp_path / "w.pth"), "--hidden_size", "64", "--top_p", "2",
                                           "--device", "cpu"], timeout=180)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == "error: --top_p must be in (0, 1] (got 2.0); 1 keeps every token"

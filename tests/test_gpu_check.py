@@ -1,19 +1,34 @@
 """scripts/gpu_check.py --dry_run: the GPU check's plan runs end to end on CPU with tiny shapes."""
 import json
-import os
 import subprocess
-import sys
+import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
+import pytest
+
+from scripts import gpu_check
+from tests.launch import forked_argv
 
 
-def test_dry_run_report(tmp_path):
+def forked_run(argv, log_path, timeout):
+    """gpu_check.run with the trainer runs forked from this process (tests/launch.py forked): the same runs,
+    without ~8 s of imports each."""
+    start = time.time()
+    with open(log_path, "w") as log:
+        log.write(" ".join(argv) + "\n")
+    try:
+        code = forked_argv(argv, log_path, timeout)
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    with open(log_path, errors="replace") as log:
+        tail = log.read()[-1500:]
+    return code, round(time.time() - start, 1), tail
+
+
+def test_dry_run_report(tmp_path, monkeypatch):
     # the cuda-marked tests run in this suite already, and tests/test_bench.py runs bench.py: the dry run covers the
     # rest of the plan
-    proc = subprocess.run([sys.executable, SCRIPT, "--dry_run", "--out", str(tmp_path), "--sections",
-                           "smoke,attention"], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    monkeypatch.setattr(gpu_check, "run", forked_run)
+    assert gpu_check.main(["--dry_run", "--out", str(tmp_path), "--sections", "smoke,attention"]) == 0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = {row["name"]: row for section in report["sections"].values() for row in section}
     assert report["failed"] == 0 and set(report["sections"]) == {"smoke", "attention"}
@@ -26,7 +41,8 @@ def test_dry_run_report(tmp_path):
     assert (tmp_path / "gpu_check.md").read_text().count("| yes |") == report["passed"]
 
 
-def test_refuses_without_cuda_or_unknown_sections(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, "--dry_run", "--sections", "smoke,nope", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --sections nope")
+def test_refuses_without_cuda_or_unknown_sections(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--dry_run", "--sections", "smoke,nope", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --sections nope")

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from tests.launch import TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.flags import add_train_args
 from trainer.train_loop import build_trainer, setup
 
@@ -31,7 +31,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     data = demo_slice(tmp_path, "pretrain", 60)
     # lr 1e30: step 1 throws the weights to ~1e30, so every later gradient norm is NaN
     bad = [*common_args(tmp_path, "bad", data), "--learning_rate", "1e30", "--max_bad_steps", "3", "--max_steps", "10"]
-    proc = python(SCRIPT, bad, timeout=300)
+    proc = forked(SCRIPT, bad, timeout=300)
     assert proc.returncode == 3, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: 3 optimizer steps in a row (to step 4)") and "last good checkpoint is step 1" in last
@@ -41,7 +41,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run(tmp_path):
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(1, 0), (2, 1), (3, 2)]
     # reference: the same run stopped after its one good step
     ref = [*common_args(tmp_path, "ref", data), "--learning_rate", "1e30", "--max_steps", "1"]
-    assert python(SCRIPT, ref, timeout=300).returncode == 0
+    assert forked(SCRIPT, ref, timeout=300).returncode == 0
     step, model, optim = restored(bad)
     ref_step, ref_model, ref_optim = restored(ref)
     assert (step, ref_step) == (3, 1)  # saved after two skipped steps
@@ -54,7 +54,7 @@ def test_check_replicas_names_the_diverged_tensor(tmp_path):
     data = demo_slice(tmp_path, "pretrain", 60)
     argv = [*common_args(tmp_path, "dp2", data), "--max_steps", "6", "--check_replicas", "1"]
     name = "model.layers.1.mlp.down_proj.weight"
-    proc = torchrun(FAULT_SCRIPT, 2, argv, timeout=300, env={"MINIMIND_TEST_CORRUPT_REPLICA": f"1:3:{name}"})
+    proc = forked(FAULT_SCRIPT, argv, 2, timeout=300, env={"MINIMIND_TEST_CORRUPT_REPLICA": f"1:3:{name}"})
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert lines == [f"error: --check_replicas: at step 3 parameter {name} differs between data-parallel replicas "

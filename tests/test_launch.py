@@ -20,4 +20,4 @@ def _count_sum(rank, world_size, out):
 
 
 def test_count_sum_over_data_parallel_on_the_cpu(tmp_path):
-    spawn(_count_sum, 4, str(tmp_path), timeout=120)
+    spawn(_count_sum, 4, str(tmp_path), timeout=120, start_method="fork")

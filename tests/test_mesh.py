@@ -61,7 +61,7 @@ def _groups_worker(rank, world_size, out_dir):
 
 
 def test_mesh_groups(tmp_path):
-    spawn(_groups_worker, 4, str(tmp_path), timeout=90)
+    spawn(_groups_worker, 4, str(tmp_path), timeout=90, start_method="fork")
     for rank in range(4):
         result = json.load(open(tmp_path / f"rank{rank}.json"))
         for name, expected_sizes in {"dp2_tp2": (2, 1, 1, 2), "pp2_cp2": (1, 2, 2, 1)}.items():

@@ -2,8 +2,6 @@
 import copy
 import json
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -14,6 +12,7 @@ from transformers import AutoTokenizer
 
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, chunked_cross_entropy
+from tests.launch import forked
 from trainer.metrics import cuda_table_peak, enable_tf32, peak_flops
 from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks
 
@@ -160,8 +159,8 @@ def write_corpus(path, n=40):
 
 
 def pretokenize(args):
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "pretokenize.py")] + args, check=True,
-                   capture_output=True, text=True)
+    proc = forked("scripts/pretokenize.py", args, cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("packing", [False, True])

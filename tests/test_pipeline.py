@@ -125,7 +125,7 @@ def test_pipeline_matches_single_process(moe):
     cases = [(s, n, False) for s in ("gpipe", "1f1b", "interleaved1f1b") for n in (4, 2)]
     cases += [("1f1b", 2, True), ("interleaved1f1b", 4, True)]  # --doc_mask: masks rebuilt on every stage
     cases += [("1f1b", 2, False, 2.0 ** 16)]  # fp16: GradScaler's initial scale
-    spawn(_pipeline_worker, 2, moe, cases, timeout=100)
+    spawn(_pipeline_worker, 2, moe, cases, timeout=100, start_method="fork")
 
 
 def test_stage_ranges_and_validation():

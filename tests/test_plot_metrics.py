@@ -6,7 +6,7 @@ import pytest
 from matplotlib.image import imread
 
 from scripts.plot_metrics import load_metrics, plot
-from tests.launch import TINY_MODEL, demo_slice, python
+from tests.launch import TINY_MODEL, demo_slice, forked
 
 SCRIPT = "scripts/plot_metrics.py"
 
@@ -20,7 +20,7 @@ def runs(tmp_path_factory):
     for lr in ("5e-4", "3e-3"):
         out = os.path.join(str(tmp), f"lr{lr}")
         metrics = os.path.join(out, "metrics.jsonl")
-        proc = python("trainer/train_pretrain.py", [
+        proc = forked("trainer/train_pretrain.py", [
             *TINY_MODEL, "--max_steps", "4", "--batch_size", "4", "--accumulation_steps", "1", "--max_seq_len", "32",
             "--log_interval", "1", "--learning_rate", lr, "--data_path", data, "--eval_data_path", data,
             "--eval_interval", "2", "--eval_batches", "2", "--metrics_file", metrics, "--save_dir", out,
@@ -61,7 +61,7 @@ def test_plotted_lines_are_the_files_values(runs):
 
 def test_cli_writes_a_png_of_the_documented_size(runs, tmp_path):
     out = tmp_path / "plots" / "compare.png"
-    proc = python(SCRIPT, [*runs, "--labels", "slow,fast", "--out", out, "--dpi", "50"], timeout=120)
+    proc = forked(SCRIPT, [*runs, "--labels", "slow,fast", "--out", out, "--dpi", "50"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     height, width, channels = imread(out).shape  # decodes the whole PNG
     assert (width, height, channels) == (675, 320, 4)  # 6 panels: 3 columns x 2 rows of 4.5 x 3.2 inches at 50 dpi
@@ -88,7 +88,7 @@ def test_bad_files_are_one_error_line_and_exit_2(tmp_path, content, extra, needl
     path = tmp_path / "m.jsonl"
     if content is not None:
         path.write_text(content)
-    proc = python(SCRIPT, [path, "--out", tmp_path / "p.png", *extra], timeout=120)
+    proc = forked(SCRIPT, [path, "--out", tmp_path / "p.png", *extra], timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "p.png")

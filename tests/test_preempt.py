@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, TINY_MODEL, demo_slice, free_port, python, read_metrics, torchrun
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
 
 SCRIPT = "trainer/train_pretrain.py"
 
@@ -27,12 +27,13 @@ def metrics_path(argv):
 
 
 def start(argv, nproc):
-    """The run as a child process of this test (torchrun for nproc > 1), output to files."""
-    cmd = [sys.executable, os.path.join(ROOT, SCRIPT), *argv] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-        str(free_port()), os.path.join(ROOT, SCRIPT), *argv]
+    """The run as a child process of this test (forked from it; torchrun for nproc > 1), output to a file."""
     os.makedirs(os.path.dirname(metrics_path(argv)), exist_ok=True)
     log = open(metrics_path(argv) + ".log", "w+")
+    if nproc == 1:
+        return start_forked(SCRIPT, argv, log.name), log
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), os.path.join(ROOT, SCRIPT), *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env), log
 
@@ -88,11 +89,11 @@ def test_signal_saves_at_the_step_reached_and_resume_is_exact(tmp_path, nproc, s
     assert f"preempted: stopped at step {reached} with its checkpoint" in output
     end = reached + 4
     resume = run_args(tmp_path, "split", data, end) + ["--from_resume", "1"]
-    resumed = torchrun(SCRIPT, nproc, resume, timeout=300) if nproc > 1 else python(SCRIPT, resume, timeout=300)
+    resumed = forked(SCRIPT, resume, nproc, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"step {reached}" in resumed.stdout.split("Resumed from", 1)[1].splitlines()[0]  # the checkpoint's step
     ref_argv = run_args(tmp_path, "full", data, end) + (["--check_replicas", "1"] if nproc > 1 else [])
-    ref = torchrun(SCRIPT, nproc, ref_argv, timeout=300) if nproc > 1 else python(SCRIPT, ref_argv, timeout=300)
+    ref = forked(SCRIPT, ref_argv, nproc, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     full, split = read_metrics(metrics_path(ref_argv)), read_metrics(metrics_path(argv))
     assert [r["step"] for r in split] == [r["step"] for r in full] == list(range(1, end + 1))
@@ -115,7 +116,11 @@ def test_grace_period_and_second_sigint_exit_non_zero(tmp_path):
     proc, log = start(argv, 1)
     wait_for_step(proc, argv, 1)
     os.kill(proc.pid, signal.SIGINT)
-    time.sleep(0.05)  # two signals at once would reach Python's handler as one
+    # two signals before the handler ran (the main thread inside one long op) would reach it as one
+    deadline = time.time() + 60
+    while "SIGINT: finishing this optimizer step" not in open(log.name).read():
+        assert proc.poll() is None and time.time() < deadline, "the first SIGINT was not handled"
+        time.sleep(0.01)
     os.kill(proc.pid, signal.SIGINT)
     code, output = finish(proc, log)
     assert code == 130 and "error: second SIGINT: aborted at once" in output, output[-2000:]

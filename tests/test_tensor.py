@@ -107,14 +107,15 @@ def _run_cases(rank, world_size, cases):
 def test_tp2_dense_and_moe():
     # one job for all cases: starting a process (torch + transformers imports) costs more than a case
     cases = [(TINY, False, True), (TINY, True, True), (TINY, True, False), (MOE, False, True), (MOE, True, True)]
-    spawn(_run_cases, 2, cases, timeout=150)
+    spawn(_run_cases, 2, cases, timeout=150, start_method="fork")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1", reason="4 processes; set RUN_SLOW=1")
 def test_tp4_dense():
     config_kwargs = dict(TINY, num_key_value_heads=4)
-    spawn(_run_cases, 4, [(config_kwargs, False, True), (config_kwargs, True, True)], timeout=240)
+    spawn(_run_cases, 4, [(config_kwargs, False, True), (config_kwargs, True, True)], timeout=240,
+          start_method="fork")
 
 
 def test_tp_validate():

@@ -216,7 +216,7 @@ def test_step_profiler_off_writes_nothing(tmp_path):
 def test_trainer_run_writes_every_sink_and_a_resume_continues_them(tmp_path, monkeypatch):
     """The real trainer with --tensorboard_dir, --use_wandb (no login: offline) and --profile_steps, stopped at
     step 2 and resumed to 4: every sink holds each step once, with the values of the metrics file."""
-    from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
+    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
     data = demo_slice(tmp_path, "pretrain", 48)
     out, tb = tmp_path / "out", tmp_path / "tb"
     monkeypatch.delenv("SWANLAB_API_KEY", raising=False)  # as in CI: not logged in, no TTY
@@ -226,7 +226,7 @@ def test_trainer_run_writes_every_sink_and_a_resume_continues_them(tmp_path, mon
               "--log_interval", "1", "--save_interval", "1", "--save_dir", str(out), "--checkpoint_dir",
               str(tmp_path / "ckpt"), "--tensorboard_dir", str(tb), "--use_wandb", "--profile_steps", "2:3"]
     for extra in (["--max_steps", "2"], ["--max_steps", "4", "--from_resume", "1"]):
-        proc = python("trainer/train_pretrain.py", common + extra, timeout=300, env=env)
+        proc = forked("trainer/train_pretrain.py", common + extra, timeout=300, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = read_metrics(str(out / "pretrain_64_metrics.jsonl"))
     assert [r["step"] for r in records] == [1, 2, 3, 4]  # the resumed run appended, once per step

@@ -1,4 +1,5 @@
-"""End-to-end runs of trainer/train_pretrain.py: quick start, learning, exact resume, bad input."""
+"""End-to-end runs of trainer/train_pretrain.py (forked from the test: tests/launch.py forked): quick start, learning,
+exact resume, bad input."""
 import math
 import os
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, python, read_metrics
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 
 SCRIPT = "trainer/train_pretrain.py"
 
@@ -15,7 +16,7 @@ def run_pretrain(tmp_path, *extra, timeout=600):
     out = os.path.join(str(tmp_path), "out")
     args = [*TINY_MODEL, "--save_dir", out, "--checkpoint_dir", os.path.join(str(tmp_path), "ckpt"),
             "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1", *extra]
-    proc = python(SCRIPT, args, timeout=timeout)
+    proc = forked(SCRIPT, args, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return read_metrics(os.path.join(out, "metrics.jsonl")), out
 
@@ -54,7 +55,7 @@ def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path):
 def test_typed_paths_follow_the_cwd(tmp_path):
     """Run from outside the repo with relative paths: outputs land beside the user, under the default names."""
     demo_slice(tmp_path, "pretrain", 32, name="d.jsonl")
-    proc = python(SCRIPT, [*TINY_MODEL, "--data_path", "d.jsonl", "--save_dir", "o", "--checkpoint_dir", "c",
+    proc = forked(SCRIPT, [*TINY_MODEL, "--data_path", "d.jsonl", "--save_dir", "o", "--checkpoint_dir", "c",
                            "--cache_dir", "cache", "--max_seq_len", "32", "--batch_size", "4",
                            "--accumulation_steps", "1", "--max_steps", "2",
                            "--log_interval", "1"], timeout=300, cwd=str(tmp_path))
@@ -77,7 +78,7 @@ def test_from_weight_takes_the_shapes_of_the_file(tmp_path, script):
     state = {k: v.half() for k, v in MiniMindForCausalLM(config).state_dict().items()}
     torch.save(state, tmp_path / "mm.pth")
     data = demo_slice(tmp_path, "sft" if script.endswith("sft.py") else "pretrain", 32)
-    proc = python(script, ["--from_weight", str(tmp_path / "mm.pth"), "--learning_rate", "0", "--dtype", "float32",
+    proc = forked(script, ["--from_weight", str(tmp_path / "mm.pth"), "--learning_rate", "0", "--dtype", "float32",
                            "--save_dtype", "float32", "--data_path", data, "--max_seq_len", "64", "--batch_size", "4",
                            "--accumulation_steps", "1", "--max_steps", "1", "--save_dir", str(tmp_path / "out"),
                            "--checkpoint_dir", str(tmp_path / "ckpt"), "--save_weight", "w"], timeout=300)
@@ -90,7 +91,7 @@ def test_from_weight_takes_the_shapes_of_the_file(tmp_path, script):
 
 
 def test_help_shows_every_default():
-    proc = python(SCRIPT, ["--help"], timeout=120)
+    proc = forked(SCRIPT, ["--help"], timeout=120)
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     for flag, default in [("--seed", "42"), ("--loss_chunk_size", "1024"), ("--save_weight", "pretrain"),
@@ -101,7 +102,7 @@ def test_help_shows_every_default():
 
 def expect_rejected(tmp_path, args, needle):
     out = os.path.join(str(tmp_path), "out")
-    proc = python(SCRIPT, [*TINY_MODEL, "--save_dir", out, "--checkpoint_dir", out, *args], timeout=120)
+    proc = forked(SCRIPT, [*TINY_MODEL, "--save_dir", out, "--checkpoint_dir", out, *args], timeout=120)
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert lines and lines[-1].startswith("error:") and needle in lines[-1], lines[-3:]
@@ -142,7 +143,7 @@ def test_resuming_at_or_past_max_steps_trains_nothing(tmp_path):
     for max_steps in ("4", "3"):
         again, _ = run_pretrain(tmp_path, *common, "--max_steps", max_steps, "--from_resume", "1")
         assert again == records  # no step trained, none logged again
-    proc = python(SCRIPT, [*TINY_MODEL, *common, "--save_dir", out,
+    proc = forked(SCRIPT, [*TINY_MODEL, *common, "--save_dir", out,
                            "--checkpoint_dir", os.path.join(str(tmp_path), "ckpt"),
                            "--metrics_file", os.path.join(out, "metrics.jsonl"), "--max_steps", "3",
                            "--from_resume", "1"])
@@ -224,7 +225,7 @@ def test_weighted_mixture_of_sources_resumes_exactly(tmp_path):
     assert [r["step"] for r in resumed] == list(range(1, 15)) and full[-1]["epoch"] == 1  # crossed an epoch
     for a, b in zip(full, resumed):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["tokens"] == b["tokens"], (a, b)
-    proc = python(SCRIPT, [*TINY_MODEL, *common, "--max_steps", "1", "--save_dir", str(tmp_path / "o"),
+    proc = forked(SCRIPT, [*TINY_MODEL, *common, "--max_steps", "1", "--save_dir", str(tmp_path / "o"),
                            "--checkpoint_dir", str(tmp_path / "c")], timeout=300)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("data mixture realised"))
     assert "72 rows (75.0%)" in line and "24 rows (25.0%)" in line, line  # 96 rows an epoch, split 3:1
@@ -236,7 +237,7 @@ def test_from_weight_takes_a_minimind_format_folder(tmp_path):
     from tests.test_weights import tiny_qwen3, write_minimind_folder
     reference = tiny_qwen3(vocab=6400)
     folder = write_minimind_folder(tmp_path / "minimind-3", reference)
-    proc = python("trainer/train_sft.py", [
+    proc = forked("trainer/train_sft.py", [
         "--from_weight", str(folder), "--learning_rate", "0", "--dtype", "float32", "--save_dtype", "float32",
         "--data_path", demo_slice(tmp_path, "sft", 32), "--max_seq_len", "64", "--batch_size", "4",
         "--accumulation_steps", "1", "--max_steps", "1", "--save_dir", str(tmp_path / "out"),
