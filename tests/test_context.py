@@ -130,7 +130,7 @@ def _ring_autocast_worker(rank, cp_size):
 
 
 def test_ring_attention_under_bf16_autocast():
-    spawn(_ring_autocast_worker, 2, timeout=120)
+    spawn(_ring_autocast_worker, 2, timeout=120, start_method="fork")
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
@@ -173,7 +173,7 @@ def test_block_kernels_rebuild_full_attention(device, dtype):
 
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_ring_attention_matches_full_causal_attention(cp_size):
-    spawn(_ring_worker, cp_size, timeout=120)
+    spawn(_ring_worker, cp_size, timeout=120, start_method="fork")
 
 
 def test_single_process_math_fallback_matches_fused(monkeypatch):
@@ -258,4 +258,4 @@ def _model_worker(rank, cp_size):
 
 @pytest.mark.skipif(not HAVE_MODEL, reason="model/model_minimind.py not written yet")
 def test_model_with_context_parallel_matches_single_process():
-    spawn(_model_worker, 2, timeout=120)
+    spawn(_model_worker, 2, timeout=120, start_method="fork")

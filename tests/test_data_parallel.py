@@ -225,7 +225,7 @@ def runs(tmp_path_factory):
     ref = {"model": full_model_state_dict(model), "optim": full_optimizer_state_dict(model, optimizer),
            "norms": norms, "grads": grads, "first_grads": first_grads}
     torch.save(ref, tmp / "ref.pt")
-    spawn(_dp_worker, 2, str(tmp / "ref.pt"), str(tmp / "dp.pt"), timeout=240)
+    spawn(_dp_worker, 2, str(tmp / "ref.pt"), str(tmp / "dp.pt"), timeout=240, start_method="fork")
     return ref, torch.load(tmp / "dp.pt")
 
 
@@ -532,7 +532,7 @@ def test_fsdp_reduces_gradients_once_per_accumulated_step(tmp_path):
     on the whole batch (only the reduction order differs). ZeRO-2 gathers each unit once per step (parameters stay
     gathered across micro-batches, resharded after the last backward); ZeRO-3 gathers every block twice per
     micro-batch (forward, backward) and the root once (kept gathered from forward to backward, FSDP2's root default)."""
-    spawn(_accumulation_worker, 2, str(tmp_path / "acc.pt"), timeout=240)
+    spawn(_accumulation_worker, 2, str(tmp_path / "acc.pt"), timeout=240, start_method="fork")
     results = torch.load(tmp_path / "acc.pt")
     model = make_model()
     ids, labels = _accumulation_batch()
@@ -577,7 +577,7 @@ def _fp16_found_inf_worker(rank, world_size, out_path):
 def test_fp16_scaler_skips_on_every_rank_when_one_overflows(tmp_path):
     """Sharded gradients: each rank's GradScaler sees only its own; the guard's all-reduce makes every rank skip the
     step and halve the scale (GradScaler's backoff 0.5) when one rank's fp16 gradient overflowed."""
-    spawn(_fp16_found_inf_worker, 2, str(tmp_path / "inf.pt"), timeout=120)
+    spawn(_fp16_found_inf_worker, 2, str(tmp_path / "inf.pt"), timeout=120, start_method="fork")
     (inf0, unchanged0, scale0), (inf1, unchanged1, scale1) = torch.load(tmp_path / "inf.pt")
     assert (inf0, inf1) == (1.0, 0.0)  # the overflow is rank 0's alone
     assert unchanged0 and unchanged1

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from dataset.lm_dataset import SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.config import resolve
 from trainer.distillation import DistillationObjective, DistillationPlan, resolve_distillation
 from trainer.flags import add_distillation_args, add_train_args
@@ -133,7 +133,7 @@ def metrics(argv):
 def single(files):
     """The single-process run every layout and the resumed run are compared with (global batch 8)."""
     argv = run_args(files, "single", 4)
-    proc = python(SCRIPT, argv, timeout=300)
+    proc = forked(SCRIPT, argv, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "default full_sft" in proc.stdout and "hidden 96, MoE" in proc.stdout
     records = metrics(argv)
@@ -158,7 +158,7 @@ def assert_same_steps(got, want):
 def test_layouts_equal_the_single_process(files, single, layout):
     name = "layout_" + "_".join(a.strip("-") for a in layout)
     argv = run_args(files, name, 2 if "--zero_stage" in layout else 4, layout)
-    proc = torchrun(SCRIPT, 2, argv, timeout=300)
+    proc = forked(SCRIPT, nproc=2, args=argv, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_steps(metrics(argv), single)
 
@@ -183,11 +183,11 @@ def test_data_parallel_resume_after_a_kill_is_exact(files, single, tmp_path):
     argv = run_args(files, "killed", 2, ["--save_interval", "2"])
     entry = tmp_path / "kill_at_step.py"  # the trainer has no test hooks: the fault is patched in from here
     entry.write_text(KILL_AT.format(root=ROOT, step=3))
-    killed = torchrun(str(entry), 2, argv, timeout=300)
-    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    killed = forked(str(entry), nproc=2, args=argv, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]  # rank 0 died of the SIGKILL (forked ranks: its status)
     before = metrics(argv)
     assert [r["step"] for r in before] == [1, 2, 3]
-    resumed = torchrun(SCRIPT, 2, argv + ["--from_resume", "1"], timeout=300)
+    resumed = forked(SCRIPT, nproc=2, args=argv + ["--from_resume", "1"], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from epoch 0, step 2" in resumed.stdout
     got = metrics(argv)
@@ -197,7 +197,7 @@ def test_data_parallel_resume_after_a_kill_is_exact(files, single, tmp_path):
 
 
 def test_teacher_with_another_vocabulary_is_one_line_exit_2(files):
-    proc = python(SCRIPT, run_args(files, "bad", 4, ["--teacher_weight", files["other_vocab"]]), timeout=120)
+    proc = forked(SCRIPT, run_args(files, "bad", 4, ["--teacher_weight", files["other_vocab"]]), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --teacher_weight") and "has vocab_size 6000, the student 6400" in last, last

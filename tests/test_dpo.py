@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from dataset.lm_dataset import DPODataset, SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import minimind_to_hf
-from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_dpo
 from trainer.dpo import DPOObjective, sequence_log_probs
 from trainer.launch import main_guard, setup_seed
@@ -181,7 +181,7 @@ def single_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("dpo_single")
     data = demo_slice(tmp_path, "dpo", 40)
     argv = run_args(tmp_path, "single", data)
-    proc = python(SCRIPT, argv)
+    proc = forked(SCRIPT, argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--from_weight none" in proc.stdout and "reference" in proc.stdout
     return argv, metrics_of(argv), data
@@ -211,7 +211,7 @@ def test_first_step_is_ln2_and_the_reference_is_the_starting_model(single_run, t
 def test_layouts_equal_the_single_process(single_run, tmp_path, layout):
     argv, records, data = single_run
     run = run_args(tmp_path, "layout", data, dp=2, extra=layout)
-    proc = torchrun(SCRIPT, 4, run)
+    proc = forked(SCRIPT, nproc=4, args=run)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = metrics_of(run)
     assert [r["step"] for r in got] == [r["step"] for r in records]
@@ -232,7 +232,7 @@ def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path
     assert killed.returncode == -9, killed.stderr[-3000:]
     for path in glob.glob(os.path.join(run[run.index("--cache_dir") + 1], "*.dpo_ref.*.pt")):
         os.remove(path)  # the resumed run computes the reference again: from the reference weights, not the policy
-    resumed = python(SCRIPT, [*run, "--from_resume", "1"])
+    resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from epoch 0, step 3" in resumed.stdout
     got = metrics_of(run)

@@ -279,7 +279,7 @@ def _run_tp_cases(rank, world_size, cases):
 
 def test_tp2_adapters_match_single_process():
     moe = dict(use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=0)
-    spawn(_run_tp_cases, 2, [({}, False), ({}, True), (moe, False)], timeout=240)
+    spawn(_run_tp_cases, 2, [({}, False), ({}, True), (moe, False)], timeout=240, start_method="fork")
 
 
 def _compare_dp_lora(rank, world_size, zero_stage):
@@ -305,4 +305,4 @@ def _run_dp_cases(rank, world_size, stages):
 
 
 def test_dp2_ddp_and_fsdp2_adapter_grads_match_single_process():
-    spawn(_run_dp_cases, 2, [0, 3], timeout=240)
+    spawn(_run_dp_cases, 2, [0, 3], timeout=240, start_method="fork")

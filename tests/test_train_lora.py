@@ -19,7 +19,7 @@ from model.lora import apply_lora_file
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import read_sidecar, save_weights_file
 from scripts.convert_model import main as convert_main
-from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics, torchrun
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_lora
 from trainer.config import resolve
 from trainer.flags import add_lora_args, parse_args
@@ -81,7 +81,7 @@ def final_model_state(workdir):
 @pytest.fixture(scope="module")
 def reference(data, base, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("ref"))
-    proc = python(SCRIPT, run_args(workdir, data, base, 1), timeout=300)
+    proc = forked(SCRIPT, run_args(workdir, data, base, 1), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return workdir
 
@@ -167,7 +167,7 @@ def assert_same_as_reference(workdir, reference):
                          ids=["dp2xtp2_zero3", "pp2xcp2_zero2"])
 def test_layout_matches_single_process(flags, reference, base, data, tmp_path):
     dp = 2 if "--tp" in flags else 1
-    proc = torchrun(SCRIPT, 4, run_args(str(tmp_path), data, base, dp, flags), timeout=400)
+    proc = forked(SCRIPT, nproc=4, args=run_args(str(tmp_path), data, base, dp, flags), timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert_same_as_reference(str(tmp_path), reference)
 
@@ -178,11 +178,11 @@ def test_zero1_resume_after_a_kill_is_exact(reference, base, data, tmp_path):
     workdir = str(tmp_path)
     args = run_args(workdir, data, base, 2, ["--zero_stage", "1"])
     env = {"MINIMIND_TEST_KILL_AT_STEP": "3", "MINIMIND_TEST_KILL_RANK": "1"}
-    killed = torchrun("tests/lora_fault_entry.py", 2, args, timeout=300, env=env)
+    killed = forked("tests/lora_fault_entry.py", nproc=2, args=args, timeout=300, env=env)
     assert killed.returncode != 0 and "SIGKILL rank 1 at step 3" in killed.stdout + killed.stderr
     before = read_metrics(os.path.join(workdir, "m.jsonl"))
     assert [r["step"] for r in before] == [1, 2, 3]
-    resumed = torchrun(SCRIPT, 2, [*args, "--from_resume", "1"], timeout=300)
+    resumed = forked(SCRIPT, nproc=2, args=[*args, "--from_resume", "1"], timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resuming from" in resumed.stdout
     after = read_metrics(os.path.join(workdir, "m.jsonl"))

@@ -10,18 +10,18 @@ from transformers import AutoTokenizer
 
 from dataset.lm_dataset import SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import ROOT, TINY_MODEL, demo_slice, python, read_metrics
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from tests.test_lm_dataset import GCD_CALLS, GCD_TOOLS, TOOL_CONVERSATION, TOOL_CONVERSATION_PIECES, pieces_to_ids
 
 
 def test_sft_starts_from_pretrained_weights_and_learns(tmp_path):
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     common = [*TINY_MODEL, "--save_dir", out, "--checkpoint_dir", ckpt, "--max_seq_len", "64", "--log_interval", "1"]
-    pre = python("trainer/train_pretrain.py", [*common, "--data_path", demo_slice(tmp_path, "pretrain", 64),
+    pre = forked("trainer/train_pretrain.py", [*common, "--data_path", demo_slice(tmp_path, "pretrain", 64),
                                                "--batch_size", "8", "--accumulation_steps", "1", "--max_steps", "4"])
     assert pre.returncode == 0, pre.stderr[-3000:]
     sft_data = demo_slice(tmp_path, "sft", 200)
-    sft = python("trainer/train_sft.py", [*common, "--data_path", sft_data, "--batch_size", "8", "--max_steps", "15",
+    sft = forked("trainer/train_sft.py", [*common, "--data_path", sft_data, "--batch_size", "8", "--max_steps", "15",
                                           "--learning_rate", "3e-3", "--metrics_file", str(tmp_path / "sft.jsonl")])
     assert sft.returncode == 0, sft.stderr[-3000:]
     records = read_metrics(str(tmp_path / "sft.jsonl"))
@@ -51,7 +51,7 @@ def test_sft_starts_from_pretrained_weights_and_learns(tmp_path):
 
 
 def test_sft_without_pretrained_weights_is_rejected(tmp_path):
-    proc = python("trainer/train_sft.py", [*TINY_MODEL, "--save_dir", str(tmp_path), "--checkpoint_dir", str(tmp_path)])
+    proc = forked("trainer/train_sft.py", [*TINY_MODEL, "--save_dir", str(tmp_path), "--checkpoint_dir", str(tmp_path)])
     assert proc.returncode == 2
     assert "pretrain_64.pth does not exist" in proc.stderr.strip().splitlines()[-1]
 
@@ -64,7 +64,7 @@ def test_sft_trains_on_minimind3_tool_rows(tmp_path):
     data = tmp_path / "sft_t2t.jsonl"
     data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in [TOOL_CONVERSATION, as_lists] * 4))
     metrics = tmp_path / "m.jsonl"
-    proc = python("trainer/train_sft.py", [
+    proc = forked("trainer/train_sft.py", [
         "--data_path", data, "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
         "--num_key_value_heads", "2", "--max_steps", "2", "--batch_size", "2", "--accumulation_steps", "1",
         "--max_seq_len", "256", "--dtype", "float32", "--from_weight", "none", "--save_dir", tmp_path / "out",
