@@ -66,8 +66,8 @@ def add_data_args(parser):
       "cache (default: the cores available / local ranks)")
     a("--eval_interval", type=int, default=0, help="optimizer steps between validation runs (0: only at the end)")
     a("--eval_batches", type=int, default=50, help="batches per validation run")
-    a("--packing", type=int, default=0, choices=[0, 1], help="fill rows of --max_seq_len: pretraining joins documents; "
-      "SFT packs whole conversations, on by default there (chat rows are mostly far shorter than --max_seq_len)")
+    a("--packing", type=int, default=0, choices=[0, 1], help="fill whole rows (max_seq_len tokens): pretraining "
+      "joins documents; SFT packs whole conversations, on by default there (chat rows are mostly far shorter)")
     a("--doc_mask", type=int, default=1, choices=[0, 1], help="with --packing 1: a token attends only to earlier "
       "tokens of its own document and position ids restart at each document (0: the whole row is one sequence)")
     a("--skip_bad_lines", type=int, default=0, choices=[0, 1], help="skip malformed data lines instead of stopping")

@@ -5,14 +5,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from transformers import AutoTokenizer  # noqa: E402
-
-from dataset.lm_dataset import SFTDataset  # noqa: E402
-from dataset.token_cache import local_part  # noqa: E402
 from trainer.distillation import DistillationObjective, build_teacher, describe, resolve_distillation  # noqa: E402
 from trainer.flags import add_distillation_args, parse_args  # noqa: E402
 from trainer.launch import main_guard  # noqa: E402
-from trainer.train_loop import build_trainer, load_datasets, setup, steps_per_epoch, train  # noqa: E402
+from trainer.train_loop import build_trainer, load_chat_datasets, setup, steps_per_epoch, train  # noqa: E402
 from trainer.trainer_utils import Logger  # noqa: E402
 
 
@@ -23,10 +19,7 @@ def main():
     # 1. set-up: checks (the teacher's too) -> TrainPlan, process group, mesh, seed
     plan, dims = setup(args, resolve_stage=resolve_distillation)
     # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
-    train_ds, eval_ds = load_datasets(plan, lambda path: SFTDataset(
-        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
-        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
+    train_ds, eval_ds = load_chat_datasets(plan)
     # 3. the teacher: frozen, eval mode, the training dtype, split like the student (tp, cp)
     teacher = build_teacher(plan.stage, plan, dims)
     Logger(describe(plan.stage, plan, teacher))

@@ -15,9 +15,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from dataset.demo_data import ensure_demo_data
+from dataset.lm_dataset import SFTDataset
 from dataset.mixture import describe_mixture, load_data_spec
+from dataset.token_cache import local_part
 from trainer.checkpoint import Checkpointer, TrainState, load_resume, restore, save_weights, tied_aliases
 from trainer.config import resolve
 from trainer.guard import Preemption, StepGuard, check_replicas, scaler_found_inf
@@ -101,6 +104,15 @@ def load_datasets(plan, make_dataset, demo_kind):
         raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
                           f"({plan.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
     return train_ds, eval_ds
+
+
+def load_chat_datasets(plan):
+    """Phase 2 of the chat stages (SFT, LoRA, distillation): SFTDataset rows of --data_path (the embedded chat corpus
+    by default), whole conversations packed into rows under --packing 1."""
+    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
+    return load_datasets(plan, lambda path: SFTDataset(
+        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
+        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
 
 
 def leaf_datasets(ds):

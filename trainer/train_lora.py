@@ -8,14 +8,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from transformers import AutoTokenizer  # noqa: E402
-
-from dataset.lm_dataset import SFTDataset  # noqa: E402
-from dataset.token_cache import local_part  # noqa: E402
 from trainer.flags import add_lora_args, parse_args  # noqa: E402
 from trainer.launch import main_guard  # noqa: E402
 from trainer.lora_stage import resolve_lora  # noqa: E402
-from trainer.train_loop import build_trainer, load_datasets, setup, steps_per_epoch, train  # noqa: E402
+from trainer.train_loop import build_trainer, load_chat_datasets, setup, steps_per_epoch, train  # noqa: E402
 from trainer.trainer_utils import Logger  # noqa: E402
 
 
@@ -29,10 +25,7 @@ def main():
     plan, dims = setup(args, resolve_stage=resolve_lora)
     Logger(f"LoRA on --from_weight {plan.from_weight}; adapters to {plan.stage.weights_path}")
     # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
-    train_ds, eval_ds = load_datasets(plan, lambda path: SFTDataset(
-        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
-        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
+    train_ds, eval_ds = load_chat_datasets(plan)
     # 3-6. resume state, model (from --from_weight) + adapters, parallel wrap (pp -> tp -> cp -> dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
     # 7. the loop
