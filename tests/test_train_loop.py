@@ -68,7 +68,7 @@ def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe):
     reads = count_host_reads(monkeypatch, lambda: train_step(trainer, batches))
     ours = [r for r in reads if r[0].startswith(("trainer/", "model/"))]
     expected = [("trainer/guard.py", "check", "tolist", "cpu")]
-    expected += [("trainer/objective.py", "count", "__int__", "cpu")] * 2  # the CPU labels' target counts
+    expected += [("trainer/objective.py", "target_tokens", "__int__", "cpu")] * 2  # the CPU labels' target counts
     expected += [("trainer/train_loop.py", "train_step", "__float__", "cpu")] * 2  # the bar, on CPU only
     if use_moe:
         expected += [("model/model_minimind.py", "dispatch", "tolist", "cpu")] * 2 * 2  # per layer, per micro-batch

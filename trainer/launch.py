@@ -37,6 +37,13 @@ def local_tensor(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def local_value(t):
+    """A detached plain tensor of a replicated value (a DTensor loss under tensor parallel): its full value, no
+    communication; `t` itself, detached, otherwise."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def backend_for(device):
     """The process group's backend for the plan's device: NCCL moves CUDA tensors, gloo CPU ones. The device decides,
     not the host: `--device cpu` on a GPU host must not put CPU tensors through NCCL."""

@@ -6,6 +6,8 @@ hands it to build_trainer; the loop, the layouts, checkpoints and tracking stay 
 """
 import torch.nn.functional as F
 
+from trainer.launch import local_value
+
 
 class LMObjective:
     """The mean next-token cross-entropy over the step's target tokens (labels != -100), plus the MoE aux loss."""
@@ -21,7 +23,7 @@ class LMObjective:
 
     def count(self, labels, extra):
         """This rank's share of the step's denominator, from the CPU labels: its target tokens."""
-        return int((labels[:, 1:] != -100).sum())
+        return target_tokens(labels)
 
     def loss(self, model, input_ids, targets, position_ids, extra, num_items):
         """(CE sum / num_items, the MoE aux loss, stats) of one micro-batch; the model forms the (chunked) CE."""
@@ -36,3 +38,15 @@ class LMObjective:
     def record(self, stats, num_items):
         """Extra values for a log step's record, from `stats` summed over micro-batches and ranks: none for LM."""
         return {}
+
+
+def target_tokens(labels):
+    """The target tokens of CPU labels (B, L): labels[:, 1:] != -100 (a row's first label has no input before it)."""
+    return int((labels[:, 1:] != -100).sum())
+
+
+def add_stats(total, stats):
+    """Sum an objective's per-micro-batch stats (tensors, detached here) into `total`, name by name."""
+    for name, value in stats.items():
+        total[name] = total.get(name, 0.0) + local_value(value)
+    return total

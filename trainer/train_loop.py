@@ -29,13 +29,14 @@ from trainer.launch import (
     count_sum,
     init_distributed_mode,
     is_main_process,
+    local_value,
     per_rank,
     set_collective_timeout,
     setup_seed,
     world_sum,
 )
 from trainer.metrics import StepTimer, enable_tf32, peak_flops, peak_mem_gb, step_flops
-from trainer.objective import LMObjective
+from trainer.objective import LMObjective, add_stats, target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.context import context_position_ids, shard_sequence
 from trainer.parallel.data import build_optimizer, grad_reduce_factor, gradient_sync
@@ -276,7 +277,7 @@ def train_step(trainer, micro_batches, bar=None):
     unpacked = [objective.unpack(batch) for batch in micro_batches]  # (input_ids, labels, positions, extra)
     local_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)  # CPU: no device sync
     local_tokens = local_items if objective.items_are_tokens else sum(
-        int((labels[:, 1:] != -100).sum()) for _, labels, _, _ in unpacked)  # for tokens/s and MFU
+        target_tokens(labels) for _, labels, _, _ in unpacked)  # for tokens/s and MFU
     num_items, num_tokens = count_sum([local_items, local_tokens], plan.tp * plan.pp * plan.cp)  # over dp, on CPU
     # the loader pins its batches on CUDA, so these copies overlap with compute
     inputs, targets, doc_positions, extras = zip(*[(
@@ -324,13 +325,6 @@ def to_device(tensor, device):
     return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
-def add_stats(total, stats):
-    """Sum an objective's per-micro-batch stats (detached tensors) into `total`, name by name."""
-    for name, value in stats.items():
-        total[name] = total.get(name, 0.0) + local_value(value)
-    return total
-
-
 def step_targets(labels):
     """Targets aligned with inputs: labels shifted left by one, -100 appended (so sequences can be sharded)."""
     return F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -351,12 +345,6 @@ def shard_for_context(dims, tensors, position_ids=None):
 
 def autocast(plan):
     return torch.autocast(torch.device(plan.device).type, dtype=plan.dtype) if plan.autocast_dtype else nullcontext()
-
-
-def local_value(t):
-    """A detached plain tensor (DTensor losses under tensor parallel are replicated)."""
-    t = t.detach()
-    return t.full_tensor() if hasattr(t, "full_tensor") else t  # replicated: the full value, no communication
 
 
 def clip_gradients(trainer, max_norm):

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from model.model_minimind import packed_document_mask
-from trainer.objective import LMObjective
+from trainer.objective import LMObjective, add_stats
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
@@ -187,8 +187,7 @@ class PipelineLoss:
         aux = torch.stack(self.aux_parts[-num_microbatches:]).sum()
         stats = {}
         for part in self.stats_parts[-num_microbatches:]:
-            for name, value in part.items():
-                stats[name] = stats.get(name, 0.0) + value.detach()
+            add_stats(stats, part)
         self.ce_parts, self.aux_parts, self.stats_parts = [], [], []
         return ce, aux, stats
 
