@@ -121,10 +121,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
     check_numbers(args)
     check_device(args.device)
     save_dir = typed_or_default(args.save_dir, "out")
-    from_weight = args.from_weight
-    if from_weight != "none":  # a path, or a weight prefix: <save_dir>/<prefix>_<hidden>[_moe].pth
-        from_weight = typed_or_default(from_weight, None) if from_weight.endswith(".pth") or os.path.isdir(
-            from_weight) else os.path.join(save_dir, weight_name(from_weight, build_config(args)) + ".pth")
+    from_weight = weight_path(args.from_weight, save_dir, build_config(args))
     data_path, eval_data_path = (absolute_data_spec(spec) if spec else None
                                  for spec in (args.data_path, args.eval_data_path))
     checkpoint_dir = typed_or_default(args.checkpoint_dir, "checkpoints")
@@ -169,6 +166,16 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
         save_dtype=getattr(torch, args.save_dtype), from_resume=args.from_resume, **copied_flags(args),
         flags=dict(vars(args)))
     return replace(plan, stage=resolve_stage(args, plan)) if resolve_stage is not None else plan
+
+
+def weight_path(spec, save_dir, config):
+    """A weights flag as a path: "none", a .pth or a folder as typed, else a weight prefix in save_dir,
+    <save_dir>/<prefix>_<hidden>[_moe].pth, MiniMind's names (--from_weight, DPO's --ref_weight)."""
+    if spec == "none":
+        return "none"
+    if spec.endswith(".pth") or os.path.isdir(spec):
+        return typed_or_default(spec, None)
+    return os.path.join(save_dir, weight_name(spec, config) + ".pth")
 
 
 COPIED = ("learning_rate", "weight_decay", "warmup_steps", "grad_clip", "epochs", "max_steps", "log_interval",

@@ -18,11 +18,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model.weights import atomic_save
+from trainer.config import weight_path
 from trainer.launch import ConfigError, count_sum, is_main_process, setup_seed
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
 from trainer.train_loop import autocast, leaf_datasets, step_targets
-from trainer.trainer_utils import Logger, init_model, typed_or_default, weight_name
+from trainer.trainer_utils import Logger, init_model
 
 DEFAULT_BETA = 0.15  # MiniMind's train_dpo.py
 LOG_PROB_CHUNK = 1024  # rows of logits turned into fp32 log-softmax at a time
@@ -49,20 +50,12 @@ def resolve_dpo(args, plan):
         raise ConfigError("--packing 1: DPO keeps each chosen/rejected conversation in its own row; leave it out")
     if plan.eval_data_path:
         raise ConfigError("--eval_data_path: DPO logs its rewards instead of a held-out LM loss; leave it out")
-    ref_weight = plan.from_weight if args.ref_weight is None else resolve_weight_path(args.ref_weight, plan)
+    ref_weight = (plan.from_weight if args.ref_weight is None
+                  else weight_path(args.ref_weight, plan.save_dir, plan.model_config))
     if ref_weight != "none" and not os.path.exists(ref_weight):
         raise ConfigError(f"--ref_weight {ref_weight} does not exist; pass a .pth, a resume checkpoint step_<N> "
                           "directory or a Hugging Face folder")
     return DPOPlan(beta=float(args.beta), ref_weight=ref_weight, ref_identity=reference_identity(ref_weight, plan))
-
-
-def resolve_weight_path(spec, plan):
-    """A path as typed (.pth or folder) or a weight prefix in save_dir, as --from_weight resolves."""
-    if spec == "none":
-        return "none"
-    if spec.endswith(".pth") or os.path.isdir(spec):
-        return typed_or_default(spec, None)
-    return os.path.join(plan.save_dir, weight_name(spec, plan.model_config) + ".pth")
 
 
 def reference_identity(ref_weight, plan):
