@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pandas as pd
 import pytest
 from transformers import AutoTokenizer
@@ -208,21 +209,45 @@ def test_killed_build_leaves_no_cache_and_is_taken_over(tokenizer, tmp_path):
     with open(source) as f, open(path, "w") as out:
         out.write(f.read() * 4)  # ~8 MB: a few seconds of tokenizing
     cache_dir = tmp_path / "cache"
-    args = [sys.executable, os.path.abspath(__file__), "pretrain", path, str(cache_dir), 0, 1, 1]
+    args = [sys.executable, os.path.abspath(__file__), "pretrain", path, str(cache_dir), 0, 1, 2]
     builder = subprocess.Popen(list(map(str, args)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 60
-        while not (cache_dir.exists() and any(n.endswith(".lock") for n in os.listdir(cache_dir))):
+        while len(workers := children(builder.pid)) < 2:  # the lock is taken and both workers tokenize
             assert time.time() < deadline and builder.poll() is None, "the build never started"
             time.sleep(0.02)
     finally:
         builder.kill()
         builder.wait()
+    deadline = time.time() + 30  # orphaned workers see their pipe close: they end after their task (~1 MB)
+    while any(alive(pid) for pid in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in workers), "the killed builder's workers live on"
     assert not any(os.path.exists(cache_dir / n / "meta.json") for n in os.listdir(cache_dir))  # no cache yet
     ds = PretrainDataset(path, tokenizer, max_length=16, cache_dir=cache_dir, num_proc=2)  # takes the dead lock over
     expected = cache_bytes(reference("pretrain", path, tokenizer, str(tmp_path / "ref")).cache_path)
     assert cache_bytes(ds.cache_path) == expected
     assert sorted(os.listdir(cache_dir)) == [os.path.basename(ds.cache_path)]
+
+
+def encode_dying_on_die(records, bad_lines):
+    """An encode whose worker is killed (as the OOM killer would) on the record "die"."""
+    for _, text, _ in records:
+        if text == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield [([1, 2, 3], None)]
+
+
+def test_a_killed_worker_stops_the_build_with_its_exit_code(tmp_path):
+    path = str(tmp_path / "d.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": "die" if i == 150 else "ok"}) + "\n" for i in range(200))
+    before = set(children(os.getpid()))
+    out_dir = str(tmp_path / "c" / "cache")
+    with pytest.raises(RuntimeError, match=r"a tokenizer worker process died \(exit code -9\)"):
+        build_token_cache(out_dir, path, "text", encode_dying_on_die, np.uint16, num_proc=2)
+    assert set(children(os.getpid())) <= before  # the other worker is stopped and reaped
+    assert not os.path.exists(out_dir) and os.path.exists(out_dir + ".error")  # other ranks read why
 
 
 @pytest.fixture(scope="module")
