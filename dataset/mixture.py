@@ -95,7 +95,13 @@ def _row_tokens(dataset, rows):
             total += tokens
         return total
     if getattr(dataset, "packing", False):
-        return len(rows) * dataset.max_length
+        docs = getattr(dataset, "row_docs", None)
+        if docs is None:  # packed pretraining: every row is full
+            return len(rows) * dataset.max_length
+        # packed SFT: a row holds its conversations (each cut to max_length), then padding
+        ends = np.cumsum(np.minimum(dataset.offsets[docs + 1] - dataset.offsets[docs], dataset.max_length))
+        ends = np.concatenate([[0], ends])
+        return int((ends[dataset.row_offsets[rows + 1]] - ends[dataset.row_offsets[rows]]).sum())
     offsets = getattr(dataset, "offsets", None)
     if offsets is None:
         return None

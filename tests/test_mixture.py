@@ -9,7 +9,7 @@ import pytest
 from torch.utils.data import ConcatDataset, Dataset
 from transformers import AutoTokenizer
 
-from dataset.lm_dataset import PretrainDataset
+from dataset.lm_dataset import PretrainDataset, SFTDataset
 from dataset.mixture import (
     MixtureDataset,
     _largest_remainder,
@@ -18,6 +18,7 @@ from dataset.mixture import (
     load_data_spec,
     resolve_data_spec,
 )
+from tests.launch import demo_slice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -125,6 +126,19 @@ def test_load_data_spec_with_real_datasets(tokenizer, tmp_path):
     line = describe_mixture(mix, f"{a}:0.5,{tmp_path / 'more'}:0.5")
     assert line.startswith(f"data mixture realised: {a}: 10 rows (50.0%), {tokens[0]} tokens")
     assert describe_mixture(single, a) == ""
+
+
+def test_packed_sft_rows_count_their_conversations_not_the_padding(tokenizer, tmp_path):
+    path = demo_slice(tmp_path, "sft", 60)
+    make = lambda p: SFTDataset(p, tokenizer, max_length=64, cache_dir=tmp_path / "cache", packing=True)  # noqa: E731
+    mix = load_data_spec(f"{path}:0.5,{path}:0.5", make, seed=3)
+    assert tokenizer.pad_token_id is not None
+    tokens = [0, 0]  # the tokens before each row's padding (the chat template never writes the pad token)
+    for i in range(len(mix)):
+        input_ids, _ = mix[i]
+        tokens[int(mix.source_ids[i])] += int((input_ids != tokenizer.pad_token_id).sum())
+    assert 0 < sum(tokens) < len(mix) * 64  # rows with padding: the old count (rows x 64) was over
+    assert [s["tokens"] for s in mix.realised()] == tokens
 
 
 def test_absolute_data_spec_keeps_weights_and_follows_the_cwd(tmp_path, monkeypatch):
