@@ -16,9 +16,9 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 try:  # FlexAttention (torch >= 2.5): the CUDA document mask, a BlockMask instead of a dense (B, 1, L, L) one
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
-    _compiled_flex = torch.compile(flex_attention, dynamic=False)  # compiles on first call, not at import
 except ImportError:
-    BlockMask = create_block_mask = create_mask = flex_attention = _compiled_flex = None
+    BlockMask = create_block_mask = create_mask = flex_attention = None
+_compiled_flex = None  # torch.compile(flex_attention), made at the first CUDA call (the wrapper's imports cost ~1 s)
 
 try:  # transformers >= 5: init helpers that skip weights already loaded by from_pretrained
     from transformers import initialization as hf_init
@@ -239,7 +239,10 @@ def autocast_inputs(q, k, v):
 
 def flex_document_attention(q, k, v, block_mask):
     """FlexAttention with a document BlockMask; GQA by enable_gqa (k/v unrepeated). Compiled on CUDA."""
+    global _compiled_flex
     q, k, v = autocast_inputs(q, k, v)
+    if q.is_cuda and _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
     flex = _compiled_flex if q.is_cuda else flex_attention  # eager on CPU: the unfused reference, for tests
     return flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 

@@ -6,10 +6,13 @@ import types
 
 import pytest
 import torch
+import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# tests fork trainers from this process: no tqdm monitor thread here, whose lock a fork could copy while held
+tqdm.tqdm.monitor_interval = 0
 
 from tests import launch  # noqa: E402  (after the repo root is on sys.path)
 
