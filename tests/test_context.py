@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from launch import ROOT, spawn
 
 from model.model_minimind import packed_document_mask
-from trainer.parallel import context
+from trainer.parallel import context, ring_blocks
 from trainer.parallel.context import apply_context_parallel, context_position_ids, ring_attention, shard_sequence
 
 HAVE_MODEL = os.path.exists(os.path.join(ROOT, "model", "model_minimind.py"))
@@ -67,7 +67,7 @@ def _ring_worker(rank, world_size):
     _check_ring(rank, world_size, dist.group.WORLD, 4, 2, torch.float32, 1e-5, packed=True)  # --doc_mask
     _check_ring(rank, world_size, dist.group.WORLD, 4, 2, torch.float64, 1e-10, packed=True)
     if world_size == 2:  # again with the math per-block kernel (this process only)
-        context._fused_kernels = lambda q: iter(())
+        ring_blocks.fused_kernels = lambda q: iter(())
         _check_ring(rank, world_size, dist.group.WORLD, 4, 2, torch.float32, 1e-5)
     if world_size == 4:  # cp=2 groups inside a 4-process world (cp x dp): ring peers map to global ranks
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
@@ -149,14 +149,14 @@ def test_block_kernels_rebuild_full_attention(device, dtype):
     dout[:, :, :half] = 0  # only the tail queries are in these blocks
     full = [t.double().requires_grad_() for t in (q, k, v)]
     ref_out, ref_grads = _full_attention(*full, dout.double())
-    context._FAILED_KERNELS.clear()
+    ring_blocks.FAILED_KERNELS.clear()
     queries, blocks = q[:, :, half:], [(k[:, :, :half], v[:, :, :half], False), (k[:, :, half:], v[:, :, half:], True)]
-    results = [context._block_forward(queries, *block, scale) for block in blocks]
+    results = [ring_blocks.block_forward(queries, *block, scale) for block in blocks]
     lse = torch.logaddexp(results[0][1], results[1][1])
     out = sum(block_out * torch.exp(block_lse - lse).unsqueeze(-1) for block_out, block_lse in results).to(dtype)
-    grads = [context._block_backward(dout[:, :, half:], queries, *block[:2], out, lse, block[2], scale)
+    grads = [ring_blocks.block_backward(dout[:, :, half:], queries, *block[:2], out, lse, block[2], scale)
              for block in blocks]
-    assert not context._FAILED_KERNELS, f"a fused kernel failed, the math fallback ran: {context._FAILED_KERNELS}"
+    assert not ring_blocks.FAILED_KERNELS, f"a fused kernel failed, the math fallback ran: {ring_blocks.FAILED_KERNELS}"
     got = [out, grads[0][0] + grads[1][0], torch.cat([grads[0][1], grads[1][1]], 2),
            torch.cat([grads[0][2], grads[1][2]], 2)]
     want = [ref_out[:, :, half:]] + [g.detach() for g in ref_grads]
@@ -184,7 +184,7 @@ def test_single_process_math_fallback_matches_fused(monkeypatch):
     ref_out, ref_grads = _full_attention(q, k, v, dout)
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(context, "_fused_kernels", lambda q: iter(()))
+            monkeypatch.setattr(ring_blocks, "fused_kernels", lambda q: iter(()))
         out = ring_attention(q, k, v, None)
         torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
         for grad, ref_grad in zip(torch.autograd.grad(out, (q, k, v), dout), ref_grads):
