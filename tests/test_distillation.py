@@ -101,6 +101,26 @@ def test_loss_and_gradient_equal_the_formula_by_hand(files, chunk_size):
         assert float((g - w).abs().max()) <= 256 * torch.finfo(torch.float32).eps * float(w.abs().max()), name
 
 
+def test_mfu_counts_the_teachers_forward():
+    """MFU's FLOPs: the student's 6 x its Linear weights + causal attention, plus the teacher's forward: 2 x its
+    Linear weights + its forward attention (lm_heads on target tokens only under the chunked KL), by hand."""
+    student_config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    fields = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2)
+    stage = DistillationPlan(alpha=0.5, temperature=1.0, teacher_path="", teacher_fields=fields, chunk_size=64)
+    seq, positions, targets = 32, 100, 40
+    weights = [sum(m.weight.numel() for m in MiniMindForCausalLM(c).modules() if isinstance(m, torch.nn.Linear))
+               for c in (student_config, stage.teacher_config)]
+    heads = [student_config.vocab_size * 64, stage.teacher_config.vocab_size * 96]
+    # causal attention per token and layer: QK^T and AV, 2 x 2 x q_dim x seq / 2 forward; x3 with the backward
+    attention = [2 * (3 * 2 * 64 * seq), 3 * (2 * 96 * seq)]  # the student trains, the teacher runs forward
+    full = (6 * weights[0] + attention[0] + 2 * weights[1] + attention[1]) * positions
+    chunked = full - (6 * heads[0] + 2 * heads[1]) * (positions - targets)
+    objective = DistillationObjective(None, stage)
+    assert objective.flops(student_config, seq, positions, targets, False) == pytest.approx(full, rel=1e-12)
+    assert objective.flops(student_config, seq, positions, targets, True) == pytest.approx(chunked, rel=1e-12)
+
+
+
 @pytest.mark.parametrize("chunk_size", [0, 16])
 def test_teacher_equal_to_student_with_alpha_0_gives_zero(files, chunk_size):
     input_ids, labels = sft_batch(files["data"])

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import WeightsError, load_weights, read_checkpoint, weight_fields
 from trainer.launch import ConfigError
+from trainer.metrics import step_flops
 from trainer.objective import LMObjective
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
@@ -164,6 +165,12 @@ class DistillationObjective(LMObjective):
 
     def record(self, stats, num_items):
         return dict(ce=stats["ce_sum"] / num_items, kl=stats["kl_sum"] / num_items)
+
+    def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
+        """The student's training FLOPs plus the teacher's forward (a third of its training FLOPs: 2 of 6 per
+        weight, one of fwd+2 bwd for attention); its lm_head runs on target tokens only where the KL is chunked."""
+        teacher = step_flops(self.stage.teacher_config, seq_len, positions, target_tokens, chunked_loss)
+        return super().flops(config, seq_len, positions, target_tokens, chunked_loss) + teacher / 3
 
 
 def describe(stage, plan, teacher):

@@ -7,6 +7,7 @@ hands it to build_trainer; the loop, the layouts, checkpoints and tracking stay 
 import torch.nn.functional as F
 
 from trainer.launch import local_value
+from trainer.metrics import step_flops
 
 
 class LMObjective:
@@ -38,6 +39,10 @@ class LMObjective:
     def record(self, stats, num_items):
         """Extra values for a log step's record, from `stats` summed over micro-batches and ranks: none for LM."""
         return {}
+
+    def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
+        """The FLOPs MFU counts for a step of `positions` input positions: the model's training FLOPs."""
+        return step_flops(config, seq_len, positions, target_tokens, chunked_loss)
 
 
 def target_tokens(labels):

@@ -35,7 +35,7 @@ from trainer.launch import (
     setup_seed,
     world_sum,
 )
-from trainer.metrics import StepTimer, enable_tf32, peak_flops, peak_mem_gb, step_flops
+from trainer.metrics import StepTimer, enable_tf32, peak_flops, peak_mem_gb
 from trainer.objective import LMObjective, add_stats, target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.context import context_position_ids, shard_sequence
@@ -224,8 +224,8 @@ def train_epoch(trainer, batches, tracker, eval_ds, timer, profiler, bar):
             trainer.started = True
         progress.step_in_epoch += 1
         rows = plan.micro_batch_shape[0] * plan.num_microbatches * plan.dp  # a DPO sample is two rows
-        timer.add(metrics["num_tokens"], step_flops(trainer.config, plan.seq_len, rows * plan.seq_len,
-                                                    metrics["num_tokens"], plan.chunked_loss))
+        timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, plan.seq_len, rows * plan.seq_len,
+                                                                 metrics["num_tokens"], plan.chunked_loss))
         after_step(trainer, tracker, eval_ds, metrics, timer, progress.step_in_epoch == trainer.steps_per_epoch)
         bar.set_postfix(loss=f"{trainer.guard.last_loss:.4f}", lr=f"{metrics['lr']:.2e}",
                         tok_s=f"{metrics['num_tokens'] / (time.perf_counter() - start):.0f}", refresh=False)
