@@ -1,6 +1,7 @@
-"""trainer/train_pretrain.py with faults injected from outside: the trainer itself has no test hooks.
+"""A training script with faults injected from outside: the trainer itself has no test hooks.
 
-Run in its place (python or torchrun); the environment says which fault, on torchrun's first attempt only:
+Run in its place (python or torchrun); MINIMIND_TEST_STAGE names the script (trainer/<name>.py, default
+train_pretrain); the environment says which fault, on torchrun's first attempt only:
   MINIMIND_TEST_KILL_AT_STEP=N     SIGKILL rank MINIMIND_TEST_KILL_RANK (default 0) at step N: after the step's
                                    logging and saving (MINIMIND_TEST_KILL_POINT=step, the default), or inside its
                                    save once the shards are written or the async write is in flight (=save)
@@ -13,13 +14,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
+import importlib  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from trainer import train_loop, train_pretrain  # noqa: E402
+from trainer import train_loop  # noqa: E402
 from trainer.launch import main_guard, rank  # noqa: E402
 
+STAGE = "MINIMIND_TEST_STAGE"
 KILL_AT_STEP = "MINIMIND_TEST_KILL_AT_STEP"
 CORRUPT_REPLICA = "MINIMIND_TEST_CORRUPT_REPLICA"
 
@@ -73,7 +77,7 @@ def main():
                    int(os.environ.get("MINIMIND_TEST_KILL_RANK", 0)))
     if os.environ.get(CORRUPT_REPLICA) and first_attempt:
         patch_corrupt(os.environ[CORRUPT_REPLICA])
-    train_pretrain.main()
+    importlib.import_module(f"trainer.{os.environ.get(STAGE, 'train_pretrain')}").main()
 
 
 if __name__ == "__main__":

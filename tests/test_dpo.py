@@ -4,7 +4,6 @@ import glob
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -83,6 +82,18 @@ def hand_log_probs(hf, input_ids, labels):
     targets = labels[:, 1:]
     picked = torch.log_softmax(logits, dim=-1).gather(2, targets.clamp(min=0)[..., None]).squeeze(-1)
     return (picked * (targets != -100)).sum(dim=1)
+
+
+def test_mfu_counts_the_lm_head_on_every_position():
+    """DPO's log-probs come from the full logits: MFU's FLOPs are 6 x every Linear weight + causal attention per
+    position (by hand), even where the chunked loss would run the lm_head on target tokens only."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    weights = sum(m.weight.numel() for m in MiniMindForCausalLM(config).modules() if isinstance(m, torch.nn.Linear))
+    seq, positions = 32, 100
+    per_position = 6 * weights + 2 * 6 * 64 * seq  # layers x (QK^T + AV: 4 x q_dim x seq / 2 causal, x3 fwd+bwd)
+    for chunked in (False, True):
+        assert DPOObjective(0.1).flops(config, seq, positions, 40, chunked) == positions * per_position
+
 
 
 def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenizer):
@@ -224,12 +235,9 @@ def test_layouts_equal_the_single_process(single_run, tmp_path, layout):
 def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path):
     argv, records, data = single_run
     run = run_args(tmp_path, "killed", data, extra=["--save_interval", "1"])
-    code = ("import sys; sys.argv = ['train_dpo.py'] + sys.argv[1:]; "
-            "from tests.fault_entry import patch_kill; patch_kill(3, 'step', 0); "
-            "from trainer import train_dpo; from trainer.launch import main_guard; main_guard(train_dpo.main)")
-    killed = subprocess.run([sys.executable, "-c", code, *run], capture_output=True, text=True, timeout=300,
-                            cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert killed.returncode == -9, killed.stderr[-3000:]
+    env = {"MINIMIND_TEST_STAGE": "train_dpo", "MINIMIND_TEST_KILL_AT_STEP": "3"}
+    killed = forked("tests/fault_entry.py", args=run, timeout=300, env=env)
+    assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
     for path in glob.glob(os.path.join(run[run.index("--cache_dir") + 1], "*.dpo_ref.*.pt")):
         os.remove(path)  # the resumed run computes the reference again: from the reference weights, not the policy
     resumed = forked(SCRIPT, [*run, "--from_resume", "1"])

@@ -177,8 +177,8 @@ def test_zero1_resume_after_a_kill_is_exact(reference, base, data, tmp_path):
     equals the single process."""
     workdir = str(tmp_path)
     args = run_args(workdir, data, base, 2, ["--zero_stage", "1"])
-    env = {"MINIMIND_TEST_KILL_AT_STEP": "3", "MINIMIND_TEST_KILL_RANK": "1"}
-    killed = forked("tests/lora_fault_entry.py", nproc=2, args=args, timeout=300, env=env)
+    env = {"MINIMIND_TEST_STAGE": "train_lora", "MINIMIND_TEST_KILL_AT_STEP": "3", "MINIMIND_TEST_KILL_RANK": "1"}
+    killed = forked("tests/fault_entry.py", nproc=2, args=args, timeout=300, env=env)
     assert killed.returncode != 0 and "SIGKILL rank 1 at step 3" in killed.stdout + killed.stderr
     before = read_metrics(os.path.join(workdir, "m.jsonl"))
     assert [r["step"] for r in before] == [1, 2, 3]

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from model.weights import atomic_save
 from trainer.config import weight_path
 from trainer.launch import ConfigError, count_sum, is_main_process, setup_seed
+from trainer.objective import LMObjective
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
 from trainer.train_loop import autocast, leaf_datasets, step_targets
@@ -142,7 +143,7 @@ def pair_losses(log_probs, reference, beta):
 
 # ----------------------------------------------------------------------------- the objective
 
-class DPOObjective:
+class DPOObjective(LMObjective):
     """The preference loss for trainer/train_loop.py's train_step (see trainer/objective.py for the methods)."""
 
     stat_names = ("chosen_reward_sum", "rejected_reward_sum", "accuracy_sum", "margin_sum")
@@ -180,6 +181,10 @@ class DPOObjective:
         return {"rewards/chosen": stats["chosen_reward_sum"] / pairs,
                 "rewards/rejected": stats["rejected_reward_sum"] / pairs,
                 "rewards/accuracies": stats["accuracy_sum"] / pairs, "rewards/margins": stats["margin_sum"] / pairs}
+
+    def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
+        """The model's training FLOPs, its lm_head on every position: the log-probs come from the full logits."""
+        return super().flops(config, seq_len, positions, target_tokens, False)
 
 
 # ----------------------------------------------------------------------------- the reference log-probs
