@@ -24,8 +24,9 @@ from model.lora import LoraError, apply_lora_file  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weights import WeightsError, load_weights, read_checkpoint, read_weights, weight_fields  # noqa: E402
 from trainer.checks import check_device, check_tokenizer  # noqa: E402
+from trainer.config import weight_path  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
-from trainer.trainer_utils import typed_or_default, weight_name  # noqa: E402
+from trainer.trainer_utils import typed_or_default  # noqa: E402
 
 
 def load_folder(folder):
@@ -85,9 +86,8 @@ def load_model(args):
                      num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                      use_moe=bool(args.use_moe), num_experts=args.num_experts,
                      num_experts_per_tok=args.num_experts_per_tok)
-        name = weight_name(args.weight, MiniMindConfig(**flags)) + ".pth"
-        path = os.path.abspath(args.weight) if args.weight.endswith(".pth") else \
-            os.path.join(typed_or_default(args.save_dir, "out"), name)
+        save_dir = typed_or_default(args.save_dir, "out")
+        path = os.path.abspath(weight_path(args.weight, save_dir, MiniMindConfig(**flags)))
         if not os.path.isfile(path):
             raise WeightsError(f"{path} does not exist; train it first or pass --weight/--hidden_size/--load_from")
         state_dict, saved_config = read_weights(path)  # the trainer's .pth has its config beside it (<stem>.json)
