@@ -225,7 +225,10 @@ def _tokenized_ranges(task, ranges, num_proc):
 
     def give(conn):
         index, byte_range = next(todo, (None, None))
-        conn.send(byte_range)  # None: no more work, the worker exits
+        try:
+            conn.send(byte_range)  # None: no more work, the worker exits
+        except OSError:
+            pass  # the worker died just now: the wait below reads its end (EOF) and says so
         if index is not None:
             busy[conn] = index
 
