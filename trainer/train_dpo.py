@@ -22,7 +22,7 @@ def main():
                       learning_rate=4e-8, max_seq_len=1024, batch_size=4, accumulation_steps=1, epochs=1)
     # 1. set-up: checks -> TrainPlan (+ DPOPlan: --beta, the reference), process group, mesh, seed
     plan, dims = setup(args, resolve_stage=resolve_dpo)
-    Logger(f"DPO from {plan.from_weight} (--from_weight: the SFT stage's output by default), "
+    Logger(f"DPO from --from_weight {plan.from_weight} (the SFT stage's output by default), "
            f"reference {plan.stage.ref_weight}, beta {plan.stage.beta}")
     # 2. tokenizer and preference pairs (the embedded demo pairs unless --data_path)
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
