@@ -190,25 +190,16 @@ def _worker(task, conn, inherited):
         pass  # the parent is gone: so is this worker
 
 
-def _tokenized_ranges(task, ranges, num_proc):
-    """Results of _tokenize_range over `ranges`, in order, from `num_proc` worker processes.
-
-    Each worker has a pipe of its own (no lock shared with the others, unlike multiprocessing.Pool, whose
-    terminate() deadlocks when a worker dies holding the result queue's lock), and a worker that dies is an
-    error here, not a task waited for forever.
-    """
-    if num_proc == 1 or len(ranges) == 1:
-        _init_worker(task)
-        yield from map(_tokenize_range, ranges)
-        return
+def _start_workers(task, count):
+    """{parent end of its pipe: process} of `count` worker processes running _worker."""
     # fork, as DataLoader workers do: no re-import, and the tokenizer is inherited instead of pickled
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     ctx = multiprocessing.get_context(method)
-    pipes = [ctx.Pipe() for _ in range(min(num_proc, len(ranges)))]
+    pipes = [ctx.Pipe() for _ in range(count)]
     ends = [end for pipe in pipes for end in pipe] if method == "fork" else []
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # workers are the parallelism; silences the after-fork warning
-    workers = {}  # parent end of the pipe -> process
+    workers = {}
     try:
         for parent, child in pipes:
             process = ctx.Process(target=_worker, args=(task, child, [e for e in ends if e is not child]),
@@ -221,6 +212,21 @@ def _tokenized_ranges(task, ranges, num_proc):
             os.environ.pop("TOKENIZERS_PARALLELISM")
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = parallelism
+    return workers
+
+
+def _tokenized_ranges(task, ranges, num_proc):
+    """Results of _tokenize_range over `ranges`, in order, from `num_proc` worker processes.
+
+    Each worker has a pipe of its own (no lock shared with the others, unlike multiprocessing.Pool, whose
+    terminate() deadlocks when a worker dies holding the result queue's lock), and a worker that dies is an
+    error here, not a task waited for forever.
+    """
+    if num_proc == 1 or len(ranges) == 1:
+        _init_worker(task)
+        yield from map(_tokenize_range, ranges)
+        return
+    workers = _start_workers(task, min(num_proc, len(ranges)))
     todo, busy, done, next_index = iter(enumerate(ranges)), {}, {}, 0
 
     def give(conn):
