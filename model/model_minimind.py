@@ -206,6 +206,13 @@ def packed_document_mask(position_ids):
     return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
 
 
+def generation_mask(mask):
+    """generate()'s 4-D mask (bool, True = attend, or additive float with 0 = attend) as a boolean mask in which a
+    query that may attend to nothing (a padding position) attends everywhere, as build_attention_mask does."""
+    mask = mask if mask.dtype == torch.bool else mask == 0
+    return mask | ~mask.any(dim=-1, keepdim=True)
+
+
 # torch's CPU flash-attention kernel (what SDPA calls on CPU); its attn_mask argument exists since torch 2.3
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # it splits keys into blocks of 512 (FlashAttentionKernel.cpp): shorter rows have no block above the diagonal to skip
@@ -290,6 +297,22 @@ def eager_attention(q, k, v, attention_mask=None):
     return F.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
+def cached_keys(cache, k, v, layer_idx, attention_mask=None, cache_position=None):
+    """(keys, values, mask) of the cached positions so far plus the new ones, from a transformers KV cache.
+
+    A static cache returns its whole preallocated buffer: the slots not written yet are cut off (and the mask with
+    them), so attention sees what a dynamic cache gives. transformers 4.x's StaticCache writes at cache_position."""
+    past_len = int(cache.get_seq_length(layer_idx))  # before this update; a host read, in generation only
+    kv_len = past_len + k.shape[2]
+    cache_kwargs = {"cache_position": cache_position} if cache_position is not None else {}
+    k, v = cache.update(k, v, layer_idx, cache_kwargs)
+    if k.shape[2] > kv_len:  # a static cache's unwritten slots
+        k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > kv_len:
+        attention_mask = attention_mask[..., :kv_len]
+    return k, v, attention_mask
+
+
 class Attention(nn.Module):
     """GQA self-attention with per-head q/k RMSNorm (Qwen3) and RoPE; the kernel is the swappable `self.attn_fn`."""
 
@@ -316,7 +339,7 @@ class Attention(nn.Module):
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+            k, v, attention_mask = cached_keys(past_key_values, k, v, self.layer_idx, attention_mask, cache_position)
         out = self.attn_fn(q, k, v, attention_mask)
         out = out.transpose(1, 2).reshape(bsz, seq_len, -1)
         return self.resid_dropout(self.o_proj(out))
@@ -433,7 +456,9 @@ class MiniMindModel(nn.Module):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if attention_mask is not None:
+        if attention_mask is not None and attention_mask.dim() == 4 and past_key_values is not None:
+            attention_mask = generation_mask(attention_mask)  # generate()'s full mask over a static cache
+        elif attention_mask is not None:
             if attention_mask.dim() != 2:
                 raise ValueError("attention_mask must be a 2-D (batch, kv_len) padding mask, "
                                  f"got {attention_mask.dim()}-D")
@@ -445,8 +470,10 @@ class MiniMindModel(nn.Module):
             attention_mask = self.document_mask(position_ids)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
-        if position_ids is None:
-            past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None and cache_position is not None:  # transformers 4.x's generate passes it
+            position_ids = cache_position.unsqueeze(0)
+        elif position_ids is None:
+            past_len = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
             position_ids = torch.arange(past_len, past_len + inputs_embeds.shape[1],
                                         device=inputs_embeds.device).unsqueeze(0)
 
@@ -523,6 +550,12 @@ def chunked_cross_entropy(hidden, weight, targets, chunk_size):
 # ----------------------------------------------------------------------------------------------
 # Causal LM
 # ----------------------------------------------------------------------------------------------
+# the output's KV-cache field: `cache` from transformers 5.24 on (generate reads it back), else past_key_values
+CACHE_FIELD = "cache" if "cache" in MoeCausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+# generate()'s bookkeeping keywords, which the model has no use for (the cache position is taken above)
+IGNORED_FORWARD_KWARGS = {"return_dict", "output_attentions", "output_hidden_states", "output_router_logits"}
+
+
 class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
     """MiniMind language model; `generate()` comes from transformers' GenerationMixin (DynamicCache)."""
 
@@ -563,11 +596,19 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, labels=None, shift_labels=None, num_items_in_batch=None, logits_to_keep=0,
-                inputs_embeds=None, **kwargs):
+                inputs_embeds=None, cache=None, cache_position=None, **kwargs):
+        """Causal LM forward. The KV cache comes as `past_key_values` (transformers < 5.24) or `cache` (>= 5.24's
+        generate); any other keyword that is not one of generate()'s bookkeeping flags is an error, never dropped."""
+        unknown = set(kwargs) - IGNORED_FORWARD_KWARGS
+        if unknown:
+            raise TypeError(f"MiniMindForCausalLM.forward got unexpected arguments {sorted(unknown)}")
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the KV cache once, as cache or past_key_values")
+        past_key_values = past_key_values if past_key_values is not None else cache
         hidden_states, past_key_values, aux_loss = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache, inputs_embeds=inputs_embeds,
-            cache_position=kwargs.get("cache_position"))
+            cache_position=cache_position)
         loss = logits = None
         if shift_labels is None and labels is not None:  # targets[t] = labels[t + 1], -100 at the end
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -584,8 +625,8 @@ class MiniMindForCausalLM(PreTrainedModel, GenerationMixin):
             if num_items_in_batch is None:
                 num_items_in_batch = (shift_labels != -100).sum().clamp(min=1)
             loss = ce_sum / num_items_in_batch
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
-                                         past_key_values=past_key_values if use_cache else None)
+        cache_out = {CACHE_FIELD: past_key_values if use_cache or past_key_values is not None else None}
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, **cache_out)
 
     def _use_chunked_loss(self, hidden_states, shift_labels, logits_to_keep):
         """Chunked CE only for a loss-only call on plain tensors: tensor parallel (DTensor) keeps the full path."""

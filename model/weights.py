@@ -130,8 +130,11 @@ def _read_dcp_checkpoint(path):
 
 def numpy_rng_globals():
     """What np.random.get_state() pickles to, allowed on top of torch's weights_only set (nothing executable)."""
-    multiarray = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core
-    return [multiarray.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:  # numpy 2 renamed numpy.core (numpy 1.26 has a numpy._core stub without multiarray)
+        from numpy._core.multiarray import _reconstruct
+    except (ImportError, AttributeError):
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def config_fields(config):

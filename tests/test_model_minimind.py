@@ -283,6 +283,44 @@ def test_greedy_generate_cache_and_qwen3_agree(use_moe):
     assert torch.equal(with_cache, reference)
 
 
+def full_forward_greedy(model, prompt, mask, steps):
+    """The reference decoder: a full forward over the whole sequence each step (no cache), argmax of the last logits."""
+    ids, mask, logits = prompt, mask, []
+    with torch.no_grad():
+        for _ in range(steps):
+            last = model(ids, attention_mask=mask).logits[:, -1].float()
+            logits.append(last)
+            ids = torch.cat([ids, last.argmax(-1, keepdim=True)], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    return ids, torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+@pytest.mark.parametrize("left_pad", [0, 3])
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_greedy_generate_with_cache_equals_full_forward_loop(use_moe, left_pad, cache_implementation):
+    """Whatever name the installed transformers gives the KV cache (past_key_values, cache), generate() must use it:
+    each step's scores equal a full forward over the sequence so far (fp32), so the tokens are the same."""
+    model = minimind(tiny_config(use_moe=use_moe, num_experts_per_tok=2), seed=3)
+    prompt = batch(bsz=1 if not left_pad else 3, seq=7, seed=4)
+    mask = torch.ones_like(prompt)
+    mask[0, :left_pad] = 0  # row 0 left-padded, as a batch of prompts of different lengths is
+    expected, expected_logits = full_forward_greedy(model, prompt, mask, steps=10)
+    out = model.generate(prompt, attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                         pad_token_id=0, use_cache=True, cache_implementation=cache_implementation,
+                         output_logits=True, return_dict_in_generate=True)
+    scores = torch.stack(out.logits, dim=1).float()  # raw logits (scores are after min_new_tokens masks EOS)
+    assert max_diff(scores, expected_logits) < TOL
+    assert torch.equal(out.sequences, expected)
+
+
+def test_forward_rejects_an_unknown_keyword():
+    """A keyword the model does not know (a renamed cache, say) is an error, not silently dropped."""
+    model = minimind(tiny_config())
+    with pytest.raises(TypeError, match="kv_cache"):
+        model(batch(seq=4), kv_cache=object())
+
+
 def test_kv_cache_forward_matches_full_forward():
     model = minimind(tiny_config())
     x = batch(seq=12)
