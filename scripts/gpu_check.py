@@ -6,7 +6,8 @@
 
 Sections, in order:
   tests      pytest -m cuda: the tests that take the GPU when there is one (model parity, chunked loss, masks, resume)
-  smoke      short real runs of the trainer scripts: bf16, doc mask on/off, compile, MoE fp16 + grad checkpointing,
+  smoke      short real runs of the trainer scripts: bf16, doc mask on/off, compile, MoE fp16 + grad checkpointing
+             (each row named by the dtype it ran in: the CPU dry run trains bf16 only where the CPU has it),
              torchrun with one process (NCCL), async save, profiler, eval, SFT, and resume equal to a straight run
   attention  SDPA causal, SDPA with a dense document mask, FlexAttention with a document block mask: fwd+bwd time
              and peak memory at B16 x L2048 (GQA 8/4 heads of 96)
@@ -88,15 +89,19 @@ def read_metrics(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
 def smoke_plan(ctx):
-    """[(name, script, extra flags, torchrun)]: each CUDA path a user takes, once."""
-    half = "float32" if ctx.dry_run else "float16"  # fp16 is refused on CPU
+    """[(name, script, extra flags, torchrun)]: each CUDA path a user takes, once. A row's name says the dtype it
+    trains in (the dry run: bf16 where the CPU has it natively, else fp32; fp16 is refused on CPU)."""
+    half = "float32" if ctx.dry_run else "float16"
     # the dry run leaves out compile (a minute of C++ builds on 2 cores; tests/test_perf.py compiles blocks on CPU)
     compiled = [] if ctx.dry_run else [("compile", "train_pretrain.py", dict(dtype=ctx.dtype, use_compile=1), False)]
     return compiled + [
-        ("bf16", "train_pretrain.py", dict(dtype=ctx.dtype), False),
+        (SHORT[ctx.dtype], "train_pretrain.py", dict(dtype=ctx.dtype), False),
         ("doc_mask_off", "train_pretrain.py", dict(dtype=ctx.dtype, doc_mask=0), False),
-        ("moe_fp16_grad_ckpt", "train_pretrain.py", dict(dtype=half, use_moe=1, grad_checkpointing=1), False),
+        (f"moe_{SHORT[half]}_grad_ckpt", "train_pretrain.py", dict(dtype=half, use_moe=1, grad_checkpointing=1), False),
         ("torchrun_1", "train_pretrain.py", dict(dtype=ctx.dtype), True),
         ("async_save", "train_pretrain.py", dict(dtype=ctx.dtype, async_save=1, save_interval=2), False),
         ("profiler", "train_pretrain.py", dict(dtype=ctx.dtype, profile_steps="2:3"), False),
@@ -104,6 +109,11 @@ def smoke_plan(ctx):
          False),
         ("sft", "train_sft.py", dict(dtype=ctx.dtype, data_path=ctx.data["sft"], from_weight="none"), False),
     ]
+
+
+def dry_run_dtype():
+    """The dry run's training dtype: bf16 where the CPU computes it natively (--dtype bfloat16 is refused elsewhere)."""
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
 def smoke_run(ctx, name, script, extra, torchrun=False, steps=4):
@@ -124,7 +134,8 @@ def smoke_run(ctx, name, script, extra, torchrun=False, steps=4):
     if "eval_data_path" in extra:
         checks["eval_loss logged"] = any("eval_loss" in r for r in read_metrics(flags["metrics_file"]))
     last = records[-1] if records else {}
-    return dict(name=name, seconds=seconds, exit=code, losses=losses, checks=checks, ok=all(checks.values()),
+    return dict(name=name, dtype=flags["dtype"], seconds=seconds, exit=code, losses=losses, checks=checks,
+                ok=all(checks.values()),
                 tokens_per_sec=last.get("tokens_per_sec"), mfu=last.get("mfu"), peak_mem_gb=last.get("peak_mem_gb"),
                 log_tail=None if all(checks.values()) else tail)
 
@@ -143,7 +154,7 @@ def resume_check(ctx):
     equal = len(a) == len(b) == 4 and all(abs(x - y) <= tolerance * abs(x) for x, y in zip(a, b))
     checks = {"straight ok": straight["ok"], "first half ok": first["ok"], "resumed ok": resumed["ok"],
               f"resumed losses equal the straight run (rel {tolerance})": equal}
-    return dict(name="resume", seconds=straight["seconds"] + first["seconds"] + resumed["seconds"],
+    return dict(name="resume", dtype="float32", seconds=straight["seconds"] + first["seconds"] + resumed["seconds"],
                 exit=resumed["exit"], losses=b, straight_losses=a, checks=checks, ok=all(checks.values()),
                 log_tail=resumed.get("log_tail") or first.get("log_tail"))
 
@@ -306,13 +317,14 @@ def markdown(report):
              "| key | value |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in report["environment"].items()]
     for section, rows in report["sections"].items():
-        lines += ["", f"## {section}", "", "| name | ok | seconds | figures | failed checks |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += ["", f"## {section}", "", "| name | dtype | ok | seconds | figures | failed checks |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for row in rows:
             figures = ", ".join(f"{k} {row[k]:.4g}" for k in ("tokens_per_sec", "mfu", "peak_mem_gb", "ms")
                                 if isinstance(row.get(k), (int, float)))
             failed = "; ".join(name for name, good in row.get("checks", {}).items() if not good)
-            lines.append(f"| {row['name']} | {'yes' if row['ok'] else '**NO**'} | {row.get('seconds', '')} | "
+            lines.append(f"| {row['name']} | {row.get('dtype', '')} | {'yes' if row['ok'] else '**NO**'} | "
+                         f"{row.get('seconds', '')} | "
                          f"{figures} | {failed} |")
     lines += ["", f"**{report['passed']} ok, {report['failed']} failed** in {report['seconds']:.0f} s"]
     return "\n".join(lines) + "\n"
@@ -337,7 +349,7 @@ def main(argv=None):
     args = parse_args(argv)
     ctx = argparse.Namespace(dry_run=args.dry_run, out=os.path.abspath(args.out), timeout=args.timeout,
                              device="cpu" if args.dry_run else "cuda",
-                             dtype="float32" if args.dry_run else "bfloat16",
+                             dtype=dry_run_dtype() if args.dry_run else "bfloat16",
                              model=DRY_MODEL if args.dry_run else GPU_MODEL)
     os.makedirs(os.path.join(ctx.out, "runs"), exist_ok=True)
     ctx.cache_dir = os.path.join(ctx.out, "cache")

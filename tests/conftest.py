@@ -1,4 +1,5 @@
-"""Test markers: `slow` = launches processes or trains end to end; `huge` = 16-process layouts (RUN_SLOW=1)."""
+"""Test markers: `slow` = starts processes (set here on every test that does; runs in .ci/run);
+`huge` = needs RUN_SLOW=1 (nothing in the suite is so marked today: the 16-process layout runs in CI)."""
 import os
 import subprocess
 import sys
@@ -62,10 +63,7 @@ def item_launches(item):
 def pytest_collection_modifyitems(config, items):
     run_huge = os.environ.get("RUN_SLOW") == "1"
     for item in items:
-        if item.get_closest_marker("slow") is not None or item.get_closest_marker("huge") is not None:
-            # a `slow` written on the test itself keeps its old meaning: a 16-process layout
-            item.add_marker(pytest.mark.huge)
-            if not run_huge:
-                item.add_marker(pytest.mark.skip(reason="16 processes on 2 cores; set RUN_SLOW=1"))
+        if item.get_closest_marker("huge") is not None and not run_huge:
+            item.add_marker(pytest.mark.skip(reason="marked huge; set RUN_SLOW=1"))
         if item_launches(item):
             item.add_marker(pytest.mark.slow)

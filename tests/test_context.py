@@ -1,17 +1,14 @@
 """Context parallelism: ring attention and a cp-sharded model against the single-process result."""
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from launch import ROOT, spawn
+from launch import spawn
 
 from model.model_minimind import packed_document_mask
 from trainer.parallel import context, ring_blocks
 from trainer.parallel.context import apply_context_parallel, context_position_ids, ring_attention, shard_sequence
-
-HAVE_MODEL = os.path.exists(os.path.join(ROOT, "model", "model_minimind.py"))
 
 
 def unshard_sequence(shards, dim=1):
@@ -256,6 +253,5 @@ def _model_worker(rank, cp_size):
             torch.testing.assert_close(grad, ref_params[name].grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
-@pytest.mark.skipif(not HAVE_MODEL, reason="model/model_minimind.py not written yet")
 def test_model_with_context_parallel_matches_single_process():
     spawn(_model_worker, 2, timeout=120, start_method="fork")

@@ -211,8 +211,6 @@ def test_ranks_build_one_token_cache_together(data, reference, layout_runs, tmp_
     assert_same_run(workdir, data, "dense", reference["dense"])
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1", reason="16 processes on 2 cores; set RUN_SLOW=1")
 @pytest.mark.parametrize("model", list(MODELS))
 def test_16_process_layout(model, data, reference, tmp_path):
     nproc, flags = SLOW_LAYOUTS["dp2xtp2xpp2xcp2"]

@@ -2,7 +2,6 @@
 import copy
 import json
 import os
-import time
 
 import numpy as np
 import pytest
@@ -125,20 +124,15 @@ def test_activation_checkpointing_survives_deepcopy_and_eval():
 
 
 def test_compile_blocks_keeps_fqns_and_values():
-    """torch.compile on CPU compiles with a C++ toolchain: tiny model; skipped if it takes over 60 s."""
+    """torch.compile on CPU compiles with the C++ toolchain (gcc, installed on every machine this runs on): a compile
+    error fails the test. Tiny model."""
     model = tiny_model()
     x, targets = batch()
     ref_out, ref_grads = loss_and_grads(model, x, targets)
     keys = list(model.state_dict())
     compiled = compile_blocks(tiny_model())
     assert list(compiled.state_dict()) == keys
-    start = time.time()
-    try:
-        out, grads = loss_and_grads(compiled, x, targets)
-    except Exception as e:  # no working compiler toolchain on this machine
-        pytest.skip(f"torch.compile unavailable here: {type(e).__name__}")
-    if time.time() - start > 60:
-        pytest.skip("torch.compile took over 60 s on this machine")
+    out, grads = loss_and_grads(compiled, x, targets)
     assert_same(out, grads, ref_out, ref_grads, tol=1e-4)
 
 

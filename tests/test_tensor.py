@@ -4,9 +4,7 @@ Every rank builds the same model from the same seed, keeps a plain copy and para
 then compares loss, every gradient, clipped grad norm and one AdamW step.
 """
 import copy
-import os
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -110,8 +108,6 @@ def test_tp2_dense_and_moe():
     spawn(_run_cases, 2, cases, timeout=150, start_method="fork")
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("RUN_SLOW") != "1", reason="4 processes; set RUN_SLOW=1")
 def test_tp4_dense():
     config_kwargs = dict(TINY, num_key_value_heads=4)
     spawn(_run_cases, 4, [(config_kwargs, False, True), (config_kwargs, True, True)], timeout=240,
