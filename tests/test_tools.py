@@ -7,8 +7,17 @@ import pytest
 from transformers import AutoTokenizer
 
 from dataset.lm_dataset import _chat_messages
-from dataset.tools import (TOOL_CASES, TOOLS, agent_rows, execute_tool, gt_matches, parse_assistant, run_episode,
-                           tool_schemas, valid_call)
+from dataset.tools import (
+    TOOL_CASES,
+    TOOLS,
+    agent_rows,
+    execute_tool,
+    gt_matches,
+    parse_assistant,
+    run_episode,
+    tool_schemas,
+    valid_call,
+)
 from tests.launch import ROOT
 
 
