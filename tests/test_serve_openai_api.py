@@ -111,12 +111,14 @@ class ForceText(LogitsProcessor):
 
 
 class ScriptedModel(MiniMindForCausalLM):
-    """The real model and generate(), its choice of tokens forced to `script`; it keeps the prompts it was given."""
+    """The real model and generate(), its choice of tokens forced to `script` (a text, or a list of texts, one per
+    generate call); it keeps the prompts it was given."""
     script, tokenizer = "", None
 
     def generate(self, input_ids=None, **kwargs):
         self.prompts.append(self.tokenizer.decode(input_ids[0]))
-        ids = self.tokenizer(self.script, add_special_tokens=False).input_ids
+        script = self.script.pop(0) if isinstance(self.script, list) else self.script
+        ids = self.tokenizer(script, add_special_tokens=False).input_ids
         kwargs["logits_processor"] = LogitsProcessorList([ForceText(ids, self.tokenizer.eos_token_id)])
         return super().generate(input_ids=input_ids, **kwargs)
 
