@@ -76,10 +76,12 @@ def main():
         st.stop()
 
     sidebar = st.sidebar
-    max_new_tokens = sidebar.slider("Max new tokens", 1, 8192, args.max_new_tokens, key="max_new_tokens")
-    temperature = sidebar.slider("Temperature (0: greedy)", 0.0, 1.5, float(args.temperature), 0.05,
-                                 key="temperature")
-    top_p = sidebar.slider("Top p", 0.05, 1.0, float(args.top_p), 0.05, key="top_p")
+    # the ranges widen to hold the flags' values, which become the sliders' starting points
+    max_new_tokens = sidebar.slider("Max new tokens", 1, max(8192, args.max_new_tokens), args.max_new_tokens,
+                                    key="max_new_tokens")
+    temperature = sidebar.slider("Temperature (0: greedy)", 0.0, max(1.5, args.temperature), float(args.temperature),
+                                 0.05, key="temperature")
+    top_p = sidebar.slider("Top p", min(0.05, args.top_p), 1.0, float(args.top_p), 0.05, key="top_p")
     rounds = sidebar.slider("Earlier rounds the model sees", 0, 8, 2, key="rounds")
     thinking = sidebar.checkbox("Thinking", value=bool(args.open_thinking), key="thinking")
     names = sidebar.multiselect("Tools", TOOL_NAMES, default=[], key="tools")
