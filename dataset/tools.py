@@ -250,10 +250,9 @@ def parse_assistant(text, open_thinking=False, final=True):
         body = start[len("<think>"):] if start.startswith("<think>") else start
         reasoning, _, rest = body.partition("</think>")
         reasoning = reasoning.strip()
-    if not final:
-        opened, closed = rest.rfind("<tool_call>"), rest.rfind("</tool_call>")
-        if opened > closed:  # a call still being written
-            rest = rest[:opened]
+    if not final:  # a call still being written: from the first <tool_call> after the last whole block
+        opened = rest.find("<tool_call>", max((m.end() for m in BLOCK.finditer(rest)), default=0))
+        rest = rest[:opened] if opened >= 0 else rest
     calls, malformed = [], []
 
     def take(match):

@@ -2,6 +2,7 @@
 tools against hand-computed results; episodes and agent rows."""
 import json
 import os
+import random
 
 import pytest
 from transformers import AutoTokenizer
@@ -111,7 +112,9 @@ def test_generation_prompt_and_parse_agree_on_thinking(tokenizer):
 
 STREAMED = ["Reasoning about <b> tags.\n</think>\n\nHere: " + WEATHER_CALL + " done <tool_call>{bad}</tool_call> x",
             "<think>\nhmm\n</think>\n\n" + WEATHER_CALL + "\n" + WEATHER_CALL, "Ends in a partial tag </tool_ca",
-            "你好，世界\ufffd"]
+            "你好，世界\ufffd",
+            # a tag inside a call's JSON: the call is whole only at its first </tool_call>
+            'A <tool_call>{"name": "calculate_math", "arguments": {"expression": "<tool_call>1"}}</tool_call> B']
 
 
 @pytest.mark.parametrize("text", STREAMED)
@@ -128,6 +131,21 @@ def test_partial_parse_only_grows(text, open_thinking):
         assert reasoning.startswith(sent_reasoning) and (final.reasoning_content or "").startswith(reasoning)
         sent_content, sent_reasoning = partial.content, reasoning
         assert partial.tool_calls == final.tool_calls[:len(partial.tool_calls)]
+
+
+def test_partial_parse_only_grows_on_random_texts():
+    """The same property on 300 random texts made of tags, call bodies and text pieces, cut at every character."""
+    pieces = ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"a": 1}}',
+              '"<tool_call>"', "{oops}", "word", " ", "\n", "<", "</", "\ufffd", "你"]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        for open_thinking in (False, True):
+            final = parse_assistant(text, open_thinking)
+            for k in range(len(text) + 1):
+                partial = parse_assistant(text[:k], open_thinking, final=False)
+                assert final.content.startswith(partial.content), (text, k)
+                assert (final.reasoning_content or "").startswith(partial.reasoning_content or ""), (text, k)
 
 
 def test_partial_parse_holds_back_what_can_change():
