@@ -73,8 +73,8 @@ def test_end_to_end_on_a_random_model(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().split("\n")
     case_lines = [line for line in lines if line.startswith("[")]
     assert [line.split()[0] for line in case_lines] == [f"[{i}/9]" for i in range(1, 10)]
-    pattern = re.compile(r"(PASS|FAIL) valid_call=(\d) right_tool=(\d) gt=(\d)/(\d)")
-    flags = [pattern.search(line).groups() for line in case_lines]
+    pattern = r"(PASS|FAIL) valid_call=(\d) right_tool=(\d) gt=(\d)/(\d)"
+    flags = [re.search(pattern, line).groups() for line in case_lines]
     passed = sum(f[0] == "PASS" for f in flags)
     valid, right = sum(int(f[1]) for f in flags), sum(int(f[2]) for f in flags)
     truth = sum(f[3] == f[4] for f in flags)
