@@ -12,13 +12,16 @@ import argparse
 import json
 import math
 import os
+import queue
 import sys
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # noqa: E402
+from transformers.generation import BaseStreamer, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from model.lora import LoraError, apply_lora_file  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
@@ -107,35 +110,107 @@ def lora_path(args, config):
     return path
 
 
-def render_prompt(tokenizer, messages, chat, open_thinking):
-    """The text the model continues: the chat template (with the thinking switch) or bos + raw text."""
+def load_chat_model(args):
+    """(model in eval mode on --device, tokenizer) from the loading flags; ConfigError, WeightsError or LoraError
+    (LOAD_ERRORS) name what to change."""
+    check_args(args)
+    model = load_model(args)
+    if args.lora:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
+        apply_lora_file(model, lora_path(args, model.config))
+    return model.eval().to(args.device), AutoTokenizer.from_pretrained(tokenizer_folder(args))
+
+
+LOAD_ERRORS = (ConfigError, WeightsError, LoraError)
+
+
+def render_prompt(tokenizer, messages, chat, open_thinking, tools=None):
+    """The text the model continues: the chat template (with the thinking switch and the tool schemas) or bos + raw
+    text."""
     if not chat:
         return (tokenizer.bos_token or "") + messages[-1]["content"]
     # MiniMind-3's template reads open_thinking, Qwen3's enable_thinking; a template ignores the one it lacks
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True,
                                          open_thinking=bool(open_thinking), enable_thinking=bool(open_thinking))
+
+
+def generate_ids(model, tokenizer, text, max_new_tokens, temperature, top_p, **generate_kwargs):
+    """(prompt ids, generated ids, EOS included when reached) of `text`'s continuation: temperature 0 is greedy."""
+    # no token_type_ids: transformers 4.x tokenizers return them and generate() rejects them
+    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False)
+    inputs = inputs.to(model.device)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, **sampling, **generate_kwargs)
+    return inputs.input_ids[0].cpu(), out[0, inputs.input_ids.shape[1]:].cpu()
+
+
+class _TokenQueue(BaseStreamer):
+    """generate() hands it the prompt, then each new token; None marks the end."""
+
+    def __init__(self):
+        self.tokens, self.prompt_seen = queue.Queue(), False
+
+    def put(self, value):
+        if self.prompt_seen:
+            for token in value.reshape(-1).tolist():
+                self.tokens.put(token)
+        self.prompt_seen = True
+
+    def end(self):
+        self.tokens.put(None)
+
+
+class _StopFlag(StoppingCriteria):
+    """Stops generate() at the next token once the event is set (a streaming client went away)."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+def stream_ids(model, tokenizer, text, max_new_tokens, temperature, top_p):
+    """Yield the generated token ids (EOS included when reached) as generate() makes them in a thread; the same
+    tokens as generate_ids. Closing the generator stops generation at the next token."""
+    tokens, stop, failure = _TokenQueue(), threading.Event(), []
+
+    def run():
+        try:
+            generate_ids(model, tokenizer, text, max_new_tokens, temperature, top_p, streamer=tokens,
+                         stopping_criteria=StoppingCriteriaList([_StopFlag(stop)]))
+        except Exception as e:  # re-raised in the caller's thread
+            failure.append(e)
+            tokens.end()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        while (token := tokens.tokens.get()) is not None:
+            yield token
+    finally:
+        stop.set()
+        thread.join()
+    if failure:
+        raise failure[0]
 
 
 def reply(model, tokenizer, text, args):
     """Stream the continuation of `text` to stdout; return it decoded."""
-    # no token_type_ids: transformers 4.x tokenizers return them and generate() rejects them
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False).to(args.device)
-    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 \
-        else dict(do_sample=False)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, streamer=streamer,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
-    return tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+    _, new_ids = generate_ids(model, tokenizer, text, args.max_new_tokens, args.temperature, args.top_p,
+                              streamer=streamer)
+    return tokenizer.decode(new_ids, skip_special_tokens=True)
 
 
-def parse_args(argv=None):
-    """The flags; --load_from made absolute (typed paths follow the cwd)."""
-    parser = argparse.ArgumentParser(description="MiniMind text generation and chat")
+def add_model_args(parser, weight="pretrain"):
+    """The loading flags (weights, LoRA, model shape for a bare .pth, tokenizer, device): eval_llm's, shared by
+    eval_toolcall, serve_openai_api and web_demo."""
     parser.add_argument("--load_from", default=None,
                         help="a Hugging Face folder (ours, MiniMind's, Qwen3) instead of --weight")
     parser.add_argument("--save_dir", default=None, help="where --weight files are (default: the repo's out/)")
-    parser.add_argument("--weight", default="pretrain", help="weight prefix (pretrain, full_sft, ...) or a .pth path")
+    parser.add_argument("--weight", default=weight, help="weight prefix (pretrain, full_sft, ...) or a .pth path")
     parser.add_argument("--checkpoint", default=None,
                         help="a resume checkpoint (checkpoints/<weight>_<hidden>/step_<N>) instead of --weight")
     parser.add_argument("--tokenizer_path", default=None,
@@ -149,38 +224,54 @@ def parse_args(argv=None):
     parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
     parser.add_argument("--num_experts", type=int, default=4)
     parser.add_argument("--num_experts_per_tok", type=int, default=1)
-    parser.add_argument("--prompt", default=None, help="text to continue (or a chat turn with --chat 1)")
-    parser.add_argument("--interactive", type=int, default=0, choices=[0, 1],
-                        help="multi-turn chat from stdin, with history")
-    parser.add_argument("--chat", type=int, default=None, choices=[0, 1],
-                        help="apply the chat template (default: on unless pretrain)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def add_sampling_args(parser, max_new_tokens=128, temperature=0.85):
+    """The generation flags: thinking switch, length, temperature (0: greedy), top_p, seed."""
     parser.add_argument("--open_thinking", type=int, default=0, choices=[0, 1],
                         help="leave the think block open for the model to reason (open_thinking / enable_thinking "
                         "in the template)")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.85, help="0: greedy")
+    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature, help="0: greedy")
     parser.add_argument("--top_p", type=float, default=0.85)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parsed(parser, argv):
+    """parser.parse_args(argv) with --load_from made absolute (typed paths follow the cwd)."""
     args = parser.parse_args(argv)
     if args.load_from:
         args.load_from = os.path.abspath(args.load_from)
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def load_or_exit(args):
+    """load_chat_model, or one `error: ...` line and exit 2."""
     try:
-        check_args(args)
-        model = load_model(args)
-        if args.lora:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
-            apply_lora_file(model, lora_path(args, model.config))
-        model = model.eval().to(args.device)
-    except (ConfigError, WeightsError, LoraError) as e:
+        return load_chat_model(args)
+    except LOAD_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def parse_args(argv=None):
+    """The flags; --load_from made absolute."""
+    parser = argparse.ArgumentParser(description="MiniMind text generation and chat")
+    add_model_args(parser)
+    parser.add_argument("--prompt", default=None, help="text to continue (or a chat turn with --chat 1)")
+    parser.add_argument("--interactive", type=int, default=0, choices=[0, 1],
+                        help="multi-turn chat from stdin, with history")
+    parser.add_argument("--chat", type=int, default=None, choices=[0, 1],
+                        help="apply the chat template (default: on unless pretrain)")
+    add_sampling_args(parser)
+    return parsed(parser, argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model, tokenizer = load_or_exit(args)
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(args))
     chat = bool(args.chat if args.chat is not None else (args.load_from or args.weight != "pretrain"))
     if args.interactive:
         messages = []

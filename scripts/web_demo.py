@@ -1,0 +1,122 @@
+"""A chat page for the model in the browser (Streamlit), as MiniMind's web demo, over eval_llm's loader.
+
+    streamlit run scripts/web_demo.py -- --weight full_sft
+    streamlit run scripts/web_demo.py -- --load_from out/hf_model --open_thinking 1 --temperature 0
+
+The flags after `--` are eval_llm's (weights, LoRA, model shape, device, sampling defaults). The sidebar sets the
+sampling, how many earlier rounds the model sees, the thinking switch and which of the six mock tools it may call;
+a tool call is answered by the mock tool and the model goes on (up to 3 turns), as in scripts/eval_toolcall.py.
+"""
+import argparse
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import streamlit as st  # noqa: E402
+import torch  # noqa: E402
+
+from dataset.tools import TOOL_NAMES, parse_assistant, run_episode, tool_schemas  # noqa: E402
+from scripts.eval_llm import (  # noqa: E402
+    LOAD_ERRORS,
+    add_model_args,
+    add_sampling_args,
+    load_chat_model,
+    parsed,
+    render_prompt,
+    stream_ids,
+)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="MiniMind web chat (streamlit run scripts/web_demo.py -- FLAGS)")
+    add_model_args(parser, weight="full_sft")
+    add_sampling_args(parser, max_new_tokens=512)
+    return parsed(parser, argv)
+
+
+@st.cache_resource(show_spinner="Loading the model ...")
+def load(argv):
+    """(model, tokenizer) for these flags, loaded once per server process."""
+    args = parse_args(list(argv))
+    torch.manual_seed(args.seed)
+    return load_chat_model(args)
+
+
+def show(message):
+    """One message of the conversation: the think block folded away, tool calls and results as code."""
+    if message["role"] == "tool":
+        with st.chat_message("assistant", avatar="🛠️"):
+            st.code(message["content"], language="json")
+        return
+    with st.chat_message(message["role"]):
+        if message.get("reasoning_content"):
+            with st.expander("Thinking"):
+                st.markdown(message["reasoning_content"])
+        if message.get("content"):
+            st.markdown(message["content"])
+        for call in message.get("tool_calls", []):
+            st.code(f"{call['function']['name']}({call['function']['arguments']})", language="python")
+
+
+def context(messages, rounds):
+    """The messages the model sees: the last `rounds` earlier rounds and the current one."""
+    starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
+    return messages[starts[-min(rounds + 1, len(starts))]:]
+
+
+def main():
+    args = parse_args(sys.argv[1:])
+    st.set_page_config(page_title="MiniMind", initial_sidebar_state="expanded")
+    try:
+        model, tokenizer = load(tuple(sys.argv[1:]))
+    except LOAD_ERRORS as e:
+        st.error(f"error: {e}")
+        st.stop()
+
+    sidebar = st.sidebar
+    # the ranges widen to hold the flags' values, which become the sliders' starting points
+    max_new_tokens = sidebar.slider("Max new tokens", 1, max(8192, args.max_new_tokens), args.max_new_tokens,
+                                    key="max_new_tokens")
+    temperature = sidebar.slider("Temperature (0: greedy)", 0.0, max(1.5, args.temperature), float(args.temperature),
+                                 0.05, key="temperature")
+    top_p = sidebar.slider("Top p", min(0.05, args.top_p), 1.0, float(args.top_p), 0.05, key="top_p")
+    rounds = sidebar.slider("Earlier rounds the model sees", 0, 8, 2, key="rounds")
+    thinking = sidebar.checkbox("Thinking", value=bool(args.open_thinking), key="thinking")
+    names = sidebar.multiselect("Tools", TOOL_NAMES, default=[], key="tools")
+    if sidebar.button("Clear chat"):
+        st.session_state.messages = []
+
+    st.title("MiniMind")
+    messages = st.session_state.setdefault("messages", [])
+    for message in messages:
+        show(message)
+    prompt = st.chat_input("Send a message")
+    if not prompt:
+        return
+    messages.append({"role": "user", "content": prompt})
+    show(messages[-1])
+    tools = tool_schemas(names) if names else None
+
+    def generate(conversation):
+        """One model turn, streamed into the page as raw text while it is generated."""
+        text = render_prompt(tokenizer, conversation, chat=True, open_thinking=thinking, tools=tools)
+        placeholder, ids = st.empty(), []
+        for token in stream_ids(model, tokenizer, text, max_new_tokens, temperature, top_p):
+            ids.append(token)
+            placeholder.markdown(tokenizer.decode(ids, skip_special_tokens=True))
+        placeholder.empty()
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    seen = context(messages, rounds)
+    if tools:
+        added = run_episode(generate, seen, tools, max_turns=3, open_thinking=thinking)[1][len(seen):]
+    else:  # no tools offered: one turn, nothing executed
+        added = [parse_assistant(generate(seen), thinking).message()]
+    for message in added:
+        show(message)
+    messages.extend(added)
+
+
+main()

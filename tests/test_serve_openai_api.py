@@ -1,0 +1,217 @@
+"""scripts/serve_openai_api.py, in-process through FastAPI's TestClient: the greedy answer is eval_llm's, a stream
+concatenates to the non-stream reply, usage counts the tokens, tool calls come back as tool_calls."""
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from transformers.generation import LogitsProcessor, LogitsProcessorList
+
+from dataset.tools import tool_schemas
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import save_weights_file
+from scripts.eval_llm import load_chat_model
+from scripts.eval_llm import main as eval_main
+from scripts.serve_openai_api import create_app, parse_args
+
+CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+PROMPT = "What is a list comprehension?"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny random model saved as the trainer saves it, loaded by the server's own flags."""
+    path = str(tmp_path_factory.mktemp("serve") / "full_sft_64.pth")
+    config = MiniMindConfig(**CONFIG, initializer_range=0.1)
+    torch.manual_seed(1)
+    save_weights_file(MiniMindForCausalLM(config).state_dict(), config, path)
+    args = parse_args(["--weight", path, "--device", "cpu", "--temperature", "0", "--max_new_tokens", "24"])
+    model, tokenizer = load_chat_model(args)
+    return path, args, model, tokenizer, TestClient(create_app(model, tokenizer, args))
+
+
+def ask(client, **request):
+    response = client.post("/v1/chat/completions", json=dict(model="minimind", **request))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def ask_stream(client, **request):
+    """The streamed chunks (data lines before [DONE])."""
+    response = client.post("/v1/chat/completions", json=dict(model="minimind", stream=True, **request))
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    lines = [line[len("data: "):] for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def joined(chunks, key):
+    return "".join(c["choices"][0]["delta"].get(key) or "" for c in chunks if c["choices"])
+
+
+def test_greedy_answer_equals_eval_llm(served, capsys):
+    path, _, _, _, client = served
+    eval_main(["--weight", path, "--prompt", PROMPT, "--chat", "1", "--temperature", "0", "--max_new_tokens", "24",
+               "--device", "cpu"])
+    expected = capsys.readouterr().out.split(f">>> {PROMPT}\n", 1)[1][:-1]  # TextStreamer ends with a newline
+    assert expected.strip() and not any(tag in expected for tag in ("<think>", "</think>", "<tool_call>"))
+    reply = ask(client, messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=24)
+    assert reply["object"] == "chat.completion" and reply["model"] == "minimind"
+    assert reply["choices"][0]["message"] == {"role": "assistant", "content": expected.strip()}
+
+
+def reference_greedy_count(model, tokenizer, text, max_tokens):
+    """Tokens a greedy decode makes (EOS included), by full forwards without a cache; and whether EOS ended it."""
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    for count in range(1, max_tokens + 1):
+        with torch.no_grad():
+            next_id = model(ids).logits[0, -1].argmax()
+        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+        if next_id == tokenizer.eos_token_id:
+            return count, True
+    return max_tokens, False
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_stream_concatenates_to_the_reply_and_usage_counts_tokens(served, thinking):
+    _, _, model, tokenizer, client = served
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": PROMPT}]
+    request = dict(messages=messages, temperature=0, max_tokens=20, chat_template_kwargs={"enable_thinking": thinking})
+    reply = ask(client, **request)
+    chunks = ask_stream(client, stream_options={"include_usage": True}, **request)
+    message = reply["choices"][0]["message"]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert joined(chunks, "content") == message["content"]
+    assert joined(chunks, "reasoning_content") == (message.get("reasoning_content") or "")
+    assert (message.get("reasoning_content") is not None) == thinking  # the open think block is reasoning
+    assert chunks[-2]["choices"][0]["finish_reason"] == reply["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == reply["usage"]
+    # usage: the prompt as the template renders it (written out here), the completion as a greedy decode counts it
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, open_thinking=thinking)
+    assert text.endswith("<think>\n" if thinking else "</think>\n\n")
+    prompt_tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
+    completion_tokens, ended = reference_greedy_count(model, tokenizer, text, 20)
+    assert reply["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}
+    assert reply["choices"][0]["finish_reason"] == ("stop" if ended else "length")
+
+
+class ForceText(LogitsProcessor):
+    """Makes generate() produce the given token ids, then EOS: a stand-in for a model trained to call tools."""
+
+    def __init__(self, ids, eos_token_id):
+        self.ids, self.eos, self.start = ids, eos_token_id, None
+
+    def __call__(self, input_ids, scores):
+        self.start = input_ids.shape[1] if self.start is None else self.start
+        step = input_ids.shape[1] - self.start
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.ids[step] if step < len(self.ids) else self.eos] = 0
+        return forced
+
+
+class ScriptedModel(MiniMindForCausalLM):
+    """The real model and generate(), its choice of tokens forced to `script` (a text, or a list of texts, one per
+    generate call); it keeps the prompts it was given."""
+    script, tokenizer = "", None
+
+    def generate(self, input_ids=None, **kwargs):
+        self.prompts.append(self.tokenizer.decode(input_ids[0]))
+        script = self.script.pop(0) if isinstance(self.script, list) else self.script
+        ids = self.tokenizer(script, add_special_tokens=False).input_ids
+        kwargs["logits_processor"] = LogitsProcessorList([ForceText(ids, self.tokenizer.eos_token_id)])
+        return super().generate(input_ids=input_ids, **kwargs)
+
+
+CALL = '<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Tokyo"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def scripted(served):
+    _, args, model, tokenizer, _ = served
+    scripted = ScriptedModel(model.config).eval()
+    scripted.load_state_dict(model.state_dict())
+    scripted.tokenizer, scripted.prompts = tokenizer, []
+    return scripted, TestClient(create_app(scripted, tokenizer, args))
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_call_comes_back_as_tool_calls(scripted, thinking):
+    model, client = scripted
+    reasoning = "The user wants the weather in Tokyo." if thinking else None
+    model.script = (f"{reasoning}\n</think>\n\n" if thinking else "") + "Let me check.\n" + CALL
+    script_tokens = len(model.tokenizer(model.script, add_special_tokens=False).input_ids)
+    assert model.tokenizer.decode(model.tokenizer(model.script, add_special_tokens=False).input_ids) == model.script
+    tools = tool_schemas(["get_current_weather", "get_current_time"])
+    request = dict(messages=[{"role": "user", "content": "Weather in Tokyo?"}], tools=tools, open_thinking=thinking,
+                   max_tokens=64)
+    reply = ask(client, **request)
+    assert '"name": "get_current_weather"' in model.prompts[-1] and "# Tools" in model.prompts[-1]  # tools rendered
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me check."
+    assert choice["message"].get("reasoning_content") == reasoning
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_current_weather"
+    assert json.loads(call["function"]["arguments"]) == {"location": "Tokyo"}
+    assert reply["usage"]["completion_tokens"] == script_tokens + 1  # the script, then EOS
+
+    chunks = ask_stream(client, **request)
+    assert joined(chunks, "content") == "Let me check." and "<tool_call>" not in joined(chunks, "content")
+    assert joined(chunks, "reasoning_content") == (reasoning or "")
+    [streamed] = [c["choices"][0]["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["choices"][0]["delta"]]
+    assert streamed[0]["index"] == 0 and streamed[0]["function"] == call["function"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_result_goes_back_through_the_template(scripted):
+    """The client's next request (OpenAI shape: the assistant's tool_calls with JSON-text arguments, then the tool
+    message) reaches the model as the template's <tool_call> and <tool_response> blocks."""
+    model, client = scripted
+    model.script = "Tokyo is 12°C."
+    call = {"id": "call_abc", "type": "function",
+            "function": {"name": "get_current_weather", "arguments": '{"location": "Tokyo"}'}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Weather in Tokyo?"}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": "12°C"}'}]
+    reply = ask(client, messages=messages, tools=tool_schemas(["get_current_weather"]), max_tokens=64)
+    assert reply["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "Tokyo is 12°C."},
+                                   "logprobs": None, "finish_reason": "stop"}
+    prompt = model.prompts[-1]
+    assert "<|im_start|>user\nWeather in Tokyo?<|im_end|>" in prompt
+    assert CALL in prompt
+    assert '<|im_start|>user\n<tool_response>\n{"temperature": "12°C"}\n</tool_response><|im_end|>' in prompt
+
+
+def test_models_lists_the_served_name(served):
+    response = served[4].get("/v1/models")
+    assert response.status_code == 200
+    assert [m["id"] for m in response.json()["data"]] == ["minimind"]
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", -1, "temperature must be a finite number, 0 (greedy) or more (got -1"),
+    ("top_p", 0, "top_p must be in (0, 1] (got 0"),
+    ("max_tokens", 0, "max_tokens must be at least 1 (got 0)"),
+    ("messages", [], "messages must hold at least one message"),
+    ("messages", [{"content": "no role"}], "messages[0].role must be one of system, user, assistant, tool (got None)"),
+    ("messages", [{"role": "user", "content": "hi"}, {"role": "developer", "content": "x"}],
+     "messages[1].role must be one of system, user, assistant, tool (got 'developer')"),
+])
+def test_bad_request_is_a_400_naming_the_field(served, field, value, message):
+    request = {"model": "minimind", "messages": [{"role": "user", "content": "hi"}], field: value}
+    response = served[4].post("/v1/chat/completions", json=request)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == field and error["type"] == "invalid_request_error"
+
+
+def test_seeded_sampling_repeats(served):
+    client = served[4]
+    request = dict(messages=[{"role": "user", "content": PROMPT}], temperature=1.0, top_p=0.9, max_tokens=16)
+    first, second = ask(client, seed=7, **request), ask(client, seed=7, **request)
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
+    streamed = ask_stream(client, seed=7, **request)
+    assert joined(streamed, "content") == first["choices"][0]["message"]["content"]
+

@@ -1,0 +1,106 @@
+"""scripts/web_demo.py, headless through Streamlit's own AppTest harness: a typed message gets eval_llm's greedy
+reply; with a tool offered, a call is answered by the mock tool."""
+import os
+import sys
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+from transformers import AutoTokenizer
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import load_weights, read_weights, save_weights_file
+from scripts import eval_llm
+from scripts.eval_llm import main as eval_main
+from tests.launch import ROOT
+from tests.test_eval_llm import greedy_reply
+from tests.test_serve_openai_api import CALL, ScriptedModel
+
+PROMPT = "What is a list comprehension?"
+PAGE = os.path.join(ROOT, "scripts", "web_demo.py")
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("web") / "full_sft_64.pth")
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            initializer_range=0.1)
+    torch.manual_seed(1)
+    save_weights_file(MiniMindForCausalLM(config).state_dict(), config, path)
+    return path
+
+
+@pytest.fixture
+def served_scripted(weights):
+    model = load_weights(ScriptedModel(MiniMindConfig(**read_weights(weights)[1])), weights).eval()
+    model.tokenizer, model.prompts = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")), []
+    return model, model.tokenizer
+
+
+def page(monkeypatch, argv):
+    """The page as `streamlit run scripts/web_demo.py -- ARGV` starts it, run once."""
+    monkeypatch.setattr(sys, "argv", [PAGE, *argv])
+    app = AppTest.from_file(PAGE, default_timeout=120)
+    app.run()
+    assert not app.exception, app.exception
+    return app
+
+
+def test_typed_message_gets_eval_llms_greedy_reply(weights, monkeypatch, capsys):
+    flags = ["--weight", weights, "--device", "cpu", "--temperature", "0", "--max_new_tokens", "16"]
+    eval_main([*flags, "--prompt", PROMPT, "--chat", "1"])
+    expected = capsys.readouterr().out.split(f">>> {PROMPT}\n", 1)[1][:-1].strip()
+    assert expected and not any(tag in expected for tag in ("<think>", "</think>", "<tool_call>"))
+    app = page(monkeypatch, flags)
+    assert app.sidebar.slider(key="temperature").value == 0.0  # the flag's default reaches the page
+    app.chat_input[0].set_value(PROMPT).run()
+    assert not app.exception, app.exception
+    assert [m.name for m in app.chat_message] == ["user", "assistant"]
+    assert app.chat_message[0].markdown[0].value == PROMPT
+    assert app.chat_message[1].markdown[0].value == expected
+    assert app.session_state["messages"][-1] == {"role": "assistant", "content": expected}
+
+
+def test_second_message_keeps_the_history(weights, monkeypatch):
+    """The second reply is transformers' greedy generate() on the whole conversation through the chat template."""
+    flags = ["--weight", weights, "--device", "cpu", "--temperature", "0", "--max_new_tokens", "12"]
+    app = page(monkeypatch, flags)
+    app.chat_input[0].set_value("Hello there").run()
+    app.chat_input[0].set_value(PROMPT).run()
+    assert not app.exception, app.exception
+    first, second = (m["content"] for m in app.session_state["messages"][1::2])
+    model = load_weights(MiniMindForCausalLM(MiniMindConfig(**read_weights(weights)[1])), weights).eval()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    history = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": PROMPT}]
+    expected = greedy_reply(model, tokenizer, history, 12).strip()
+    assert expected != greedy_reply(model, tokenizer, history[-1:], 12).strip()  # history changes the reply
+    assert second == expected
+
+
+def test_tool_call_is_answered_by_the_mock_tool(served_scripted, monkeypatch):
+    """With a tool ticked in the sidebar, the model's call runs the mock tool and the model answers after it (the
+    model's tokens forced: a random model does not call tools)."""
+    model, tokenizer = served_scripted
+    model.script = ["Let me check.\n" + CALL, "Tokyo is 12°C."]
+    monkeypatch.setattr(eval_llm, "load_chat_model", lambda args: (model, tokenizer))
+    app = page(monkeypatch, ["--device", "cpu", "--temperature", "0", "--max_new_tokens", "64", "--seed", "11"])
+    app.sidebar.multiselect(key="tools").set_value(["get_current_weather"]).run()
+    app.chat_input[0].set_value("Weather in Tokyo?").run()
+    assert not app.exception, app.exception
+    assert [m.name for m in app.chat_message] == ["user", "assistant", "assistant", "assistant"]
+    call, result, answer = app.chat_message[1:]
+    assert call.markdown[0].value == "Let me check."
+    assert call.code[0].value == 'get_current_weather({"location": "Tokyo"})'
+    assert result.code[0].value == '{"city": "Tokyo", "temperature": "12°C", "humidity": "65%", "condition": "晴"}'
+    assert answer.markdown[0].value == "Tokyo is 12°C."
+    assert '"name": "get_current_weather"' in model.prompts[0]  # the ticked tool reached the template
+    assert "<tool_response>\n" + result.code[0].value + "\n</tool_response>" in model.prompts[1]
+
+
+def test_bad_weights_show_one_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [PAGE, "--weight", str(tmp_path / "missing.pth"), "--device", "cpu"])
+    app = AppTest.from_file(PAGE, default_timeout=60)
+    app.run()
+    assert [e.value for e in app.error] == [f"error: {tmp_path / 'missing.pth'} does not exist; train it first or "
+                                            "pass --weight/--hidden_size/--load_from"]
