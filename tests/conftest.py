@@ -1,5 +1,6 @@
 """Test markers: `slow` = starts processes (set here on every test that does; runs in .ci/run);
 `huge` = needs RUN_SLOW=1 (nothing in the suite is so marked today: the 16-process layout runs in CI)."""
+import dis
 import os
 import subprocess
 import sys
@@ -26,6 +27,17 @@ LAUNCH_HELPERS = {"spawn", "torchrun", "python", "forked"}  # tests/launch.py's,
 COMPILERS = (torch.compile,)
 
 
+def calls_torch_compile(code):
+    """`code` reads a `compile` attribute (torch.compile, nn.Module.compile) of anything but the re module."""
+    previous = None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "compile" and not (
+                previous is not None and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME") and previous.argval == "re"):
+            return True
+        previous = instruction
+    return False
+
+
 def launches(code, namespace, seen):
     """Whether `code` (or a function of this repository it calls, transitively) starts a process."""
     if code in seen:
@@ -34,7 +46,7 @@ def launches(code, namespace, seen):
     names = set(code.co_names)
     if ("tests.launch" in names and LAUNCH_HELPERS & names) or ("subprocess" in names and SUBPROCESS_CALLS & names):
         return True  # imported inside the function
-    if namespace.get("torch") is torch and "compile" in names:
+    if namespace.get("torch") is torch and calls_torch_compile(code):
         return True
     for name in code.co_names:
         obj = namespace.get(name)
