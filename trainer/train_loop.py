@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from dataset.data_notes import dataset_notes
 from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import SFTDataset
 from dataset.mixture import describe_mixture, load_data_spec
@@ -96,9 +97,12 @@ def load_datasets(plan, make_dataset, demo_kind):
         skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
         if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
             Logger(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
-    for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds):  # SFT rows whose targets lie past --max_seq_len
-        if hasattr(ds, "no_target_line") and ds.no_target_line():
-            Logger(ds.no_target_line())
+    try:  # rows without targets, conversations cut at --max_seq_len, DPO pairs with chosen == rejected
+        notes = [line for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds) for line in dataset_notes(ds)]
+    except ValueError as e:
+        raise ConfigError(str(e))
+    for line in notes:
+        Logger(line)
     if describe_mixture(train_ds, data_path):
         Logger(describe_mixture(train_ds, data_path))
     if len(train_ds) < plan.global_batch:
