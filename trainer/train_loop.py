@@ -22,7 +22,15 @@ from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import SFTDataset
 from dataset.mixture import describe_mixture, load_data_spec
 from dataset.token_cache import local_part
-from trainer.checkpoint import Checkpointer, TrainState, load_resume, restore, save_weights, tied_aliases
+from trainer.checkpoint import (
+    Checkpointer,
+    TrainState,
+    ensure_final_weights,
+    load_resume,
+    restore,
+    save_weights,
+    tied_aliases,
+)
 from trainer.config import resolve
 from trainer.guard import Preemption, StepGuard, check_replicas, scaler_found_inf
 from trainer.launch import (
@@ -190,6 +198,7 @@ def train(trainer, train_ds, eval_ds=None):
     if trainer.resumed and reached_max_steps(trainer):
         Logger(f"--max_steps {plan.max_steps}: the checkpoint is already at step {progress.global_step}; "
                "nothing to train (raise --max_steps to train on)")
+        ensure_final_weights(trainer)  # a weights save that failed (a full disk) is written before `Done`
         return finish(trainer)
     tracker = make_tracker(trainer)
     profiler = StepProfiler(plan.profile_steps, os.path.join(plan.save_dir, "profile"), plan.device)
