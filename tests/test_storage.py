@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import atomic_folder, atomic_save
+from tests.launch import spawn
 from trainer.parallel.state_dict import sharded_state_dict
 from trainer.storage import (
     DiskFullError,
@@ -167,3 +168,22 @@ def test_a_folder_write_that_fills_the_disk_leaves_the_previous_folder(small_dis
             torch.save({"w": torch.ones(1 << 20)}, os.path.join(tmp, "adapter.pt"))
     assert os.listdir(disk) == ["lora_peft"] and os.listdir(folder) == ["adapter.pt"]
     assert torch.equal(torch.load(os.path.join(folder, "adapter.pt"))["w"], torch.zeros(4))
+
+
+def _write_on_rank0(rank, world_size, disk):
+    """Each rank: rank0_write of a file larger than the disk; write down the line it stopped with."""
+    path = os.path.join(disk, "out", "w.pth")
+    try:
+        rank0_write(os.path.dirname(path), 1024, path, "--save_dir", lambda: atomic_save({"w": torch.ones(1 << 20)},
+                                                                                          path))
+    except DiskFullError as e:
+        with open(os.path.join(disk, f"rank{rank}.line"), "w") as f:
+            f.write(str(e))
+
+
+def test_every_rank_stops_with_rank0_s_line(small_disk):
+    """2 gloo ranks: only rank 0 writes; when its write fills the disk, rank 1 stops with the same line (no wait)."""
+    disk = small_disk(2)
+    spawn(_write_on_rank0, 2, disk, timeout=120, start_method="fork")
+    lines = [open(os.path.join(disk, f"rank{r}.line")).read() for r in range(2)]
+    assert lines[0] == lines[1] and lines[0].startswith(f"disk full: {disk}/out needs 0.0 MB for {disk}/out/w.pth")

@@ -115,21 +115,23 @@ def rank0_write(directory, needed, what, flag, write, last_complete=None):
     """Rank 0 runs write(), which puts about `needed` bytes under `directory`: too little room beforehand, or a disk
     that fills during it, is one DiskFullError naming `what` and `flag`; every rank learns rank 0's outcome (a
     collective) and stops with it, so none waits on a rank that stopped."""
-    line, failure = None, None
+    outcome, failure = None, None  # (line, a full disk or not)
     if _is_rank0():
         try:
             line = room_error(directory, needed, last_complete, what, flag)
+            outcome = (line, True) if line else None
             if line is None:
                 with disk_full_as_one_line(directory, needed, last_complete, what=what, flag=flag):
                     write()
         except Exception as e:  # told to the other ranks below, then raised here
             failure = e
-            line = str(e) if isinstance(e, DiskFullError) else f"rank 0 failed writing {what} ({type(e).__name__})"
-    line = _from_rank0(line)
+            full = isinstance(e, DiskFullError)
+            outcome = (str(e) if full else f"rank 0 failed writing {what} ({type(e).__name__})", full)
+    outcome = _from_rank0(outcome)
     if failure is not None:
         raise failure
-    if line:
-        raise DiskFullError(line)
+    if outcome:
+        raise (DiskFullError if outcome[1] else TrainingHalted)(outcome[0])
 
 
 def _chain(exc):
