@@ -13,7 +13,6 @@ DCP reshards on load, so a run may resume under another layout. The weights, a p
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
 (trainer/minimind_resume.py).
 """
-import json
 import os
 import random
 import re
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from model.weights import atomic_save, read_record, save_weights_file
+from model.weights import atomic_json, atomic_save, read_record, save_weights_file
 from trainer.launch import ConfigError, count_sum, is_main_process, rank
 from trainer.minimind_resume import minimind_resume_path, read_minimind_resume
 from trainer.parallel.state_dict import (
@@ -278,12 +277,7 @@ class Checkpointer:
     def mark_complete(self, path):
         """Rank 0, once every rank's files are written: the manifest, last; then prune."""
         step = int(path.rsplit("_", 1)[1])
-        tmp = os.path.join(path, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(dict(step=step, format_version=FORMAT_VERSION), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, MANIFEST))
+        atomic_json(dict(step=step, format_version=FORMAT_VERSION), os.path.join(path, MANIFEST))
         self.prune(step)
 
     def prune(self, step):
