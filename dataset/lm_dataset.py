@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.token_cache import CACHE_FORMAT_VERSION, build_token_cache
+from dataset.token_cache import CACHE_FORMAT_VERSION, build_token_cache, discard_if_damaged
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
@@ -161,7 +161,7 @@ class _TokenCacheDataset(Dataset):
         else:
             self.cache_path = _cache_dir_for(self.kind, data_path, tokenizer, skip_bad_lines,
                                              cache_dir or DEFAULT_CACHE_DIR)
-            if not os.path.exists(os.path.join(self.cache_path, "meta.json")):
+            if not discard_if_damaged(self.cache_path, quiet=part[0] != 0):  # absent, or damaged: built (again)
                 _build_cache(self, skip_bad_lines, num_proc, part)
             with open(os.path.join(self.cache_path, "meta.json")) as f:
                 self.meta = json.load(f)

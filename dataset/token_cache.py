@@ -30,6 +30,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from dataset.cache_guard import cache_header, discard_if_damaged, disk_full_line
+
 CACHE_FORMAT_VERSION = 2  # 2: SFT labels cover think blocks and tool calls; tools rendered
 TASK_BYTES = 4 << 20  # JSONL bytes per worker task: many tasks keep workers busy, each stays small in memory
 POLL_S = 0.1  # how often waiting ranks look for the cache, its error file and the lock
@@ -342,7 +344,7 @@ def _join_parts(out_dir, parts_dir, num_parts, data_path, token_dtype):
                 base = int(offsets[-1]) if len(offsets) else base
         meta = {"source": os.path.abspath(data_path), "num_docs": num_docs, "num_tokens": base,
                 "token_dtype": np.dtype(token_dtype).name, "num_bad_lines": num_bad,
-                "format_version": CACHE_FORMAT_VERSION}
+                "format_version": CACHE_FORMAT_VERSION, **cache_header(tmp_dir)}  # sizes and checksum, checked on open
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         _rename_or_discard(tmp_dir, out_dir)
@@ -397,9 +399,13 @@ def _try_lock(lock_path, me):
 
 def _write_error(error_path, message):
     tmp = f"{error_path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(message)
-    os.replace(tmp, error_path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(message)
+        os.replace(tmp, error_path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)  # a full disk took no error file either
 
 
 class CacheBuildInterrupted(KeyboardInterrupt):
@@ -449,7 +455,7 @@ def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_l
     if not (isinstance(rank, int) and isinstance(num_parts, int) and 0 <= rank < num_parts):
         raise ValueError(f"part must be (local_rank, local_world_size) with 0 <= local_rank < size, got {part}")
     meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):
+    if discard_if_damaged(out_dir, quiet=rank != 0):  # a damaged one is built again
         return False
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     lock_path, error_path, parts_dir = f"{out_dir}.lock", f"{out_dir}.error", f"{out_dir}.parts{num_parts}"
@@ -508,8 +514,18 @@ def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_l
             _abandon(str(e), error_path, lock_path if holding else None, parts_dir if holding else None)
             raise
         except Exception as e:
+            full = disk_full_line(e, out_dir)
+            if full and holding:  # what the build wrote goes, so the space it took is free again
+                shutil.rmtree(parts_dir, ignore_errors=True)
+                os.remove(lock_path)
             if not isinstance(e, TimeoutError):  # tell the other ranks, so they stop with this line, not a timeout
-                _write_error(error_path, str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+                try:
+                    _write_error(error_path, full or (str(e) if isinstance(e, ValueError) else
+                                                      f"{type(e).__name__}: {e}"))
+                except OSError:
+                    pass  # a full disk takes no error file either: the other ranks meet it themselves
+            if full:
+                raise ValueError(full) from None
             raise
         if holding:
             os.remove(lock_path)

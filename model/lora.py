@@ -18,7 +18,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from model.weights import clean_state_dict, minimind_to_hf
+from model.provenance import copy_tokenizer
+from model.weights import atomic_folder, atomic_save, clean_state_dict, minimind_to_hf
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -133,9 +134,8 @@ def lora_state_dict(model):
 
 
 def save_lora(model, path):
-    """Write the adapters to `path` (.pth) in MiniMind's format, which MiniMind's load_lora reads."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    torch.save(lora_state_dict(model), path)
+    """Write the adapters to `path` (.pth) in MiniMind's format, which MiniMind's load_lora reads (atomically)."""
+    atomic_save(lora_state_dict(model), path)
 
 
 def _read_lora_file(path):
@@ -194,8 +194,9 @@ def merge_lora(model):
     return model
 
 
-def save_peft(model, out_dir, base_model_name_or_path=None):
-    """Write adapter_config.json + adapter_model.safetensors for peft.PeftModel on our Hugging Face export."""
+def save_peft(model, out_dir, base_model_name_or_path=None, tokenizer_path=None):
+    """Write adapter_config.json + adapter_model.safetensors for peft.PeftModel on our Hugging Face export, and the
+    tokenizer files of `tokenizer_path` beside them; the folder is replaced as a whole (atomic_folder)."""
     from peft import LoraConfig  # optional dependency: only the PEFT export needs it
     from safetensors.torch import save_file
     modules = _require_lora(model)
@@ -212,13 +213,15 @@ def save_peft(model, out_dir, base_model_name_or_path=None):
     dropout = first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(modules),
                         bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path)
-    os.makedirs(out_dir, exist_ok=True)
-    config.save_pretrained(out_dir)
     tensors = {}
     for name, (_, lora) in modules.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = lora.A.weight.detach().cpu().contiguous()
         tensors[f"base_model.model.{name}.lora_B.weight"] = lora.B.weight.detach().cpu().contiguous()
-    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with atomic_folder(out_dir) as tmp:
+        config.save_pretrained(tmp)
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_path:
+            copy_tokenizer(tokenizer_path, tmp)
     return out_dir
 
 

@@ -3,13 +3,16 @@
 Formats: a MiniMind `.pth` state dict (ours, with its sidecar config `<stem>.json`, or MiniMind-3's bare one), a resume
 checkpoint (the trainer's DCP directory `step_<N>/`, or a single file holding "model": MiniMind's `*_resume.pth`), and a
 Hugging Face folder (Qwen3, Qwen3-MoE, or MiniMind's own `model_type: minimind`).
-Writing: save_weights_file, the .pth plus its sidecar, each atomically (atomic_save).
+Writing: save_weights_file, the .pth plus its sidecar (model fields, and what the run used: tokenizer, step), each
+atomically (atomic_save); read_record reads back what a file records besides the model.
 Also the weight mapping MiniMind <-> transformers Qwen3 / Qwen3-MoE used by scripts/convert_model.py.
 """
 import inspect
 import json
 import os
 import pickle
+import shutil
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -18,6 +21,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from model.model_minimind import MiniMindConfig
+from model.provenance import tokenizer_record, tokenizer_sha256
 
 CONFIG_FIELDS = tuple(p for p in inspect.signature(MiniMindConfig.__init__).parameters if p not in ("self", "kwargs"))
 
@@ -30,19 +34,45 @@ class WeightsError(ValueError):
 # Writing
 # ----------------------------------------------------------------------------------------------
 def _atomic_write(path, write):
-    """write(file) into a temporary file, fsync, then rename: a killed save never leaves a valid-looking file."""
+    """write(file) into a temporary file, fsync, then rename: a killed save never leaves a valid-looking file, and a
+    failed one (a full disk) leaves neither the temporary file nor a changed `path`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+@contextmanager
+def atomic_folder(path):
+    """Yield a temporary folder beside `path` to write into; when the block ends it takes the place of `path`, and a
+    block that fails (a full disk) leaves neither the temporary folder nor a changed `path`."""
+    tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.exists(old) and not os.path.exists(path):
+            os.rename(old, path)  # the rename in between failed: the previous folder comes back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def atomic_save(obj, path):
@@ -55,12 +85,18 @@ def sidecar_path(path):
     return os.path.splitext(path)[0] + ".json"
 
 
-def save_weights_file(state_dict, config, path):
-    """MiniMind's plain state dict at `path` and the model's MiniMindConfig fields (JSON) beside it, both atomic."""
+def atomic_json(obj, path):
+    """`obj` as indented JSON at `path`, atomically."""
+    _atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=True).encode()))
+
+
+def save_weights_file(state_dict, config, path, record=None):
+    """MiniMind's plain state dict at `path` and its sidecar beside it, both atomic: the model's MiniMindConfig fields
+    plus `record` (what the run used: "tokenizer" {"path", "sha256"}, "step", a LoRA stage's "lora")."""
     fields = {k: v for k, v in config_fields(config.to_dict()).items() if k != "loss_chunk_size"}  # a training knob
-    fields["model_type"] = "minimind"
+    fields.update(record or {}, model_type="minimind")
     atomic_save(state_dict, path)
-    _atomic_write(sidecar_path(path), lambda f: f.write(json.dumps(fields, indent=2, sort_keys=True).encode()))
+    atomic_json(fields, sidecar_path(path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,6 +147,31 @@ def read_sidecar(path):
     except (ValueError, AttributeError) as e:
         raise WeightsError(f"{side} (the config of {os.path.basename(path)}) is not a JSON object "
                            f"({type(e).__name__}); delete it to infer the shapes from the tensors") from None
+
+
+def read_record(path):
+    """What weights record besides the model: {"tokenizer": {"path", "sha256"}, "step": N, ...}, as far as known.
+
+    A .pth: its sidecar; a resume directory: its train_state (older ones: the typed --tokenizer_path only); an HF
+    folder: its own tokenizer files; MiniMind's bare .pth or resume file: nothing."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        try:
+            saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
+        except Exception:
+            return {}  # read_checkpoint names the unreadable file
+        tokenizer = saved.get("tokenizer") or {"path": (saved.get("args") or {}).get("tokenizer_path"), "sha256": None}
+        return {"tokenizer": tokenizer if tokenizer["path"] else None,
+                "step": (saved.get("train_state") or {}).get("global_step")}
+    if os.path.isdir(path):
+        return {"tokenizer": tokenizer_record(path)} if tokenizer_sha256(path) else {}
+    side = sidecar_path(path)
+    if not path.endswith(".pth") or not os.path.isfile(side):
+        return {}
+    try:
+        with open(side) as f:
+            return {k: v for k, v in json.load(f).items() if k not in CONFIG_FIELDS and k != "model_type"}
+    except (ValueError, AttributeError):
+        return {}  # read_sidecar names the broken file
 
 
 def _read_dcp_checkpoint(path):
@@ -216,6 +277,9 @@ def _layer_ids(state_dict):
 def infer_config(state_dict):
     """MiniMindConfig fields implied by the tensors (what a .pth cannot say, like top-k or rope_theta, is left out)."""
     sd = clean_state_dict(state_dict)
+    if sd and all(k.endswith((".lora.A.weight", ".lora.B.weight")) for k in sd):
+        raise WeightsError("these are LoRA adapters (MiniMind's <module>.lora.A/B.weight), not a model's weights; pass "
+                           "the base model here and the adapters to --lora (eval_llm.py, convert_model.py)")
     try:
         vocab, hidden = sd["model.embed_tokens.weight"].shape
         head_dim = sd["model.layers.0.self_attn.q_norm.weight"].shape[0]

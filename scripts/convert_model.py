@@ -11,13 +11,13 @@ Import (a Qwen3 / Qwen3-MoE / MiniMind `model_type: minimind` folder -> .pth):
 
 Every model field comes from the weights (their saved config, else the tensor shapes); flags only fill what a
 bare .pth cannot say (top-k, rope_theta) and must agree with the rest. The tokenizer copied is the one the run
-used (the checkpoint's saved --tokenizer_path) or --tokenizer_path. After an export the folder is loaded back
-with AutoModelForCausalLM and its logits compared with the source model (fp32; above 1e-4 the script exits 1).
+used, as the weights record it (path and tokenizer.json's sha256, in the .pth's sidecar or the checkpoint); a
+--tokenizer_path whose tokenizer.json differs is refused unless --force_tokenizer 1. After an export the folder is
+loaded back with AutoModelForCausalLM and its logits compared with the source model (fp32; above 1e-4: exit 1).
 Typed relative paths resolve against the current directory, the defaults against the repository root.
 """
 import argparse
 import copy
-import glob
 import json
 import math
 import os
@@ -31,12 +31,15 @@ sys.path.insert(0, ROOT)
 
 from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from model.provenance import TokenizerMismatch, tokenizer_for, tokenizer_record  # noqa: E402
+from model.provenance import copy_tokenizer as copy_files  # noqa: E402
 from model.weights import (  # noqa: E402
     WeightsError,
     clean_state_dict,
     flag_conflicts,
     minimind_to_hf,
     read_checkpoint,
+    read_record,
     read_weights,
     save_weights_file,
     shape_mismatch,
@@ -46,7 +49,6 @@ from model.weights import (  # noqa: E402
 from trainer.checks import check_writable  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
 MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "moe_intermediate_size", "num_experts")
@@ -72,30 +74,25 @@ def source_config(state_dict, saved_config, args):
 
 
 def tokenizer_source(args, saved_args):
-    """The tokenizer folder the run used: --tokenizer_path, else the checkpoint's saved one, else model/."""
-    if args.tokenizer_path:
-        path = os.path.abspath(args.tokenizer_path)
-    elif saved_args and saved_args.get("tokenizer_path"):
-        saved = saved_args["tokenizer_path"]
-        candidates = [saved] if os.path.isabs(saved) else [os.path.abspath(saved), os.path.join(ROOT, saved)]
-        path = next((p for p in candidates if os.path.isdir(p)), None)
-        if path is None:
-            raise WeightsError(f"the checkpoint was trained with --tokenizer_path {saved}, which is not found here; "
-                               "pass --tokenizer_path")
-    else:
-        path = os.path.join(ROOT, "model")
-        print(f"note: {args.weight} records no tokenizer; copying {path} (--tokenizer_path if the run used another)")
+    """The tokenizer folder the run used, as the weights record it (a .pth's sidecar, a resume checkpoint), else
+    --tokenizer_path, else model/ (with a note); a --tokenizer_path other than the recorded one is refused unless
+    --force_tokenizer 1."""
+    record = read_record(args.weight).get("tokenizer")
+    saved = (saved_args or {}).get("tokenizer_path")
+    if record is None and saved:  # a single-file resume checkpoint: the typed --tokenizer_path, no hash
+        record = {"path": saved if os.path.isabs(saved) or os.path.isdir(saved) else os.path.join(ROOT, saved),
+                  "sha256": None}
+    path, note = tokenizer_for(record, os.path.abspath(args.tokenizer_path) if args.tokenizer_path else None,
+                               os.path.join(ROOT, "model"), f"--weight {args.weight}", bool(args.force_tokenizer))
+    if note:
+        print(f"note: {note}")
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         raise WeightsError(f"{path} holds no tokenizer.json; pass the run's tokenizer folder with --tokenizer_path")
     return path
 
 
 def copy_tokenizer(src, out_dir):
-    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
-    names += [os.path.basename(p) for p in glob.glob(os.path.join(src, "*.jinja"))]
-    for name in names:
-        shutil.copy(os.path.join(src, name), os.path.join(out_dir, name))
-    print(f"tokenizer: copied {', '.join(names)} from {src}")
+    print(f"tokenizer: copied {', '.join(copy_files(src, out_dir))} from {src}")
 
 
 def write_rope_both_ways(out_dir, rope_theta):
@@ -132,7 +129,7 @@ def export(args):
     save_dtype = state_dict["model.embed_tokens.weight"].dtype
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     if args.lora:
-        model = merged_with_lora(model, config, args, save_dtype)
+        model = merged_with_lora(model, config, args, save_dtype, tokenizer_dir)
     os.makedirs(args.out_dir, exist_ok=True)
     if args.format == "minimind":
         out_model = MiniMindForCausalLM(config)
@@ -158,11 +155,12 @@ def export(args):
     return diff
 
 
-def merged_with_lora(model, config, args, save_dtype):
-    """The plain model with --lora folded in (W + B @ A, in save_dtype as it is written); the merged .pth is saved."""
+def merged_with_lora(model, config, args, save_dtype, tokenizer_dir):
+    """The plain model with --lora folded in (W + B @ A, in save_dtype as it is written); the merged .pth is saved,
+    its sidecar recording the tokenizer."""
     adapted = apply_lora_file(copy.deepcopy(model), args.lora)
     merged = merge_lora(copy.deepcopy(adapted)).to(save_dtype)
-    save_weights_file(merged.state_dict(), config, args.merged_weight)
+    save_weights_file(merged.state_dict(), config, args.merged_weight, {"tokenizer": tokenizer_record(tokenizer_dir)})
     merged = merged.float().eval()
     ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -183,7 +181,8 @@ def import_folder(args):
     state_dict = clean_state_dict(state_dict, True)
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     os.makedirs(os.path.dirname(args.weight) or ".", exist_ok=True)
-    save_weights_file({k: v.contiguous() for k, v in state_dict.items()}, config, args.weight)
+    save_weights_file({k: v.contiguous() for k, v in state_dict.items()}, config, args.weight,
+                      read_record(args.out_dir))  # the folder's own tokenizer, where it has one
     flags = " ".join(f"--{k} {int(v) if isinstance(v, bool) else v}" for k, v in fields.items()
                      if k in SHAPE_FLAGS + HIDDEN_FLAGS + ("use_moe",))
     print(f"wrote MiniMind weights to {args.weight}, its config to {sidecar_path(args.weight)} (flags: {flags})")
@@ -208,7 +207,10 @@ def parse_args(argv=None):
                              "(export input / import output); default out/pretrain_768.pth")
     parser.add_argument("--out_dir", "--hf_dir", dest="out_dir", default=None,
                         help="Hugging Face folder (export output / import input); default out/hf_model")
-    parser.add_argument("--tokenizer_path", default=None, help="default: the checkpoint's saved --tokenizer_path")
+    parser.add_argument("--tokenizer_path", default=None,
+                        help="default: the tokenizer the weights record (their sidecar or checkpoint), else model/")
+    parser.add_argument("--force_tokenizer", type=int, default=0, choices=[0, 1],
+                        help="1: copy --tokenizer_path even where it is not the tokenizer the weights record")
     parser.add_argument("--lora", default=None, help="export: merge this LoRA adapter (MiniMind's .pth) first")
     parser.add_argument("--merged_weight", default=None,
                         help="with --lora: the merged .pth (default: merge_<adapter name>.pth beside --weight)")
@@ -262,7 +264,7 @@ def main(argv=None):
         if args.use_moe is not None:
             args.use_moe = bool(args.use_moe)
         diff = export(args) if args.to == "hf" else import_folder(args)
-    except (ConfigError, WeightsError, LoraError) as e:
+    except (ConfigError, WeightsError, LoraError, TokenizerMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if diff is not None and not diff <= MAX_LOGIT_DIFF:  # NaN logits fail too

@@ -25,7 +25,15 @@ from transformers.generation import BaseStreamer, StoppingCriteria, StoppingCrit
 
 from model.lora import LoraError, apply_lora_file  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.weights import WeightsError, load_weights, read_checkpoint, read_weights, weight_fields  # noqa: E402
+from model.provenance import TokenizerMismatch, tokenizer_for  # noqa: E402
+from model.weights import (  # noqa: E402
+    WeightsError,
+    load_weights,
+    read_checkpoint,
+    read_record,
+    read_weights,
+    weight_fields,
+)
 from trainer.checks import check_device, check_tokenizer  # noqa: E402
 from trainer.config import weight_path  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
@@ -42,11 +50,20 @@ def load_folder(folder):
     return AutoModelForCausalLM.from_pretrained(folder).float()
 
 
-def tokenizer_folder(args):
-    """--tokenizer_path, else the --load_from folder, else the repo's model/."""
-    if args.tokenizer_path or not args.load_from:
-        return typed_or_default(args.tokenizer_path, "model")
-    return args.load_from
+def tokenizer_folder(args, weights=None):
+    """The tokenizer for `weights` (None: before loading, the folder that must exist): --tokenizer_path, else the one
+    the weights record (a .pth's sidecar, a checkpoint, an exported folder's own files), else model/. A
+    --tokenizer_path other than the recorded tokenizer is refused (TokenizerMismatch) unless --force_tokenizer 1."""
+    typed = typed_or_default(args.tokenizer_path, None)
+    record = read_record(weights).get("tokenizer") if weights else None
+    if weights is None or (args.load_from and record is None):
+        return typed or args.load_from or typed_or_default(None, "model")
+    flag = "--load_from" if args.load_from else "--checkpoint" if args.checkpoint else "--weight"
+    folder, note = tokenizer_for(record, typed, typed_or_default(None, "model"), f"{flag} {weights}",
+                                 bool(args.force_tokenizer))
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return folder
 
 
 def check_args(args):
@@ -75,10 +92,11 @@ def check_args(args):
 
 
 def load_model(args):
-    """--load_from folder, --checkpoint (a resume checkpoint, config included) or out/<weight>_<hidden>[_moe].pth
-    (its config from <weight>_<hidden>[_moe].json beside it; the model flags fill in for a .pth without one)."""
+    """(model, where its weights are): --load_from folder, --checkpoint (a resume checkpoint, config included) or
+    out/<weight>_<hidden>[_moe].pth (its config from <weight>_<hidden>[_moe].json beside it; the model flags fill in
+    for a .pth without one)."""
     if args.load_from:
-        return load_folder(args.load_from)
+        return load_folder(args.load_from), args.load_from
     if args.checkpoint:
         path = os.path.abspath(args.checkpoint)
         _, fields, _ = read_checkpoint(path)
@@ -95,7 +113,7 @@ def load_model(args):
             raise WeightsError(f"{path} does not exist; train it first or pass --weight/--hidden_size/--load_from")
         state_dict, saved_config = read_weights(path)  # the trainer's .pth has its config beside it (<stem>.json)
         fields = dict(flags, **weight_fields(state_dict, saved_config))  # flags only fill in what a bare .pth lacks
-    return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path)
+    return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path), path
 
 
 def lora_path(args, config):
@@ -114,13 +132,15 @@ def load_chat_model(args):
     """(model in eval mode on --device, tokenizer) from the loading flags; ConfigError, WeightsError or LoraError
     (LOAD_ERRORS) name what to change."""
     check_args(args)
-    model = load_model(args)
+    model, weights = load_model(args)
     if args.lora:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
         apply_lora_file(model, lora_path(args, model.config))
-    return model.eval().to(args.device), AutoTokenizer.from_pretrained(tokenizer_folder(args))
+    tokenizer_dir = tokenizer_folder(args, weights)  # the tokenizer the weights record, unless given by hand
+    check_tokenizer(tokenizer_dir)
+    return model.eval().to(args.device), AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-LOAD_ERRORS = (ConfigError, WeightsError, LoraError)
+LOAD_ERRORS = (ConfigError, WeightsError, LoraError, TokenizerMismatch)
 
 
 def render_prompt(tokenizer, messages, chat, open_thinking, tools=None):
@@ -214,7 +234,10 @@ def add_model_args(parser, weight="pretrain"):
     parser.add_argument("--checkpoint", default=None,
                         help="a resume checkpoint (checkpoints/<weight>_<hidden>/step_<N>) instead of --weight")
     parser.add_argument("--tokenizer_path", default=None,
-                        help="default: the --load_from folder, else the repo's model/")
+                        help="default: the tokenizer the weights record (their sidecar, checkpoint or folder), else "
+                        "the repo's model/")
+    parser.add_argument("--force_tokenizer", type=int, default=0, choices=[0, 1],
+                        help="1: use --tokenizer_path even where it is not the tokenizer the weights record")
     parser.add_argument("--lora", "--lora_weight", dest="lora", default=None,
                         help="a LoRA adapter on top: a .pth (MiniMind's format) or a name in <save_dir>/lora/")
     parser.add_argument("--hidden_size", type=int, default=768)

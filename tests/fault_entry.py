@@ -7,6 +7,7 @@ train_pretrain); the environment says which fault, on torchrun's first attempt o
                                    save once the shards are written or the async write is in flight (=save)
   MINIMIND_TEST_CORRUPT_REPLICA=<rank>:<step>:<name>   add 1 to one value of that parameter on that rank just
                                    before the replica check of that step
+  MINIMIND_TEST_FILL_DISK=<step>:<file>   after that step, write <file> until its disk is full (a full disk from then)
 """
 import os
 import signal
@@ -70,6 +71,23 @@ def patch_corrupt(spec):
     train_loop.check_replicas = check_replicas
 
 
+def patch_fill_disk(spec):
+    at_step, path = spec.split(":", 1)
+    real_after_step = train_loop.after_step
+
+    def after_step(trainer, *args, **kwargs):
+        real_after_step(trainer, *args, **kwargs)
+        if trainer.progress.global_step == int(at_step):
+            with open(path, "wb", buffering=0) as f:
+                try:
+                    while True:
+                        f.write(b"\0" * 4096)
+                except OSError:
+                    pass  # full
+            print(f"fault_entry: filled the disk of {path} after step {at_step}", flush=True)
+    train_loop.after_step = after_step
+
+
 def main():
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if os.environ.get(KILL_AT_STEP) and first_attempt:
@@ -77,6 +95,8 @@ def main():
                    int(os.environ.get("MINIMIND_TEST_KILL_RANK", 0)))
     if os.environ.get(CORRUPT_REPLICA) and first_attempt:
         patch_corrupt(os.environ[CORRUPT_REPLICA])
+    if os.environ.get("MINIMIND_TEST_FILL_DISK") and first_attempt:
+        patch_fill_disk(os.environ["MINIMIND_TEST_FILL_DISK"])
     importlib.import_module(f"trainer.{os.environ.get(STAGE, 'train_pretrain')}").main()
 
 

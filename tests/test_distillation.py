@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -16,10 +17,11 @@ from dataset.lm_dataset import SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from trainer import train_distillation
 from trainer.config import resolve
 from trainer.distillation import DistillationObjective, DistillationPlan, resolve_distillation
 from trainer.flags import add_distillation_args, add_train_args
-from trainer.launch import ConfigError
+from trainer.launch import ConfigError, main_guard
 from trainer.train_loop import step_targets
 
 SCRIPT = "trainer/train_distillation.py"
@@ -256,3 +258,29 @@ def test_teacher_with_another_tokenizer_is_refused(files, tmp_path):
         resolve_flags(files, ["--teacher_weight", str(folder)])
     shutil.copy(os.path.join(ROOT, "model", "tokenizer.json"), folder)  # the student's own: accepted
     assert resolve_flags(files, ["--teacher_weight", str(folder)]).stage.teacher_fields["hidden_size"] == 64
+
+
+@pytest.mark.parametrize("flag,value,was", [("--alpha", "0.5", "0.3"), ("--temperature", "1", "2.0"),
+                                            ("--teacher_weight", "other", None)])
+def test_a_resume_with_another_teacher_alpha_or_temperature_is_one_line(files, single, flag, value, was,
+                                                                        monkeypatch, capsys):
+    """The single run's last checkpoint (step 4) continued with one of the flags that shaped its state changed: one
+    line naming the flag and both values, exit 2, no step."""
+    if value == "other":  # the same shapes, other weights: told apart by content
+        value = os.path.join(files["root"], "other_teacher.pth")
+        save_weights_file(seeded(TEACHER, 5).state_dict(), TEACHER, value)
+    argv = run_args(files, "single", 4, ["--from_resume", "1", "--max_steps", str(STEPS + 1), flag, value])
+    monkeypatch.setattr(sys, "argv", [SCRIPT, *argv])
+    with pytest.raises(SystemExit) as caught:
+        main_guard(train_distillation.main)
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err.startswith("error: ") and "\n" not in err, err
+    if was is None:
+        assert f"step_4 was saved with --teacher_weight {files['teacher']} (sha256 " in err
+        assert f", this run has --teacher_weight {value} (sha256 " in err
+        assert err.endswith(f"pass --teacher_weight {files['teacher']} to continue it, or --from_resume 0 to start "
+                            "over")
+    else:
+        assert err.endswith(f"step_4 was saved with {flag} {was}, this run has {flag} {float(value)}; pass {flag} "
+                            f"{was} to continue it, or --from_resume 0 to start over"), err
+    assert len(metrics(run_args(files, "single", 4))) == STEPS

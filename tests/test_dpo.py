@@ -1,6 +1,7 @@
 """DPO (trainer/dpo.py, trainer/train_dpo.py, DPODataset): the loss and its gradient against transformers' Qwen3 and
 the formula by hand, ln 2 at step 1, the layouts against one process, exact resume, bad input."""
 import glob
+import hashlib
 import json
 import math
 import os
@@ -13,7 +14,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from dataset.lm_dataset import DPODataset, SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import minimind_to_hf
+from model.weights import minimind_to_hf, save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_dpo
 from trainer.dpo import DPOObjective, sequence_log_probs
@@ -208,7 +209,7 @@ def test_first_step_is_ln2_and_the_reference_is_the_starting_model(single_run, t
     assert records[-1]["rewards/margins"] > 0
     # the cached reference log-probs: the seeded init (seed 42) through transformers' Qwen3, by hand
     (cache,) = glob.glob(os.path.join(argv[argv.index("--cache_dir") + 1], "*.dpo_ref.*.pt"))
-    cached = torch.load(cache)
+    cached = torch.load(cache)["log_probs"]  # beside its shape and checksum
     ds = DPODataset(data, tokenizer, max_length=64, cache_dir=os.path.dirname(cache))
     setup_seed(42)
     hf = hf_model(MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY)))
@@ -265,3 +266,63 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     assert code == 2 and err[-1].startswith("error: ") and err[-1].endswith("bad.jsonl:5: no 'rejected' field"), err
     code, err = run_in_process(monkeypatch, capsys, run_args(tmp_path, "beta", data) + ["--beta", "0"])
     assert code == 2 and err == ["error: --beta must be > 0 (MiniMind uses 0.15), got 0.0"], err
+
+
+def test_a_second_round_resumes_against_its_own_reference_after_overwriting_it(single_run, tmp_path, monkeypatch,
+                                                                                capsys):
+    """DPO round 2 from its own output (--from_weight dpo, saving dpo): the weights saved at step 4 overwrite the
+    reference file before a SIGKILL; the resume keeps the run's reference (its cached log-probs, by content) and
+    steps 5-6 equal the uninterrupted run's. Without that cache it refuses in one line; another --beta too."""
+    _, _, data = single_run
+    torch.manual_seed(7)
+    start = MiniMindForCausalLM(MiniMindConfig(**TINY))
+    runs = {}
+    for name in ("straight", "killed"):
+        save_weights_file(start.state_dict(), start.config, str(tmp_path / name / "dpo_64.pth"))
+        runs[name] = run_args(tmp_path, name, data, extra=["--from_weight", "dpo", "--save_weights_every", "2",
+                                                           "--save_interval", "1"])
+    with open(tmp_path / "killed" / "dpo_64.pth", "rb") as f:
+        start_sha = hashlib.sha256(f.read()).hexdigest()
+    straight = forked(SCRIPT, runs["straight"])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    env = {"MINIMIND_TEST_STAGE": "train_dpo", "MINIMIND_TEST_KILL_AT_STEP": "4"}
+    killed = forked("tests/fault_entry.py", args=runs["killed"], timeout=300, env=env)
+    assert killed.returncode != 0 and "SIGKILL rank 0 at step 4" in killed.stdout + killed.stderr
+    weights = str(tmp_path / "killed" / "dpo_64.pth")
+    assert not torch.equal(torch.load(weights)["lm_head.weight"], start.state_dict()["lm_head.weight"])  # overwritten
+    resumed = forked(SCRIPT, [*runs["killed"], "--from_resume", "1"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"--ref_weight {weights} has changed since this run started" in resumed.stdout
+    got, want = metrics_of(runs["killed"]), metrics_of(runs["straight"])
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for a, b in zip(got, want):  # same process count, same reduction order
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+
+    code, err = run_in_process(monkeypatch, capsys, [*runs["killed"], "--from_resume", "1", "--beta", "0.3"])
+    assert code == 2 and len(err) == 1 and "step_6 was saved with --beta 0.15, this run has --beta 0.3; pass --beta " \
+                                           "0.15 to continue it, or --from_resume 0 to start over" in err[0], err
+    (cache,) = glob.glob(os.path.join(runs["killed"][runs["killed"].index("--cache_dir") + 1], "*.dpo_ref.*.pt"))
+    os.remove(cache)
+    code, err = run_in_process(monkeypatch, capsys, [*runs["killed"], "--from_resume", "1"])
+    assert code == 2 and err == [
+        f"error: --ref_weight {weights} no longer holds this run's reference (its content has changed since the run "
+        f"started with sha256 {start_sha[:12]}: a save of this run over it?) and the run's reference log-probs "
+        f"{cache} are gone; pass --ref_weight with the "
+        "starting weights, or --from_resume 0 to start over"], err
+
+
+def test_a_damaged_reference_cache_is_computed_again_with_a_note(single_run, tmp_path):
+    """The single run's cache cut in half: a run on it says so, computes the log-probs again and trains the same."""
+    argv, records, data = single_run
+    cache_dir = argv[argv.index("--cache_dir") + 1]
+    (cache,) = glob.glob(os.path.join(cache_dir, "*.dpo_ref.*.pt"))
+    size = os.path.getsize(cache)
+    with open(cache, "r+b") as f:
+        f.truncate(size // 2)
+    run = [*run_args(tmp_path, "again", data), "--cache_dir", cache_dir, "--max_steps", "2"]
+    proc = forked(SCRIPT, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"note: the reference log-probs cache {cache} is damaged (unreadable: " in proc.stdout
+    assert os.path.getsize(cache) == size
+    got = metrics_of(run)
+    assert [r["loss"] for r in got] == [r["loss"] for r in records[:2]]  # the same process, the same values

@@ -8,6 +8,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import atomic_folder, atomic_save
+from tests.launch import spawn
 from trainer.parallel.state_dict import sharded_state_dict
 from trainer.storage import (
     DiskFullError,
@@ -15,6 +17,7 @@ from trainer.storage import (
     checkpoint_bytes_estimate,
     disk_full_as_one_line,
     free_bytes,
+    rank0_write,
     room_warning,
     tree_bytes,
 )
@@ -135,3 +138,52 @@ def test_other_save_errors_pass_through_unchanged(tmp_path):
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError as e:
             raise RuntimeError("write failed") from e
+
+
+def test_a_weights_write_that_fills_the_disk_is_one_line_and_leaves_no_tmp(small_disk):
+    """rank0_write around the atomic writer: the file in place stays as it was, the temporary one is gone."""
+    disk = small_disk(2)
+    path = os.path.join(disk, "out", "pretrain_64.pth")
+    atomic_save({"w": torch.zeros(4)}, path)  # an earlier save of the run
+    big = {"w": torch.ones(1 << 20)}  # 4 MB: more than the disk holds, though the estimate (1 KB) fits
+    with pytest.raises(DiskFullError) as error:
+        rank0_write(os.path.dirname(path), 1024, path, "--save_dir", lambda: atomic_save(big, path))
+    free = statvfs_free(disk) / MiB
+    assert str(error.value) == (f"disk full: {disk}/out needs 0.0 MB for {path} but has {free:.1f} MB free; no "
+                                "complete checkpoint yet; free space or choose another --save_dir, then run again")
+    assert os.listdir(os.path.join(disk, "out")) == ["pretrain_64.pth"]
+    assert torch.equal(torch.load(path)["w"], torch.zeros(4))
+    with pytest.raises(DiskFullError, match=rf"^disk full: {disk}/out needs 3.0 MB for {path} but has "):
+        rank0_write(os.path.dirname(path), 3 * MiB, path, "--save_dir", lambda: pytest.fail("written"))  # refused
+
+
+def test_a_folder_write_that_fills_the_disk_leaves_the_previous_folder(small_disk):
+    """atomic_folder (the PEFT folder): a block that fills the disk leaves the folder as it was and no other."""
+    disk = small_disk(2)
+    folder = os.path.join(disk, "lora_peft")
+    with atomic_folder(folder) as tmp:
+        torch.save({"w": torch.zeros(4)}, os.path.join(tmp, "adapter.pt"))
+    with pytest.raises(DiskFullError), disk_full_as_one_line(disk, MiB, what=folder, flag="--save_dir"):
+        with atomic_folder(folder) as tmp:
+            torch.save({"w": torch.ones(1 << 20)}, os.path.join(tmp, "adapter.pt"))
+    assert os.listdir(disk) == ["lora_peft"] and os.listdir(folder) == ["adapter.pt"]
+    assert torch.equal(torch.load(os.path.join(folder, "adapter.pt"))["w"], torch.zeros(4))
+
+
+def _write_on_rank0(rank, world_size, disk):
+    """Each rank: rank0_write of a file larger than the disk; write down the line it stopped with."""
+    path = os.path.join(disk, "out", "w.pth")
+    try:
+        rank0_write(os.path.dirname(path), 1024, path, "--save_dir", lambda: atomic_save({"w": torch.ones(1 << 20)},
+                                                                                          path))
+    except DiskFullError as e:
+        with open(os.path.join(disk, f"rank{rank}.line"), "w") as f:
+            f.write(str(e))
+
+
+def test_every_rank_stops_with_rank0_s_line(small_disk):
+    """2 gloo ranks: only rank 0 writes; when its write fills the disk, rank 1 stops with the same line (no wait)."""
+    disk = small_disk(2)
+    spawn(_write_on_rank0, 2, disk, timeout=120, start_method="fork")
+    lines = [open(os.path.join(disk, f"rank{r}.line")).read() for r in range(2)]
+    assert lines[0] == lines[1] and lines[0].startswith(f"disk full: {disk}/out needs 0.0 MB for {disk}/out/w.pth")

@@ -4,6 +4,9 @@ One single-process run is the reference. Two 4-process composites cover the layo
 pp2 x cp2 on FSDP2 ZeRO-2 over the cp ranks) and a killed-and-resumed dp2 ZeRO-1 run (DDP + sharded optimizer)
 covers exact resume: every run's losses and adapters equal the reference's.
 """
+import hashlib
+import importlib
+import json
 import os
 import sys
 
@@ -20,6 +23,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import read_sidecar, save_weights_file
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.test_storage import small_disk  # noqa: F401  (the tmpfs fixture)
 from trainer import train_lora
 from trainer.config import resolve
 from trainer.flags import add_lora_args, parse_args
@@ -37,6 +41,12 @@ STEM = "lora_identity_64"
 # elements with |g| within ~100x of eps, and still fails on any real error (one wrong step moves a weight ~lr).
 ADAPTER_ATOL = STEPS * 1e-2 * 1e-3
 LOGIT_ATOL = 1e-4  # fp32: our model, transformers' and PEFT's differ only in summation order
+
+
+def read_sidecar_record(path):
+    """The sidecar JSON beside a weights file, as written."""
+    with open(path[:-len(".pth")] + ".json") as f:
+        return json.load(f)
 
 
 def tiny_config():
@@ -219,3 +229,81 @@ def test_bad_lora_flags_are_config_errors(flags, needle, base, monkeypatch, tmp_
     with pytest.raises(ConfigError) as caught:
         resolve(args, 1, resolve_stage=resolve_lora)
     assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_sidecars_record_tokenizer_and_step_and_the_peft_folder_carries_the_tokenizer(reference):
+    """The adapters' sidecar says which tokenizer and which step; the PEFT folder holds that tokenizer's files."""
+    sidecar = read_sidecar_record(os.path.join(reference, "out", "lora", f"{STEM}.pth"))
+    with open(os.path.join(ROOT, "model", "tokenizer.json"), "rb") as f:
+        expected = hashlib.sha256(f.read()).hexdigest()
+    assert sidecar["step"] == STEPS and sidecar["tokenizer"] == {"path": os.path.join(ROOT, "model"),
+                                                                 "sha256": expected}
+    assert sidecar["lora"]["rank"] == 4 and sidecar["lora"]["alpha"] == 8.0
+    with open(os.path.join(reference, "out", "lora", f"{STEM}_peft", "tokenizer.json"), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == expected
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--lora_rank", "8"], "step_4 was saved with --lora_rank 4, this run has --lora_rank 8; pass --lora_rank 4 to "
+                           "continue it, or --from_resume 0 to start over"),
+    (["--lora_alpha", None], "step_4 was saved with --lora_alpha 8.0, this run has --lora_alpha 4.0; pass "
+                             "--lora_alpha 8.0 to continue it, or --from_resume 0 to start over"),
+    (["--lora_targets", "q_proj,v_proj"], "step_4 was saved with --lora_targets down_proj,o_proj,q_proj,up_proj,"
+                                          "v_proj, this run has --lora_targets q_proj,v_proj;"),
+    (["--lora_dropout", "0.1"], "step_4 was saved with --lora_dropout 0.0, this run has --lora_dropout 0.1;"),
+])
+def test_a_resume_with_other_adapter_flags_is_one_line(reference, data, base, flags, line, monkeypatch, capsys):
+    """Against the reference run's last checkpoint: the flag, both values and what to pass; exit 2 before any step
+    (--lora_alpha left out takes alpha = rank, 4, not the checkpoint's 8)."""
+    args = run_args(reference, data, base, 1, ["--from_resume", "1"])
+    name = flags[0]
+    args = args[:args.index(name)] + args[args.index(name) + 2:] if flags[1] is None else [*args, *flags]
+    monkeypatch.setattr(sys, "argv", [SCRIPT, *map(str, args)])
+    with pytest.raises(SystemExit) as caught:
+        main_guard(train_lora.main)
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err.startswith("error: ") and "\n" not in err and line in err, err
+    assert len(read_metrics(os.path.join(reference, "m.jsonl"))) == STEPS  # no step was added
+
+
+@pytest.mark.parametrize("script", ["train_sft", "train_lora", "train_dpo"])
+def test_an_adapter_as_from_weight_names_the_flag_and_the_file(reference, script, monkeypatch, capsys, tmp_path):
+    adapter = os.path.join(reference, "out", "lora", f"{STEM}.pth")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *TINY_MODEL, "--from_weight", adapter, "--save_dir",
+                                      str(tmp_path)])
+    with pytest.raises(SystemExit) as caught:
+        main_guard(importlib.import_module(f"trainer.{script}").main)
+    assert caught.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --from_weight {adapter}: these are LoRA adapters (MiniMind's <module>.lora.A/B.weight), not a "
+        "model's weights; pass the base model here and the adapters to --lora (eval_llm.py, convert_model.py)")
+
+
+def test_a_full_disk_at_the_adapter_save_is_one_line_and_the_resume_writes_the_final_step(
+        reference, data, base, tmp_path, small_disk):  # noqa: F811
+    """Adapters saved at step 2 (--save_weights_every 2); the disk of --save_dir fills after step 3, so step 4's save
+    fails: one line, exit 3, no temporary file, the step-2 adapters intact. With space freed, --from_resume 1 finds
+    --max_steps reached, sees the sidecar's step 2 and writes step 4's adapters (the reference run's) before Done."""
+    disk = small_disk(2)
+    workdir = str(tmp_path)
+    args = [*run_args(workdir, data, base, 1, ["--save_weights_every", "2"]), "--save_dir", disk]
+    filler = os.path.join(disk, "filler")
+    failed = forked("tests/fault_entry.py", args, env={"MINIMIND_TEST_STAGE": "train_lora",
+                                                       "MINIMIND_TEST_FILL_DISK": f"3:{filler}"}, timeout=300)
+    err = failed.stderr.strip().splitlines()
+    assert failed.returncode == 3, failed.stdout[-2000:] + failed.stderr[-2000:]
+    assert err[-1].startswith(f"error: disk full: {disk}/lora needs ") and \
+        err[-1].endswith(f"for {disk}/lora/{STEM}.pth but has 0.0 MB free; the last complete checkpoint is "
+                         f"{workdir}/ckpt/{STEM}/step_4; free space or choose another --save_dir, then resume with "
+                         "--from_resume 1"), err[-3:]
+    files = sorted(os.path.relpath(os.path.join(root, n), disk) for root, _, names in os.walk(disk) for n in names)
+    assert not [f for f in files if ".tmp" in f or ".old" in f], files
+    assert read_sidecar_record(os.path.join(disk, "lora", f"{STEM}.pth"))["step"] == 2
+    os.remove(filler)
+    resumed = forked(SCRIPT, [*args, "--from_resume", "1"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{disk}/lora/{STEM}.pth holds step 2, not the final step 4: writing them" in resumed.stdout
+    assert f"Done: {STEPS} steps" in resumed.stdout
+    assert read_sidecar_record(os.path.join(disk, "lora", f"{STEM}.pth"))["step"] == STEPS
+    saved, want = torch.load(os.path.join(disk, "lora", f"{STEM}.pth")), adapters(reference)
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)  # the same run's step 4

@@ -13,7 +13,6 @@ DCP reshards on load, so a run may resume under another layout. The weights, a p
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
 (trainer/minimind_resume.py).
 """
-import json
 import os
 import random
 import re
@@ -28,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from model.weights import atomic_save, save_weights_file
-from trainer.launch import ConfigError, is_main_process, rank
+from model.weights import atomic_json, atomic_save, read_record, save_weights_file
+from trainer.launch import ConfigError, count_sum, is_main_process, rank
 from trainer.minimind_resume import minimind_resume_path, read_minimind_resume
 from trainer.parallel.state_dict import (
     TIED_EMBEDDING,
@@ -38,7 +37,8 @@ from trainer.parallel.state_dict import (
     load_sharded_state,
     sharded_state_dict,
 )
-from trainer.storage import check_room, disk_full_as_one_line, tree_bytes
+from trainer.resume_fields import check_resume_fields, resume_fields
+from trainer.storage import check_room, disk_full_as_one_line, rank0_write, tree_bytes
 from trainer.trainer_utils import Logger
 
 # 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save
@@ -46,6 +46,7 @@ FORMAT_VERSION = 3
 MANIFEST = "complete.json"
 # one process saves and loads without a process group, as intended: DCP warns about it on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+SIDECAR_BYTES = 64 << 10  # room for a weights file's sidecar and torch.save's own headers
 CHECK_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "num_attention_heads",
               "num_key_value_heads", "num_experts")
 
@@ -130,6 +131,16 @@ def read_train_state(path, config):
     return dict(ckpt, dcp_path=path)
 
 
+def saved_resume_fields(plan):
+    """(path, resume fields) of the checkpoint --from_resume would load; (None, None) without one."""
+    path = latest_checkpoint(plan.run_dir) if plan.from_resume != "0" else None
+    try:
+        return path, torch.load(os.path.join(path, "train_state.pt"), map_location="cpu",
+                                weights_only=False).get("resume_fields") if path else None
+    except Exception:
+        return path, None  # load_resume names the unreadable file
+
+
 def load_resume(config, plan):
     """--from_resume 1/auto: the newest complete checkpoint's state (a DCP directory, else MiniMind's resume file).
 
@@ -148,6 +159,7 @@ def load_resume(config, plan):
                               "auto to start fresh when there is none, or 0")
         Logger(f"--from_resume auto: no complete checkpoint in {plan.run_dir}, starting fresh")
         return None
+    check_resume_fields(ckpt.get("resume_fields"), plan, path or minimind_path)
     if ckpt["global_batch"] != plan.global_batch:
         raise ConfigError(f"checkpoint was saved with a global batch of {ckpt['global_batch']} samples, this run "
                           f"has {plan.global_batch} (batch_size x accumulation_steps x dp); match it to resume exactly")
@@ -248,7 +260,8 @@ class Checkpointer:
         return dict(train_state=parts["progress"].state_dict(), scaler=parts["scaler"].state_dict(),
                     world_size=plan.world_size, global_batch=plan.global_batch,
                     layout=dict(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage),
-                    args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION)
+                    args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION,
+                    tokenizer=plan.tokenizer_record, resume_fields=resume_fields(plan))
 
     def wait(self):
         """Wait for the pending async save (its manifest included); re-raises its error."""
@@ -264,12 +277,7 @@ class Checkpointer:
     def mark_complete(self, path):
         """Rank 0, once every rank's files are written: the manifest, last; then prune."""
         step = int(path.rsplit("_", 1)[1])
-        tmp = os.path.join(path, MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(dict(step=step, format_version=FORMAT_VERSION), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, MANIFEST))
+        atomic_json(dict(step=step, format_version=FORMAT_VERSION), os.path.join(path, MANIFEST))
         self.prune(step)
 
     def prune(self, step):
@@ -281,16 +289,39 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
 
 
+def weights_path(plan):
+    """The weights file the run writes: <save_dir>/<run_name>.pth, or a stage's own (LoRA: its adapters)."""
+    return getattr(plan.stage, "weights_path", plan.weights_path)
+
+
 def save_weights(trainer):
     """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0
-    (or the stage's own files: plan.stage.save_weights(model_state, config, save_dtype))."""
-    pp_group = trainer.dims.group("pp") if trainer.plan.pp > 1 else None
+    (or the stage's own files: plan.stage.save_weights(model_state, config, save_dtype, record)), its sidecar
+    recording the tokenizer and the step. A disk without room stops every rank with one line (DiskFullError)."""
+    plan = trainer.plan
+    pp_group = trainer.dims.group("pp") if plan.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
-    if not is_main_process():
-        return
-    stage = trainer.plan.stage
-    if hasattr(stage, "save_weights"):  # a stage writing its own files (LoRA: the adapters only)
-        stage.save_weights(model_sd, trainer.config, trainer.plan.save_dtype)
-        return
-    weights = {k: v.to(trainer.plan.save_dtype) for k, v in model_sd.items()}
-    save_weights_file(weights, trainer.config, trainer.plan.weights_path)
+    stage, path = plan.stage, weights_path(plan)
+    record = dict(tokenizer=plan.tokenizer_record, step=trainer.progress.global_step)
+    own = hasattr(stage, "save_weights")  # a stage writing its own files (LoRA: the adapters only)
+    weights = {k: v.to(plan.save_dtype) for k, v in model_sd.items()} if is_main_process() and not own else {}
+    needed = (stage.weights_bytes(model_sd, plan.save_dtype, record) if own else
+              sum(v.numel() * v.element_size() for v in weights.values()) + SIDECAR_BYTES) if is_main_process() else 0
+
+    def write():
+        if own:
+            stage.save_weights(model_sd, trainer.config, plan.save_dtype, record)
+        else:
+            save_weights_file(weights, trainer.config, path, record)
+    rank0_write(os.path.dirname(path), needed, path, "--save_dir", write, latest_checkpoint(plan.run_dir))
+
+
+def ensure_final_weights(trainer):
+    """A resume that finds --max_steps reached: the weights file must be this step's (its sidecar says which step it
+    holds); a save that failed before (a full disk) is written now. Every rank takes rank 0's decision."""
+    path, step = weights_path(trainer.plan), trainer.progress.global_step
+    held = read_record(path).get("step") if os.path.isfile(path) else None
+    if count_sum(int(held != step) if is_main_process() else 0):
+        now = f"holds step {held}" if held is not None else "records no step" if os.path.isfile(path) else "is missing"
+        Logger(f"{path} {now}, not the final step {step}: writing them")
+        save_weights(trainer)

@@ -10,6 +10,8 @@ import torch
 
 from dataset.mixture import absolute_data_spec
 from model.model_minimind import MiniMindConfig
+from model.provenance import TokenizerMismatch, tokenizer_for, tokenizer_record
+from model.weights import read_record
 from trainer.checks import (
     check_combinations,
     check_device,
@@ -26,7 +28,7 @@ from trainer.checks import (
 from trainer.launch import ConfigError
 from trainer.model_config import build_config, weight_shapes
 from trainer.tracking import parse_profile_steps
-from trainer.trainer_utils import Logger, typed_or_default, weight_name
+from trainer.trainer_utils import Logger, repo_path, typed_or_default, weight_name
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class TrainPlan:
     checkpoint_dir: str
     metrics_file: str
     tokenizer_path: str
+    tokenizer_record: dict  # {"path", "sha256" of its tokenizer.json}: written beside the weights and checkpoints
     cache_dir: str
     seed: int  # model init and data order
     data_path: Optional[str]  # a spec for dataset.mixture.resolve_data_spec; None: the embedded demo corpus
@@ -130,7 +133,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
     outputs = [(checkpoint_dir, "--checkpoint_dir"), (cache_dir, "--cache_dir")]
     check_paths(save_dir, from_weight, (("--data_path", data_path), ("--eval_data_path", eval_data_path)),
                 outputs + ([(tensorboard_dir, "--tensorboard_dir")] if tensorboard_dir else []))
-    tokenizer_path = typed_or_default(args.tokenizer_path, "model")
+    tokenizer_path = run_tokenizer(args, from_weight)
     check_tokenizer(tokenizer_path)
     weight_fields = weight_shapes(args, from_weight) if from_weight != "none" else {}
     config = build_config(args, weight_fields)
@@ -158,6 +161,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
         chunked_loss=args.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1,
         doc_mask=bool(args.packing and args.doc_mask),
         save_dir=save_dir, checkpoint_dir=checkpoint_dir, metrics_file=metrics_file, tokenizer_path=tokenizer_path,
+        tokenizer_record=tokenizer_record(tokenizer_path),
         cache_dir=cache_dir, seed=args.seed, data_path=data_path, eval_data_path=eval_data_path,
         from_weight=from_weight, tensorboard_dir=tensorboard_dir,
         profile_steps=profile_steps(args.profile_steps), weight_fields=weight_fields,
@@ -176,6 +180,22 @@ def weight_path(spec, save_dir, config):
     if spec.endswith(".pth") or os.path.isdir(spec):
         return typed_or_default(spec, None)
     return os.path.join(save_dir, weight_name(spec, config) + ".pth")
+
+
+def run_tokenizer(args, from_weight):
+    """The run's tokenizer folder: --tokenizer_path, else the one --from_weight was trained with (its record), else
+    model/; a typed folder whose tokenizer.json differs from the recorded one is refused (--force_tokenizer 1: kept)."""
+    record = read_record(from_weight).get("tokenizer") if from_weight != "none" else None
+    if record is None:
+        return typed_or_default(args.tokenizer_path, "model")
+    try:
+        folder, note = tokenizer_for(record, typed_or_default(args.tokenizer_path, None), repo_path("model"),
+                                     f"--from_weight {from_weight}", bool(args.force_tokenizer))
+    except TokenizerMismatch as e:
+        raise ConfigError(str(e)) from None
+    if note:
+        Logger(note)
+    return folder
 
 
 COPIED = ("learning_rate", "weight_decay", "warmup_steps", "grad_clip", "epochs", "max_steps", "log_interval",

@@ -14,15 +14,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import WeightsError, load_weights, read_checkpoint, weight_fields
+from model.provenance import content_sha256
+from model.weights import WeightsError, load_weights, read_record, read_weights, weight_fields
 from trainer.launch import ConfigError
 from trainer.metrics import step_flops
 from trainer.objective import LMObjective
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
 from trainer.trainer_utils import typed_or_default
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @dataclass(frozen=True)
@@ -33,10 +32,16 @@ class DistillationPlan:
     teacher_path: str
     teacher_fields: dict  # MiniMindConfig fields of the teacher weights
     chunk_size: int  # target tokens per KL chunk; 0: the full logits (also under tensor parallel)
+    teacher_sha256: str = None  # the teacher by content: a resume must distil from the same one
 
     @property
     def teacher_config(self):
         return MiniMindConfig(**self.teacher_fields)
+
+    def resume_fields(self):
+        """The flags that shape the saved state (checked on resume, trainer/resume_fields.py)."""
+        return {"--teacher_weight": {"path": self.teacher_path, "sha256": self.teacher_sha256}, "--alpha": self.alpha,
+                "--temperature": self.temperature}
 
 
 def resolve_distillation(args, plan):
@@ -50,7 +55,8 @@ def resolve_distillation(args, plan):
                           "stages); use --tp, --cp or data parallel")
     path = teacher_path(args.teacher_weight, plan.save_dir)
     fields = teacher_fields(path, plan)
-    return DistillationPlan(alpha=args.alpha, temperature=args.temperature, teacher_path=path, teacher_fields=fields,
+    return DistillationPlan(alpha=args.alpha, temperature=args.temperature, teacher_path=path,
+                            teacher_sha256=content_sha256(path), teacher_fields=fields,
                             chunk_size=plan.model_config.loss_chunk_size if plan.chunked_loss else 0)
 
 
@@ -69,7 +75,7 @@ def teacher_path(value, save_dir):
 def teacher_fields(path, plan):
     """The teacher's MiniMindConfig fields, after checking its vocabulary, tokenizer and tensor-parallel split."""
     try:
-        state_dict, saved_config, saved_args = read_checkpoint(path)
+        state_dict, saved_config = read_weights(path)
         fields = weight_fields(state_dict, saved_config)
     except WeightsError as e:
         raise ConfigError(f"--teacher_weight: {e}") from None
@@ -79,7 +85,7 @@ def teacher_fields(path, plan):
         raise ConfigError(f"--teacher_weight {path} has vocab_size {fields['vocab_size']}, the student "
                           f"{student_vocab}: distillation compares both models' token distributions, so pass a "
                           "teacher trained with the student's tokenizer")
-    teacher_tokenizer = tokenizer_folder(path, saved_args)
+    teacher_tokenizer = tokenizer_folder(path, plan)
     if teacher_tokenizer and not same_vocabulary(teacher_tokenizer, plan.tokenizer_path):
         raise ConfigError(f"--teacher_weight {path}: its tokenizer ({teacher_tokenizer}) differs from the "
                           f"student's ({plan.tokenizer_path}); pass a teacher trained with the student's tokenizer")
@@ -89,12 +95,13 @@ def teacher_fields(path, plan):
     return fields
 
 
-def tokenizer_folder(path, saved_args):
-    """The tokenizer the teacher names: an HF folder's own files, or the one its resume checkpoint trained with."""
-    if os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        return path
-    named = (saved_args or {}).get("tokenizer_path")
-    return named if named and os.path.isdir(named) else None
+def tokenizer_folder(path, plan):
+    """The tokenizer the teacher records (its sidecar, resume checkpoint or HF folder), to compare with the student's;
+    None where it records none, where it is the student's (same tokenizer.json), or where it is not found here."""
+    record = read_record(path).get("tokenizer") or {}
+    if record.get("sha256") and record["sha256"] == plan.tokenizer_record["sha256"]:
+        return None
+    return record["path"] if record.get("path") and os.path.isdir(record["path"]) else None
 
 
 def same_vocabulary(folder, other):

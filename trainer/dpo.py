@@ -1,34 +1,30 @@
-"""DPO (sigmoid, Rafailov et al.): the stage plan, the preference objective and the reference log-probs.
+"""DPO (sigmoid, Rafailov et al.): the stage plan, the preference objective and the log-probs of the targets.
 
 loss = -logsigmoid(beta * ((pc - rc) - (pr - rr))), averaged over the step's pairs, where pc / pr are the policy's
 summed log-probs of the chosen / rejected assistant tokens (SFT's labels) and rc / rr the reference model's.
-The reference's sums are computed once before training, in the training layout, with the reference model
-loaded alone and dropped after (so no second model lives beside the policy), and cached beside the token cache;
-the dataset hands them out with each pair (dataset/lm_dataset.py DPODataset).
+The reference's sums are computed once before training (trainer/dpo_reference.py) and handed out with each pair
+(dataset/lm_dataset.py DPODataset). A run's reference is fixed at its start: it is known by the content of its
+weights, and a resume keeps the run's reference even where its file has since been overwritten (by this run's own
+saves, say), or refuses in one line.
 """
-import gc
-import hashlib
-import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from model.weights import atomic_save
+from model.model_minimind import MiniMindForCausalLM
+from model.provenance import content_sha256
+from model.weights import WeightsError, read_weights, shape_mismatch
+from trainer.checkpoint import saved_resume_fields
 from trainer.config import weight_path
-from trainer.launch import ConfigError, count_sum, is_main_process, setup_seed
+from trainer.launch import ConfigError
+from trainer.model_config import flag_error
 from trainer.objective import LMObjective
-from trainer.parallel.parallelize import parallelize
-from trainer.parallel.tensor import tp_loss_context
-from trainer.train_loop import autocast, leaf_datasets, step_targets
-from trainer.trainer_utils import Logger, init_model
+from trainer.resume_fields import check_resume_fields
 
 DEFAULT_BETA = 0.15  # MiniMind's train_dpo.py
 LOG_PROB_CHUNK = 1024  # rows of logits turned into fp32 log-softmax at a time
-REFERENCE_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -36,12 +32,18 @@ class DPOPlan:
     """The DPO stage's checked flags."""
     beta: float
     ref_weight: str  # the reference model's weights (a .pth, a step_<N> checkpoint, an HF folder), or "none"
-    ref_identity: str  # what the reference log-probs depend on besides the data: weights file(s), model, dtype
+    ref_sha256: str  # the run's reference by content: its weights' sha256 at the run's start ("seed N": the init)
+    ref_changed: bool  # resuming, and ref_weight no longer holds the run's reference (its cached log-probs must do)
     rows_per_sample: int = 2  # a sample is a chosen/rejected pair: two model rows (pipeline stage shapes)
+
+    def resume_fields(self):
+        """The flags that shape the saved state (checked on resume, trainer/resume_fields.py)."""
+        return {"--beta": self.beta, "--ref_weight": {"path": self.ref_weight, "sha256": self.ref_sha256}}
 
 
 def resolve_dpo(args, plan):
-    """Check DPO's flags against the TrainPlan; ConfigError (one line) on bad input."""
+    """Check DPO's flags against the TrainPlan; ConfigError (one line) on bad input. A resume's checkpoint is checked
+    here already (beta, reference, tokenizer), before the reference log-probs are computed."""
     if not args.beta > 0:
         raise ConfigError(f"--beta must be > 0 (MiniMind uses {DEFAULT_BETA}), got {args.beta}")
     if plan.cp > 1:
@@ -56,24 +58,28 @@ def resolve_dpo(args, plan):
     if ref_weight != "none" and not os.path.exists(ref_weight):
         raise ConfigError(f"--ref_weight {ref_weight} does not exist; pass a .pth, a resume checkpoint step_<N> "
                           "directory or a Hugging Face folder")
-    return DPOPlan(beta=float(args.beta), ref_weight=ref_weight, ref_identity=reference_identity(ref_weight, plan))
+    if ref_weight not in ("none", plan.from_weight):  # --from_weight's file was checked by resolve already
+        check_reference(ref_weight, plan.model_config)
+    sha = content_sha256(ref_weight) if ref_weight != "none" else f"seed {plan.seed}"
+    path, saved = saved_resume_fields(plan)
+    was = (saved or {}).get("--ref_weight") or {}
+    changed = bool(was) and was.get("sha256") != sha and was.get("path") == ref_weight  # overwritten since
+    stage = DPOPlan(beta=float(args.beta), ref_weight=ref_weight, ref_sha256=was["sha256"] if changed else sha,
+                    ref_changed=changed)
+    check_resume_fields(saved, replace(plan, stage=stage), path)
+    return stage
 
 
-def reference_identity(ref_weight, plan):
-    """A digest of the reference model: its files (path, size, mtime), or the seeded init; the model and dtype."""
-    files = []
-    if ref_weight == "none":
-        files.append(["seed", plan.seed])
-    elif os.path.isdir(ref_weight):
-        for root, _, names in sorted(os.walk(ref_weight)):
-            for name in sorted(names):
-                stat = os.stat(os.path.join(root, name))
-                files.append([os.path.join(root, name), stat.st_size, stat.st_mtime_ns])
-    elif os.path.exists(ref_weight):
-        stat = os.stat(ref_weight)
-        files.append([os.path.abspath(ref_weight), stat.st_size, stat.st_mtime_ns])
-    key = [REFERENCE_FORMAT_VERSION, files, plan.model_config.to_dict(), str(plan.dtype)]
-    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def check_reference(path, config):
+    """The reference weights fit the policy's model: one line naming --ref_weight and the file otherwise."""
+    try:
+        state_dict, _ = read_weights(path)
+        with torch.device("meta"):
+            message = shape_mismatch(state_dict, MiniMindForCausalLM(config), path)
+    except WeightsError as e:
+        message = str(e)
+    if message:
+        raise ConfigError(flag_error("--ref_weight", path, message))
 
 
 # ----------------------------------------------------------------------------- log-probs of the targets
@@ -185,100 +191,3 @@ class DPOObjective(LMObjective):
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
         """The model's training FLOPs, its lm_head on every position: the log-probs come from the full logits."""
         return super().flops(config, seq_len, positions, target_tokens, False)
-
-
-# ----------------------------------------------------------------------------- the reference log-probs
-
-def attach_reference(plan, dims, train_ds, objective):
-    """Give every DPODataset under `train_ds` its reference log-probs (set_reference): read from the cache, or
-    computed once in this layout by the reference model, which is then dropped, and cached by rank 0.
-
-    Every rank computes its data-parallel share; the shares are summed over all ranks, so every rank holds
-    the same values, whether or not it can read the file rank 0 writes."""
-    datasets = leaf_datasets(train_ds)
-    paths = [reference_cache_path(ds, plan.stage.ref_identity) for ds in datasets]
-    if count_sum(int(not all(os.path.exists(p) for p in paths))):  # one rank missing one: all compute them all
-        Logger(f"reference log-probs: computing them with {plan.stage.ref_weight} (once; cached beside the tokens)")
-        model_parts, pipeline = load_reference(plan, dims)
-        values = [reference_log_probs(model_parts, pipeline, ds, plan, dims, objective) for ds in datasets]
-        del model_parts, pipeline
-        release_memory(plan)
-        for path, value in zip(paths, values):
-            if is_main_process():
-                atomic_save(torch.from_numpy(value), path)
-    else:
-        values = [torch.load(path, weights_only=True).numpy() for path in paths]
-    for ds, value in zip(datasets, values):
-        ds.set_reference(value)
-
-
-def reference_cache_path(ds, ref_identity):
-    """<token cache dir>/<data file>.dpo_ref.<digest>.pt, keyed by the pairs' tokens and the reference model."""
-    key = json.dumps([REFERENCE_FORMAT_VERSION, ds.cache_key(), ref_identity])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return os.path.join(os.path.dirname(ds.chosen.cache_path), f"{os.path.basename(ds.data_path)}.dpo_ref.{digest}.pt")
-
-
-def load_reference(plan, dims):
-    """The reference model in the training layout, eval mode; the RNG is reseeded after, so that a seeded policy
-    init (--from_weight none) equals a seeded reference."""
-    setup_seed(plan.seed)
-    model = init_model(plan.model_config, plan.stage.ref_weight).to(plan.device).eval()
-    model_parts, pipeline = parallelize(model, dims, plan)
-    setup_seed(plan.seed)
-    return model_parts, pipeline
-
-
-def release_memory(plan):
-    gc.collect()
-    if plan.device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def reference_log_probs(model_parts, pipeline, ds, plan, dims, objective):
-    """(len(ds), 2) float64 summed log-probs of every pair under the reference model, on every rank.
-
-    dp rank r takes pairs [r * share, (r + 1) * share) in batches of one optimizer step's micro-batches (pipeline)
-    or one micro-batch; every rank runs the same number of batches (data-parallel wrappers gather in forward)."""
-    n, rows = len(ds), plan.micro_batch * (plan.num_microbatches if pipeline is not None else 1)
-    share = -(-n // plan.dp)
-    positions = dims.dp_rank * share + np.arange(-(-share // rows) * rows)
-    keep = (positions < min(n, (dims.dp_rank + 1) * share)) & dims.counts_items  # who holds a pair's value
-    values = torch.zeros(n, 2, dtype=torch.float64)
-    for start in range(0, len(positions), rows):
-        index = positions[start:start + rows] % n
-        pairs = [ds[int(i)] for i in index]
-        input_ids = torch.stack([p[0] for p in pairs]).flatten(0, 1).to(plan.device)
-        targets = step_targets(torch.stack([p[1] for p in pairs]).flatten(0, 1)).to(plan.device)
-        with torch.no_grad():
-            log_probs = forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective)
-        held = keep[start:start + rows]
-        if held.any():
-            values[index[held]] = log_probs.view(-1, 2).double().cpu()[torch.from_numpy(held)]
-    if dist.is_initialized():
-        values = values.to(plan.device)
-        dist.all_reduce(values)  # each pair is held by exactly one rank: the sum is that rank's value
-    return values.cpu().numpy()
-
-
-def forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective):
-    """(rows,) summed target log-probs; through the pipeline's forward-only schedule when pp > 1 (zeros off the
-    last stage)."""
-    if pipeline is None:
-        with tp_loss_context(plan.tp > 1), autocast(plan):
-            return objective.log_probs(model_parts[0], input_ids, targets)[0]
-    return pipeline_log_probs(pipeline, input_ids, targets)
-
-
-def pipeline_log_probs(pipeline, input_ids, targets):
-    """Forward only through the pipeline's schedule (schedule.eval, torch >= 2.9): the last stage's loss function
-    returns each micro-batch's summed log-probs, which the schedule collects; zeros on the other stages."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).float().expand(input_ids.shape)
-    collected = []
-    pipeline.loss_fn.forward_only = sequence_log_probs
-    args = (input_ids, positions.contiguous()) if pipeline.has_first else ()
-    if pipeline.has_last:
-        pipeline.schedule.eval(*args, target=pipeline.loss_fn.pack(targets, None), losses=collected)
-        return torch.cat(collected)
-    pipeline.schedule.eval(*args)
-    return torch.zeros(input_ids.shape[0])

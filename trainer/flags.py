@@ -72,7 +72,10 @@ def add_data_args(parser):
       "tokens of its own document and position ids restart at each document (0: the whole row is one sequence)")
     a("--skip_bad_lines", type=int, default=0, choices=[0, 1], help="skip malformed data lines instead of stopping")
     a("--cache_dir", default=None, help="token cache of the datasets (default: dataset/.cache in the repo)")
-    a("--tokenizer_path", default=None, help="Hugging Face tokenizer folder (default: model/ in the repo)")
+    a("--tokenizer_path", default=None, help="Hugging Face tokenizer folder (default: the one the starting weights "
+      "were trained with, as their sidecar records; else model/ in the repo)")
+    a("--force_tokenizer", type=int, default=0, choices=[0, 1], help="1: use the tokenizer folder given even where "
+      "its tokenizer.json differs from the one the starting weights were trained with")
 
 
 def add_tracking_args(parser):

@@ -3,7 +3,6 @@
 The loss is the LM objective unchanged; what differs from SFT is the model (base frozen, adapters trained) and the
 weights file (only the adapters: MiniMind's format plus a PEFT folder). Resume checkpoints hold the whole model.
 """
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -12,9 +11,12 @@ import torch
 
 from model.lora import TARGETS, LoraError, apply_lora, lora_state_dict, lora_target_names, save_peft
 from model.model_minimind import MiniMindForCausalLM
-from model.weights import atomic_save, config_fields, sidecar_path
+from model.provenance import tokenizer_files
+from model.weights import save_weights_file
 from trainer.launch import ConfigError
 from trainer.trainer_utils import Logger, weight_name
+
+SIDECAR_BYTES = 64 << 10  # the JSON files and torch.save's headers
 
 
 @dataclass(frozen=True)
@@ -38,25 +40,34 @@ class LoraPlan:
                f"parameters of {total / 1e6:.2f}M ({100 * trained / total:.2f}%)")
         return model
 
-    def save_weights(self, model_state, config, save_dtype):
-        """Rank 0: the adapters of a gathered model state dict, in MiniMind's format (+ sidecar) and PEFT's."""
+    def save_weights(self, model_state, config, save_dtype, record):
+        """Rank 0: the adapters of a gathered model state dict, in MiniMind's format (+ its sidecar: the model
+        fields, `record` (tokenizer, step) and the adapters' own) and PEFT's (+ the tokenizer files)."""
         model = MiniMindForCausalLM(config)
         apply_lora(model, self.rank, self.alpha, self.dropout, self.targets)
         model.load_state_dict(model_state)
         model.to(save_dtype)
-        atomic_save(lora_state_dict(model), self.weights_path)
-        fields = dict(config_fields(config.to_dict()), model_type="minimind", lora=dict(
-            rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=list(self.targets or ()),
-            base_weight=self.base_weight))
-        fields.pop("loss_chunk_size", None)  # a training knob
-        sidecar = sidecar_path(self.weights_path)
-        with open(sidecar + ".tmp", "w") as f:
-            json.dump(fields, f, indent=2, sort_keys=True)
-        os.replace(sidecar + ".tmp", sidecar)  # a killed save never leaves half a sidecar
+        lora = dict(rank=self.rank, alpha=self.alpha, dropout=self.dropout, targets=list(self.targets or ()),
+                    base_weight=self.base_weight)
         try:
-            save_peft(model, self.peft_dir, base_model_name_or_path=self.base_weight)
+            save_peft(model, self.peft_dir, base_model_name_or_path=self.base_weight,
+                      tokenizer_path=(record.get("tokenizer") or {}).get("path"))
         except LoraError as e:  # MoE expert targets: transformers 5 fuses experts, PEFT has no layer to adapt
             Logger(f"PEFT export skipped: {e}")
+        # last: the sidecar's step says every file of this save is written (a resume rewrites them otherwise)
+        save_weights_file(lora_state_dict(model), config, self.weights_path, dict(record, lora=lora))
+
+    def weights_bytes(self, model_state, save_dtype, record):
+        """What save_weights writes, about: the adapters twice (MiniMind's file, PEFT's), the tokenizer, sidecars."""
+        adapters = sum(v.numel() for k, v in model_state.items() if ".lora." in k) * save_dtype.itemsize
+        folder = (record.get("tokenizer") or {}).get("path")
+        tokenizer = sum(os.path.getsize(os.path.join(folder, n)) for n in tokenizer_files(folder)) if folder else 0
+        return 2 * adapters + tokenizer + SIDECAR_BYTES
+
+    def resume_fields(self):
+        """The flags that shape the saved state (checked on resume, trainer/resume_fields.py)."""
+        return {"--lora_rank": self.rank, "--lora_alpha": self.alpha, "--lora_dropout": self.dropout,
+                "--lora_targets": ",".join(self.targets) if self.targets else None}
 
 
 def parse_targets(spec):

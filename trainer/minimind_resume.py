@@ -1,7 +1,9 @@
 """MiniMind's own resume file, `<checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth`, read as a resume checkpoint.
 
 MiniMind's lm_checkpoint writes {model (fp16), optimizer (torch AdamW state, params by index), epoch, step,
-world_size, wandb_id} plus extras such as scaler. `step` counts the batches of --batch_size samples each process
+world_size, wandb_id} plus extras such as scaler. The optimizer's indices follow MiniMind's model.parameters(), the
+order its modules register their parameters (MINIMIND_MODULES), not ours; each moment is checked against the shape
+of the parameter that order puts at its index. `step` counts the batches of --batch_size samples each process
 took in `epoch`; MiniMind skips that many on resume. Its data order is not ours, so the same position (samples
 consumed in the epoch) continues here, not the same samples.
 """
@@ -34,14 +36,60 @@ def _load(path):
     return ckpt
 
 
+# MiniMind's module definitions (jingyaogong/minimind, model/model_minimind.py): each module's children in the order its
+# __init__ registers them, which model.parameters(), and so the indices of its AdamW state, follow. Entries are
+# (attribute, module, config field giving an nn.ModuleList's length or None). Its FeedForward registers gate_proj,
+# down_proj, up_proj (ours: gate, up, down); the names are the same, the order is not.
+MINIMIND_MODULES = {
+    "MiniMindForCausalLM": (("model", "MiniMindModel", None), ("lm_head", "Linear", None)),
+    "MiniMindModel": (("embed_tokens", "Embedding", None), ("layers", "MiniMindBlock", "num_hidden_layers"),
+                      ("norm", "RMSNorm", None)),
+    "MiniMindBlock": (("self_attn", "Attention", None), ("input_layernorm", "RMSNorm", None),
+                      ("post_attention_layernorm", "RMSNorm", None), ("mlp", "MLP", None)),
+    "Attention": (("q_proj", "Linear", None), ("k_proj", "Linear", None), ("v_proj", "Linear", None),
+                  ("o_proj", "Linear", None), ("q_norm", "RMSNorm", None), ("k_norm", "RMSNorm", None)),
+    "FeedForward": (("gate_proj", "Linear", None), ("down_proj", "Linear", None), ("up_proj", "Linear", None)),
+    "MOEFeedForward": (("gate", "Linear", None), ("experts", "FeedForward", "num_experts")),
+}
+LEAVES = ("Linear", "Embedding", "RMSNorm")  # one parameter each, `weight` (MiniMind's Linear layers have no bias)
+
+
+def _registered(module, prefix, config):
+    """Parameter names under `module` in MiniMind's registration order."""
+    if module in LEAVES:
+        yield prefix + "weight"
+        return
+    if module == "MLP":  # MiniMindBlock: FeedForward(config) if not config.use_moe else MOEFeedForward(config)
+        module = "MOEFeedForward" if config.use_moe else "FeedForward"
+    for attribute, child, repeat in MINIMIND_MODULES[module]:
+        for index in range(getattr(config, repeat)) if repeat else [None]:
+            yield from _registered(child, f"{prefix}{attribute}." + ("" if index is None else f"{index}."), config)
+
+
+def minimind_parameter_order(config):
+    """Our parameter names in the order of MiniMind's model.parameters(): a tied lm_head is the embedding's
+    Parameter (MiniMind sets model.embed_tokens.weight = lm_head.weight), met first as model.embed_tokens.weight."""
+    names = list(_registered("MiniMindForCausalLM", "", config))
+    return [n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")]
+
+
 def _optimizer_by_name(optimizer, config, path):
-    """MiniMind's AdamW state (parameters by their index in model.parameters()) keyed by parameter name."""
+    """MiniMind's AdamW state (parameters by their index in its model.parameters()) keyed by parameter name, every
+    moment checked against the shape of the parameter MiniMind's order puts at its index."""
     with torch.device("meta"):
-        names = [name for name, _ in MiniMindForCausalLM(config).named_parameters()]
+        shapes = {name: tuple(p.shape) for name, p in MiniMindForCausalLM(config).named_parameters()}
+    names = minimind_parameter_order(config)
     indices = [i for group in optimizer["param_groups"] for i in group["params"]]
-    if sorted(indices) != list(range(len(names))):
-        raise ConfigError(f"{path}: its optimizer holds {len(indices)} parameters, this model {len(names)}; "
-                          "match the model flags or pass --from_resume 0")
+    if sorted(indices) != list(range(len(names))) or set(names) != set(shapes):
+        raise ConfigError(f"{path}: its optimizer holds {len(indices)} parameters, MiniMind's model of these flags "
+                          f"{len(names)}; match the model flags or pass --from_resume 0")
+    for index, state in optimizer["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != shapes[names[index]]:
+                raise ConfigError(f"{path}: optimizer state {index} ({key}) has shape {list(value.shape)}, but "
+                                  f"MiniMind's parameter {index} is {names[index]} of shape "
+                                  f"{list(shapes[names[index]])}; this file was not written by MiniMind's "
+                                  "model of these flags: pass --from_resume 0")
     return {"state": {names[i]: s for i, s in optimizer["state"].items()},
             "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in optimizer["param_groups"]]}
 

@@ -23,7 +23,7 @@ def weight_shapes(args, path):
         state_dict, saved_config = read_weights(path)
         fields = infer_config(state_dict)
     except WeightsError as e:
-        raise ConfigError(str(e)) from None
+        raise ConfigError(flag_error("--from_weight", path, e)) from None
     if saved_config and "num_experts_per_tok" in saved_config and fields["use_moe"]:
         fields["num_experts_per_tok"] = saved_config["num_experts_per_tok"]
     flags = {name: getattr(args, name) for name in MODEL_FLAGS if name != "use_moe"}
@@ -31,3 +31,9 @@ def weight_shapes(args, path):
     if conflicts:
         Logger(f"--from_weight {path}: the model takes the weights' shapes, not the flags: {'; '.join(conflicts)}")
     return fields
+
+
+def flag_error(flag, path, error):
+    """One line naming the weights flag and its file: `error` prefixed by them (the file once, where it names it)."""
+    message = str(error)
+    return f"{flag}: {message}" if message.startswith(path) else f"{flag} {path}: {message}"

@@ -1,4 +1,8 @@
-"""Disk space around checkpoint saves: room checked before a save, a save that fills the disk as one line.
+"""Disk space around every write of the trainer: room checked before it, a write that fills the disk as one line.
+
+Checkpoints (every rank) go through check_room + disk_full_as_one_line; rank 0's own files (weights, adapters, the
+DPO reference cache) through rank0_write, which does both around the write and tells every rank the outcome. The
+atomic writers of model/weights.py leave no temporary file behind a failed write.
 
 A full disk does not surface as ENOSPC from a DCP save: FileSystemWriter's torch.save stream fails with
 RuntimeError "unexpected pos N vs M", which dcp.save wraps in a CheckpointException (a BaseException) carrying
@@ -62,17 +66,19 @@ def _mb(num_bytes):
     return f"{num_bytes / 2**20:.1f} MB"
 
 
-def room_line(directory, needed, free, last_complete):
-    """The one line for a checkpoint of `needed` bytes that does not fit `free` bytes of `directory`."""
+def room_line(directory, needed, free, last_complete, what="a checkpoint", flag="--checkpoint_dir"):
+    """The one line for `what` (a checkpoint, a weights file) of `needed` bytes that does not fit `free` bytes of
+    `directory`; `flag` chooses the directory."""
     last = f"the last complete checkpoint is {last_complete}" if last_complete else "no complete checkpoint yet"
-    return (f"disk full: {directory} needs {_mb(needed)} for a checkpoint but has {_mb(free)} free; {last}; "
-            "free space or choose another --checkpoint_dir, then resume with --from_resume 1")
+    then = "resume with --from_resume 1" if last_complete else "run again"
+    return (f"disk full: {directory} needs {_mb(needed)} for {what} but has {_mb(free)} free; {last}; "
+            f"free space or choose another {flag}, then {then}")
 
 
-def room_error(directory, needed, last_complete=None):
+def room_error(directory, needed, last_complete=None, what="a checkpoint", flag="--checkpoint_dir"):
     """room_line when `directory` has less than `needed` bytes free, else None."""
     free = free_bytes(directory)
-    return room_line(directory, needed, free, last_complete) if free < needed else None
+    return room_line(directory, needed, free, last_complete, what, flag) if free < needed else None
 
 
 def room_warning(directory, needed):
@@ -84,15 +90,48 @@ def room_warning(directory, needed):
             "saves will fail; free space or choose another --checkpoint_dir")
 
 
+def _is_rank0():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _from_rank0(value):
+    """Rank 0's `value` on every rank (a collective without a process group: the value itself)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def check_room(directory, needed, last_complete=None):
     """Raise DiskFullError when rank 0 finds less than `needed` bytes free; every rank raises (a collective)."""
-    line = room_error(directory, needed, last_complete) if not dist.is_initialized() or dist.get_rank() == 0 else None
-    if dist.is_initialized():  # one decision for all ranks: none may enter the save while another stops
-        box = [line]
-        dist.broadcast_object_list(box, src=0)
-        line = box[0]
+    # one decision for all ranks: none may enter the save while another stops
+    line = _from_rank0(room_error(directory, needed, last_complete) if _is_rank0() else None)
     if line:
         raise DiskFullError(line)
+
+
+def rank0_write(directory, needed, what, flag, write, last_complete=None):
+    """Rank 0 runs write(), which puts about `needed` bytes under `directory`: too little room beforehand, or a disk
+    that fills during it, is one DiskFullError naming `what` and `flag`; every rank learns rank 0's outcome (a
+    collective) and stops with it, so none waits on a rank that stopped."""
+    outcome, failure = None, None  # (line, a full disk or not)
+    if _is_rank0():
+        try:
+            line = room_error(directory, needed, last_complete, what, flag)
+            outcome = (line, True) if line else None
+            if line is None:
+                with disk_full_as_one_line(directory, needed, last_complete, what=what, flag=flag):
+                    write()
+        except Exception as e:  # told to the other ranks below, then raised here
+            failure = e
+            full = isinstance(e, DiskFullError)
+            outcome = (str(e) if full else f"rank 0 failed writing {what} ({type(e).__name__})", full)
+    outcome = _from_rank0(outcome)
+    if failure is not None:
+        raise failure
+    if outcome:
+        raise (DiskFullError if outcome[1] else TrainingHalted)(outcome[0])
 
 
 def _chain(exc):
@@ -116,7 +155,8 @@ def is_disk_full(exc, directory):
 
 
 @contextmanager
-def disk_full_as_one_line(directory, needed, last_complete=None, partial=None):
+def disk_full_as_one_line(directory, needed, last_complete=None, partial=None, what="a checkpoint",
+                          flag="--checkpoint_dir"):
     """Turn an error of the save inside the block into DiskFullError when the disk is full; others pass as raised.
 
     partial: the step directory being written; its files count as free space in the line (they were before the save).
@@ -127,4 +167,4 @@ def disk_full_as_one_line(directory, needed, last_complete=None, partial=None):
         if isinstance(e, DiskFullError) or not is_disk_full(e, directory):
             raise
         free = free_bytes(directory) + (tree_bytes(partial) if partial else 0)
-        raise DiskFullError(room_line(directory, needed, free, last_complete)) from e
+        raise DiskFullError(room_line(directory, needed, free, last_complete, what, flag)) from e

@@ -9,7 +9,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.lm_dataset import DPODataset  # noqa: E402
 from dataset.token_cache import local_part  # noqa: E402
-from trainer.dpo import DPOObjective, attach_reference, resolve_dpo  # noqa: E402
+from trainer.dpo import DPOObjective, resolve_dpo  # noqa: E402
+from trainer.dpo_reference import attach_reference  # noqa: E402
 from trainer.flags import add_dpo_args, parse_args  # noqa: E402
 from trainer.launch import main_guard  # noqa: E402
 from trainer.train_loop import build_trainer, load_datasets, setup, steps_per_epoch, train  # noqa: E402

@@ -17,11 +17,20 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from dataset.data_notes import dataset_notes
 from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import SFTDataset
 from dataset.mixture import describe_mixture, load_data_spec
 from dataset.token_cache import local_part
-from trainer.checkpoint import Checkpointer, TrainState, load_resume, restore, save_weights, tied_aliases
+from trainer.checkpoint import (
+    Checkpointer,
+    TrainState,
+    ensure_final_weights,
+    load_resume,
+    restore,
+    save_weights,
+    tied_aliases,
+)
 from trainer.config import resolve
 from trainer.guard import Preemption, StepGuard, check_replicas, scaler_found_inf
 from trainer.launch import (
@@ -96,9 +105,12 @@ def load_datasets(plan, make_dataset, demo_kind):
         skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
         if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
             Logger(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
-    for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds):  # SFT rows whose targets lie past --max_seq_len
-        if hasattr(ds, "no_target_line") and ds.no_target_line():
-            Logger(ds.no_target_line())
+    try:  # rows without targets, conversations cut at --max_seq_len, DPO pairs with chosen == rejected
+        notes = [line for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds) for line in dataset_notes(ds)]
+    except ValueError as e:
+        raise ConfigError(str(e))
+    for line in notes:
+        Logger(line)
     if describe_mixture(train_ds, data_path):
         Logger(describe_mixture(train_ds, data_path))
     if len(train_ds) < plan.global_batch:
@@ -186,6 +198,7 @@ def train(trainer, train_ds, eval_ds=None):
     if trainer.resumed and reached_max_steps(trainer):
         Logger(f"--max_steps {plan.max_steps}: the checkpoint is already at step {progress.global_step}; "
                "nothing to train (raise --max_steps to train on)")
+        ensure_final_weights(trainer)  # a weights save that failed (a full disk) is written before `Done`
         return finish(trainer)
     tracker = make_tracker(trainer)
     profiler = StepProfiler(plan.profile_steps, os.path.join(plan.save_dir, "profile"), plan.device)

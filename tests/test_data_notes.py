@@ -1,0 +1,87 @@
+"""dataset/data_notes.py: what a chat or preference dataset loses or lacks is counted in one line each, and DPO pairs
+that teach nothing (chosen == rejected) are counted, or refused when every pair is one."""
+import json
+import os
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from dataset.data_notes import dataset_notes, identical_pairs
+from dataset.lm_dataset import DPODataset, SFTDataset
+from tests.launch import ROOT, TINY_MODEL
+from trainer import train_dpo
+from trainer.launch import main_guard
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return str(path)
+
+
+def conversation(question, answer):
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def pairs(n, same=()):
+    """n pairs; the ones in `same` have rejected == chosen."""
+    return [{"chosen": conversation(f"What is {i} + {i}?", f"{2 * i}."),
+             "rejected": conversation(f"What is {i} + {i}?", f"{2 * i}." if i in same else f"{2 * i + 1}, I think.")}
+            for i in range(n)]
+
+
+def test_identical_pairs_are_counted(tmp_path, tokenizer):
+    data = write_rows(tmp_path / "d.jsonl", pairs(8, same=(1, 4, 6)))
+    ds = DPODataset(data, tokenizer, max_length=48, cache_dir=tmp_path / "c")
+    assert identical_pairs(ds) == [1, 4, 6]
+    assert dataset_notes(ds) == [f"3 of 8 pairs of {data} have chosen == rejected (within --max_seq_len 48): they "
+                                 "teach nothing"]
+
+
+def test_pairs_that_differ_only_past_max_seq_len_are_identical_as_trained(tmp_path, tokenizer):
+    """A pair whose answers part after the row ends trains as two equal rows: a margin of 0 whatever the model."""
+    long = "All of this is the same up to here. " * 10
+    rows = pairs(4)
+    rows[2]["chosen"][1]["content"], rows[2]["rejected"][1]["content"] = long + "Yes.", long + "No."
+    ds = DPODataset(write_rows(tmp_path / "d.jsonl", rows), tokenizer, max_length=48, cache_dir=tmp_path / "c")
+    assert identical_pairs(ds) == [2]
+    wide = DPODataset(write_rows(tmp_path / "d.jsonl", rows), tokenizer, max_length=256, cache_dir=tmp_path / "c")
+    assert identical_pairs(wide) == []
+
+
+def test_all_identical_pairs_are_one_error_line_before_training(tmp_path, monkeypatch, capsys):
+    data = write_rows(tmp_path / "same.jsonl", pairs(8, same=range(8)))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["train_dpo.py", *TINY_MODEL, "--data_path", data, "--from_weight", "none",
+                                      "--max_seq_len", "48", "--batch_size", "2", "--save_dir", str(out),
+                                      "--checkpoint_dir", str(out / "ckpt"), "--cache_dir", str(out / "cache")])
+    with pytest.raises(SystemExit) as caught:
+        main_guard(train_dpo.main)
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err == (
+        f"error: 8 of 8 pairs of {data} have chosen == rejected (within --max_seq_len 48): they teach nothing; give "
+        "each pair a rejected answer that differs from the chosen one")
+    assert not list((out / "cache").glob("*.dpo_ref.*"))  # stopped before the reference model ran
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_conversations_cut_at_max_seq_len_are_counted(tmp_path, tokenizer, packing):
+    """The count is that of conversations whose chat-template tokens (counted here by transformers) exceed the row."""
+    rows = [{"conversations": conversation(f"Question {i}?", "Short." if i % 3 else "A long answer. " * (4 + i))}
+            for i in range(12)]
+    data = write_rows(tmp_path / "sft.jsonl", rows)
+    lengths = [len(tokenizer(tokenizer.apply_chat_template(r["conversations"], tokenize=False),
+                             add_special_tokens=False).input_ids) for r in rows]
+    longer = sum(n > 40 for n in lengths)
+    assert 0 < longer < len(rows)
+    ds = SFTDataset(data, tokenizer, max_length=40, cache_dir=tmp_path / "c", packing=packing)
+    assert f"{longer} of 12 conversations of {data} are longer than --max_seq_len 40: cut, their answers lose the " \
+           "end" in dataset_notes(ds)
+    wide = SFTDataset(data, tokenizer, max_length=max(lengths), cache_dir=tmp_path / "c", packing=packing)
+    assert dataset_notes(wide) == []

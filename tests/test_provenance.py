@@ -1,0 +1,136 @@
+"""Weights carry their tokenizer (model/provenance.py): a run records the tokenizer it used beside its weights, and
+the export (convert_model.py), evaluation (eval_llm.py) and --from_weight take that one; another one passed by hand
+is one line (--force_tokenizer 1 takes it anyway)."""
+import argparse
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+
+from model.provenance import TokenizerMismatch, content_sha256, tokenizer_for
+from scripts.convert_model import main as convert_main
+from scripts.eval_llm import main as eval_main
+from scripts.eval_llm import parse_args as eval_args
+from scripts.eval_llm import tokenizer_folder
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from trainer.config import resolve
+from trainer.flags import add_train_args
+from trainer.launch import ConfigError
+
+MODEL_DIR = os.path.join(ROOT, "model")
+
+
+def sha256_of(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def other_tokenizer(folder):
+    """model/'s tokenizer with one added token renamed (<|buffer9|> -> <|custom9|>, id 35): the same vocabulary size,
+    so nothing but the files tells it from model/'s, and "<|custom9|>" is one token only here."""
+    os.makedirs(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        with open(os.path.join(MODEL_DIR, name)) as f:
+            text = f.read()
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text.replace("<|buffer9|>", "<|custom9|>"))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step pretraining run with the other tokenizer: (its tokenizer folder, its weights, the work dir)."""
+    tmp_path = tmp_path_factory.mktemp("provenance")
+    tok = other_tokenizer(tmp_path / "my_tokenizer")
+    proc = forked("trainer/train_pretrain.py", [
+        *TINY_MODEL, "--tokenizer_path", tok, "--data_path", demo_slice(tmp_path, "pretrain", 8), "--max_seq_len",
+        "32", "--batch_size", "4", "--accumulation_steps", "1", "--max_steps", "2", "--save_dir", tmp_path / "out",
+        "--checkpoint_dir", tmp_path / "ckpt", "--metrics_file", tmp_path / "m.jsonl"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return tok, str(tmp_path / "out" / "pretrain_64.pth"), tmp_path
+
+
+def test_the_sidecar_records_the_tokenizer_and_the_step(trained):
+    tok, weights, _ = trained
+    with open(weights[:-len(".pth")] + ".json") as f:
+        sidecar = json.load(f)
+    assert sidecar["tokenizer"] == {"path": tok, "sha256": sha256_of(os.path.join(tok, "tokenizer.json"))}
+    assert sidecar["step"] == 2
+    assert sha256_of(os.path.join(tok, "tokenizer.json")) != sha256_of(os.path.join(MODEL_DIR, "tokenizer.json"))
+
+
+def test_the_export_carries_the_run_s_tokenizer(trained, capsys):
+    tok, weights, tmp_path = trained
+    out = tmp_path / "hf"
+    assert convert_main(["--weight", weights, "--out_dir", str(out)]) == 0  # the README's command, no tokenizer flag
+    exported = sha256_of(out / "tokenizer.json")
+    assert exported == sha256_of(os.path.join(tok, "tokenizer.json"))
+    assert exported != sha256_of(os.path.join(MODEL_DIR, "tokenizer.json"))
+    capsys.readouterr()
+    # model/'s tokenizer by hand: one line naming both; --force_tokenizer 1 copies it anyway
+    assert convert_main(["--weight", weights, "--out_dir", str(tmp_path / "hf2"), "--tokenizer_path", MODEL_DIR]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --tokenizer_path {MODEL_DIR} (tokenizer.json sha256 ") and "\n" not in err, err
+    assert f"is not the tokenizer --weight {weights} was trained with ({tok}, sha256 " in err
+    assert convert_main(["--weight", weights, "--out_dir", str(tmp_path / "hf3"), "--tokenizer_path", MODEL_DIR,
+                         "--force_tokenizer", "1"]) == 0
+    assert sha256_of(tmp_path / "hf3" / "tokenizer.json") == sha256_of(os.path.join(MODEL_DIR, "tokenizer.json"))
+    # the run's resume checkpoint records it too
+    assert convert_main(["--weight", str(tmp_path / "ckpt" / "pretrain_64" / "step_2"), "--out_dir",
+                         str(tmp_path / "hf4")]) == 0
+    assert sha256_of(tmp_path / "hf4" / "tokenizer.json") == sha256_of(os.path.join(tok, "tokenizer.json"))
+
+
+def test_eval_takes_the_recorded_tokenizer(trained, capsys):
+    tok, weights, tmp_path = trained
+    assert tokenizer_folder(eval_args(["--weight", weights]), weights) == tok
+    checkpoint = str(tmp_path / "ckpt" / "pretrain_64" / "step_2")
+    assert tokenizer_folder(eval_args(["--checkpoint", checkpoint]), checkpoint) == tok
+    assert f"--checkpoint {checkpoint} was trained with the tokenizer {tok}: using it" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as caught:
+        eval_main(["--weight", weights, "--tokenizer_path", MODEL_DIR, "--prompt", "hi", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err.startswith(f"error: --tokenizer_path {MODEL_DIR} (") and "\n" not in err
+
+
+def sft_args(*flags):
+    return add_train_args(argparse.ArgumentParser()).parse_args([*TINY_MODEL, "--save_weight", "full_sft", *flags])
+
+
+def test_from_weight_takes_the_recorded_tokenizer(trained, tmp_path):
+    tok, weights, _ = trained
+    save = ["--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt")]
+    plan = resolve(sft_args("--from_weight", weights, *save), 1)
+    assert plan.tokenizer_path == tok and plan.tokenizer_record["sha256"] == sha256_of(os.path.join(tok,
+                                                                                                  "tokenizer.json"))
+    with pytest.raises(ConfigError) as caught:
+        resolve(sft_args("--from_weight", weights, "--tokenizer_path", MODEL_DIR, *save), 1)
+    assert str(caught.value).endswith("leave --tokenizer_path out to use that one, or pass --force_tokenizer 1 to "
+                                      "use this one anyway")
+    forced = resolve(sft_args("--from_weight", weights, "--tokenizer_path", MODEL_DIR, "--force_tokenizer", "1",
+                              *save), 1)
+    assert forced.tokenizer_path == MODEL_DIR
+    # the recorded folder moved away: a copy with the same tokenizer.json (found by hash) is not enough unless typed
+    moved = str(tmp_path / "moved")
+    shutil.copytree(tok, moved)
+    assert resolve(sft_args("--from_weight", weights, "--tokenizer_path", moved, *save), 1).tokenizer_path == moved
+
+
+def test_tokenizer_for_by_hand(tmp_path):
+    """The rule, case by case: the hash decides, the recorded folder or model/ when nothing is typed."""
+    model_sha = content_sha256(os.path.join(MODEL_DIR, "tokenizer.json"))
+    other = other_tokenizer(tmp_path / "other")
+    other_sha = content_sha256(os.path.join(other, "tokenizer.json"))
+    assert tokenizer_for({"path": other, "sha256": other_sha}, None, MODEL_DIR, "w") == (
+        other, f"w was trained with the tokenizer {other}: using it")
+    assert tokenizer_for({"path": "/gone", "sha256": model_sha}, None, MODEL_DIR, "w") == (MODEL_DIR, None)
+    assert tokenizer_for(None, None, MODEL_DIR, "w")[0] == MODEL_DIR
+    assert tokenizer_for({"path": "/gone", "sha256": None}, other, MODEL_DIR, "w") == (other, None)  # no hash: typed
+    with pytest.raises(TokenizerMismatch, match=r"^w was trained with the tokenizer /gone \(tokenizer.json sha256 "
+                                                r"[0-9a-f]{12}\), which is not found here; pass --tokenizer_path"):
+        tokenizer_for({"path": "/gone", "sha256": other_sha}, None, MODEL_DIR, "w")
+    shutil.copy(os.path.join(MODEL_DIR, "tokenizer.json"), os.path.join(other, "tokenizer.json"))  # changed since
+    with pytest.raises(TokenizerMismatch, match="which has changed; pass --tokenizer_path"):
+        tokenizer_for({"path": other, "sha256": other_sha}, None, MODEL_DIR, "w")
