@@ -112,8 +112,8 @@ class _TargetLogProbs(torch.autograd.Function):
         return grad, None, None
 
 
-def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
-    """Summed log-probs of each row's targets (-100: none): logits (N, L, V), targets (N, L) -> (N,) fp32.
+def token_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
+    """Log-prob of each target (0 where -100): logits (N, L, V), targets (N, L) -> (N, L) fp32.
 
     Vocab-sharded DTensor logits (tensor parallel, under loss_parallel()) go through cross_entropy with
     reduction="none", which loss_parallel supports: log p = -CE.
@@ -125,7 +125,12 @@ def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
         per_token = per_token.full_tensor() if hasattr(per_token, "full_tensor") else per_token
     else:
         per_token = _TargetLogProbs.apply(logits.flatten(0, 1), targets.flatten(), chunk_size)
-    return per_token.view(rows, length).sum(dim=1)
+    return per_token.view(rows, length)
+
+
+def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
+    """Summed log-probs of each row's targets (-100: none): logits (N, L, V), targets (N, L) -> (N,) fp32."""
+    return token_log_probs(logits, targets, chunk_size).sum(dim=1)
 
 
 def pair_losses(log_probs, reference, beta):
@@ -220,8 +225,9 @@ def reference_cache_path(ds, ref_identity):
 
 
 def load_reference(plan, dims):
-    """The reference model in the training layout, eval mode; the RNG is reseeded after, so that a seeded policy
-    init (--from_weight none) equals a seeded reference."""
+    """The reference model (plan.stage.ref_weight) in the training layout, eval mode (its forwards run under no_grad;
+    DDP refuses a model without trainable parameters); the RNG is reseeded after, so that a seeded policy init
+    (--from_weight none) equals a seeded reference."""
     setup_seed(plan.seed)
     model = init_model(plan.model_config, plan.stage.ref_weight).to(plan.device).eval()
     model_parts, pipeline = parallelize(model, dims, plan)
@@ -267,18 +273,23 @@ def forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective
     if pipeline is None:
         with tp_loss_context(plan.tp > 1), autocast(plan):
             return objective.log_probs(model_parts[0], input_ids, targets)[0]
-    return pipeline_log_probs(pipeline, input_ids, targets)
+    values = pipeline_log_probs(pipeline, input_ids, targets)
+    return torch.zeros(input_ids.shape[0]) if values is None else values
 
 
-def pipeline_log_probs(pipeline, input_ids, targets):
+def pipeline_log_probs(pipeline, input_ids, targets, log_probs=sequence_log_probs):
     """Forward only through the pipeline's schedule (schedule.eval, torch >= 2.9): the last stage's loss function
-    returns each micro-batch's summed log-probs, which the schedule collects; zeros on the other stages."""
+    returns each micro-batch's `log_probs(logits, targets)` (summed log-probs), which the schedule collects; None on
+    the other stages."""
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).float().expand(input_ids.shape)
     collected = []
-    pipeline.loss_fn.forward_only = sequence_log_probs
+    pipeline.loss_fn.forward_only = log_probs
     args = (input_ids, positions.contiguous()) if pipeline.has_first else ()
-    if pipeline.has_last:
-        pipeline.schedule.eval(*args, target=pipeline.loss_fn.pack(targets, None), losses=collected)
-        return torch.cat(collected)
-    pipeline.schedule.eval(*args)
-    return torch.zeros(input_ids.shape[0])
+    try:
+        if pipeline.has_last:
+            pipeline.schedule.eval(*args, target=pipeline.loss_fn.pack(targets, None), losses=collected)
+            return torch.cat(collected)
+        pipeline.schedule.eval(*args)
+        return None
+    finally:
+        pipeline.loss_fn.forward_only = None  # the policy's own pipeline trains again after a scoring pass
