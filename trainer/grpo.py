@@ -191,7 +191,7 @@ class GRPOObjective(LMObjective):
         self.stage, self.plan, self.dims, self.engine, self.tokenizer = stage, plan, dims, engine, tokenizer
         self.functions, self.weights, self.reference = functions, weights, reference
         self.items_are_tokens = stage.loss_type in TOKEN_LOSSES
-        self.reward_names = tuple(reward_name(fn) for fn in functions)
+        self.reward_names = unique_names([reward_name(fn) for fn in functions])
         clip = ("cispo_clip_sum",) if stage.loss_type == "cispo" else ("clip_low_sum", "clip_high_sum",
                                                                        "clip_region_sum")
         self.stat_names = ("rows", "tokens", *ROW_STATS, *(f"rewards/{n}" for n in self.reward_names), "entropy_sum",
@@ -324,6 +324,14 @@ class GRPOObjective(LMObjective):
 
     def load_state_dict(self, state):
         self.buffer = state.get("buffer")
+
+
+def unique_names(names):
+    """The reward functions' names for rewards/<name>/mean, a repeated one numbered (f, f_2, ...)."""
+    out = []
+    for name in names:
+        out.append(name if name not in out else f"{name}_{sum(n.split('_')[0] == name for n in out) + 1}")
+    return tuple(out)
 
 
 def normalised(loss, mask, loss_type, num_items, max_gen_len):

@@ -18,11 +18,9 @@ from trainer.train_loop import autocast, build_trainer, load_datasets, setup, st
 from trainer.trainer_utils import Logger  # noqa: E402
 
 
-def main():
-    # MiniMind's GRPO defaults: lr 3e-7, prompts up to 768 tokens, 2 prompts per step, a save every 10 steps
-    args = parse_args("MiniMind GRPO", stage_args=add_grpo_args, save_weight="grpo", from_weight="full_sft",
-                      learning_rate=3e-7, max_seq_len=768, batch_size=2, accumulation_steps=1, epochs=1,
-                      log_interval=1, save_interval=10, wandb_project="MiniMind-GRPO")
+def build(args):
+    """Phases 1-7 (tests build a Trainer the same way): the plan, prompts, rewards, reference, rollout engine and the
+    Trainer; returns (trainer, train_ds)."""
     # 1. set-up: checks -> TrainPlan (+ GRPOPlan; rows of prompt + completion tokens), process group, mesh, seed
     plan, dims = setup(args, resolve_stage=resolve_grpo)
     plan = grpo_row_plan(plan)
@@ -38,7 +36,18 @@ def main():
     objective = GRPOObjective(plan.stage, plan, dims, engine, tokenizer, functions, weights, reference)
     Logger(describe(plan, objective))
     # 4-7. resume state, policy model (from --from_weight), parallel wrap, optimizer
-    trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective=objective)
+    return build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective=objective), train_ds
+
+
+def grpo_args():
+    # MiniMind's GRPO defaults: lr 3e-7, prompts up to 768 tokens, 2 prompts per step, a save every 10 steps
+    return parse_args("MiniMind GRPO", stage_args=add_grpo_args, save_weight="grpo", from_weight="full_sft",
+                      learning_rate=3e-7, max_seq_len=768, batch_size=2, accumulation_steps=1, epochs=1,
+                      log_interval=1, save_interval=10, wandb_project="MiniMind-GRPO")
+
+
+def main():
+    trainer, train_ds = build(grpo_args())
     # 8. the loop: each step rolls out its prompts first (objective.prepare)
     train(trainer, train_ds)
 
