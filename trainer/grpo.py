@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from trainer.distillation import log_softmax
 from trainer.launch import ConfigError, TrainingHalted
 from trainer.metrics import step_flops
 from trainer.objective import LMObjective, target_tokens
+from trainer.policy_loss import clip_stats, k3_kl, normalised, token_entropy
 from trainer.rewards import RULES, RewardModel, load_reward_fn, reward_name
 from trainer.rl_batch import score_rollout, scoring_log_probs, tempered_log_probs, training_rows
 from trainer.rollout import ENGINES, rollout_seed
@@ -272,8 +272,7 @@ class GRPOObjective(LMObjective):
             clipped = torch.clamp(ratio, 1 - stage.epsilon, 1 + stage.epsilon_high)
             per_token = -torch.min(ratio * advantages, clipped * advantages)
         if stage.beta:
-            delta = extra[2] - log_probs
-            kl = torch.exp(delta) - delta - 1
+            kl = k3_kl(extra[2], log_probs)
             per_token = per_token + stage.beta * kl
         loss = normalised(per_token * mask, mask, stage.loss_type, num_items, stage.max_gen_len)
         stats = dict(rows=torch.tensor(float(mask.shape[0])), tokens=mask.sum().detach(),
@@ -310,11 +309,12 @@ class GRPOObjective(LMObjective):
         return out
 
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
-        """The policy's training FLOPs and the reference's forward (a third) at the positions trained: this rank's
-        rows as they are (the loop counts every row at the full row length), lm_head on every position."""
-        positions = positions * self.trained_positions / max(1, self.plan.micro_batch_shape[0] *
-                                                               self.plan.num_microbatches * seq_len)
-        train = step_flops(config, seq_len, positions, target_tokens, False)
+        """The policy's training FLOPs and the reference's forward (a third) on the rows as trained: the loop counts
+        every row at the full row length, this rank's rows (as for the others) are as long as their completions;
+        lm_head on every position."""
+        rows = self.plan.micro_batch_shape[0] * self.plan.num_microbatches
+        row_length = self.trained_positions / max(1, rows)
+        train = step_flops(config, row_length, positions * row_length / seq_len, target_tokens, False)
         return train * (1 + (1 / 3 if self.stage.beta else 0))
 
     # ------------------------------------------------------------------ resume
@@ -328,43 +328,4 @@ class GRPOObjective(LMObjective):
 
 def unique_names(names):
     """The reward functions' names for rewards/<name>/mean, a repeated one numbered (f, f_2, ...)."""
-    out = []
-    for name in names:
-        out.append(name if name not in out else f"{name}_{sum(n.split('_')[0] == name for n in out) + 1}")
-    return tuple(out)
-
-
-def normalised(loss, mask, loss_type, num_items, max_gen_len):
-    """Sum of the masked per-token losses (N, L) under `loss_type`'s normaliser, num_items its step count."""
-    if loss_type == "grpo":
-        return (loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_items
-    if loss_type == "bnpo":
-        return loss.sum() / mask.sum().clamp(min=1) / num_items
-    if loss_type == "dr_grpo":
-        return loss.sum() / (num_items * max_gen_len)
-    return loss.sum() / num_items
-
-
-def clip_stats(ratio, advantages, mask, stage):
-    """Token counts of TRL's clip ratios: cispo's ratio above epsilon_high with A > 0; else low (r < 1 - epsilon,
-    A < 0), high (r > 1 + epsilon_high, A > 0) and either."""
-    if stage.loss_type == "cispo":
-        return {"cispo_clip_sum": (((ratio > stage.epsilon_high) & (advantages > 0)).float() * mask).sum()}
-    low = ((ratio < 1 - stage.epsilon) & (advantages < 0)).float() * mask
-    high = ((ratio > 1 + stage.epsilon_high) & (advantages > 0)).float() * mask
-    return {"clip_low_sum": low.sum(), "clip_high_sum": high.sum(), "clip_region_sum": (low + high).sum()}
-
-
-@torch.no_grad()
-def token_entropy(logits, temperature, chunk=1024):
-    """(N, L) entropy of softmax(logits / temperature) per position, in fp32 chunks of rows (a metric only)."""
-    if hasattr(logits, "placements"):  # vocab-sharded under tensor parallel: DTensor reductions, then the full value
-        log_p = log_softmax(logits.detach().float() / temperature)
-        entropy = -(log_p.exp() * log_p).sum(-1)
-        return entropy.full_tensor() if hasattr(entropy, "full_tensor") else entropy
-    flat = logits.detach().flatten(0, 1)
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
-    for start in range(0, flat.shape[0], chunk):
-        log_p = torch.log_softmax(flat[start:start + chunk].float() / temperature, dim=-1)
-        out[start:start + chunk] = -(log_p.exp() * log_p).sum(-1)
-    return out.view(logits.shape[:2])
+    return tuple(f"{name}_{names[:i].count(name) + 1}" if name in names[:i] else name for i, name in enumerate(names))
