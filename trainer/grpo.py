@@ -197,6 +197,7 @@ class GRPOObjective(LMObjective):
         self.stat_names = ("rows", "tokens", *ROW_STATS, *(f"rewards/{n}" for n in self.reward_names), "entropy_sum",
                            *clip, *(("kl_sum",) if stage.beta else ()))
         self.buffer, self.trained_positions = None, 0  # the rollout's micro-batches (reused num_iterations times)
+        self.reused_next = False
         self.rollout_seconds = self.rollout_tokens = 0.0
         self.window_start = None
 
@@ -208,6 +209,7 @@ class GRPOObjective(LMObjective):
         self.window_start = self.window_start or time.perf_counter()
         if self.buffer is None or step % self.stage.num_iterations == 0:
             self.buffer = self.roll_out(trainer, micro_batches, step)
+        self.reused_next = (step + 1) % self.stage.num_iterations != 0  # the next step trains on this rollout too
         self.trained_positions = sum(ids.numel() for ids, _, _ in self.buffer)
         return self.buffer
 
@@ -319,8 +321,9 @@ class GRPOObjective(LMObjective):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self):
-        """The rollout being reused (num_iterations > 1): a resume between its iterations trains on it again."""
-        return {"buffer": self.buffer} if self.stage.num_iterations > 1 and self.buffer is not None else {}
+        """The rollout the next step trains on again (num_iterations > 1), so a resume there trains on it too; {}
+        (nothing saved) where the next step rolls out afresh."""
+        return {"buffer": self.buffer} if self.reused_next else {}
 
     def load_state_dict(self, state):
         self.buffer = state.get("buffer")
