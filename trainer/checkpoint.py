@@ -196,8 +196,7 @@ def restore_objective(objective, path, same_world):
 class Checkpointer:
     """Writes resume checkpoints of its stateful parts, one DCP directory per save; keeps the newest `keep` complete
     ones (0: all). `parts`: model_parts, optimizer, scaler, progress (TrainState), objective (its per-rank
-    state_dict), tied (aliases or None), and the
-    plan and config recorded beside them.
+    state_dict), tied (aliases or None), and the plan and config recorded beside them.
 
     With async_save, dcp.async_save writes in a thread over its own gloo group while training goes on; the next
     save, and the end of the run (wait), wait for it. A save counts once rank 0 has written its manifest.
