@@ -10,9 +10,11 @@ Embedded default corpora, built from text that ships with the installed software
 - dpo_demo.jsonl       {"chosen": [messages], "rejected": [messages]}, MiniMind's dpo.jsonl: the same computed
   facts (sums, products, gcd, Unicode names, weekdays; with and without tools), the chosen answer right, the rejected
   one another question's answer or the right one with a wrong number. Standard library only.
+- rlaif_demo.jsonl     {"conversations": [user, assistant]}, MiniMind's rlaif.jsonl: RL prompts (the last assistant
+  message is a reference the RL stages drop): chatterbot questions and sums/products.
 
-Both are a pure function of the installed Python and packages: same bytes on every such machine.
-Run `python dataset/demo_data.py` to build them all, or call `ensure_demo_data("pretrain" | "sft" | "dpo")`.
+All are a pure function of the installed Python and packages: same bytes on every such machine.
+Run `python dataset/demo_data.py` to build them all, or call `ensure_demo_data("pretrain" | "sft" | "dpo" | "rlaif")`.
 """
 import ast
 import datetime
@@ -28,12 +30,14 @@ DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 PRETRAIN_DEMO = os.path.join(DATASET_DIR, "pretrain_demo.jsonl")
 SFT_DEMO = os.path.join(DATASET_DIR, "sft_demo_v2.jsonl")
 # v2 of the SFT demo adds tool-call and reasoning rows; a new name, so a checkout's older build is not reused
-DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl", "dpo": "dpo_demo.jsonl"}
+DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl", "dpo": "dpo_demo.jsonl",
+              "rlaif": "rlaif_demo.jsonl"}
 
 CHATTERBOT_LANGUAGES = ("english", "chinese")
 NUM_TOOL_CONVERSATIONS = 48       # tool-call rows in the SFT demo: enough that every short run meets some
 NUM_REASONING_CONVERSATIONS = 48  # rows with reasoning_content
 NUM_DPO_PAIRS = 600  # preference pairs: a few epochs of the default DPO batch on a CPU in minutes
+NUM_RLAIF_SUMS = 200  # arithmetic prompts among the RL prompts (the rest: chatterbot questions)
 MIN_DOCSTRING_CHARS = 200   # shorter docstrings are mostly one-line signatures, not prose
 MAX_CHUNK_CHARS = 2000      # pydoc topics are cut into paragraph chunks of at most about this size
 # stdlib folders that hold tests, third-party code, GUIs demos or binaries rather than documentation
@@ -249,6 +253,18 @@ def dpo_records(n=NUM_DPO_PAIRS, seed=2):
     return records
 
 
+def rlaif_records(n_sums=NUM_RLAIF_SUMS, seed=3):
+    """RL prompts: each chatterbot dialogue's opening question and a sum or product, with a reference answer."""
+    rng = random.Random(seed)
+    pairs = [conv[:2] for conv in chatterbot_conversations()]
+    for _ in range(n_sums):
+        a, b = rng.randrange(11, 100), rng.randrange(11, 100)
+        op, value = ("+", a + b) if rng.random() < 0.5 else ("*", a * b)
+        pairs.append([f"What is {a} {op} {b}?", f"{a} {op} {b} = {value}."])
+    rng.shuffle(pairs)
+    return [{"conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
+
+
 def _write_jsonl_atomic(records, path):
     """Write records as JSONL to a temporary file, then rename it over `path`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -263,13 +279,14 @@ def _write_jsonl_atomic(records, path):
 
 
 def build_demo_data(kind, out_dir=DATASET_DIR, stdlib_dir=None):
-    """(Re)build one demo corpus ("pretrain", "sft" or "dpo") into out_dir; returns its path.
+    """(Re)build one demo corpus ("pretrain", "sft", "dpo" or "rlaif") into out_dir; returns its path.
 
     stdlib_dir: where pretraining docstrings are read from (default: this Python's standard library).
     """
     if kind not in DEMO_FILES:
         raise ValueError(f"unknown demo data kind {kind!r}, expected one of {sorted(DEMO_FILES)}")
-    records = {"pretrain": lambda: pretrain_records(stdlib_dir), "sft": sft_records, "dpo": dpo_records}[kind]()
+    records = {"pretrain": lambda: pretrain_records(stdlib_dir), "sft": sft_records, "dpo": dpo_records,
+               "rlaif": rlaif_records}[kind]()
     return _write_jsonl_atomic(records, os.path.join(out_dir, DEMO_FILES[kind]))
 
 

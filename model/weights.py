@@ -441,6 +441,29 @@ def minimind_to_hf(state_dict, config):
     return hf_config, hf_sd
 
 
+def write_rope_both_ways(out_dir, rope_theta):
+    """transformers 4.x reads `rope_theta`, 5.x `rope_parameters`: write both so each major reads the same value."""
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["rope_theta"] = rope_theta
+    config["rope_parameters"] = dict(config.get("rope_parameters") or {}, rope_type="default", rope_theta=rope_theta)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def save_hf_folder(state_dict, config, out_dir, dtype):
+    """A MiniMind state dict written as a Qwen3(-MoE) Hugging Face folder in `dtype` (scripts/convert_model.py's
+    export, the RL stages' rollout servers); returns the Hugging Face model."""
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
+    hf_config, hf_sd = minimind_to_hf(state_dict, config)
+    model = (Qwen3MoeForCausalLM if config.use_moe else Qwen3ForCausalLM)(hf_config)
+    model.load_state_dict(hf_sd, strict=True)
+    model.to(dtype).save_pretrained(out_dir)
+    write_rope_both_ways(out_dir, config.rope_theta)
+    return model
+
+
 def hf_to_minimind(hf_state_dict, hf_config):
     """HF Qwen3 / Qwen3-MoE (state_dict, config) -> (MiniMindConfig, MiniMind state_dict)."""
     if getattr(hf_config, "attention_bias", False):

@@ -37,10 +37,10 @@ from model.weights import (  # noqa: E402
     WeightsError,
     clean_state_dict,
     flag_conflicts,
-    minimind_to_hf,
     read_checkpoint,
     read_record,
     read_weights,
+    save_hf_folder,
     save_weights_file,
     shape_mismatch,
     sidecar_path,
@@ -95,17 +95,6 @@ def copy_tokenizer(src, out_dir):
     print(f"tokenizer: copied {', '.join(copy_files(src, out_dir))} from {src}")
 
 
-def write_rope_both_ways(out_dir, rope_theta):
-    """transformers 4.x reads `rope_theta`, 5.x `rope_parameters`: write both so each major reads the same value."""
-    path = os.path.join(out_dir, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["rope_theta"] = rope_theta
-    config["rope_parameters"] = dict(config.get("rope_parameters") or {}, rope_type="default", rope_theta=rope_theta)
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-
-
 def max_logit_diff(reference, folder, vocab_size, trust_remote_code=False):
     """Load `folder` with AutoModelForCausalLM (fp32) and return max |logits - reference's logits| on a fixed batch."""
     from transformers import AutoModelForCausalLM
@@ -139,12 +128,7 @@ def export(args):
         out_model.to(save_dtype).save_pretrained(args.out_dir)
         shutil.copy(os.path.join(ROOT, "model", "model_minimind.py"), args.out_dir)  # the trust_remote_code module
     else:
-        from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
-        hf_config, hf_sd = minimind_to_hf(model.state_dict(), config)
-        out_model = (Qwen3MoeForCausalLM if config.use_moe else Qwen3ForCausalLM)(hf_config)
-        out_model.load_state_dict(hf_sd, strict=True)
-        out_model.to(save_dtype).save_pretrained(args.out_dir)
-        write_rope_both_ways(args.out_dir, config.rope_theta)
+        out_model = save_hf_folder(model.state_dict(), config, args.out_dir, save_dtype)
     copy_tokenizer(tokenizer_dir, args.out_dir)
     params = sum(p.numel() for p in out_model.parameters()) / 1e6
     print(f"wrote {type(out_model).__name__} ({params:.2f}M params, {save_dtype}) to {args.out_dir}")

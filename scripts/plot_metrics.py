@@ -1,4 +1,4 @@
-"""Plot one or more --metrics_file JSONL files: loss, eval loss, lr, tokens/s, MFU and memory against step.
+"""Plot one or more --metrics_file JSONL files: loss, eval loss, lr, tokens/s, MFU, memory (and RL rewards) by step.
 
     python scripts/plot_metrics.py out/pretrain_768_metrics.jsonl --out plot.png
     python scripts/plot_metrics.py a.jsonl b.jsonl --labels dp2,tp2 --out compare.png
@@ -17,7 +17,9 @@ from matplotlib.figure import Figure  # a plain Figure renders PNGs through Agg;
 # (column, panel title, y scale factor, y label)
 PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "validation loss"),
           ("lr", "learning rate", 1, "lr"), ("tokens_per_sec", "tokens/s", 1, "target tokens / s"),
-          ("mfu", "MFU", 100, "% of peak FLOPs"), ("peak_mem_gb", "peak memory", 1, "GB (max over ranks)")]
+          ("mfu", "MFU", 100, "% of peak FLOPs"), ("peak_mem_gb", "peak memory", 1, "GB (max over ranks)"),
+          ("reward", "reward (RL)", 1, "mean reward of the step's completions"),
+          ("completions/mean_length", "completion length (RL)", 1, "tokens")]
 PANEL_SIZE = (4.5, 3.2)  # inches per panel; the PNG is columns*4.5 x rows*3.2 inches at --dpi
 COLUMNS = 3
 

@@ -6,6 +6,7 @@ A resume checkpoint is a directory per save, every rank writing its own shards (
       train_state.pt          rank 0: format_version, train_state (TrainState), scaler, world_size, global_batch,
                               layout, args (the flags as typed), config
       rng_<rank>.pt           each rank's RNG states
+      objective_<rank>.pt     each rank's objective state, where it has one (GRPO: a rollout being reused)
       complete.json           written last, by rank 0, once every rank's shards are written: only then it counts
 DCP reshards on load, so a run may resume under another layout. The weights, a plain MiniMind state dict in
 --save_dtype, are gathered on rank 0 only at the end or every --save_weights_every steps:
@@ -181,6 +182,7 @@ def restore(trainer, ckpt):
         same_world = ckpt["world_size"] == trainer.plan.world_size  # else every rank takes rank 0's, as one process
         rng_file = os.path.join(ckpt["dcp_path"], f"rng_{rank() if same_world else 0}.pt")
         rng = torch.load(rng_file, weights_only=False)
+        restore_objective(trainer.objective, ckpt["dcp_path"], same_world)
     else:
         load_full_state(trainer.model_parts, [trainer.optimizer], None, ckpt["optimizer"], tied_aliases=aliases)
     trainer.scaler.load_state_dict(ckpt["scaler"])
@@ -189,10 +191,24 @@ def restore(trainer, ckpt):
     trainer.progress.load_state_dict(ckpt["train_state"])
 
 
+def objective_file(path, rank_):
+    return os.path.join(path, f"objective_{rank_}.pt")
+
+
+def restore_objective(objective, path, same_world):
+    """An objective's saved state (e.g. GRPO's rollout in reuse); it is this rank's data, so only in the same world."""
+    file = objective_file(path, rank())
+    if os.path.isfile(file) and not same_world:
+        raise ConfigError(f"{path} holds per-rank objective state (a rollout being reused) saved with another number "
+                          "of processes; resume with the same number, or from a step where no rollout is reused")
+    if os.path.isfile(file):
+        objective.load_state_dict(torch.load(file, weights_only=False))
+
+
 class Checkpointer:
     """Writes resume checkpoints of its stateful parts, one DCP directory per save; keeps the newest `keep` complete
-    ones (0: all). `parts`: model_parts, optimizer, scaler, progress (TrainState), tied (aliases or None), and the
-    plan and config recorded beside them.
+    ones (0: all). `parts`: model_parts, optimizer, scaler, progress (TrainState), objective (its per-rank
+    state_dict), tied (aliases or None), and the plan and config recorded beside them.
 
     With async_save, dcp.async_save writes in a thread over its own gloo group while training goes on; the next
     save, and the end of the run (wait), wait for it. A save counts once rank 0 has written its manifest.
@@ -228,6 +244,9 @@ class Checkpointer:
         if rank() == 0:
             atomic_save(self.train_state(), os.path.join(path, "train_state.pt"))
         atomic_save(rng_state(), os.path.join(path, f"rng_{rank()}.pt"))
+        objective_state = parts["objective"].state_dict()
+        if objective_state:
+            atomic_save(objective_state, objective_file(path, rank()))
         state = sharded_state_dict(parts["model_parts"], parts["optimizer"], parts["tied"])
         if not self.async_save:
             self.write(state, path)

@@ -118,8 +118,8 @@ class _TargetLogProbs(torch.autograd.Function):
         return grad, None, None
 
 
-def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
-    """Summed log-probs of each row's targets (-100: none): logits (N, L, V), targets (N, L) -> (N,) fp32.
+def token_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
+    """Log-prob of each target (0 where -100): logits (N, L, V), targets (N, L) -> (N, L) fp32.
 
     Vocab-sharded DTensor logits (tensor parallel, under loss_parallel()) go through cross_entropy with
     reduction="none", which loss_parallel supports: log p = -CE.
@@ -131,7 +131,12 @@ def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
         per_token = per_token.full_tensor() if hasattr(per_token, "full_tensor") else per_token
     else:
         per_token = _TargetLogProbs.apply(logits.flatten(0, 1), targets.flatten(), chunk_size)
-    return per_token.view(rows, length).sum(dim=1)
+    return per_token.view(rows, length)
+
+
+def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
+    """Summed log-probs of each row's targets (-100: none): logits (N, L, V), targets (N, L) -> (N,) fp32."""
+    return token_log_probs(logits, targets, chunk_size).sum(dim=1)
 
 
 def pair_losses(log_probs, reference, beta):

@@ -147,18 +147,23 @@ def forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective
     if pipeline is None:
         with tp_loss_context(plan.tp > 1), autocast(plan):
             return objective.log_probs(model_parts[0], input_ids, targets)[0]
-    return pipeline_log_probs(pipeline, input_ids, targets)
+    values = pipeline_log_probs(pipeline, input_ids, targets)
+    return torch.zeros(input_ids.shape[0]) if values is None else values
 
 
-def pipeline_log_probs(pipeline, input_ids, targets):
+def pipeline_log_probs(pipeline, input_ids, targets, log_probs=sequence_log_probs):
     """Forward only through the pipeline's schedule (schedule.eval, torch >= 2.9): the last stage's loss function
-    returns each micro-batch's summed log-probs, which the schedule collects; zeros on the other stages."""
+    returns each micro-batch's `log_probs(logits, targets)` (summed log-probs), which the schedule collects; None on
+    the other stages."""
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).float().expand(input_ids.shape)
     collected = []
-    pipeline.loss_fn.forward_only = sequence_log_probs
+    pipeline.loss_fn.forward_only = log_probs
     args = (input_ids, positions.contiguous()) if pipeline.has_first else ()
-    if pipeline.has_last:
-        pipeline.schedule.eval(*args, target=pipeline.loss_fn.pack(targets, None), losses=collected)
-        return torch.cat(collected)
-    pipeline.schedule.eval(*args)
-    return torch.zeros(input_ids.shape[0])
+    try:
+        if pipeline.has_last:
+            pipeline.schedule.eval(*args, target=pipeline.loss_fn.pack(targets, None), losses=collected)
+            return torch.cat(collected)
+        pipeline.schedule.eval(*args)
+        return None
+    finally:
+        pipeline.loss_fn.forward_only = None  # the policy's own pipeline trains again after a scoring pass

@@ -156,6 +156,38 @@ def add_distillation_args(parser):
     a("--temperature", type=float, default=1.5, help="softmax temperature T of both models in the KL")
 
 
+def add_grpo_args(parser):
+    """train_grpo.py: rollouts, rewards and the policy loss (trainer/grpo.py, rollout.py, rewards.py); MiniMind's
+    defaults, TRL's names."""
+    a = parser.add_argument
+    a("--num_generations", type=int, default=6, help="completions per prompt (a group, on one data-parallel rank)")
+    a("--max_gen_len", type=int, default=1024, help="tokens generated at most per completion")
+    a("--temperature", type=float, default=0.8, help="sampling temperature; the log-probs are taken at it too")
+    a("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: the whole vocabulary)")
+    a("--thinking_ratio", type=float, default=0.9, help="share of prompts that open the think block")
+    a("--loss_type", default="cispo", choices=["grpo", "dapo", "dr_grpo", "bnpo", "cispo"],
+      help="policy loss and its normaliser, as TRL defines them")
+    a("--beta", type=float, default=0.1, help="weight of the k3 KL to the reference (the starting weights); 0 loads "
+      "no reference")
+    a("--epsilon", type=float, default=0.2, help="lower clip of the ratio: 1 - epsilon")
+    a("--epsilon_high", type=float, default=None, help="upper clip of the ratio: 1 + epsilon_high (cispo: the "
+      "ratio's cap; default: 5.0 for cispo, --epsilon otherwise)")
+    a("--num_iterations", type=int, default=1, help="optimizer steps on each rollout (> 1: the ratio moves from 1 "
+      "and clipping acts)")
+    a("--reward", default="rule", choices=["rule", "none"], help="rule: MiniMind's rule terms (length, think format, "
+      "repetition), offline")
+    a("--reward_model", default=None, help="a local Hugging Face AutoModelForSequenceClassification folder (its "
+      "first logit is a reward)")
+    a("--reward_fn", action="append", default=None, help="FILE.py:NAME, a reward function NAME(prompts, completions, "
+      "**columns) -> list[float] (TRL's convention); repeat for several")
+    a("--reward_weights", default=None, help="comma list, one weight per reward function in the order: rule terms "
+      "(3), reward model, each --reward_fn (default: 1 each)")
+    a("--rollout_engine", default="torch", choices=["torch", "sglang", "vllm"], help="torch: generate in-process; "
+      "sglang|vllm: an OpenAI-compatible server at --rollout_url, synced through an HF export folder")
+    a("--rollout_url", default=None, help="the rollout server's base URL (--rollout_engine sglang|vllm)")
+    a("--rollout_timeout", type=float, default=600, help="seconds a rollout server request may take")
+
+
 def parse_args(description, stage_args=None, **defaults):
     """The script's flags (plus a stage's own, `stage_args(parser)`, e.g. add_dpo_args); --help shows every default."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)

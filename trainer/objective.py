@@ -16,6 +16,11 @@ class LMObjective:
     stat_names = ()  # the names of the stats loss() returns, summed over ranks at log steps (fixed: a collective)
     items_are_tokens = True  # count() gives target tokens (else train_step counts them for tokens/s and MFU)
 
+    def prepare(self, trainer, micro_batches):
+        """The step's micro-batches from the loader's, first thing in the step: the one hook for inputs that depend on
+        the current model (GRPO's rollout); LM, DPO and distillation train on the loader's as they are."""
+        return micro_batches
+
     def unpack(self, batch):
         """A loader batch -> (input_ids, labels, position_ids or None, extra): CPU tensors.
 
@@ -43,6 +48,13 @@ class LMObjective:
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
         """The FLOPs MFU counts for a step of `positions` input positions: the model's training FLOPs."""
         return step_flops(config, seq_len, positions, target_tokens, chunked_loss)
+
+    def state_dict(self):
+        """This rank's objective state a resume needs (saved per rank beside the RNG; {}: none, nothing written)."""
+        return {}
+
+    def load_state_dict(self, state):
+        """Restore what state_dict() returned."""
 
 
 def target_tokens(labels):

@@ -18,7 +18,8 @@ CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", 
                    ("lr", "lr {:.3e}"), ("tokens_per_sec", "tokens/s {:.0f}"), ("mfu", "mfu {:.1%}"),
                    ("peak_mem_gb", "mem {:.2f}GB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}"),
                    ("ce", "ce {:.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:.4f}"),
-                   ("rewards/accuracies", "acc {:.2f}")]
+                   ("rewards/accuracies", "acc {:.2f}"), ("reward", "reward {:.4f}"),
+                   ("completions/mean_length", "len {:.1f}"), ("rollout/time_share", "rollout {:.0%}")]
 
 
 def truncate_metrics(path, step):

@@ -163,14 +163,14 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
                                 fused=plan.device.startswith("cuda") and not plan.has_dtensor,
                                 weight_decay=plan.weight_decay)
     scaler = torch.amp.GradScaler(torch.device(plan.device).type, enabled=plan.dtype == torch.float16)
-    progress = TrainState()
+    progress, objective = TrainState(), objective or LMObjective()
     checkpointer = Checkpointer(plan.run_dir, plan.async_save, plan.keep_checkpoints, parts=dict(
-        model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress,
+        model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
         tied=tied_aliases(pipeline, config), plan=plan, config=config), estimate=estimate)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
                       plan.epochs * steps_per_epoch, checkpointer,
                       StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds)),
-                      objective=objective or LMObjective(), resumed=ckpt is not None)
+                      objective=objective, resumed=ckpt is not None)
     if ckpt is not None:
         restore(trainer, ckpt)
         # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
@@ -287,6 +287,7 @@ def train_step(trainer, micro_batches, bar=None):
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     objective = trainer.objective
+    micro_batches = objective.prepare(trainer, micro_batches)  # e.g. GRPO: the loader's prompts -> a rollout's rows
     unpacked = [objective.unpack(batch) for batch in micro_batches]  # (input_ids, labels, positions, extra)
     local_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)  # CPU: no device sync
     local_tokens = local_items if objective.items_are_tokens else sum(

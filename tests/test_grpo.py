@@ -1,0 +1,318 @@
+"""GRPO (trainer/grpo.py, rl_batch.py, train_grpo.py): advantages and every loss type's gradient against a
+REINFORCE surrogate written out here, what must not count (prompt, padding, after EOS), rollout reuse, the layouts
+against one process on a real local rollout server, exact resume after a kill, a toy task learnt, bad input."""
+import glob
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.rollout_server import RolloutServer
+from trainer import train_grpo
+from trainer.config import resolve
+from trainer.grpo import resolve_grpo
+from trainer.launch import ConfigError, main_guard
+from trainer.rl_batch import group_advantages
+from trainer.train_loop import epoch_batches, step_targets, train_step
+
+REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
+TEMPERATURE = 0.8
+
+
+def grpo_flags(tmp_path, data, *extra):
+    out = str(tmp_path / "out")
+    return [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "48", "--max_gen_len", "10",
+            "--num_generations", "4", "--batch_size", "2", "--accumulation_steps", "2", "--learning_rate", "1e-3",
+            "--reward", "none", "--reward_fn", f"{REWARD_FNS}:distinct_chars", "--temperature", str(TEMPERATURE),
+            "--save_dir", out, "--checkpoint_dir", os.path.join(out, "ckpt"), "--cache_dir", os.path.join(out, "c"),
+            *extra]
+
+
+def in_process_trainer(monkeypatch, tmp_path, *extra):
+    """A Trainer built as train_grpo.py builds it (one process), and the step's loader micro-batches."""
+    os.makedirs(tmp_path, exist_ok=True)
+    data = demo_slice(tmp_path, "rlaif", 40)
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py", *grpo_flags(tmp_path, data, *extra)])
+    trainer, train_ds = train_grpo.build(train_grpo.grpo_args())
+    batches = epoch_batches(trainer, train_ds, 0)
+    return trainer, [next(batches) for _ in range(trainer.plan.num_microbatches)]
+
+
+def objective_loss(trainer, prepared):
+    """The step's loss as train_step forms it (the sum of each micro-batch's share) and the policy's gradient."""
+    objective, model = trainer.objective, trainer.model_parts[0]
+    unpacked = [objective.unpack(batch) for batch in prepared]
+    num_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)
+    total, stats = 0.0, []
+    for ids, labels, positions, extra in unpacked:
+        loss, _, micro_stats = objective.loss(model, ids, step_targets(labels), positions, extra, num_items)
+        total, stats = total + loss, stats + [micro_stats]
+    grads = torch.autograd.grad(total, list(model.parameters()))
+    return total.detach(), grads, stats
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0])
+    advantages, std = group_advantages(rewards, 4)
+    population_std = (sum((r - 3.0) ** 2 for r in (1, 2, 3, 6)) / 4) ** 0.5
+    assert advantages[:4].tolist() == pytest.approx([(r - 3.0) / (population_std + 1e-4) for r in (1, 2, 3, 6)])
+    assert advantages[4:].tolist() == [0.0] * 4 and std.tolist() == [pytest.approx(population_std)] * 4 + [0.0] * 4
+    single, single_std = group_advantages(torch.tensor([0.3, -2.0]), 1)  # --num_generations 1: nothing to compare
+    assert single.tolist() == [0.0, 0.0] and single_std.tolist() == [0.0, 0.0]
+
+
+def test_equal_rewards_give_zero_advantages_loss_and_gradient(monkeypatch, tmp_path):
+    """A constant reward: every advantage 0, so the policy term and its gradient vanish; the KL to the reference (the
+    starting weights, loaded apart) is 0 with a zero gradient at the first step. train_step logs them so."""
+    trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path, "--reward_fn", f"{REWARD_FNS}:constant",
+                                                "--reward_weights", "0,2", "--beta", "0.1", "--loss_type", "grpo")
+    prepared = trainer.objective.prepare(trainer, micro_batches)
+    assert all((extra[0] == 0).all() for _, _, extra in prepared)
+    loss, grads, _ = objective_loss(trainer, prepared)
+    assert loss.item() == 0.0 and all((g == 0).all() for g in grads)
+    metrics = train_step(trainer, micro_batches)
+    record = trainer.objective.record({k: float(v) for k, v in metrics["stats"].items()}, metrics["num_items"])
+    assert metrics["ce"].item() == 0.0
+    assert record["frac_reward_zero_std"] == 1.0 and record["reward_std"] == 0.0 and record["kl"] == 0.0
+    assert record["reward"] == 2 * 0.25  # distinct_chars x 0, constant 0.25 x 2
+    assert record["rewards/constant/mean"] == 0.25
+
+
+def surrogate(model, prepared, loss_type, max_gen_len):
+    """REINFORCE written out: the gradient of -sum A_i log pi(t) over completion tokens at the sampling temperature,
+    with the loss type's normaliser (TRL's), the advantages recomputed from the logged rewards. Its value: cispo's
+    -A log pi; the ratio losses' -A exp(log pi - sg(log pi)) = -A (the ratio is 1, its gradient that of log pi)."""
+    terms, tokens, rows = [], 0, 0
+    for ids, labels, extra in prepared:
+        rewards = extra[1][:, 0].view(-1, 4).double()
+        advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, unbiased=False, keepdim=True)
+                                                                  + 1e-4)).view(-1, 1)
+        logits = model(ids).logits.double()[:, :-1] / TEMPERATURE
+        targets = labels[:, 1:]
+        mask = (targets != -100).double()
+        log_probs = torch.log_softmax(logits, -1).gather(2, targets.clamp(min=0)[..., None])[..., 0] * mask
+        weight = log_probs if loss_type == "cispo" else torch.exp(log_probs - log_probs.detach()) * mask
+        terms.append((-advantages * weight, mask))
+        tokens, rows = tokens + mask.sum(), rows + ids.shape[0]
+    if loss_type == "grpo":
+        return sum(((t.sum(1) / m.sum(1)).sum() for t, m in terms)) / rows
+    if loss_type == "bnpo":
+        return sum(t.sum() / m.sum() for t, m in terms) / len(terms)
+    if loss_type == "dr_grpo":
+        return sum(t.sum() for t, _ in terms) / (rows * max_gen_len)
+    return sum(t.sum() for t, _ in terms) / tokens  # dapo, cispo
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo", "cispo"])
+def test_first_update_is_the_reinforce_gradient(monkeypatch, tmp_path, loss_type):
+    """On a fresh rollout the ratio is exactly 1 (nothing clipped) and the loss and gradient are REINFORCE's with the
+    loss type's normaliser; the KL term (the reference equals the policy) adds neither value nor gradient."""
+    trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path, "--loss_type", loss_type, "--beta", "0.1")
+    prepared = trainer.objective.prepare(trainer, micro_batches)
+    loss, grads, stats = objective_loss(trainer, prepared)
+    model = trainer.model_parts[0]
+    expected = surrogate(model, prepared, loss_type, 10)
+    expected_grads = torch.autograd.grad(expected, list(model.parameters()))
+    assert any(extra[0].abs().max() > 0.5 for _, _, extra in prepared)  # the rewards differ within groups
+    # cispo's value holds the log-probs themselves: fp32 log-softmax over 6400 logits, |log p| ~ 9, is ~1e-6 off per
+    # token (the ratio losses' values hold advantages only)
+    assert loss.item() == pytest.approx(expected.item(), abs=2e-5 if loss_type == "cispo" else 1e-6)
+    for g, e in zip(grads, expected_grads):  # fp32 against float64 log-softmax of the same fp32 logits
+        assert (g - e).abs().max().item() <= 1e-6, (loss_type, (g - e).abs().max().item())
+    clipped = sum(sum(v.item() for k, v in s.items() if "clip" in k) for s in stats)
+    assert clipped == 0 and sum(s["kl_sum"].item() for s in stats) == 0.0
+
+
+def test_prompt_padding_and_tokens_after_eos_change_neither_loss_nor_gradient(monkeypatch, tmp_path):
+    """Rows with other tokens where nothing is scored (the padding after each completion's EOS) and with more padding
+    columns give the same loss and gradient: only completion tokens are targets, and causal attention keeps later
+    positions out of earlier ones."""
+    trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path, "--loss_type", "dapo", "--beta", "0")
+    prepared = trainer.objective.prepare(trainer, micro_batches)
+    loss, grads, _ = objective_loss(trainer, prepared)
+    generator = torch.Generator().manual_seed(0)
+    changed = []
+    for ids, labels, extra in prepared:
+        ids, labels = ids.clone(), labels.clone()
+        after = torch.ones_like(labels, dtype=torch.bool)
+        for row in range(ids.shape[0]):
+            last = int((labels[row] != -100).nonzero().max())
+            after[row, :last + 1] = False
+        ids[after] = torch.randint(3, 6400, (int(after.sum()),), generator=generator)
+        ids = torch.cat([ids, torch.randint(3, 6400, (ids.shape[0], 5), generator=generator)], 1)
+        labels = torch.cat([labels, torch.full((ids.shape[0], 5), -100)], 1)
+        changed.append((ids, labels, extra))
+    assert any((ids[:, :-5] != p[0]).any() for (ids, _, _), p in zip(changed, prepared))  # tokens after EOS changed
+    loss2, grads2, _ = objective_loss(trainer, changed)
+    assert loss2.item() == pytest.approx(loss.item(), abs=1e-7)
+    for g, g2 in zip(grads, grads2):  # other matmul shapes only: fp32 rounding
+        assert (g - g2).abs().max().item() <= 1e-7
+
+
+def test_a_reused_rollout_starts_at_ratio_one_and_then_clips(monkeypatch, tmp_path):
+    """--num_iterations 2: the first step on a rollout loses exactly what --num_iterations 1 loses (its old log-probs,
+    a forward before the update, equal the policy's: ratio 1); the second trains on the same rollout with moved
+    weights, so the ratio leaves [1 - epsilon, 1 + epsilon] for some tokens."""
+    flags = ("--loss_type", "grpo", "--beta", "0", "--learning_rate", "3e-2")
+    first = {}
+    for iterations in ("1", "2"):
+        trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path / iterations, *flags, "--num_iterations",
+                                                    iterations)
+        metrics = [train_step(trainer, micro_batches) for _ in range(2)]
+        first[iterations] = metrics[0]["ce"].item()
+        records = [trainer.objective.record({k: float(v) for k, v in m["stats"].items()}, m["num_items"])
+                   for m in metrics]
+        assert records[0]["clip_ratio/region_mean"] == 0.0
+    assert first["1"] == first["2"]
+    assert records[1]["clip_ratio/region_mean"] > 0.1 and records[1]["reward"] == records[0]["reward"]
+
+
+# ----------------------------------------------------------------------------- end to end
+SCRIPT = "trainer/train_grpo.py"
+TIMING = ("tokens_per_sec", "mfu", "elapsed_s", "peak_mem_gb", "peak_mem_gb_per_rank", "rollout/tokens_per_sec",
+          "rollout/time_share")
+
+
+def run_flags(tmp_path, name, data, dp=1, extra=()):
+    """4 prompts x 2 completions per step (2 micro-batches), 3 steps, each rollout trained twice."""
+    out = str(tmp_path / name)
+    return [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "32", "--max_gen_len", "8",
+            "--num_generations", "2", "--batch_size", str(2 // dp), "--accumulation_steps", "2", "--max_steps", "3",
+            "--learning_rate", "1e-3", "--loss_type", "grpo", "--num_iterations", "2", "--reward", "none",
+            "--reward_fn", f"{REWARD_FNS}:distinct_chars", "--save_dir", out, "--checkpoint_dir", f"{out}/ckpt",
+            "--cache_dir", f"{out}/c", "--metrics_file", f"{out}/metrics.jsonl", "--log_interval", "1", *extra]
+
+
+def metrics_of(argv):
+    return read_metrics(argv[argv.index("--metrics_file") + 1])
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A local rollout server, the prompts, and the single process's records with its completions."""
+    tmp_path = tmp_path_factory.mktemp("grpo_served")
+    server = RolloutServer()
+    data = demo_slice(tmp_path, "rlaif", 40)
+    argv = run_flags(tmp_path, "single", data, extra=["--rollout_engine", "vllm", "--rollout_url", server.url])
+    proc = forked(SCRIPT, argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    yield server, data, metrics_of(argv)
+    server.close()
+
+
+@pytest.mark.parametrize("layout", [[], ["--zero_stage", "3"], ["--tp", "2"], ["--pp", "2"]],
+                         ids=["ddp", "zero3", "tp2", "pp2"])
+def test_layouts_equal_the_single_process(served, tmp_path, layout):
+    """The same served completions trained under two processes: the same rewards, losses, KL and clipping as one
+    process (the reference and the old-policy forwards run in the layout too)."""
+    server, data, records = served
+    dp = 1 if layout and layout[0] in ("--tp", "--pp") else 2
+    requests = len(server.requests)
+    argv = run_flags(tmp_path, "layout", data, dp=dp, extra=[
+        "--rollout_engine", "vllm", "--rollout_url", server.url, *layout])
+    proc = forked(SCRIPT, argv, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(server.requests) - requests == 2 * 2 * dp  # 2 rollouts x 2 micro-batches, one request per replica
+    got = metrics_of(argv)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    assert got[1]["clip_ratio/region_mean"] > 0  # the reused rollout's step clips: the old log-probs are tested
+    for a, b in zip(got, records):  # fp32 reductions in other orders; the loss sums ~60 terms of size ~1
+        for name in ("loss", "kl", "entropy", "clip_ratio/region_mean", "reward", "reward_std",
+                     "completions/mean_length"):
+            assert a[name] == pytest.approx(b[name], abs=2e-6), (a["step"], name, a[name], b[name])
+
+
+def test_in_process_rollouts_under_zero3_equal_ddp(tmp_path):
+    """Generation on FSDP2-sharded weights (gathered for the rollout) samples what DDP's whole model samples: the same
+    completions, so the same rewards and losses (ranks that stop at different steps: tests/test_rollout.py)."""
+    data = demo_slice(tmp_path, "rlaif", 40)
+    runs = {}
+    for name, layout in (("ddp", []), ("zero3", ["--zero_stage", "3"])):
+        argv = run_flags(tmp_path, name, data, dp=2, extra=["--max_gen_len", "24", *layout])
+        proc = forked(SCRIPT, argv, nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = metrics_of(argv)
+    for a, b in zip(runs["zero3"], runs["ddp"]):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=2e-6)
+
+
+def test_resume_after_a_kill_repeats_the_rollouts_and_losses(tmp_path):
+    """Killed after step 3, between the two steps on one rollout: the resumed run restores that rollout and rolls
+    out the next ones with the same seeds, so every later record equals the uninterrupted run's."""
+    data = demo_slice(tmp_path, "rlaif", 40)
+    extra = ["--max_steps", "6", "--beta", "0.1", "--save_interval", "1"]
+    straight = run_flags(tmp_path, "straight", data, extra=extra)
+    assert forked(SCRIPT, straight).returncode == 0
+    run = run_flags(tmp_path, "killed", data, extra=extra)
+    env = {"MINIMIND_TEST_STAGE": "train_grpo", "MINIMIND_TEST_KILL_AT_STEP": "3"}
+    killed = forked("tests/fault_entry.py", args=run, env=env)
+    assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
+    saved = {os.path.basename(os.path.dirname(path)) for path in
+             glob.glob(os.path.join(run[run.index("--checkpoint_dir") + 1], "*", "step_*", "objective_0.pt"))}
+    assert saved == {"step_1", "step_3"}  # only where the next step trains on the same rollout
+    resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from epoch 0, step 3" in resumed.stdout
+    got, expected = metrics_of(run), metrics_of(straight)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(got, expected):
+        assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+
+
+def test_a_toy_task_is_learnt(tmp_path):
+    """A verifiable reward, the share of digits in a completion: a 2-layer model from scratch raises its mean reward
+    by far more than 0.3 within 60 steps."""
+    data = demo_slice(tmp_path, "rlaif", 400)
+    out = str(tmp_path / "toy")
+    argv = [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "64", "--max_gen_len", "8",
+            "--num_generations", "8", "--batch_size", "4", "--max_steps", "60", "--learning_rate", "5e-3",
+            "--beta", "0", "--reward", "none", "--reward_fn", f"{REWARD_FNS}:digit_share", "--save_dir", out,
+            "--checkpoint_dir", f"{out}/ckpt", "--metrics_file", f"{out}/metrics.jsonl", "--save_interval", "1000"]
+    proc = forked(SCRIPT, argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewards = [r["reward"] for r in metrics_of(argv)]
+    assert len(rewards) == 60
+    assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 > 0.3, rewards
+
+
+def run_in_process(monkeypatch, capsys, argv):
+    monkeypatch.setattr(sys, "argv", ["train_grpo.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        main_guard(train_grpo.main)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num_generations", "0"], "--num_generations must be at least 1 (got 0)"),
+    (["--reward_fn", "missing.py:f"], "--reward_fn missing.py:f: missing.py does not exist"),
+    (["--reward_weights", "1,2"], "--reward_weights has 2 values for 1 reward functions"),
+    (["--rollout_engine", "vllm"], "--rollout_engine vllm needs --rollout_url"),
+    (["--top_p", "0"], "--top_p must lie in (0, 1] (got 0.0)"),
+    (["--packing", "1"], "--packing 1: GRPO trains each completion in its own row"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, flags, message):
+    data = demo_slice(tmp_path, "rlaif", 10)
+    code, err = run_in_process(monkeypatch, capsys, [*run_flags(tmp_path, "bad", data), *flags])
+    assert code == 2 and err[-1].startswith("error: ") and message in err[-1], err
+
+
+def test_resolve_refuses_split_layouts_without_a_server_and_rewards_that_do_not_add_up(tmp_path, monkeypatch):
+    """--tp/--pp with the in-process engine (two processes' layout), reward flags that do not add up: refused in
+    resolve, before any process group."""
+    data = demo_slice(tmp_path, "rlaif", 10)
+    cases = ((["--tp", "2"], "--rollout_engine torch generates with the whole model on each rank, which --tp/--pp"),
+             (["--reward", "rule", "--reward_fn", f"{REWARD_FNS}:constant", "--reward_weights", "1,1"],
+              "--reward_weights has 2 values for 4 reward functions (the rule terms count 3"),
+             (["--reward_model", str(tmp_path / "nothing")], "is not a folder"),
+             ([], "no reward: keep --reward rule, or pass --reward_model PATH or --reward_fn FILE.py:NAME"))
+    for flags, message in cases:
+        argv = [a for a in run_flags(tmp_path, "bad", data) if not a.endswith(":distinct_chars")]
+        argv = [a for i, a in enumerate(argv) if not (a == "--reward_fn" and i + 1 < len(argv) and
+                                                      argv[i + 1].startswith("--"))]
+        monkeypatch.setattr(sys, "argv", ["train_grpo.py", *argv, *flags])
+        with pytest.raises(ConfigError) as error:
+            resolve(train_grpo.grpo_args(), 2, 0, resolve_grpo)
+        assert message in str(error.value), str(error.value)

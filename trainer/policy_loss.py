@@ -1,0 +1,48 @@
+"""Per-token policy-gradient pieces of the RL losses (GRPO now; PPO's clipping and entropy too): TRL's normalisers,
+the clip-ratio counts, the k3 KL to a reference and the entropy metric."""
+import torch
+
+from trainer.distillation import log_softmax
+
+
+def k3_kl(reference, log_probs):
+    """Per-token k3 estimate of KL(policy || reference): exp(ref - log pi) - (ref - log pi) - 1 (>= 0, and 0 with a
+    zero gradient where the two agree)."""
+    delta = reference - log_probs
+    return torch.exp(delta) - delta - 1
+
+
+def normalised(loss, mask, loss_type, num_items, max_gen_len):
+    """Sum of the masked per-token losses (N, L) under `loss_type`'s normaliser, num_items its step count."""
+    if loss_type == "grpo":
+        return (loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_items
+    if loss_type == "bnpo":
+        return loss.sum() / mask.sum().clamp(min=1) / num_items
+    if loss_type == "dr_grpo":
+        return loss.sum() / (num_items * max_gen_len)
+    return loss.sum() / num_items
+
+
+def clip_stats(ratio, advantages, mask, stage):
+    """Token counts of TRL's clip ratios: cispo's ratio above epsilon_high with A > 0; else low (r < 1 - epsilon,
+    A < 0), high (r > 1 + epsilon_high, A > 0) and either."""
+    if stage.loss_type == "cispo":
+        return {"cispo_clip_sum": (((ratio > stage.epsilon_high) & (advantages > 0)).float() * mask).sum()}
+    low = ((ratio < 1 - stage.epsilon) & (advantages < 0)).float() * mask
+    high = ((ratio > 1 + stage.epsilon_high) & (advantages > 0)).float() * mask
+    return {"clip_low_sum": low.sum(), "clip_high_sum": high.sum(), "clip_region_sum": (low + high).sum()}
+
+
+@torch.no_grad()
+def token_entropy(logits, temperature, chunk=1024):
+    """(N, L) entropy of softmax(logits / temperature) per position, in fp32 chunks of rows (a metric only)."""
+    if hasattr(logits, "placements"):  # vocab-sharded under tensor parallel: DTensor reductions, then the full value
+        log_p = log_softmax(logits.detach().float() / temperature)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        return entropy.full_tensor() if hasattr(entropy, "full_tensor") else entropy
+    flat = logits.detach().flatten(0, 1)
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    for start in range(0, flat.shape[0], chunk):
+        log_p = torch.log_softmax(flat[start:start + chunk].float() / temperature, dim=-1)
+        out[start:start + chunk] = -(log_p.exp() * log_p).sum(-1)
+    return out.view(logits.shape[:2])
