@@ -46,7 +46,7 @@ def minimind_resume_file(path, config, epoch, step, world_size, weight_decay=0.0
 
 def resume_plan(tmp_path, micro_batch=4, global_batch=8, from_resume="1"):
     return SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), micro_batch=micro_batch,
-                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume)
+                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume, resume_path=None)
 
 
 def test_minimind_resume_file_is_read_by_name_and_position(tmp_path):

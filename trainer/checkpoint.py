@@ -44,6 +44,7 @@ from trainer.trainer_utils import Logger
 # 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save
 FORMAT_VERSION = 3
 MANIFEST = "complete.json"
+BEST_INDEX = "best.json"  # --save_best: the step whose checkpoint is kept whatever --keep_checkpoints says
 # one process saves and loads without a process group, as intended: DCP warns about it on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 CHECK_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "num_attention_heads",
@@ -108,6 +109,15 @@ def checkpoints(run_dir):
     return sorted(found)
 
 
+def best_checkpoint_step(run_dir):
+    """The step best.json names (--save_best), or None."""
+    try:
+        with open(os.path.join(run_dir, BEST_INDEX)) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def latest_checkpoint(run_dir):
     """The newest complete step directory of `run_dir`, or None."""
     complete = [path for _, path, done in checkpoints(run_dir) if done]
@@ -138,7 +148,7 @@ def load_resume(config, plan):
     """
     if plan.from_resume == "0":
         return None
-    path = latest_checkpoint(plan.run_dir)
+    path = plan.resume_path or latest_checkpoint(plan.run_dir)  # --from_resume <step dir>: that one
     minimind_path = minimind_resume_path(plan.checkpoint_dir, os.path.basename(plan.run_dir))
     ckpt = read_train_state(path, config) if path else \
         read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None
@@ -175,6 +185,7 @@ def restore(trainer, ckpt):
     if rng is not None:
         set_rng_state(rng)
     trainer.progress.load_state_dict(ckpt["train_state"])
+    trainer.callbacks.load_state_dict(ckpt.get("callbacks", {}))  # early stopping, best checkpoint, a user's
 
 
 class Checkpointer:
@@ -248,7 +259,8 @@ class Checkpointer:
         return dict(train_state=parts["progress"].state_dict(), scaler=parts["scaler"].state_dict(),
                     world_size=plan.world_size, global_batch=plan.global_batch,
                     layout=dict(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage),
-                    args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION)
+                    args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION,
+                    callbacks=parts["callbacks"].state_dict())
 
     def wait(self):
         """Wait for the pending async save (its manifest included); re-raises its error."""
@@ -274,23 +286,26 @@ class Checkpointer:
 
     def prune(self, step):
         """Drop steps after `step` (an abandoned timeline), partial saves before it, complete ones past `keep`."""
-        older = [(s, p, done) for s, p, done in checkpoints(self.run_dir) if s != step]
+        best = best_checkpoint_step(self.run_dir)  # --save_best's, on this timeline (before `step`): never pruned
+        older = [(s, p, done) for s, p, done in checkpoints(self.run_dir)
+                 if s != step and not (s == best < step and done)]
         kept = [p for s, p, done in older if done and s < step][-(self.keep - 1):] if self.keep > 1 else []
         for s, p, done in older:
             if p not in kept and (self.keep or s > step or not done):
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save_weights(trainer):
-    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0
-    (or the stage's own files: plan.stage.save_weights(model_state, config, save_dtype))."""
+def save_weights(trainer, path=None):
+    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0, at
+    `path` (default: the run's weights path), or the stage's own files: plan.stage.save_weights(model_state, config,
+    save_dtype)."""
     pp_group = trainer.dims.group("pp") if trainer.plan.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
     if not is_main_process():
         return
     stage = trainer.plan.stage
-    if hasattr(stage, "save_weights"):  # a stage writing its own files (LoRA: the adapters only)
+    if hasattr(stage, "save_weights") and path is None:  # a stage writing its own files (LoRA: the adapters only)
         stage.save_weights(model_sd, trainer.config, trainer.plan.save_dtype)
         return
     weights = {k: v.to(trainer.plan.save_dtype) for k, v in model_sd.items()}
-    save_weights_file(weights, trainer.config, trainer.plan.weights_path)
+    save_weights_file(weights, trainer.config, path or trainer.plan.weights_path)
