@@ -7,6 +7,8 @@ train_pretrain); the environment says which fault, on torchrun's first attempt o
                                    save once the shards are written or the async write is in flight (=save)
   MINIMIND_TEST_CORRUPT_REPLICA=<rank>:<step>:<name>   add 1 to one value of that parameter on that rank just
                                    before the replica check of that step
+  MINIMIND_TEST_OOM_AT_STEP=N      rank MINIMIND_TEST_OOM_RANK (default 0) asks the allocator for 2**62 bytes in the
+                                   forward of step N's first micro-batch: a real allocation failure
 """
 import os
 import signal
@@ -22,6 +24,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from trainer import train_loop  # noqa: E402
 from trainer.launch import main_guard, rank  # noqa: E402
+from trainer.objective import LMObjective  # noqa: E402
 
 STAGE = "MINIMIND_TEST_STAGE"
 KILL_AT_STEP = "MINIMIND_TEST_KILL_AT_STEP"
@@ -70,6 +73,21 @@ def patch_corrupt(spec):
     train_loop.check_replicas = check_replicas
 
 
+def patch_out_of_memory(step, victim):
+    real_loss = LMObjective.loss
+
+    def loss(self, model, *args, **kwargs):
+        if rank() == victim and steps_started[0] == step:
+            torch.empty(2 ** 62, dtype=torch.uint8)  # what a too-large batch meets: the allocator refuses
+        return real_loss(self, model, *args, **kwargs)
+    real_train_step, steps_started = train_loop.train_step, [0]
+
+    def train_step(trainer, *args, **kwargs):
+        steps_started[0] = trainer.progress.global_step + 1
+        return real_train_step(trainer, *args, **kwargs)
+    LMObjective.loss, train_loop.train_step = loss, train_step
+
+
 def main():
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if os.environ.get(KILL_AT_STEP) and first_attempt:
@@ -77,6 +95,9 @@ def main():
                    int(os.environ.get("MINIMIND_TEST_KILL_RANK", 0)))
     if os.environ.get(CORRUPT_REPLICA) and first_attempt:
         patch_corrupt(os.environ[CORRUPT_REPLICA])
+    if os.environ.get("MINIMIND_TEST_OOM_AT_STEP"):
+        patch_out_of_memory(int(os.environ["MINIMIND_TEST_OOM_AT_STEP"]),
+                            int(os.environ.get("MINIMIND_TEST_OOM_RANK", 0)))
     importlib.import_module(f"trainer.{os.environ.get(STAGE, 'train_pretrain')}").main()
 
 

@@ -2,6 +2,7 @@
 what to change, then the rank leaves (exit 3) and torchrun stops the others; checkpoints are only ever complete
 or ignored, so the last complete one stays usable. CPU: MemoryError or the allocator's RuntimeError; CUDA:
 torch.cuda.OutOfMemoryError."""
+import re
 from contextlib import contextmanager
 
 import torch
@@ -38,6 +39,12 @@ def advice(plan):
     return ", ".join(changes[:-1]) + f" or {changes[-1]}" if len(changes) > 1 else changes[0]
 
 
+def what_failed(error):
+    """The allocator's words, without the C++ source location: "DefaultCPUAllocator: can't allocate memory: ..."."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return re.sub(r"^\[enforce fail at [^\]]*\] [^.]*\. ", "", first)[:200]
+
+
 @contextmanager
 def out_of_memory_as_one_line(trainer):
     """Around the loop: an allocation failure becomes OutOfMemory with the line that says what to do."""
@@ -51,5 +58,5 @@ def out_of_memory_as_one_line(trainer):
         last, peak = latest_checkpoint(plan.run_dir), peak_mem_gb(plan.device)
         raise OutOfMemory(
             f"out of {kind} memory on rank {rank()} in step {progress.global_step + 1} (peak {peak:.2f} GB on this "
-            f"rank; {str(e).splitlines()[0][:160]}): {advice(plan)}; the last complete checkpoint is "
+            f"rank; {what_failed(e)}): {advice(plan)}; the last complete checkpoint is "
             f"{last or 'none yet'}" + (", continue with --from_resume 1" if last else "")) from None
