@@ -8,6 +8,7 @@ tensor parallel, whole tensors under DDP, ZeRO-1 and pipeline stages), so DCP sa
 ratios need each parameter's norm over all its shards: the local sums of squares of a group of DTensors go through
 one all-reduce (`global_norms`), in float64 like the gradient clip's, and never to the host.
 """
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -190,7 +191,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.95, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8):
         super().__init__(params, dict(lr=lr, muon=False))
-        self.muon_defaults = dict(momentum=momentum, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        self.muon_defaults = dict(momentum=momentum, weight_decay=weight_decay)
+        if "adjust_lr_fn" in inspect.signature(torch.optim.Muon).parameters:  # a Muon without it: Keller's scaling
+            self.muon_defaults["adjust_lr_fn"] = "match_rms_adamw"
         self.adamw_defaults = dict(betas=betas, eps=eps, weight_decay=weight_decay)
         self._link()
 
