@@ -121,8 +121,9 @@ def plan_for(flags, nproc):
     config = build_config(run)
     t = resolve(run, nproc)  # the TrainPlan: the layout exactly as the trainer would run it
     act_bytes = 4 if t.dtype == torch.float32 else 2
+    # the layout model knows whole-block recomputation; a selective mode is estimated as none (an upper bound)
     plan = plan_layout(config, t.seq_len, t.micro_batch, t.num_microbatches, t.dp, t.tp, t.pp, t.cp, t.zero_stage,
-                       t.pp_schedule, act_bytes, t.grad_checkpointing, t.sequence_parallel,
+                       t.pp_schedule, act_bytes, t.grad_checkpointing == "full", t.sequence_parallel,
                        run.loss_chunk_size if t.chunked_loss else 0)  # full logits where the trainer has them
     layout = dict(nproc=nproc, dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, zero_stage=t.zero_stage, pp_schedule=t.pp_schedule,
                   act_bytes=act_bytes, micro_batch=t.micro_batch, seq_len=t.seq_len,
