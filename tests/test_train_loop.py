@@ -60,15 +60,16 @@ def count_host_reads(monkeypatch, fn):
     return calls
 
 
-@pytest.mark.parametrize("use_moe", [0, 1])
-def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe):
+@pytest.mark.parametrize("use_moe,optimizer", [(0, "adamw"), (1, "adamw"), (0, "lamb"), (0, "lars")])
+def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe, optimizer):
     """A non-log optimizer step (2 micro-batches, packed rows with documents): the guard's one tolist is the only read
     of a computed value in trainer/ and model/ besides MoE's one split-size read per layer and micro-batch; the
     target counts read the CPU labels (never a device tensor); the per-micro-batch bar reads the loss on CPU only."""
     args = add_train_args(argparse.ArgumentParser()).parse_args([
         "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
         "--dtype", "float32", "--batch_size", "2", "--accumulation_steps", "2", "--max_seq_len", "16",
-        "--loss_chunk_size", "0", "--use_moe", str(use_moe), "--save_dir", str(tmp_path / "out"),
+        "--loss_chunk_size", "0", "--use_moe", str(use_moe), "--optimizer", optimizer,
+        "--save_dir", str(tmp_path / "out"),
         "--checkpoint_dir", str(tmp_path / "ckpt"), "--cache_dir", str(tmp_path / "cache")])
     plan, dims = setup(args)
     trainer = build_trainer(plan, dims, steps_per_epoch=10)
@@ -83,6 +84,8 @@ def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe):
     expected += [("trainer/train_loop.py", "train_step", "__float__", "cpu")] * 2  # the bar, on CPU only
     if use_moe:
         expected += [("model/model_minimind.py", "dispatch", "tolist", "cpu")] * 2 * 2  # per layer, per micro-batch
+    if optimizer == "lamb":  # its step count, a CPU tensor as AdamW's (whose read is torch's own): no device sync
+        expected += [("trainer/optim.py", "step", "item", "cpu")] * len(list(trainer.model_parts[0].parameters()))
     assert sorted(ours) == sorted(expected), ours
 
 

@@ -193,8 +193,9 @@ def train(trainer, train_ds, eval_ds=None):
     SIGTERM/SIGINT stop it after the current step (every rank at the same step) with a checkpoint there."""
     plan, progress = trainer.plan, trainer.progress
     if trainer.resumed and (reached_max_steps(trainer) or stop_reason(trainer)):
-        Logger(f"{stop_reason(trainer) or f'--max_steps {plan.max_steps}'}: the checkpoint is already at step "
-               f"{progress.global_step}; nothing to train (raise the limit to train on)")
+        reason = stop_reason(trainer) or f"--max_steps {plan.max_steps}"
+        Logger(f"{reason}: the checkpoint is already at step {progress.global_step}; nothing to train"
+               + (" (raise --max_steps to train on)" if reason.startswith("--max_steps") else ""))
         return finish(trainer)
     trainer.callbacks.insert(0, make_tracker(trainer))  # the sinks see each record first
     if is_main_process():
