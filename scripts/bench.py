@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
-from scripts.run_helper import run_trainer  # noqa: E402
+from scripts.run_helper import run_trainer, trainer_command  # noqa: E402
 from trainer.config import resolve  # noqa: E402
 from trainer.flags import add_train_args  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
@@ -142,10 +142,9 @@ def print_plan(args, flags):
 
 # ---------------------------------------------------------------------------------------------- main
 def trainer_args(flags):
-    """The trainer's argument namespace for `flags` (a dict of trainer flags), its defaults for the rest."""
-    args = add_train_args(argparse.ArgumentParser()).parse_args([])  # the trainer's own defaults
-    vars(args).update(flags)
-    return args
+    """The trainer's argument namespace for `flags` (a dict of trainer flags; --baseline_flags gives strings), parsed
+    as the trainer parses its command line, its defaults for the rest."""
+    return add_train_args(argparse.ArgumentParser()).parse_args(trainer_command(flags, nproc=1)[2:])
 
 
 def given_trainer_flags(parser, rest):
