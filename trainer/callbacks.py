@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 
 from model.weights import atomic_write_text, read_checkpoint, save_weights_file
-from trainer.checkpoint import BEST_INDEX, best_checkpoint_step, save_weights
+from trainer.checkpoint import BEST_INDEX, MANIFEST, best_checkpoint_step, save_weights
 from trainer.launch import ConfigError, is_main_process
 from trainer.rank_log import RankLog
 from trainer.trainer_utils import Logger
@@ -157,6 +157,10 @@ class BestCheckpoint:
                 os.path.dirname(self.index)) == self.best_step:
             return
         checkpoint = os.path.join(os.path.dirname(self.index), f"step_{self.best_step}")
+        if not os.path.isfile(os.path.join(checkpoint, MANIFEST)):  # resumed from another run's checkpoint
+            Logger(f"--save_best: the resumed best (step {self.best_step}) has no checkpoint in {checkpoint}; "
+                   "best.json follows from the next better eval")
+            return
         if self.weights_path:
             model_state, config, _ = read_checkpoint(checkpoint)
             save_weights_file(model_state, config, self.weights_path)
