@@ -80,6 +80,11 @@ def atomic_save(obj, path):
     _atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def atomic_write_text(path, text):
+    """Write `text` (UTF-8) to `path` atomically: an index or config file is either the old one or the new one."""
+    _atomic_write(path, lambda f: f.write(text.encode()))
+
+
 def sidecar_path(path):
     """The config file beside a weights file: out/pretrain_768.pth -> out/pretrain_768.json."""
     return os.path.splitext(path)[0] + ".json"

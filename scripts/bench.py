@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
-from scripts.run_helper import run_trainer  # noqa: E402
+from scripts.run_helper import run_trainer, trainer_command  # noqa: E402
 from trainer.config import resolve  # noqa: E402
 from trainer.flags import add_train_args  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
@@ -121,8 +121,9 @@ def plan_for(flags, nproc):
     config = build_config(run)
     t = resolve(run, nproc)  # the TrainPlan: the layout exactly as the trainer would run it
     act_bytes = 4 if t.dtype == torch.float32 else 2
+    # the layout model knows whole-block recomputation; a selective mode is estimated as none (an upper bound)
     plan = plan_layout(config, t.seq_len, t.micro_batch, t.num_microbatches, t.dp, t.tp, t.pp, t.cp, t.zero_stage,
-                       t.pp_schedule, act_bytes, t.grad_checkpointing, t.sequence_parallel,
+                       t.pp_schedule, act_bytes, t.grad_checkpointing == "full", t.sequence_parallel,
                        run.loss_chunk_size if t.chunked_loss else 0)  # full logits where the trainer has them
     layout = dict(nproc=nproc, dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, zero_stage=t.zero_stage, pp_schedule=t.pp_schedule,
                   act_bytes=act_bytes, micro_batch=t.micro_batch, seq_len=t.seq_len,
@@ -141,10 +142,9 @@ def print_plan(args, flags):
 
 # ---------------------------------------------------------------------------------------------- main
 def trainer_args(flags):
-    """The trainer's argument namespace for `flags` (a dict of trainer flags), its defaults for the rest."""
-    args = add_train_args(argparse.ArgumentParser()).parse_args([])  # the trainer's own defaults
-    vars(args).update(flags)
-    return args
+    """The trainer's argument namespace for `flags` (a dict of trainer flags; --baseline_flags gives strings), parsed
+    as the trainer parses its command line, its defaults for the rest."""
+    return add_train_args(argparse.ArgumentParser()).parse_args(trainer_command(flags, nproc=1)[2:])
 
 
 def given_trainer_flags(parser, rest):

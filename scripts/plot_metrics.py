@@ -1,4 +1,5 @@
-"""Plot one or more --metrics_file JSONL files: loss, eval loss, lr, tokens/s, MFU, memory (and RL rewards) by step.
+"""Plot one or more --metrics_file JSONL files: loss, eval loss, lr, gradient norm, tokens/s, MFU, memory (and RL
+rewards) against step.
 
     python scripts/plot_metrics.py out/pretrain_768_metrics.jsonl --out plot.png
     python scripts/plot_metrics.py a.jsonl b.jsonl --labels dp2,tp2 --out compare.png
@@ -16,12 +17,13 @@ from matplotlib.figure import Figure  # a plain Figure renders PNGs through Agg;
 
 # (column, panel title, y scale factor, y label)
 PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "validation loss"),
-          ("lr", "learning rate", 1, "lr"), ("tokens_per_sec", "tokens/s", 1, "target tokens / s"),
+          ("lr", "learning rate", 1, "lr"), ("grad_norm", "gradient norm", 1, "L2 norm before clipping"),
+          ("tokens_per_sec", "tokens/s", 1, "target tokens / s"),
           ("mfu", "MFU", 100, "% of peak FLOPs"), ("peak_mem_gb", "peak memory", 1, "GB (max over ranks)"),
           ("reward", "reward (RL)", 1, "mean reward of the step's completions"),
           ("completions/mean_length", "completion length (RL)", 1, "tokens")]
 PANEL_SIZE = (4.5, 3.2)  # inches per panel; the PNG is columns*4.5 x rows*3.2 inches at --dpi
-COLUMNS = 3
+COLUMNS = 4
 
 
 def load_metrics(path):
@@ -47,7 +49,8 @@ def plot(frames, labels):
     """A figure with one panel per metric that has data; each (label, frame) is one line per panel."""
     panels = [p for p in PANELS if any(p[0] in f and f[p[0]].notna().any() for f in frames)]
     if not panels:
-        raise ValueError("no plottable metrics (loss, eval_loss, lr, tokens_per_sec, mfu, peak_mem_gb) in the files")
+        raise ValueError("no plottable metrics (loss, eval_loss, lr, grad_norm, tokens_per_sec, mfu, peak_mem_gb) in "
+                         "the files")
     columns = min(COLUMNS, len(panels))
     rows = math.ceil(len(panels) / columns)
     fig = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows))

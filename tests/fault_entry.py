@@ -8,6 +8,8 @@ train_pretrain); the environment says which fault, on torchrun's first attempt o
   MINIMIND_TEST_CORRUPT_REPLICA=<rank>:<step>:<name>   add 1 to one value of that parameter on that rank just
                                    before the replica check of that step
   MINIMIND_TEST_FILL_DISK=<step>:<file>   after that step, write <file> until its disk is full (a full disk from then)
+  MINIMIND_TEST_OOM_AT_STEP=N      rank MINIMIND_TEST_OOM_RANK (default 0) asks the allocator for 2**62 bytes in the
+                                   forward of step N's first micro-batch: a real allocation failure
 """
 import os
 import signal
@@ -23,6 +25,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from trainer import train_loop  # noqa: E402
 from trainer.launch import main_guard, rank  # noqa: E402
+from trainer.objective import LMObjective  # noqa: E402
 
 STAGE = "MINIMIND_TEST_STAGE"
 KILL_AT_STEP = "MINIMIND_TEST_KILL_AT_STEP"
@@ -86,6 +89,19 @@ def patch_fill_disk(spec):
                     pass  # full
             print(f"fault_entry: filled the disk of {path} after step {at_step}", flush=True)
     train_loop.after_step = after_step
+def patch_out_of_memory(step, victim):
+    real_loss = LMObjective.loss
+
+    def loss(self, model, *args, **kwargs):
+        if rank() == victim and steps_started[0] == step:
+            torch.empty(2 ** 62, dtype=torch.uint8)  # what a too-large batch meets: the allocator refuses
+        return real_loss(self, model, *args, **kwargs)
+    real_train_step, steps_started = train_loop.train_step, [0]
+
+    def train_step(trainer, *args, **kwargs):
+        steps_started[0] = trainer.progress.global_step + 1
+        return real_train_step(trainer, *args, **kwargs)
+    LMObjective.loss, train_loop.train_step = loss, train_step
 
 
 def main():
@@ -97,6 +113,9 @@ def main():
         patch_corrupt(os.environ[CORRUPT_REPLICA])
     if os.environ.get("MINIMIND_TEST_FILL_DISK") and first_attempt:
         patch_fill_disk(os.environ["MINIMIND_TEST_FILL_DISK"])
+    if os.environ.get("MINIMIND_TEST_OOM_AT_STEP"):
+        patch_out_of_memory(int(os.environ["MINIMIND_TEST_OOM_AT_STEP"]),
+                            int(os.environ.get("MINIMIND_TEST_OOM_RANK", 0)))
     importlib.import_module(f"trainer.{os.environ.get(STAGE, 'train_pretrain')}").main()
 
 

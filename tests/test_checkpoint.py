@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import atomic_save
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.checkpoint import (
     MANIFEST,
     Checkpointer,
@@ -33,7 +34,7 @@ def tiny_config(**kw):
 
 def resume_plan(tmp_path, micro_batch=4, global_batch=8, from_resume="1"):
     return SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), micro_batch=micro_batch,
-                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume)
+                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume, resume_path=None)
 
 
 def test_corrupt_resume_file_is_one_clear_error(tmp_path):
@@ -56,6 +57,7 @@ KILL_MIDWAY = r"""
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
 from model.weights import atomic_save
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 real_save = torch.save
 def save_then_die(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
@@ -158,3 +160,30 @@ def test_cuda_rng_state_is_the_current_devices_only():
     assert torch.equal(torch.rand(4, device="cuda"), expected)
     set_rng_state(dict(state, cuda=[state["cuda"]] * 8))
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def test_from_resume_a_chosen_step_directory(tmp_path):
+    """--from_resume <step dir>: an older checkpoint of the run continues it (the same steps again, bit for bit), the
+    later ones of the abandoned timeline go at its first save; a folder that is no complete checkpoint is one line."""
+    data = demo_slice(tmp_path, "pretrain", 48)
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    args = [*TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "2", "--accumulation_steps", "2",
+            "--max_steps", "4", "--save_interval", "1", "--keep_checkpoints", "0", "--log_interval", "1",
+            "--save_dir", str(out), "--checkpoint_dir", str(ckpt), "--metrics_file", str(out / "m.jsonl")]
+    first = forked("trainer/train_pretrain.py", args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = read_metrics(str(out / "m.jsonl"))
+    run_dir = ckpt / "pretrain_64"
+    later = {step: os.path.getmtime(run_dir / f"step_{step}" / "complete.json") for step in (3, 4)}
+    again = forked("trainer/train_pretrain.py", [*args, "--from_resume", str(run_dir / "step_2")])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"Resuming from {run_dir / 'step_2'}" in again.stdout and "Resumed from epoch 0, step 2" in again.stdout
+    after = read_metrics(str(out / "m.jsonl"))
+    assert [r["step"] for r in after] == [1, 2, 3, 4]  # the metrics file cut back to step 2, then steps 3-4 again
+    assert [(r["loss"], r["tokens"], r["lr"]) for r in after] == [(r["loss"], r["tokens"], r["lr"]) for r in before]
+    assert all(os.path.getmtime(run_dir / f"step_{s}" / "complete.json") > t for s, t in later.items())  # rewritten
+    for bad in (run_dir, tmp_path / "none"):
+        proc = forked("trainer/train_pretrain.py", [*args, "--from_resume", str(bad)], timeout=120)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+            f"error: --from_resume {bad}: not a complete checkpoint (a step_<N> directory with complete.json); "
+            "pass 0, 1, auto or such a directory")

@@ -142,6 +142,18 @@ def test_every_flag_has_help():
     (["--from_weight", HERE], "has no config.json"),
     (["--zero_stage", "5"], "--zero_stage must be one of 0, 1, 2, 3"),
     (["--profile_steps", "0:2"], "--profile_steps"),
+    (["--min_lr", "1"], "--min_lr must be between 0 and the peak lr 0.0005 (got 1.0)"),
+    (["--lr_scaling", "sqrt"], "give --base_batch"),
+    (["--wsd_decay_fraction", "0"], "--wsd_decay_fraction must be in (0, 1]"),
+    (["--beta1", "1"], "--beta1 must be in [0, 1) (got 1.0)"),
+    (["--dropout", "1"], "--dropout must be in [0, 1) (got 1.0)"),
+    (["--max_tokens", "-1"], "--max_tokens must be at least 0 (got -1; 0 is no token budget)"),
+    (["--powersgd_start_step", "1"], "--powersgd_start_step must be at least 2"),
+    (["--cpu_offload", "1"], "--cpu_offload 1 moves FSDP2's shards from the GPU to CPU memory"),
+    (["--from_resume", HERE], "not a complete checkpoint (a step_<N> directory with complete.json)"),
+    (["--early_stop_patience", "2"], "--early_stop_patience follows the eval loss: give --eval_data_path"),
+    (["--tracker", "x"], "--tracker x: x is not one of"),
+    (["--log_dir", FORBIDDEN], "--log_dir /proc/forbidden is not writable"),
 ])
 def test_bad_flag_values_are_config_errors(tmp_path, args, needle):
     with pytest.raises(ConfigError) as error:

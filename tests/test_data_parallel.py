@@ -582,3 +582,25 @@ def test_fp16_scaler_skips_on_every_rank_when_one_overflows(tmp_path):
     assert (inf0, inf1) == (1.0, 0.0)  # the overflow is rank 0's alone
     assert unchanged0 and unchanged1
     assert scale0 == scale1 == 2.0 ** 9
+
+
+def test_powersgd_flags_reach_the_hook(tmp_path):
+    """The real trainer, dp 2: --powersgd_start_step 2 all-reduces steps 1-2 exactly (the plain DDP run's gradient
+    norms), compresses from step 3 on; --powersgd_rank 1 and 2 compress differently."""
+    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    data = demo_slice(tmp_path, "pretrain", 64)
+    norms = {}
+    for name, extra in (("plain", []), ("rank1", ["--grad_compression", "powersgd", "--powersgd_start_step", "2"]),
+                        ("rank2", ["--grad_compression", "powersgd", "--powersgd_start_step", "2",
+                                   "--powersgd_rank", "2"])):
+        out = tmp_path / name
+        proc = forked("trainer/train_pretrain.py", [
+            *TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "2", "--accumulation_steps", "2",
+            "--max_steps", "3", "--log_interval", "1", "--learning_rate", "1e-2", "--save_dir", str(out),
+            "--checkpoint_dir", str(out / "ckpt"), *extra], nproc=2, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        norms[name] = [r["grad_norm"] for r in read_metrics(str(out / "pretrain_64_metrics.jsonl"))]
+    for name in ("rank1", "rank2"):
+        assert norms[name][:2] == pytest.approx(norms["plain"][:2], rel=1e-6)  # the warm-up: exact all-reduce
+        assert abs(norms[name][2] - norms["plain"][2]) > 1e-3 * norms["plain"][2]  # compressed
+    assert abs(norms["rank1"][2] - norms["rank2"][2]) > 1e-3 * norms["plain"][2]  # another approximation rank

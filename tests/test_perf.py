@@ -97,13 +97,32 @@ def test_chunked_loss_under_bf16_autocast_matches():
 
 
 # ---------------------------------------------------------------------------------------------- checkpointing
+def saved_activation_bytes(model, x, targets):
+    """Bytes autograd keeps from the forward for the backward (the tensors a checkpointed region does not keep)."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()  # a storage once, however many views
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x, shift_labels=targets, num_items_in_batch=int((targets != -100).sum()))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in saved.items() if ptr not in params), out
+
+
 @pytest.mark.parametrize("use_moe", [False, True])
-def test_activation_checkpointing_same_loss_grads_and_names(use_moe):
+@pytest.mark.parametrize("mode", ["full", "attention", "mlp"])
+def test_activation_checkpointing_same_loss_grads_and_names(use_moe, mode):
+    """Each mode recomputes in backward what it dropped: the same loss and gradients as no checkpointing, the same
+    parameter names, and less kept activation memory (full < either sub-layer < none)."""
     model = tiny_model(use_moe)
     x, targets = batch()
     ref_out, ref_grads = loss_and_grads(model, x, targets)
     keys = list(model.state_dict())
-    ckpt_model = apply_activation_checkpointing(tiny_model(use_moe))  # same seed: same weights
+    ckpt_model = apply_activation_checkpointing(tiny_model(use_moe), mode)  # same seed: same weights
+    kept = {name: saved_activation_bytes(m, x, targets)[0] for name, m in (
+        ("none", model), (mode, ckpt_model), ("full", apply_activation_checkpointing(tiny_model(use_moe))))}
+    assert kept["full"] < kept[mode] < kept["none"] if mode != "full" else kept["full"] < kept["none"], kept
     assert list(ckpt_model.state_dict()) == keys
     out, grads = loss_and_grads(ckpt_model, x, targets)
     assert_same(out, grads, ref_out, ref_grads)

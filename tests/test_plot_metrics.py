@@ -44,7 +44,7 @@ def lines_by_panel(fig):
 def test_plotted_lines_are_the_files_values(runs):
     fig = plot([load_metrics(p) for p in runs], ["lr 5e-4", "lr 3e-3"])
     panels = lines_by_panel(fig)
-    assert list(panels) == ["loss", "eval loss", "learning rate", "tokens/s", "MFU", "peak memory"]
+    assert list(panels) == ["loss", "eval loss", "learning rate", "gradient norm", "tokens/s", "MFU", "peak memory"]
     for path, label in zip(runs, ["lr 5e-4", "lr 3e-3"]):
         records = read_records(path)
         train = [r for r in records if "loss" in r]
@@ -53,6 +53,7 @@ def test_plotted_lines_are_the_files_values(runs):
         assert panels["loss"][label] == ([1, 2, 3, 4], [r["loss"] for r in train])
         assert panels["eval loss"][label] == ([2, 4], [r["eval_loss"] for r in evals])
         assert panels["learning rate"][label][1] == [r["lr"] for r in train]
+        assert panels["gradient norm"][label][1] == [r["grad_norm"] for r in train]
         assert panels["tokens/s"][label][1] == [r["tokens_per_sec"] for r in train]
         assert panels["MFU"][label][1] == [r["mfu"] * 100 for r in train]  # drawn in percent
         assert panels["peak memory"][label][1] == [r["peak_mem_gb"] for r in train]
@@ -64,7 +65,7 @@ def test_cli_writes_a_png_of_the_documented_size(runs, tmp_path):
     proc = forked(SCRIPT, [*runs, "--labels", "slow,fast", "--out", out, "--dpi", "50"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     height, width, channels = imread(out).shape  # decodes the whole PNG
-    assert (width, height, channels) == (675, 320, 4)  # 6 panels: 3 columns x 2 rows of 4.5 x 3.2 inches at 50 dpi
+    assert (width, height, channels) == (900, 320, 4)  # 7 panels: 4 columns x 2 rows of 4.5 x 3.2 inches at 50 dpi
 
 
 def test_panels_without_data_are_left_out_and_repeated_steps_keep_the_last(tmp_path):

@@ -15,9 +15,11 @@ SCRIPT = "trainer/train_pretrain.py"
 
 def run_args(tmp_path, name, data, max_steps):
     out = os.path.join(str(tmp_path), name)
-    # 100 steps per epoch, far more than the few the signal lets through; a save only when stopped or at the end
+    # 100 steps per epoch, far more than the few the signal lets through; a save only when stopped or at the end;
+    # a constant lr: the stopped run and the uninterrupted one have different --max_steps (the schedule's length)
     return [*TINY_MODEL, "--data_path", data, "--packing", "0", "--max_seq_len", "32", "--batch_size", "2",
-            "--accumulation_steps", "1", "--learning_rate", "2e-3", "--save_dir", out, "--checkpoint_dir",
+            "--accumulation_steps", "1", "--learning_rate", "2e-3", "--lr_schedule", "constant", "--save_dir", out,
+            "--checkpoint_dir",
             os.path.join(out, "ckpt"), "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1",
             "--save_interval", "1000", "--max_steps", str(max_steps)]
 

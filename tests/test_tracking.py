@@ -251,3 +251,53 @@ def test_trainer_run_writes_every_sink_and_a_resume_continues_them(tmp_path, mon
         with open(trace) as f:
             marks += profiled_steps(json.load(f)["traceEvents"])[0]
     assert sorted(marks) == [2, 3]
+
+
+def test_grad_norm_on_the_console_and_clipped_only_when_it_was(capsys, tmp_path):
+    tracker = Tracker(tmp_path / "m.jsonl")
+    tracker.log(dict(train_record(1, 8.0), grad_norm=2.5, grad_clipped=True))
+    tracker.log(dict(train_record(2, 7.0), grad_norm=0.25, grad_clipped=False))
+    tracker.close()
+    first, second = capsys.readouterr().out.splitlines()
+    assert "| lr 5.000e-04 | grad_norm 2.500 | clipped | tokens/s" in first
+    assert "| lr 2.500e-04 | grad_norm 0.250 | tokens/s" in second
+
+
+def test_tracker_flag_and_minimind_aliases(tmp_path):
+    import argparse
+
+    from trainer.flags import add_train_args
+    from trainer.launch import ConfigError
+    from trainer.tracking import resolve_trackers
+
+    def trackers(*argv):
+        return resolve_trackers(add_train_args(argparse.ArgumentParser()).parse_args(list(argv)), str(tmp_path))
+    assert trackers() == ((), None)
+    assert trackers("--use_wandb") == (("swanlab",), None)  # MiniMind's flag: swanlab
+    assert trackers("--tracker", "tensorboard") == (("tensorboard",), str(tmp_path / "tensorboard"))
+    assert trackers("--tracker", "swanlab,tensorboard", "--tensorboard_dir", "tb", "--use_wandb") == (
+        ("swanlab", "tensorboard"), os.path.abspath("tb"))
+    assert trackers("--tracker", "none") == ((), None)
+    with pytest.raises(ConfigError, match="--tracker mlflow: mlflow is not one of swanlab, wandb, tensorboard, none"):
+        trackers("--tracker", "mlflow")
+    try:
+        import wandb  # noqa: F401  (optional: only without it is the error line due)
+    except ImportError:
+        with pytest.raises(ConfigError, match="--tracker wandb needs the wandb package"):
+            trackers("--tracker", "wandb")
+
+
+def test_tracker_tensorboard_writes_under_the_save_dir(tmp_path):
+    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    out = tmp_path / "out"
+    proc = forked("trainer/train_pretrain.py", [
+        *TINY_MODEL, "--data_path", demo_slice(tmp_path, "pretrain", 32), "--max_seq_len", "32", "--batch_size", "4",
+        "--accumulation_steps", "1", "--max_steps", "2", "--log_interval", "1", "--tracker", "tensorboard",
+        "--save_dir", str(out), "--checkpoint_dir", str(tmp_path / "ckpt")], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(str(out / "pretrain_64_metrics.jsonl"))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for name in ("loss", "grad_norm", "grad_clipped"):
+        assert {e.step: e.value for e in events.Scalars(name)} == {r["step"]: float(np.float32(r[name]))
+                                                                  for r in records}, name

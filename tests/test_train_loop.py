@@ -1,5 +1,6 @@
 """trainer/train_loop.py in one process: the effective log interval, steps per epoch, the host reads of a step."""
 import argparse
+import copy
 import os
 import traceback
 from types import SimpleNamespace
@@ -7,8 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.flags import add_train_args
-from trainer.train_loop import build_trainer, effective_log_interval, setup, steps_per_epoch, train_step
+from trainer.metrics import StepTimer
+from trainer.train_loop import (
+    build_trainer,
+    effective_log_interval,
+    evaluate,
+    setup,
+    step_record,
+    steps_per_epoch,
+    train_step,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,15 +60,16 @@ def count_host_reads(monkeypatch, fn):
     return calls
 
 
-@pytest.mark.parametrize("use_moe", [0, 1])
-def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe):
+@pytest.mark.parametrize("use_moe,optimizer", [(0, "adamw"), (1, "adamw"), (0, "lamb"), (0, "lars")])
+def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe, optimizer):
     """A non-log optimizer step (2 micro-batches, packed rows with documents): the guard's one tolist is the only read
     of a computed value in trainer/ and model/ besides MoE's one split-size read per layer and micro-batch; the
     target counts read the CPU labels (never a device tensor); the per-micro-batch bar reads the loss on CPU only."""
     args = add_train_args(argparse.ArgumentParser()).parse_args([
         "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
         "--dtype", "float32", "--batch_size", "2", "--accumulation_steps", "2", "--max_seq_len", "16",
-        "--loss_chunk_size", "0", "--use_moe", str(use_moe), "--save_dir", str(tmp_path / "out"),
+        "--loss_chunk_size", "0", "--use_moe", str(use_moe), "--optimizer", optimizer,
+        "--save_dir", str(tmp_path / "out"),
         "--checkpoint_dir", str(tmp_path / "ckpt"), "--cache_dir", str(tmp_path / "cache")])
     plan, dims = setup(args)
     trainer = build_trainer(plan, dims, steps_per_epoch=10)
@@ -72,4 +84,70 @@ def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe):
     expected += [("trainer/train_loop.py", "train_step", "__float__", "cpu")] * 2  # the bar, on CPU only
     if use_moe:
         expected += [("model/model_minimind.py", "dispatch", "tolist", "cpu")] * 2 * 2  # per layer, per micro-batch
+    if optimizer == "lamb":  # its step count, a CPU tensor as AdamW's (whose read is torch's own): no device sync
+        expected += [("trainer/optim.py", "step", "item", "cpu")] * len(list(trainer.model_parts[0].parameters()))
     assert sorted(ours) == sorted(expected), ours
+
+
+def tiny_trainer(tmp_path, *argv):
+    args = add_train_args(argparse.ArgumentParser()).parse_args([
+        "--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
+        "--dtype", "float32", "--device", "cpu", "--batch_size", "2", "--accumulation_steps", "2",
+        "--max_seq_len", "16", "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+        "--cache_dir", str(tmp_path / "cache"), "--log_dir", "none", *argv])
+    plan, dims = setup(args)
+    return build_trainer(plan, dims, steps_per_epoch=10)
+
+
+def random_batches(n=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(ids, ids.clone()) for ids in (torch.randint(3, 500, (2, 16), generator=g) for _ in range(n))]
+
+
+def test_the_record_has_the_gradient_norm_before_clipping(tmp_path):
+    """The record's grad_norm is the step's gradient norm before clipping: a copy of the model, the step's loss
+    (every micro-batch's CE sum over the step's target tokens) backpropagated by plain autograd, float64 norm."""
+    trainer = tiny_trainer(tmp_path, "--grad_clip", "0.5")
+    reference = copy.deepcopy(trainer.model_parts[0])
+    batches = random_batches()
+    metrics = train_step(trainer, batches)
+    num_items = sum(int((labels[:, 1:] != -100).sum()) for _, labels in batches)
+    for ids, labels in batches:
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+        reference(ids, shift_labels=targets, num_items_in_batch=num_items).loss.backward()
+    norm = torch.nn.utils.get_total_norm([p.grad.double() for p in reference.parameters() if p.grad is not None])
+    record = step_record(trainer, metrics, StepTimer(1.0))
+    assert record["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
+    assert record["grad_clipped"] is (float(norm) > 0.5) is True
+    big = tiny_trainer(tmp_path, "--grad_clip", str(10 * float(norm)))
+    assert step_record(big, train_step(big, batches), StepTimer(1.0))["grad_clipped"] is False
+
+
+def test_dropout_reaches_the_model_and_leaves_eval_alone(tmp_path):
+    """--dropout 0.5: training forwards drop activations; evaluate() runs without: its loss is a dropout-free copy's
+    CE over the targets, by hand."""
+    trainer = tiny_trainer(tmp_path, "--dropout", "0.5")
+    model = trainer.model_parts[0]
+    assert model.config.dropout == 0.5 and {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {0.5}
+    ids = random_batches(1)[0][0]
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # train mode: two different masks
+    plain = MiniMindForCausalLM(MiniMindConfig(**dict(model.config.to_dict(), dropout=0.0)))
+    plain.load_state_dict(model.state_dict())
+    eval_ds = [(row, row.clone()) for ids, _ in random_batches(2, seed=1) for row in ids]
+    got = evaluate(trainer, eval_ds)["eval_loss"]
+    with torch.no_grad():
+        logits = plain(torch.stack([row for row, _ in eval_ds])).logits
+        want = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), torch.stack(
+            [row for row, _ in eval_ds])[:, 1:].flatten())
+    assert got == pytest.approx(float(want), rel=1e-5)
+
+
+def test_deterministic_switches_torch_to_deterministic_kernels(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        tiny_trainer(tmp_path, "--deterministic", "1")
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False

@@ -42,9 +42,10 @@ def test_resume_is_exact_mid_epoch_with_accumulation(tmp_path):
     common = ["--data_path", data, "--packing", "0", "--epochs", "2", "--max_seq_len", "64", "--batch_size", "4",
               "--accumulation_steps", "2", "--learning_rate", "2e-3"]
     full, _ = run_pretrain(tmp_path / "full", *common, "--max_steps", "9")
-    first, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "4")  # stops mid-epoch 1
+    # stops mid-epoch 1 at step 4; by --max_tokens, which leaves the lr schedule's length (--max_steps) alone
+    first, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "9", "--max_tokens", str(full[3]["tokens"]))
     resumed, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "9", "--from_resume", "1")
-    assert [r["step"] for r in full] == list(range(1, 10))
+    assert [r["step"] for r in first] == [1, 2, 3, 4] and [r["step"] for r in full] == list(range(1, 10))
     assert [r["step"] for r in resumed] == list(range(1, 10))  # the resumed run appends to the metrics file
     for a, b in zip(full, resumed):
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)
@@ -220,7 +221,7 @@ def test_weighted_mixture_of_sources_resumes_exactly(tmp_path):
     common = ["--data_path", spec, "--packing", "0", "--epochs", "2", "--max_seq_len", "64", "--batch_size", "4",
               "--accumulation_steps", "2", "--learning_rate", "2e-3", "--cache_dir", str(tmp_path / "cache")]
     full, _ = run_pretrain(tmp_path / "full", *common, "--max_steps", "14")
-    run_pretrain(tmp_path / "split", *common, "--max_steps", "5")
+    run_pretrain(tmp_path / "split", *common, "--max_steps", "14", "--max_tokens", str(full[4]["tokens"]))  # step 5
     resumed, _ = run_pretrain(tmp_path / "split", *common, "--max_steps", "14", "--from_resume", "1")
     assert [r["step"] for r in resumed] == list(range(1, 15)) and full[-1]["epoch"] == 1  # crossed an epoch
     for a, b in zip(full, resumed):

@@ -14,6 +14,7 @@ DCP reshards on load, so a run may resume under another layout. The weights, a p
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
 (trainer/minimind_resume.py).
 """
+import json
 import os
 import random
 import re
@@ -45,6 +46,7 @@ from trainer.trainer_utils import Logger
 # 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save
 FORMAT_VERSION = 3
 MANIFEST = "complete.json"
+BEST_INDEX = "best.json"  # --save_best: the step whose checkpoint is kept whatever --keep_checkpoints says
 # one process saves and loads without a process group, as intended: DCP warns about it on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 SIDECAR_BYTES = 64 << 10  # room for a weights file's sidecar and torch.save's own headers
@@ -110,6 +112,15 @@ def checkpoints(run_dir):
     return sorted(found)
 
 
+def best_checkpoint_step(run_dir):
+    """The step best.json names (--save_best), or None."""
+    try:
+        with open(os.path.join(run_dir, BEST_INDEX)) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def latest_checkpoint(run_dir):
     """The newest complete step directory of `run_dir`, or None."""
     complete = [path for _, path, done in checkpoints(run_dir) if done]
@@ -150,7 +161,7 @@ def load_resume(config, plan):
     """
     if plan.from_resume == "0":
         return None
-    path = latest_checkpoint(plan.run_dir)
+    path = plan.resume_path or latest_checkpoint(plan.run_dir)  # --from_resume <step dir>: that one
     minimind_path = minimind_resume_path(plan.checkpoint_dir, os.path.basename(plan.run_dir))
     ckpt = read_train_state(path, config) if path else \
         read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None
@@ -189,6 +200,7 @@ def restore(trainer, ckpt):
     if rng is not None:
         set_rng_state(rng)
     trainer.progress.load_state_dict(ckpt["train_state"])
+    trainer.callbacks.load_state_dict(ckpt.get("callbacks", {}))  # early stopping, best checkpoint, a user's
 
 
 def objective_file(path, rank_):
@@ -280,7 +292,8 @@ class Checkpointer:
                     world_size=plan.world_size, global_batch=plan.global_batch,
                     layout=dict(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage),
                     args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION,
-                    tokenizer=plan.tokenizer_record, resume_fields=resume_fields(plan))
+                    tokenizer=plan.tokenizer_record, resume_fields=resume_fields(plan),
+                    callbacks=parts["callbacks"].state_dict())
 
     def wait(self):
         """Wait for the pending async save (its manifest included); re-raises its error."""
@@ -301,7 +314,9 @@ class Checkpointer:
 
     def prune(self, step):
         """Drop steps after `step` (an abandoned timeline), partial saves before it, complete ones past `keep`."""
-        older = [(s, p, done) for s, p, done in checkpoints(self.run_dir) if s != step]
+        best = best_checkpoint_step(self.run_dir)  # --save_best's, on this timeline (before `step`): never pruned
+        older = [(s, p, done) for s, p, done in checkpoints(self.run_dir)
+                 if s != step and not (s == best < step and done)]
         kept = [p for s, p, done in older if done and s < step][-(self.keep - 1):] if self.keep > 1 else []
         for s, p, done in older:
             if p not in kept and (self.keep or s > step or not done):
@@ -313,16 +328,18 @@ def weights_path(plan):
     return getattr(plan.stage, "weights_path", plan.weights_path)
 
 
-def save_weights(trainer):
-    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0
-    (or the stage's own files: plan.stage.save_weights(model_state, config, save_dtype, record)), its sidecar
-    recording the tokenizer and the step. A disk without room stops every rank with one line (DiskFullError)."""
+def save_weights(trainer, path=None):
+    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0, at
+    `path` (default: the run's weights path), or the stage's own files (plan.stage.save_weights(model_state, config,
+    save_dtype, record)), its sidecar recording the tokenizer and the step. A disk without room stops every rank
+    with one line (DiskFullError)."""
     plan = trainer.plan
     pp_group = trainer.dims.group("pp") if plan.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
-    stage, path = plan.stage, weights_path(plan)
+    stage = plan.stage
+    own = hasattr(stage, "save_weights") and path is None  # a stage writing its own files (LoRA: the adapters only)
+    path = path or weights_path(plan)
     record = dict(tokenizer=plan.tokenizer_record, step=trainer.progress.global_step)
-    own = hasattr(stage, "save_weights")  # a stage writing its own files (LoRA: the adapters only)
     weights = {k: v.to(plan.save_dtype) for k, v in model_sd.items()} if is_main_process() and not own else {}
     needed = (stage.weights_bytes(model_sd, plan.save_dtype, record) if own else
               sum(v.numel() * v.element_size() for v in weights.values()) + SIDECAR_BYTES) if is_main_process() else 0

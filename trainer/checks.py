@@ -51,12 +51,13 @@ AT_LEAST = dict(max_seq_len=2, batch_size=1, accumulation_steps=1, epochs=1, log
                 moe_intermediate_size=1, head_dim=1, num_experts=1, num_experts_per_tok=1, eval_batches=1,
                 max_bad_steps=1, dist_timeout=1, dist_init_timeout=1, warmup_steps=0, num_workers=0, eval_interval=0,
                 max_steps=0, loss_chunk_size=0, check_replicas=0, seed=0, keep_checkpoints=0, save_weights_every=0,
-                num_proc=1)
+                num_proc=1, max_tokens=0, base_batch=1, early_stop_patience=0, powersgd_rank=1, powersgd_start_step=2)
 HINTS = dict(max_steps="0 runs all epochs", keep_checkpoints="0 keeps all",
              save_weights_every="0 saves at the end only",
              num_proc="leave it unset for the cores available", eval_interval="0 evaluates at the end only",
              check_replicas="0 is off",
-             loss_chunk_size="0 is off", seed="numpy takes 0 to 2**32-1")
+             loss_chunk_size="0 is off", seed="numpy takes 0 to 2**32-1", max_tokens="0 is no token budget",
+             early_stop_patience="0 is off", powersgd_start_step="torch's PowerSGD runs 2 exact steps first")
 
 
 def check_numbers(args):
@@ -76,6 +77,8 @@ def check_numbers(args):
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"--{name} must be a finite number, 0 or more (got {value})")
+    if not 0 <= args.dropout < 1:
+        raise ConfigError(f"--dropout must be in [0, 1) (got {args.dropout})")
 
 
 def check_device(device):
@@ -121,8 +124,6 @@ def check_combinations(args):
         raise ConfigError("--sequence_parallel 1 needs --tp > 1")
     if args.sequence_parallel and args.pp > 1:
         raise ConfigError("--sequence_parallel 1 with --pp > 1 is not supported yet; drop one of them")
-    if args.pp > 1 and args.eval_data_path:
-        raise ConfigError("--eval_data_path with --pp > 1 is not supported yet; validate with a pp=1 run")
     if args.pp > 1 and args.use_compile:
         raise ConfigError("--use_compile 1 with --pp > 1 is not supported; drop one of them")
 

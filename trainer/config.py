@@ -12,6 +12,8 @@ from dataset.mixture import absolute_data_spec
 from model.model_minimind import MiniMindConfig
 from model.provenance import TokenizerMismatch, tokenizer_for, tokenizer_record
 from model.weights import read_record
+from trainer.callbacks import CallbackPlan, resolve_callbacks
+from trainer.checkpoint import MANIFEST
 from trainer.checks import (
     check_combinations,
     check_device,
@@ -27,7 +29,9 @@ from trainer.checks import (
 )
 from trainer.launch import ConfigError
 from trainer.model_config import build_config, weight_shapes
-from trainer.tracking import parse_profile_steps
+from trainer.optim import OptimizerPlan, resolve_optimizer
+from trainer.schedule import LRSchedule, resolve_schedule
+from trainer.tracking import parse_profile_steps, resolve_trackers
 from trainer.trainer_utils import Logger, repo_path, typed_or_default, weight_name
 
 
@@ -44,7 +48,7 @@ class TrainPlan:
     grad_compression: str
     pp_schedule: str
     sequence_parallel: bool
-    grad_checkpointing: bool
+    grad_checkpointing: Optional[str]  # None, "full" (decoder blocks), "attention" or "mlp" (that sub-layer)
     use_compile: bool
     device: str
     dtype: torch.dtype
@@ -65,6 +69,8 @@ class TrainPlan:
     eval_data_path: Optional[str]
     from_weight: str  # "none" or a .pth path
     tensorboard_dir: Optional[str]
+    trackers: tuple  # dashboards besides the metrics JSONL: swanlab, wandb, tensorboard
+    log_dir: Optional[str]  # each rank's rank_<N>.log; None: off
     profile_steps: Optional[tuple]
     weight_fields: dict  # model fields fixed by the --from_weight file (build_config(args, weight_fields))
     model_config: MiniMindConfig  # the model the flags (and the --from_weight file) describe
@@ -73,12 +79,15 @@ class TrainPlan:
     run_dir: str  # <checkpoint_dir>/<run_name>: this run's resume checkpoints
     save_dtype: torch.dtype
     from_resume: str  # "0", "1" or "auto"
-    learning_rate: float
-    weight_decay: float
-    warmup_steps: int
+    resume_path: Optional[str]  # --from_resume <step dir>: that checkpoint instead of the newest
+    learning_rate: float  # as typed; the schedule's peak is lr.peak
+    lr: LRSchedule  # trainer/schedule.py
+    optim: OptimizerPlan  # trainer/optim.py
+    callbacks: CallbackPlan  # trainer/callbacks.py: best checkpoint, early stopping, the user's
     grad_clip: float
     epochs: int
     max_steps: int  # 0: all epochs
+    max_tokens: int  # 0: no token budget
     log_interval: int
     save_interval: int
     save_weights_every: int
@@ -95,6 +104,10 @@ class TrainPlan:
     skip_bad_lines: bool
     dist_timeout: int
     dist_init_timeout: int
+    powersgd_rank: int
+    powersgd_start_step: int
+    cpu_offload: bool
+    deterministic: bool
     tf32: bool
     use_wandb: bool
     wandb_project: str
@@ -129,10 +142,12 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
                                  for spec in (args.data_path, args.eval_data_path))
     checkpoint_dir = typed_or_default(args.checkpoint_dir, "checkpoints")
     cache_dir = typed_or_default(args.cache_dir, os.path.join("dataset", ".cache"))
-    tensorboard_dir = typed_or_default(args.tensorboard_dir, None)
+    trackers, tensorboard_dir = resolve_trackers(args, save_dir)
+    log_dir = None if args.log_dir == "none" else typed_or_default(args.log_dir, None) or os.path.join(save_dir, "logs")
     outputs = [(checkpoint_dir, "--checkpoint_dir"), (cache_dir, "--cache_dir")]
     check_paths(save_dir, from_weight, (("--data_path", data_path), ("--eval_data_path", eval_data_path)),
-                outputs + ([(tensorboard_dir, "--tensorboard_dir")] if tensorboard_dir else []))
+                outputs + ([(tensorboard_dir, "--tensorboard_dir")] if tensorboard_dir else [])
+                + ([(log_dir, "--log_dir")] if log_dir else []))
     tokenizer_path = run_tokenizer(args, from_weight)
     check_tokenizer(tokenizer_path)
     weight_fields = weight_shapes(args, from_weight) if from_weight != "none" else {}
@@ -144,6 +159,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
     check_parallel_args(args, config)
     check_combinations(args)
     check_replica_layout(args.check_replicas, dp_mode)
+    check_offload(args, dp_mode)
     if zero_stage != args.zero_stage:
         Logger(f"tp/pp with dp*cp > 1: data parallel uses FSDP2 with gathered parameters (zero stage {zero_stage})")
     name = weight_name(args.save_weight, config)
@@ -153,7 +169,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
     plan = TrainPlan(
         world_size=world_size, dp=dp, tp=args.tp, pp=args.pp, cp=args.cp, zero_stage=zero_stage, dp_mode=dp_mode,
         grad_compression=args.grad_compression, pp_schedule=args.pp_schedule,
-        sequence_parallel=bool(args.sequence_parallel), grad_checkpointing=bool(args.grad_checkpointing),
+        sequence_parallel=bool(args.sequence_parallel), grad_checkpointing=checkpoint_mode(args.grad_checkpointing),
         use_compile=bool(args.use_compile), device=device, dtype=dtype, micro_batch=args.batch_size,
         num_microbatches=args.accumulation_steps,
         seq_len=args.max_seq_len, global_batch=args.batch_size * args.accumulation_steps * dp,
@@ -163,12 +179,15 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
         save_dir=save_dir, checkpoint_dir=checkpoint_dir, metrics_file=metrics_file, tokenizer_path=tokenizer_path,
         tokenizer_record=tokenizer_record(tokenizer_path),
         cache_dir=cache_dir, seed=args.seed, data_path=data_path, eval_data_path=eval_data_path,
-        from_weight=from_weight, tensorboard_dir=tensorboard_dir,
+        from_weight=from_weight, tensorboard_dir=tensorboard_dir, trackers=trackers, log_dir=log_dir,
         profile_steps=profile_steps(args.profile_steps), weight_fields=weight_fields,
         model_config=config, run_name=name, weights_path=os.path.join(save_dir, name + ".pth"),
         run_dir=os.path.join(checkpoint_dir, name),
-        save_dtype=getattr(torch, args.save_dtype), from_resume=args.from_resume, **copied_flags(args),
-        flags=dict(vars(args)))
+        save_dtype=getattr(torch, args.save_dtype), **resume_flags(args.from_resume),
+        lr=resolve_schedule(args, args.batch_size * args.accumulation_steps * dp),
+        optim=resolve_optimizer(args, has_dtensor=args.tp > 1 or dp_mode == "fsdp2"),
+        callbacks=resolve_callbacks(args, has_eval=eval_data_path is not None),
+        **copied_flags(args), flags=dict(vars(args)))
     return replace(plan, stage=resolve_stage(args, plan)) if resolve_stage is not None else plan
 
 
@@ -198,17 +217,48 @@ def run_tokenizer(args, from_weight):
     return folder
 
 
-COPIED = ("learning_rate", "weight_decay", "warmup_steps", "grad_clip", "epochs", "max_steps", "log_interval",
-          "save_interval", "save_weights_every", "eval_interval", "eval_batches", "keep_checkpoints", "grace_seconds",
-          "max_bad_steps", "check_replicas", "num_workers", "num_proc", "dist_timeout", "dist_init_timeout",
-          "wandb_project")
+COPIED = ("learning_rate", "grad_clip", "epochs", "max_steps", "max_tokens", "log_interval", "save_interval",
+          "save_weights_every", "eval_interval", "eval_batches", "keep_checkpoints", "grace_seconds", "max_bad_steps",
+          "check_replicas", "num_workers", "num_proc", "dist_timeout", "dist_init_timeout", "wandb_project",
+          "powersgd_rank", "powersgd_start_step")
+SWITCHES = ("async_save", "packing", "skip_bad_lines", "use_wandb", "tf32", "cpu_offload", "deterministic")
 
 
 def copied_flags(args):
     """Flags the plan takes as they are (plus the 0/1 switches as bools)."""
-    switches = {name: bool(getattr(args, name)) for name in ("async_save", "packing", "skip_bad_lines", "use_wandb",
-                                                                   "tf32")}
+    switches = {name: bool(getattr(args, name)) for name in SWITCHES}
     return dict({name: getattr(args, name) for name in COPIED}, **switches)
+
+
+def checkpoint_mode(value):
+    """--grad_checkpointing as the plan's mode: None, "full", "attention" or "mlp" (MiniMind's 0/1: off, full)."""
+    mode = {"0": None, "none": None, "1": "full"}.get(str(value), str(value))
+    if mode not in (None, "full", "attention", "mlp"):
+        raise ConfigError(f"--grad_checkpointing must be 0, 1, none, full, attention or mlp (got {value})")
+    return mode
+
+
+def resume_flags(spec):
+    """--from_resume 0|1|auto, or a step_<N> directory (a complete checkpoint) to continue from."""
+    if spec in ("0", "1", "auto"):
+        return dict(from_resume=spec, resume_path=None)
+    path = typed_or_default(spec, None)
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise ConfigError(f"--from_resume {spec}: not a complete checkpoint (a step_<N> directory with {MANIFEST}); "
+                          "pass 0, 1, auto or such a directory")
+    return dict(from_resume="1", resume_path=path)
+
+
+def check_offload(args, dp_mode):
+    """--cpu_offload: FSDP2's CPUOffloadPolicy, which moves shards between the GPU and the CPU."""
+    if not args.cpu_offload:
+        return
+    if not args.device.startswith("cuda"):
+        raise ConfigError("--cpu_offload 1 moves FSDP2's shards from the GPU to CPU memory; on --device cpu they are "
+                          "in CPU memory already: drop --cpu_offload")
+    if dp_mode != "fsdp2":
+        raise ConfigError("--cpu_offload 1 offloads FSDP2's shards: use --zero_stage 2 or 3 with more than one "
+                          "data-parallel process")
 
 
 def profile_steps(spec):

@@ -1,7 +1,10 @@
 """The flag schema: every flag of the training scripts, its default and its help; nothing else."""
 import argparse
+import sys
 
 import torch
+
+from trainer.config_file import config_argv
 
 
 def add_train_args(parser, **defaults):
@@ -12,14 +15,15 @@ def add_train_args(parser, **defaults):
     a("--save_weight", default="pretrain", help="weight file prefix: <save_dir>/<save_weight>_<hidden>[_moe].pth")
     a("--epochs", type=int, default=1, help="passes over the training data")
     a("--batch_size", type=int, default=32, help="samples per micro-batch per data-parallel rank")
-    a("--learning_rate", type=float, default=5e-4, help="peak learning rate of MiniMind's cosine schedule")
-    a("--warmup_steps", type=int, default=0, help="linear warm-up steps before the cosine schedule")
+    a("--learning_rate", type=float, default=5e-4, help="peak learning rate of the schedule (MiniMind's cosine)")
+    a("--warmup_steps", type=int, default=0, help="linear warm-up steps before the --lr_schedule")
     a("--device", default="cuda:0" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     a("--dtype", default="auto", help="auto|bfloat16|float16|float32 (auto: bf16 where the device has it)")
     a("--num_workers", type=int, default=0, help="DataLoader worker processes")
     a("--accumulation_steps", type=int, default=8, help="micro-batches per optimizer step (pipeline: micro-batches)")
     a("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this value")
-    a("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
+    a("--weight_decay", type=float, default=0.01, help="decoupled weight decay (adamw, lamb, muon), L2 term of "
+      "sgd and lars")
     a("--log_interval", type=int, default=100, help="optimizer steps between metrics records")
     a("--save_interval", type=int, default=100, help="optimizer steps between weights + resume checkpoints")
     a("--hidden_size", type=int, default=768, help="model width")
@@ -34,26 +38,75 @@ def add_train_args(parser, **defaults):
     a("--num_experts", type=int, default=4, help="experts per MoE layer")
     a("--num_experts_per_tok", type=int, default=1, help="experts each token is routed to")
     a("--from_weight", default="none", help="weight prefix in save_dir, a .pth path, or none")
-    a("--from_resume", default="0", choices=["0", "1", "auto"],
+    a("--from_resume", default="0",
       help="1: continue from the newest complete checkpoint; auto: that, or start fresh if there is none "
-      "(for torchrun --max-restarts)")
-    a("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: run all epochs)")
+      "(for torchrun --max-restarts); or a step_<N> directory: continue from that checkpoint (later ones of "
+      "this run are dropped at its first save)")
+    a("--max_steps", type=int, default=0, help="stop after this many optimizer steps, the lr schedule's length "
+      "(0: run all epochs)")
+    a("--max_tokens", type=int, default=0, help="stop after the optimizer step that reaches this many target tokens "
+      "(all ranks; 0: no token budget); the lr schedule keeps its length")
     a("--seed", type=int, default=42, help="model init and data order (a pure function of seed and epoch)")
     a("--metrics_file", default=None,
       help="JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
     a("--save_dtype", default="float16", choices=["float16", "bfloat16", "float32"], help="dtype of the saved weights")
     a("--use_compile", type=int, default=0, choices=[0, 1], help="torch.compile each decoder block")
-    a("--grad_checkpointing", type=int, default=0, choices=[0, 1],
-      help="recompute each decoder block in backward (less activation memory, ~1/3 more compute)")
+    a("--grad_checkpointing", default="0", choices=["0", "1", "none", "full", "attention", "mlp"],
+      help="recompute activations in backward: full (1) each decoder block (least memory, ~1/3 more compute), "
+      "attention or mlp only that sub-layer of each block; 0/none: off")
+    a("--dropout", type=float, default=0.0, help="dropout on the embeddings and each attention output (MiniMind's "
+      "config.dropout; draws from each rank's RNG, so layouts differ from one process when > 0)")
+    a("--deterministic", type=int, default=0, choices=[0, 1], help="torch.use_deterministic_algorithms (CUDA: "
+      "CUBLAS_WORKSPACE_CONFIG, no cuDNN autotuning); an op without a deterministic kernel then raises")
     a("--loss_chunk_size", type=int, default=1024,
       help="lm_head + cross-entropy over chunks of this many tokens, never the full logits (0: off)")
+    add_optimizer_args(parser)
     add_data_args(parser)
     add_tracking_args(parser)
     add_checkpoint_args(parser)
+    add_callback_args(parser)
     add_guard_args(parser)
     add_parallel_args(parser)
+    a("--config", default=None, help="a YAML file of flags (the same names, e.g. learning_rate: 1.0e-3); the command "
+      "line overrides it; each run writes its flags to <checkpoint_dir>/<save_weight>_<hidden>[_moe]_config.yaml, "
+      "which repeats it")
     parser.set_defaults(**defaults)
     return parser
+
+
+def add_optimizer_args(parser):
+    """The optimizer and the lr schedule (trainer/optim.py, trainer/schedule.py)."""
+    a = parser.add_argument
+    a("--optimizer", default="adamw", choices=["adamw", "lamb", "lars", "sgd", "muon"],
+      help="adamw, sgd (torch.optim); muon (torch.optim.Muon on the decoder blocks' matrices, AdamW on the rest; "
+      "needs a torch that has it, 2.9+, else one error line); lamb, lars (the papers' trust-ratio updates, written "
+      "here: torch has none)")
+    a("--beta1", type=float, default=0.9, help="first-moment decay of adamw, lamb and muon's AdamW part")
+    a("--beta2", type=float, default=0.999, help="second-moment decay of adamw, lamb and muon's AdamW part")
+    a("--eps", type=float, default=1e-8, help="denominator epsilon of adamw and lamb")
+    a("--momentum", type=float, default=None, help="momentum of sgd, lars and muon (default: 0.9; muon 0.95)")
+    a("--lr_schedule", default="cosine", choices=["cosine", "linear", "wsd", "constant"],
+      help="after --warmup_steps: cosine (MiniMind's), linear decay, wsd (warmup-stable-decay: the peak, then a "
+      "linear decay over the last --wsd_decay_fraction), constant; down to --min_lr")
+    a("--min_lr", type=float, default=None, help="the schedule's last lr (default: MiniMind's 0.1 x the peak)")
+    a("--wsd_decay_fraction", type=float, default=0.1, help="--lr_schedule wsd: the fraction of the steps after "
+      "warm-up that decays")
+    a("--lr_scaling", default="none", choices=["none", "linear", "sqrt"],
+      help="scale --learning_rate by global batch / --base_batch (linear) or its square root (sqrt)")
+    a("--base_batch", type=int, default=None, help="the global batch in samples that --learning_rate was tuned "
+      "for (with --lr_scaling)")
+
+
+def add_callback_args(parser):
+    """Best checkpoint, early stopping and a user's callbacks (trainer/callbacks.py)."""
+    a = parser.add_argument
+    a("--save_best", type=int, default=0, choices=[0, 1], help="keep the checkpoint with the lowest eval_loss "
+      "(never pruned, in <checkpoint_dir>/<run>/best.json) and its weights as <save_weight>_<hidden>[_moe]_best.pth")
+    a("--early_stop_patience", type=int, default=0, help="stop after this many --eval_interval evals without an "
+      "eval_loss below the best by more than --early_stop_min_delta (0: off)")
+    a("--early_stop_min_delta", type=float, default=0.0, help="the improvement early stopping asks for")
+    a("--callbacks", default=None, help="comma list of FILE.py:NAME, a class (made with no arguments) or object "
+      "with any of on_step_end, on_eval, on_save, on_train_end (trainer/callbacks.py)")
 
 
 def add_data_args(parser):
@@ -84,8 +137,12 @@ def add_tracking_args(parser):
     a("--tensorboard_dir", default=None, help="also write TensorBoard scalars here (default: off)")
     a("--profile_steps", default=None,
       help="A:B: torch.profiler trace of optimizer steps A to B under <save_dir>/profile (default: off)")
-    a("--use_wandb", action="store_true", help="log to swanlab (local mode when not logged in)")
-    a("--wandb_project", default="MiniMind", help="swanlab project name")
+    a("--use_wandb", action="store_true", help="MiniMind's flag: --tracker swanlab (offline when not logged in)")
+    a("--wandb_project", default="MiniMind", help="swanlab / wandb project name")
+    a("--tracker", default=None, help="comma list of swanlab, wandb (offline unless WANDB_MODE=online), "
+      "tensorboard (--tensorboard_dir, default <save_dir>/tensorboard), none (default: from --use_wandb and "
+      "--tensorboard_dir); the metrics JSONL is always written")
+    a("--log_dir", default=None, help="each rank's timestamped log, rank_<N>.log (default: <save_dir>/logs; none: off)")
 
 
 def add_checkpoint_args(parser):
@@ -123,6 +180,11 @@ def add_parallel_args(parser):
     a("--sequence_parallel", type=int, default=0, choices=[0, 1], help="shard norms along the sequence (tp > 1)")
     a("--zero_stage", type=int, default=0, help="0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")
     a("--grad_compression", default="none", help="none|bf16|powersgd (DDP communication hook)")
+    a("--powersgd_rank", type=int, default=1, help="--grad_compression powersgd: rank of the low-rank approximation")
+    a("--powersgd_start_step", type=int, default=1000, help="--grad_compression powersgd: optimizer steps of exact "
+      "all-reduce before compression starts (warm-up; a resumed run warms up again)")
+    a("--cpu_offload", type=int, default=0, choices=[0, 1], help="FSDP2 (--zero_stage 2/3): keep sharded parameters, "
+      "gradients and optimizer state in CPU memory (CUDA only; the optimizer step runs on the CPU)")
 
 
 def add_lora_args(parser):
@@ -195,7 +257,7 @@ def parse_args(description, stage_args=None, **defaults):
     if stage_args is not None:
         stage_args(parser)
     parser.set_defaults(**defaults)
-    return parser.parse_args()
+    return parser.parse_args(config_argv(parser, sys.argv[1:]))
 
 
 MODEL_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",

@@ -4,6 +4,7 @@ import os
 import random
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dataset.token_cache import CacheBuildInterrupted
+from trainer import rank_log
 
 RANK0_REPORT_SECONDS = 2
 
@@ -86,11 +88,15 @@ def set_collective_timeout(seconds):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), None)
 
 
-def setup_seed(seed):
+def setup_seed(seed, deterministic=False):
+    """Seed every RNG; `deterministic` (--deterministic 1): deterministic kernels only, no cuDNN autotuning."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     torch.cuda.manual_seed_all(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
 
 
 def world_sum(values, device):
@@ -129,14 +135,19 @@ def main_guard(main):
     try:
         main()
     except (ConfigError, TrainingHalted, CacheBuildInterrupted) as e:
-        if int(os.environ.get("RANK", 0)) == 0:
+        rank_log.write(f"error: {e}")
+        own = getattr(e, "every_rank", False)  # an error of this rank alone (out of memory): it says it
+        if int(os.environ.get("RANK", 0)) == 0 or own:
             print(f"error: {e}", file=sys.stderr, flush=True)
         elif not dist.is_initialized():
             # torchrun stops every worker as soon as one exits: let rank 0, which ran the same checks, say it first
             time.sleep(RANK0_REPORT_SECONDS)
-        if dist.is_initialized():
+        if dist.is_initialized() and not own:  # the others may sit in a collective this rank will never join
             dist.destroy_process_group()
         code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingHalted) else 128 + e.signum
+    except BaseException:
+        rank_log.write(f"error:\n{traceback.format_exc()}")
+        raise
     if int(os.environ.get("RANK", -1)) != -1:  # a torchrun worker
         leave_without_finalizing(code)
     sys.exit(code)

@@ -13,7 +13,7 @@ def build_config(args, weight_fields=None):
     fields["use_moe"] = bool(fields["use_moe"])
     fields.update(weight_fields or {})
     return MiniMindConfig(max_position_embeddings=max(32768, args.max_seq_len), loss_chunk_size=args.loss_chunk_size,
-                          **fields)
+                          dropout=getattr(args, "dropout", 0.0), **fields)
 
 
 def weight_shapes(args, path):

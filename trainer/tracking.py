@@ -1,21 +1,27 @@
-"""Where metrics go: the metrics JSONL (always), the console, TensorBoard and swanlab; and --profile_steps traces.
+"""Where metrics go: the metrics JSONL (always), the console, TensorBoard, swanlab and wandb; --profile_steps traces.
 
-`Tracker.log(record)` is the one call the loop makes per logged step. Only the main process writes.
-swanlab (MiniMind's --use_wandb) runs online when logged in and offline otherwise, its files under
-`<metrics file's folder>/swanlog/` (upload later with `swanlab sync DIR`); never a prompt.
+`Tracker.log(record)` writes a record to every sink; the loop reaches it through the callback hooks (on_step_end,
+on_eval, on_train_end: trainer/callbacks.py). Only the main process writes.
+swanlab (MiniMind's --use_wandb, or --tracker swanlab) runs online when logged in and offline otherwise, its files
+under `<metrics file's folder>/swanlog/` (upload later with `swanlab sync DIR`); never a prompt. wandb (--tracker
+wandb, optional) runs offline under `<metrics file's folder>/wandb/` unless WANDB_MODE says otherwise.
 """
+import importlib.util
 import json
 import os
 
 import torch
 from tqdm import tqdm
 
-from trainer.launch import is_main_process
+from trainer.launch import ConfigError, is_main_process
 from trainer.launch import rank as launch_rank
+
+TRACKERS = ("swanlab", "wandb", "tensorboard", "none")
 
 # Console line: (record key, format) in print order; other keys are left to the JSONL and the dashboards.
 CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", "aux_loss {:.6f}"),
-                   ("lr", "lr {:.3e}"), ("tokens_per_sec", "tokens/s {:.0f}"), ("mfu", "mfu {:.1%}"),
+                   ("lr", "lr {:.3e}"), ("grad_norm", "grad_norm {:.3f}"), ("grad_clipped", "clipped"),
+                   ("tokens_per_sec", "tokens/s {:.0f}"), ("mfu", "mfu {:.1%}"),
                    ("peak_mem_gb", "mem {:.2f}GB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}"),
                    ("ce", "ce {:.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:.4f}"),
                    ("rewards/accuracies", "acc {:.2f}"), ("reward", "reward {:.4f}"),
@@ -57,8 +63,32 @@ def scalars(record):
 def console_line(record):
     """'step 12 | epoch 0 | loss 8.762530 | ... | mem 0.42GB': the record's known keys, in a fixed order."""
     parts = [f"step {record['step']}"]
-    parts += [fmt.format(record[key]) for key, fmt in CONSOLE_FORMATS if record.get(key) is not None]
+    shown = [(record[key], fmt) for key, fmt in CONSOLE_FORMATS if record.get(key) is not None]
+    parts += [fmt.format(value) for value, fmt in shown if value is not False]  # grad_clipped: only when it was
     return " | ".join(parts)
+
+
+def resolve_trackers(args, save_dir):
+    """(dashboards, TensorBoard folder or None) from --tracker, MiniMind's --use_wandb (swanlab) and --tensorboard_dir;
+    ConfigError for an unknown name or a --tracker wandb without the package."""
+    names = [name.strip() for name in (args.tracker or "").split(",") if name.strip()]
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise ConfigError(f"--tracker {args.tracker}: {unknown[0]} is not one of {', '.join(TRACKERS)}")
+    names += ["swanlab"] * bool(args.use_wandb) + ["tensorboard"] * bool(args.tensorboard_dir)
+    names = tuple(dict.fromkeys(name for name in names if name != "none"))
+    if "wandb" in names and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--tracker wandb needs the wandb package (pip install wandb); or use swanlab or tensorboard")
+    typed = os.path.abspath(args.tensorboard_dir) if args.tensorboard_dir else None
+    return names, typed or (os.path.join(save_dir, "tensorboard") if "tensorboard" in names else None)
+
+
+def start_wandb(project, run_name, resume_id, config, log_dir):
+    """A wandb run, offline unless WANDB_MODE says otherwise (upload later with `wandb sync`)."""
+    import wandb  # optional dependency: only --tracker wandb needs it (checked by resolve_trackers)
+    os.makedirs(log_dir, exist_ok=True)
+    return wandb.init(project=project, name=run_name, id=resume_id, resume="allow" if resume_id else None,
+                      dir=log_dir, config=config, mode=os.environ.get("WANDB_MODE", "offline"))
 
 
 def start_swanlab(project, run_name, resume_id, config, log_dir):
@@ -86,11 +116,11 @@ class Tracker:
     """
 
     def __init__(self, metrics_path, *, is_main=True, console=True, tensorboard_dir=None, use_wandb=False,
-                 wandb_project="MiniMind", run_name=None, resume_id=None, config=None, resume_step=None):
+                 wandb_project="MiniMind", run_name=None, resume_id=None, config=None, resume_step=None, wandb=False):
         self.run_id = resume_id
         self.is_main = is_main
         self.console = console
-        self._file = self._writer = self._swanlab = None
+        self._file = self._writer = self._swanlab = self._wandb = None
         if not is_main:
             return
         metrics_path = os.path.abspath(metrics_path)
@@ -102,13 +132,17 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter  # optional dependency: needs the tensorboard package
             purge_step = None if resume_step is None else resume_step + 1  # TensorBoard hides older events from here on
             self._writer = SummaryWriter(tensorboard_dir, purge_step=purge_step)
-        if use_wandb:
-            plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
-                     for k, v in (config or {}).items()}
+        plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+                 for k, v in (config or {}).items()}
+        if use_wandb:  # MiniMind's flag name: swanlab
             self._swanlab = start_swanlab(wandb_project, run_name, resume_id, plain,
                                           os.path.join(os.path.dirname(metrics_path), "swanlog"))
             if self._swanlab is not None:
                 self.run_id = self._swanlab.id
+        if wandb:  # the same run id as swanlab's when both run
+            self._wandb = start_wandb(wandb_project, run_name, self.run_id, plain,
+                                      os.path.dirname(metrics_path))
+            self.run_id = self.run_id or self._wandb.id
 
     def log(self, record):
         """Write one record (it has "step") to every enabled sink; the JSONL line is flushed before returning."""
@@ -125,6 +159,19 @@ class Tracker:
             self._writer.flush()
         if self._swanlab is not None:
             self._swanlab.log(values, step=record["step"])
+        if self._wandb is not None:
+            self._wandb.log(values, step=record["step"])
+
+    def on_step_end(self, trainer, record):
+        """The callback hooks (trainer/callbacks.py): log records, close at the end."""
+        if record is not None:
+            self.log(record)
+
+    def on_eval(self, trainer, record):
+        self.log(record)
+
+    def on_train_end(self, trainer):
+        self.close()
 
     def close(self):
         """Flush and close every sink (safe to call twice)."""
@@ -134,7 +181,9 @@ class Tracker:
             self._writer.close()
         if self._swanlab is not None:
             self._swanlab.finish()
-        self._file = self._writer = self._swanlab = None
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._file = self._writer = self._swanlab = self._wandb = None
 
 
 def parse_profile_steps(spec):

@@ -4,15 +4,12 @@ Read `train()` for the loop and `train_step()` for one optimizer step. Flags and
 config.py, checkpoints in checkpoint.py, measurements and sinks in metrics.py, the parallel
 dimensions in parallel/ (applied by parallel/parallelize.py).
 """
-import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -22,6 +19,8 @@ from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import SFTDataset
 from dataset.mixture import describe_mixture, load_data_spec
 from dataset.token_cache import local_part
+from trainer.batches import autocast, shard_for_context, step_targets, to_device
+from trainer.callbacks import make_callbacks
 from trainer.checkpoint import (
     Checkpointer,
     TrainState,
@@ -32,6 +31,8 @@ from trainer.checkpoint import (
     tied_aliases,
 )
 from trainer.config import resolve
+from trainer.config_file import write_run_config
+from trainer.evaluation import evaluate
 from trainer.guard import Preemption, StepGuard, check_replicas, scaler_found_inf
 from trainer.launch import (
     ConfigError,
@@ -40,21 +41,25 @@ from trainer.launch import (
     is_main_process,
     local_value,
     per_rank,
+    rank,
     set_collective_timeout,
     setup_seed,
     world_sum,
 )
 from trainer.metrics import StepTimer, enable_tf32, peak_flops, peak_mem_gb
 from trainer.objective import LMObjective, add_stats, target_tokens
+from trainer.oom import out_of_memory_as_one_line
+from trainer.optim import build_optimizer
 from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.context import context_position_ids, shard_sequence
-from trainer.parallel.data import build_optimizer, grad_reduce_factor, gradient_sync
+from trainer.parallel.data import grad_reduce_factor, gradient_sync
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
+from trainer.rank_log import open_rank_log
+from trainer.schedule import lr_at, resume_note
 from trainer.storage import checkpoint_bytes_estimate, room_warning
 from trainer.tracking import StepProfiler, Tracker
-from trainer.trainer_utils import Logger, SkipBatchSampler, get_lr, init_model
+from trainer.trainer_utils import Logger, SkipBatchSampler, init_model
 
 
 @dataclass
@@ -73,6 +78,7 @@ class Trainer:
     checkpointer: Checkpointer
     guard: StepGuard  # non-finite skips and the agreed preemption stop
     objective: object = None  # what train_step minimises (trainer/objective.py); build_trainer sets LMObjective
+    callbacks: object = None  # callbacks.Callbacks: sinks, early stopping, best checkpoint, a user's
     resumed: bool = False
     started: bool = False  # the first step is done: collectives run under the per-step timeout
 
@@ -82,12 +88,15 @@ def setup(args, resolve_stage=None):
 
     resolve_stage: a post-training stage's resolver (see config.resolve)."""
     plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), resolve_stage)
+    if plan.deterministic:  # read by cuBLAS when CUDA starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     init_distributed_mode(plan.device, plan.dist_init_timeout)
+    open_rank_log(plan.log_dir, f"{plan.run_name}, rank {rank()} of {plan.world_size}")
     enable_tf32(plan.device, strict=not plan.tf32)  # before peak_flops reads the matmul precision
     dims = ParallelDims.build(plan.world_size, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                               device_type=torch.device(plan.device).type)
     Logger(dims.summary())
-    setup_seed(plan.seed)  # same seed on every rank: every rank builds the same full model
+    setup_seed(plan.seed, plan.deterministic)  # same seed on every rank: every rank builds the same full model
     return plan, dims
 
 
@@ -158,25 +167,25 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     if warning:
         Logger(warning)
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
-    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, plan.learning_rate, plan.zero_stage, dims.group("dp_cp"),
-                                fused=plan.device.startswith("cuda") and not plan.has_dtensor,
-                                weight_decay=plan.weight_decay)
+    optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (trainer/optim.py), ZeRO-1 sharded or not
     scaler = torch.amp.GradScaler(torch.device(plan.device).type, enabled=plan.dtype == torch.float16)
-    progress, objective = TrainState(), objective or LMObjective()
+    progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
     checkpointer = Checkpointer(plan.run_dir, plan.async_save, plan.keep_checkpoints, parts=dict(
         model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
-        tied=tied_aliases(pipeline, config), plan=plan, config=config), estimate=estimate)
+        tied=tied_aliases(pipeline, config), plan=plan, config=config, callbacks=callbacks), estimate=estimate)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
-                      plan.epochs * steps_per_epoch, checkpointer,
+                      plan.lr.length(steps_per_epoch, plan.epochs), checkpointer,
                       StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds)),
-                      objective=objective, resumed=ckpt is not None)
+                      objective=objective, callbacks=callbacks, resumed=ckpt is not None)
     if ckpt is not None:
         restore(trainer, ckpt)
         # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
         progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
         Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
                f"({ckpt['world_size']} processes when saved)")
+        note = resume_note(ckpt.get("args"), plan.lr, trainer.total_steps, steps_per_epoch)
+        if note:
+            Logger(note)
     return trainer
 
 
@@ -195,36 +204,37 @@ def train(trainer, train_ds, eval_ds=None):
 
     SIGTERM/SIGINT stop it after the current step (every rank at the same step) with a checkpoint there."""
     plan, progress = trainer.plan, trainer.progress
-    if trainer.resumed and reached_max_steps(trainer):
-        Logger(f"--max_steps {plan.max_steps}: the checkpoint is already at step {progress.global_step}; "
-               "nothing to train (raise --max_steps to train on)")
+    if trainer.resumed and (reached_max_steps(trainer) or stop_reason(trainer)):
+        reason = stop_reason(trainer) or f"--max_steps {plan.max_steps}"
+        Logger(f"{reason}: the checkpoint is already at step {progress.global_step}; nothing to train"
+               + (" (raise --max_steps to train on)" if reason.startswith("--max_steps") else ""))
         ensure_final_weights(trainer)  # a weights save that failed (a full disk) is written before `Done`
         return finish(trainer)
-    tracker = make_tracker(trainer)
+    trainer.callbacks.insert(0, make_tracker(trainer))  # the sinks see each record first
+    if is_main_process():
+        write_run_config(plan)  # --config of it repeats this run
     profiler = StepProfiler(plan.profile_steps, os.path.join(plan.save_dir, "profile"), plan.device)
     timer = StepTimer(peak_flops(plan.device, plan.dtype) * plan.world_size)
     Logger(f"{trainer.steps_per_epoch} optimizer steps per epoch, global batch {plan.global_batch} x {plan.seq_len} "
-           f"tokens, dtype {plan.dtype}")
-    with trainer.guard.preemption, progress_bar(trainer) as bar:  # the bar closes before an error line is printed
+           f"tokens, dtype {plan.dtype}; {plan.optim.name}, {plan.lr.describe(trainer.total_steps)}")
+    # the bar closes before an error line is printed
+    with trainer.guard.preemption, progress_bar(trainer) as bar, out_of_memory_as_one_line(trainer):
         for epoch in range(progress.epoch, plan.epochs):
             if progress.step_in_epoch >= trainer.steps_per_epoch:  # saved at the end of this epoch
                 progress.step_in_epoch = 0
                 continue
             progress.epoch = epoch
-            train_epoch(trainer, epoch_batches(trainer, train_ds, epoch), tracker, eval_ds, timer, profiler, bar)
+            train_epoch(trainer, epoch_batches(trainer, train_ds, epoch), eval_ds, timer, profiler, bar)
             if should_stop(trainer):
                 break
             progress.step_in_epoch = 0
-        if eval_ds is not None and not trainer.guard.stop and not (
-                plan.eval_interval and progress.global_step % plan.eval_interval == 0):
-            tracker.log(evaluate(trainer, eval_ds))  # unless the last step just did, or the run was preempted
         trainer.checkpointer.wait()  # the last async save
         profiler.close()
-        tracker.close()
+    trainer.callbacks.call("on_train_end", trainer)  # the sinks close
     finish(trainer)
 
 
-def train_epoch(trainer, batches, tracker, eval_ds, timer, profiler, bar):
+def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
     """The steps of one epoch from where progress stands; the bar advances per micro-batch."""
     plan, progress = trainer.plan, trainer.progress
     timer.reset()
@@ -239,29 +249,36 @@ def train_epoch(trainer, batches, tracker, eval_ds, timer, profiler, bar):
         rows = plan.micro_batch_shape[0] * plan.num_microbatches * plan.dp  # a DPO sample is two rows
         timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, plan.seq_len, rows * plan.seq_len,
                                                                  metrics["num_tokens"], plan.chunked_loss))
-        after_step(trainer, tracker, eval_ds, metrics, timer, progress.step_in_epoch == trainer.steps_per_epoch)
+        after_step(trainer, eval_ds, metrics, timer, progress.step_in_epoch == trainer.steps_per_epoch)
         bar.set_postfix(loss=f"{trainer.guard.last_loss:.4f}", lr=f"{metrics['lr']:.2e}",
                         tok_s=f"{metrics['num_tokens'] / (time.perf_counter() - start):.0f}", refresh=False)
 
 
-def after_step(trainer, tracker, eval_ds, metrics, timer, epoch_end):
-    """Log, compare replicas, evaluate and save as the intervals say; the last step (or a preempted one) always."""
-    plan, step, guard = trainer.plan, trainer.progress.global_step, trainer.guard
+def after_step(trainer, eval_ds, metrics, timer, epoch_end):
+    """Log, compare replicas, evaluate and save as the intervals say (the run's last step, or a preempted one, always);
+    the callbacks (trainer/callbacks.py: the sinks, early stopping, best checkpoint, a user's) see each record."""
+    plan, step, guard, callbacks = trainer.plan, trainer.progress.global_step, trainer.guard, trainer.callbacks
     last = epoch_end or should_stop(trainer)
-    if step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or last:
-        tracker.log(step_record(trainer, metrics, timer))
+    logged = step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or last
+    callbacks.call("on_step_end", trainer, step_record(trainer, metrics, timer) if logged else None)
+    run_end = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.epochs - 1)
     if plan.check_replicas and step % plan.check_replicas == 0 and plan.dp * plan.cp > 1:
         check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)
-    if eval_ds is not None and plan.eval_interval and step % plan.eval_interval == 0:
-        tracker.log(evaluate(trainer, eval_ds))
-    if step % plan.save_interval == 0 or last:
+    scheduled = plan.eval_interval and step % plan.eval_interval == 0
+    if eval_ds is not None and (scheduled or (run_end and not guard.stop)):
+        callbacks.call("on_eval", trainer, evaluate(trainer, eval_ds))
+    last = last or should_stop(trainer)  # a callback may have stopped the run (early stopping)
+    if step % plan.save_interval == 0 or last or callbacks.wants_save(step):
         trainer.checkpointer.save(step)
         guard.saved(step)
+        callbacks.call("on_save", trainer, step)
     if last or (plan.save_weights_every and step % plan.save_weights_every == 0):
         save_weights(trainer)
     if guard.stop:
         Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.checkpoint_dir}; "
                "continue with --from_resume 1")
+    elif stop_reason(trainer):
+        Logger(f"stopped: {stop_reason(trainer)}")
 
 
 def finish(trainer):
@@ -283,7 +300,7 @@ def train_step(trainer, micro_batches, bar=None):
     """
     plan, progress, scaler = trainer.plan, trainer.progress, trainer.scaler
     bar = bar or NO_BAR
-    lr = get_lr(progress.global_step, trainer.total_steps, plan.learning_rate, plan.warmup_steps)
+    lr = lr_at(plan.lr, progress.global_step, trainer.total_steps)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     objective = trainer.objective
@@ -331,34 +348,7 @@ def train_step(trainer, micro_batches, bar=None):
     progress.global_step += 1
     progress.tokens_seen += num_tokens
     trainer.guard.record(skip, progress, plan.num_microbatches, ce + aux, grad_norm)
-    return dict(ce=ce, aux=aux, lr=lr, num_items=num_items, num_tokens=num_tokens, stats=stats)
-
-
-def to_device(tensor, device):
-    """A CPU batch tensor on the device (None stays None); non-blocking, as the loader pins on CUDA."""
-    return None if tensor is None else tensor.to(device, non_blocking=True)
-
-
-def step_targets(labels):
-    """Targets aligned with inputs: labels shifted left by one, -100 appended (so sequences can be sharded)."""
-    return F.pad(labels[:, 1:], (0, 1), value=-100)
-
-
-def shard_for_context(dims, tensors, position_ids=None):
-    """Context parallel: each rank keeps its head+tail chunks of the sequence, plus their positions.
-
-    position_ids: a packed batch's per-document positions (--doc_mask), sharded like the tokens, else None."""
-    if dims.cp == 1:
-        return tensors, position_ids
-    if position_ids is not None:
-        positions = shard_sequence(position_ids, dims.cp_rank, dims.cp, dim=1)
-    else:
-        positions = context_position_ids(tensors[0].shape[1], dims.cp_rank, dims.cp, tensors[0].device)  # (1, L/cp)
-    return [shard_sequence(t, dims.cp_rank, dims.cp, dim=1) for t in tensors], positions
-
-
-def autocast(plan):
-    return torch.autocast(torch.device(plan.device).type, dtype=plan.dtype) if plan.autocast_dtype else nullcontext()
+    return dict(ce=ce, aux=aux, lr=lr, num_items=num_items, num_tokens=num_tokens, stats=stats, grad_norm=grad_norm)
 
 
 def clip_gradients(trainer, max_norm):
@@ -376,9 +366,17 @@ def reached_max_steps(trainer):
     return bool(trainer.plan.max_steps) and trainer.progress.global_step >= trainer.plan.max_steps
 
 
+def stop_reason(trainer):
+    """Why the run ends early after this step: --max_tokens reached, or a callback's reason (early stopping)."""
+    plan, progress = trainer.plan, trainer.progress
+    if plan.max_tokens and progress.tokens_seen >= plan.max_tokens:
+        return f"--max_tokens {plan.max_tokens}: {progress.tokens_seen} target tokens at step {progress.global_step}"
+    return trainer.callbacks.stop_reason() if trainer.callbacks is not None else None
+
+
 def should_stop(trainer):
-    """--max_steps reached, or every rank agreed to stop after a signal."""
-    return reached_max_steps(trainer) or trainer.guard.stop
+    """--max_steps or --max_tokens reached, a callback stopped the run, or every rank agreed to stop after a signal."""
+    return reached_max_steps(trainer) or trainer.guard.stop or stop_reason(trainer) is not None
 
 
 def epoch_batches(trainer, train_ds, epoch):
@@ -428,7 +426,8 @@ def make_tracker(trainer):
     starts the metrics file anew (kept to step 0)."""
     plan, progress = trainer.plan, trainer.progress
     tracker = Tracker(plan.metrics_file, is_main=is_main_process(), tensorboard_dir=plan.tensorboard_dir,
-                      use_wandb=plan.use_wandb, wandb_project=plan.wandb_project, run_name=plan.run_name,
+                      use_wandb="swanlab" in plan.trackers, wandb="wandb" in plan.trackers,
+                      wandb_project=plan.wandb_project, run_name=plan.run_name,
                       resume_id=progress.tracker_id, config=dict(plan.flags),
                       resume_step=progress.global_step if trainer.resumed else 0)
     progress.tracker_id = tracker.run_id
@@ -444,31 +443,9 @@ def step_record(trainer, metrics, timer):
     extra = trainer.objective.record(dict(zip(names, stat_sums)), metrics["num_items"])
     tokens_per_sec, mfu, elapsed = timer.rates()
     memory = per_rank(peak_mem_gb(device), device)
+    grad_norm = float(metrics["grad_norm"])  # before clipping; the log step's read (clip: max_norm / (norm + 1e-6))
     return dict(step=progress.global_step, epoch=progress.epoch, loss=loss, aux_loss=aux_loss, lr=metrics["lr"],
+                grad_norm=grad_norm, grad_clipped=grad_norm + 1e-6 > trainer.plan.grad_clip,
                 tokens=progress.tokens_seen, tokens_per_sec=tokens_per_sec, mfu=mfu, peak_mem_gb=max(memory),
                 peak_mem_gb_per_rank=[round(m, 4) for m in memory], elapsed_s=elapsed,
                 skipped_steps=trainer.guard.skipped_steps, **extra)
-
-
-def evaluate(trainer, eval_ds):
-    """Mean CE over target tokens of up to --eval_batches held-out batches (pp > 1 is refused up front)."""
-    plan, dims, model = trainer.plan, trainer.dims, trainer.model_parts[0]
-    sampler = DistributedSampler(eval_ds, num_replicas=plan.dp, rank=dims.dp_rank, shuffle=False, drop_last=True)
-    loader = DataLoader(eval_ds, batch_size=plan.micro_batch, sampler=sampler, drop_last=True)
-    ce_sum = count = 0.0
-    model.eval()
-    with torch.no_grad():
-        for i, batch in enumerate(loader):
-            if i >= plan.eval_batches:
-                break
-            targets = step_targets(batch[1])
-            (x, t), positions = shard_for_context(dims, [batch[0].to(plan.device), targets.to(plan.device)],
-                                                  batch[2].to(plan.device) if len(batch) > 2 else None)
-            with tp_loss_context(plan.tp > 1):
-                out = model(x, position_ids=positions, shift_labels=t, num_items_in_batch=1)
-            ce_sum += float(local_value(out.loss)) if dims.counts_loss else 0.0
-            count += float((targets != -100).sum()) if dims.counts_items else 0.0
-    model.train()
-    ce_sum, count = world_sum([ce_sum, count], plan.device)
-    loss = ce_sum / max(count, 1.0)
-    return dict(step=trainer.progress.global_step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50)))

@@ -1,12 +1,13 @@
 """MiniMind's small helpers: paths, logging, lr schedule, weight names, model init, the resume sampler."""
-import math
 import os
 
 from torch.utils.data import Sampler
 
 from model.model_minimind import MiniMindForCausalLM
 from model.weights import WeightsError, load_weights
+from trainer import rank_log
 from trainer.launch import ConfigError, is_main_process
+from trainer.schedule import MINIMIND_FLOOR, LRSchedule, lr_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,17 +25,15 @@ def typed_or_default(typed, default):
 
 
 def Logger(content):
+    """MiniMind's logger: print on the main process; every rank also writes it to its own log (trainer/rank_log.py)."""
+    rank_log.write(content)
     if is_main_process():
         print(content, flush=True)
 
 
 def get_lr(current_step, total_steps, lr, warmup_steps=0):
-    """MiniMind's cosine schedule lr*(0.1+0.45*(1+cos(pi*t/T))), after an optional linear warm-up."""
-    if warmup_steps > 0 and current_step < warmup_steps:
-        return lr * (current_step + 1) / warmup_steps
-    t = current_step - warmup_steps
-    T = max(1, total_steps - warmup_steps)
-    return lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, T) / T)))
+    """MiniMind's cosine schedule lr*(0.1+0.45*(1+cos(pi*t/T))), after an optional linear warm-up (schedule.py)."""
+    return lr_at(LRSchedule("cosine", lr, MINIMIND_FLOOR, warmup_steps, 0.1, 0), current_step, total_steps)
 
 
 def weight_name(save_weight, config):

@@ -15,9 +15,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 try:  # public path since torch 2.6 (2.11, 2.13)
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trainer.parallel.perf import decoder_blocks
 
@@ -67,7 +67,7 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
 
 
 def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,
-                        powersgd_start_iter=1000, param_dtype=None, find_unused_parameters=False):
+                        powersgd_start_iter=1000, param_dtype=None, find_unused_parameters=False, cpu_offload=False):
     """Wrap `model` (or one pipeline model part) for data parallelism over the 1-D `dp_mesh`.
 
     dp_mesh: the dp mesh, or the flattened dp_cp mesh when context parallel is on (a ParallelDims
@@ -77,7 +77,8 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
     zero_stage 2/3: FSDP2 fully_shard on each decoder block then the root; parameters stay sharded
     between steps, and stage 3 also frees the gathered parameters after each forward.
     param_dtype: FSDP2 gathers parameters in this dtype (the autocast dtype; None keeps fp32); gradients are
-    always reduced in fp32. powersgd_*: the hook's rank and warm-up steps (the flag takes the defaults).
+    always reduced in fp32. powersgd_*: the hook's rank and warm-up steps (--powersgd_rank, --powersgd_start_step).
+    cpu_offload: FSDP2 keeps the sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy).
     Returns the wrapped module (DDP) or the same module, now an FSDPModule. A size-1 mesh returns
     `model` unchanged.
     """
@@ -98,13 +99,14 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
 
     reshard = zero_stage == 3  # ZeRO-2: keep gathered params from forward to backward
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = dict(offload_policy=CPUOffloadPolicy()) if cpu_offload else {}  # needs CUDA (checked by resolve)
     for block in decoder_blocks(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy, **offload)
     # The root group takes everything left: embed_tokens, norm and lm_head. A tied lm_head.weight is
     # the same Parameter as embed_tokens.weight; FSDP2 manages it once and re-ties both attributes.
     # The root stays gathered from forward to backward (backward needs it at once): FSDP2's own default
     # for the root, which an explicit True would override with one more all-gather per micro-batch.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, **offload)
     model.keep_gathered_across_microbatches = zero_stage == 2  # read by gradient_sync
     return model
 
@@ -138,19 +140,21 @@ def gradient_sync(model_parts, enabled):
                 part.set_reshard_after_backward(True)
 
 
-def build_optimizer(params, lr, zero_stage=0, dp_group=None, fused=None, dims=None, **adamw_kwargs):
-    """AdamW, or for zero_stage 1 ZeroRedundancyOptimizer(AdamW) sharding its state over dp_group.
+def build_optimizer(params, lr, zero_stage=0, dp_group=None, fused=None, dims=None, optimizer_class=torch.optim.AdamW,
+                    **optimizer_kwargs):
+    """`optimizer_class` (AdamW by default), or for zero_stage 1 ZeroRedundancyOptimizer(optimizer_class) sharding
+    its state over dp_group.
 
     params: an iterable of parameters or of param-group dicts. dp_group: the gradient-reduction
     group (dp_cp); a ParallelDims as `dims` stands for its dp_cp_group. Stage 1 still needs DDP from
-    apply_data_parallel for the gradient all-reduce. fused=None keeps AdamW's default kernel.
+    apply_data_parallel for the gradient all-reduce. fused=None keeps the default kernel (AdamW's fused flag).
     """
     params = list(params)
     if dims is not None:
         dp_group = dims.dp_cp_group
     if fused is not None:
-        adamw_kwargs["fused"] = fused
+        optimizer_kwargs["fused"] = fused
     if zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=dp_group,
-                                       lr=lr, **adamw_kwargs)
-    return torch.optim.AdamW(params, lr=lr, **adamw_kwargs)
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=dp_group,
+                                       lr=lr, **optimizer_kwargs)
+    return optimizer_class(params, lr=lr, **optimizer_kwargs)

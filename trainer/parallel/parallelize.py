@@ -32,13 +32,15 @@ def parallelize(model, dims, plan):
         if plan.cp > 1:
             apply_context_parallel(part, dims.mesh("cp"), doc_mask=plan.doc_mask)
         if plan.grad_checkpointing:
-            apply_activation_checkpointing(part)
+            apply_activation_checkpointing(part, plan.grad_checkpointing)
         if plan.use_compile:
             compile_blocks(part)
     if plan.dp_mode != "none":
         # FSDP2 gathers parameters in the autocast dtype and reduces gradients in fp32
         parts = [apply_data_parallel(part, dims.mesh("dp_cp"), plan.zero_stage, plan.grad_compression,
-                                     param_dtype=plan.autocast_dtype) for part in parts]
+                                     powersgd_rank=plan.powersgd_rank, powersgd_start_iter=plan.powersgd_start_step,
+                                     param_dtype=plan.autocast_dtype, cpu_offload=plan.cpu_offload)
+                 for part in parts]
     if pipeline is not None:
         pipeline.make_schedule(parts)
     return parts, pipeline

@@ -1,9 +1,9 @@
 """Speed and memory transforms applied to a plain (or tp/cp-wrapped) model, keeping parameter names unchanged.
 
-- `apply_activation_checkpointing(model)`: each decoder block recomputes its activations in backward
-  (torch.utils.checkpoint, non-reentrant). The block's `forward` is patched in place instead of wrapping
-  the block (torch's checkpoint_wrapper would add `_checkpoint_wrapped_module.` to every FQN, and our
-  checkpoints are keyed by FQN).
+- `apply_activation_checkpointing(model, mode)`: each decoder block ("full"), or only its attention or its MLP
+  sub-layer (selective), recomputes its activations in backward (torch.utils.checkpoint, non-reentrant). The
+  module's `forward` is patched in place instead of wrapping it (torch's checkpoint_wrapper would add
+  `_checkpoint_wrapped_module.` to every FQN, and our checkpoints are keyed by FQN).
 - `compile_blocks(model)`: torch.compile each decoder block in place (`nn.Module.compile`, same FQNs).
 
 Order in parallelize.parallelize: pp split -> tp -> cp -> activation checkpointing -> compile -> dp.
@@ -32,11 +32,18 @@ def _checkpointed_forward(self, *args, **kwargs):
     return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
 
 
-def apply_activation_checkpointing(model):
-    """Recompute every decoder block in backward; returns the model. Parameter FQNs do not change."""
+CHECKPOINT_MODES = ("full", "attention", "mlp")
+
+
+def apply_activation_checkpointing(model, mode="full"):
+    """Recompute in backward every decoder block (full), or each block's self_attn or mlp only; returns the model.
+    Parameter FQNs do not change."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"activation checkpointing mode must be one of {CHECKPOINT_MODES} (got {mode!r})")
     for block in decoder_blocks(model):
+        module = {"full": block, "attention": block.self_attn, "mlp": block.mlp}[mode]
         # a bound method in the instance dict: deepcopy rebinds it to the copy, state_dict never sees it
-        block.forward = types.MethodType(_checkpointed_forward, block)
+        module.forward = types.MethodType(_checkpointed_forward, module)
     return model
 
 

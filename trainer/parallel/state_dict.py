@@ -232,15 +232,23 @@ def sharded_state_dict(model_parts, optimizer, tied_aliases=None):
     return {"model": model, "optim": {k: v for k, v in optim_sd.items() if not k.startswith(aliases)}}
 
 
+def state_template(group, param):
+    """{state key: zeros} `param` holds under the optimizer of its param group `group`, known by the group's
+    hyper-parameters: momentum without betas (SGD, LARS) or a Muon group: momentum_buffer; else Adam's moments
+    (AdamW, LAMB, Muon's AdamW groups)."""
+    if group.get("muon") or ("momentum" in group and "betas" not in group):
+        return {"momentum_buffer": torch.zeros_like(param)} if group.get("momentum") else {}
+    return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+
+
 def _zero_template(part, optim):
-    """The flattened AdamW state a ZeroRedundancyOptimizer's parameters take (full shapes: it loads the whole)."""
+    """The flattened state a ZeroRedundancyOptimizer's parameters take (full shapes: it loads the whole)."""
     names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
     template = {}
     for group in optim.param_groups:
         for p in group["params"]:
             fqn = names[id(p)]
-            template.update({f"state.{fqn}.step": torch.tensor(0.0), f"state.{fqn}.exp_avg": torch.zeros_like(p),
-                             f"state.{fqn}.exp_avg_sq": torch.zeros_like(p)})
+            template.update({f"state.{fqn}.{k}": v for k, v in state_template(group, p).items()})
             template.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
     return template
 
@@ -251,8 +259,8 @@ def _unflatten_zero(part, optim, flat):
     state, groups = {}, []
     for group in optim.param_groups:
         fqns = [names[id(p)] for p in group["params"]]
-        for fqn in fqns:
-            state[fqn] = {k: flat[f"state.{fqn}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
+        for fqn, p in zip(fqns, group["params"]):
+            state[fqn] = {k: flat[f"state.{fqn}.{k}"] for k in state_template(group, p)}
         groups.append(dict({k: flat[f"param_groups.{fqns[0]}.{k}"] for k in group if k != "params"}, params=fqns))
     return {"state": state, "param_groups": groups}
 

@@ -1,0 +1,35 @@
+"""A loader batch on its way into the model, the same for training and validation: targets shifted from the labels,
+device copies, each context-parallel rank's part of the sequence, autocast."""
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from trainer.parallel.context import context_position_ids, shard_sequence
+
+
+def to_device(tensor, device):
+    """A CPU batch tensor on the device (None stays None); non-blocking, as the loader pins on CUDA."""
+    return None if tensor is None else tensor.to(device, non_blocking=True)
+
+
+def step_targets(labels):
+    """Targets aligned with inputs: labels shifted left by one, -100 appended (so sequences can be sharded)."""
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def shard_for_context(dims, tensors, position_ids=None):
+    """Context parallel: each rank keeps its head+tail chunks of the sequence, plus their positions.
+
+    position_ids: a packed batch's per-document positions (--doc_mask), sharded like the tokens, else None."""
+    if dims.cp == 1:
+        return tensors, position_ids
+    if position_ids is not None:
+        positions = shard_sequence(position_ids, dims.cp_rank, dims.cp, dim=1)
+    else:
+        positions = context_position_ids(tensors[0].shape[1], dims.cp_rank, dims.cp, tensors[0].device)  # (1, L/cp)
+    return [shard_sequence(t, dims.cp_rank, dims.cp, dim=1) for t in tensors], positions
+
+
+def autocast(plan):
+    return torch.autocast(torch.device(plan.device).type, dtype=plan.dtype) if plan.autocast_dtype else nullcontext()
