@@ -116,8 +116,9 @@ def dry_run_dtype():
     return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
 
 
-def smoke_run(ctx, name, script, extra, torchrun=False, steps=4):
-    """One short trainer run in its own folder; its result row (exit code, losses, speed, memory, checks)."""
+def smoke_run(ctx, name, script, extra, torchrun=False, steps=4, expect=None):
+    """One short trainer run of --max_steps `steps` in its own folder (`expect` step records: default `steps`); its
+    result row (exit code, losses, token counts, speed, memory, checks)."""
     folder = os.path.join(ctx.out, "runs", name)
     flags = dict(ctx.model, data_path=ctx.data["pretrain"], packing=1, max_steps=steps, log_interval=1,
                  save_interval=steps, save_dir=os.path.join(folder, "out"), checkpoint_dir=os.path.join(folder, "ckpt"),
@@ -126,7 +127,8 @@ def smoke_run(ctx, name, script, extra, torchrun=False, steps=4):
     code, seconds, tail = run(trainer_argv(script, flags, torchrun), os.path.join(folder + ".log"), ctx.timeout)
     records = [r for r in read_metrics(flags["metrics_file"]) if "loss" in r]
     losses = [r["loss"] for r in records]
-    checks = {"exit 0": code == 0, f"{steps} step records": len(records) == steps,
+    expect = steps if expect is None else expect
+    checks = {"exit 0": code == 0, f"{expect} step records": len(records) == expect,
               "finite losses": bool(losses) and all(math.isfinite(x) for x in losses)}
     if "profile_steps" in extra:
         checks["trace written"] = any(f.endswith(".json") or ".pt.trace" in f
@@ -134,16 +136,20 @@ def smoke_run(ctx, name, script, extra, torchrun=False, steps=4):
     if "eval_data_path" in extra:
         checks["eval_loss logged"] = any("eval_loss" in r for r in read_metrics(flags["metrics_file"]))
     last = records[-1] if records else {}
-    return dict(name=name, dtype=flags["dtype"], seconds=seconds, exit=code, losses=losses, checks=checks,
+    return dict(name=name, dtype=flags["dtype"], seconds=seconds, exit=code, losses=losses,
+                tokens=[r.get("tokens") for r in records], checks=checks,
                 ok=all(checks.values()),
                 tokens_per_sec=last.get("tokens_per_sec"), mfu=last.get("mfu"), peak_mem_gb=last.get("peak_mem_gb"),
                 log_tail=None if all(checks.values()) else tail)
 
 
 def resume_check(ctx):
-    """fp32: 4 steps straight, against 2 steps + --from_resume 1 to 4: the resumed losses equal the straight ones."""
+    """fp32: 4 steps straight, against 2 steps (of a 4-step run) + --from_resume 1 to 4: the losses equal."""
     straight = smoke_run(ctx, "resume_straight", "train_pretrain.py", dict(dtype="float32"))
-    first = smoke_run(ctx, "resume_part", "train_pretrain.py", dict(dtype="float32", save_interval=2), steps=2)
+    # the first half stops at step 2 by --max_tokens: --max_steps 4 keeps the lr schedule the straight run's
+    tokens = straight["tokens"][1] if len(straight["tokens"]) == 4 else 1
+    first = smoke_run(ctx, "resume_part", "train_pretrain.py", dict(dtype="float32", save_interval=2,
+                                                                    max_tokens=tokens), expect=2)
     part_dir = os.path.join(ctx.out, "runs", "resume_part")
     flags = dict(dtype="float32", from_resume=1, save_dir=os.path.join(part_dir, "out"),
                  checkpoint_dir=os.path.join(part_dir, "ckpt"), metrics_file=os.path.join(part_dir, "metrics.jsonl"))
