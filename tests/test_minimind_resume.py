@@ -194,7 +194,8 @@ def test_the_resumed_step_equals_minimind_s_own_next_step(tmp_path, use_moe):
 
 def resume_plan(tmp_path, micro_batch=4, global_batch=8, from_resume="1"):
     return SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), micro_batch=micro_batch,
-                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume, stage=None)
+                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume, stage=None,
+                           resume_path=None)
 
 
 def tiny_config(**kw):
