@@ -6,19 +6,25 @@ import tempfile
 import torch
 
 from dataset.mixture import resolve_data_spec
-from trainer.launch import ConfigError
+from trainer import metrics
+from trainer.launch import ConfigError, per_rank
+from trainer.metrics import cpu_bf16_native, cpu_matmul_rates, cpu_name
 from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import validate_layout
 from trainer.parallel.pipeline import pp_validate
 from trainer.parallel.tensor import tp_validate
 
+# bf16 is picked only this much faster than fp32 on the matmul: autocast also casts outside it (gradients, norms)
+BF16_MARGIN = 1.1
+
 
 def resolve_dtype(name, device):
-    """'auto' -> bf16 where the device supports it, else fp32; reject bf16/fp16 where unsupported."""
+    """(dtype, note): 'auto' -> the faster of bf16 and fp32 on this device (CPU: measured matmuls, cached per CPU
+    model; CUDA: bf16 where supported) and a line saying why; bf16/fp16 rejected where unsupported."""
     dev = torch.device(device).type
-    bf16_ok = torch.cuda.is_bf16_supported() if dev == "cuda" else torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16_ok = torch.cuda.is_bf16_supported() if dev == "cuda" else cpu_bf16_native()
     if name == "auto":
-        return torch.bfloat16 if bf16_ok else torch.float32
+        return auto_dtype(device, bf16_ok)
     table = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if name not in table:
         raise ConfigError(f"--dtype {name} is unknown; use auto, bfloat16, float16 or float32")
@@ -27,7 +33,31 @@ def resolve_dtype(name, device):
                           "use --dtype float32 (or auto)")
     if name == "float16" and dev == "cpu":
         raise ConfigError("--dtype float16 is not supported for training on CPU; use --dtype float32 (or auto)")
-    return table[name]
+    return table[name], f"dtype {name}"
+
+
+def auto_dtype(device, bf16_ok):
+    """--dtype auto: (dtype, the reason in one line)."""
+    if torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+        return (torch.bfloat16, f"dtype auto: bfloat16 (supported by {name})") if bf16_ok else \
+            (torch.float32, f"dtype auto: float32 ({name} has no bf16)")
+    if not bf16_ok:
+        return torch.float32, f"dtype auto: float32 (no native bf16 matmul on {cpu_name()})"
+    rates = cpu_matmul_rates()
+    bf16, fp32 = rates["bfloat16_autocast"], rates["float32"]
+    dtype = torch.bfloat16 if bf16 > BF16_MARGIN * fp32 else torch.float32
+    again = "; the cores were busy, so the next run measures again" if rates["busy"] else ""
+    return dtype, (f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16 / 1e9:.0f} GFLOP/s vs fp32 {fp32 / 1e9:.0f} on "
+                   f"{cpu_name()}, {torch.get_num_threads()} threads; cached in {metrics.RATES_FILE}{again})")
+
+
+def check_same_dtype(dtype, device):
+    """Under torchrun, every rank's --dtype auto chose the same dtype (ranks on different CPU kinds may not)."""
+    chosen = per_rank(float(dtype == torch.bfloat16), device)
+    if len(set(chosen)) > 1:
+        raise ConfigError(f"--dtype auto chose bfloat16 on ranks {[r for r, c in enumerate(chosen) if c]} and float32 "
+                          "on the others (their CPUs differ); pass --dtype float32 or --dtype bfloat16")
 
 
 def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compression="none"):

@@ -97,6 +97,7 @@ class TrainPlan:
     wandb_project: str
     flags: dict  # the flags as typed: saved in checkpoints and the tracker's config, never read by the trainer
     stage: object = None  # a post-training stage's own frozen plan (LoRA, DPO, distillation), else None
+    dtype_note: str = ""  # how the dtype was chosen (--dtype auto: the measured rates), said once at start
 
     @property
     def micro_batch_shape(self):
@@ -135,7 +136,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
     weight_fields = weight_shapes(args, from_weight) if from_weight != "none" else {}
     config = build_config(args, weight_fields)
     check_model_args(args, config)
-    dtype = resolve_dtype(args.dtype, args.device)
+    dtype, dtype_note = resolve_dtype(args.dtype, args.device)
     dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.tp, args.pp, args.cp, args.zero_stage,
                                                  args.grad_compression)
     check_parallel_args(args, config)
@@ -164,7 +165,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
         model_config=config, run_name=name, weights_path=os.path.join(save_dir, name + ".pth"),
         run_dir=os.path.join(checkpoint_dir, name),
         save_dtype=getattr(torch, args.save_dtype), from_resume=args.from_resume, **copied_flags(args),
-        flags=dict(vars(args)))
+        flags=dict(vars(args)), dtype_note=dtype_note)
     return replace(plan, stage=resolve_stage(args, plan)) if resolve_stage is not None else plan
 
 

@@ -22,6 +22,7 @@ from dataset.lm_dataset import SFTDataset
 from dataset.mixture import describe_mixture, load_data_spec
 from dataset.token_cache import local_part
 from trainer.checkpoint import Checkpointer, TrainState, load_resume, restore, save_weights, tied_aliases
+from trainer.checks import check_same_dtype
 from trainer.config import resolve
 from trainer.guard import Preemption, StepGuard, check_replicas, scaler_found_inf
 from trainer.launch import (
@@ -78,6 +79,9 @@ def setup(args, resolve_stage=None):
     dims = ParallelDims.build(plan.world_size, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                               device_type=torch.device(plan.device).type)
     Logger(dims.summary())
+    if plan.flags.get("dtype") == "auto":
+        check_same_dtype(plan.dtype, plan.device)  # each rank measured (or read) the rates itself
+        Logger(plan.dtype_note)
     setup_seed(plan.seed)  # same seed on every rank: every rank builds the same full model
     return plan, dims
 
