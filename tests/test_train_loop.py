@@ -8,18 +8,21 @@ import pytest
 import torch
 
 from trainer.flags import add_train_args
-from trainer.train_loop import build_trainer, effective_log_interval, setup, steps_per_epoch, train_step
+from trainer.progress import Bar, effective_log_interval
+from trainer.train_loop import build_trainer, setup, steps_per_epoch, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("log_interval,steps,expected", [
-    (100, 6, 1),  # README's first run: 6 steps an epoch, so every step is logged, not only the last
-    (100, 250, 25),  # a tenth of the epoch
-    (10, 1000, 10),  # the flag when it is the smaller
+    (None, 6, 1),  # the full-size default run: 6 steps an epoch, so every step is logged, not only the last
+    (None, 250, 25),  # a tenth of the epoch
+    (None, 5000, 100),  # MiniMind's 100
+    (10, 96, 10),  # a typed interval as typed (it was min(10, 96 // 10) = 9: the small run logged every 9 steps)
+    (100, 6, 100),
     (1, 3, 1),
 ])
-def test_a_record_at_least_every_tenth_of_an_epoch(log_interval, steps, expected):
+def test_a_record_at_least_every_tenth_of_an_epoch_unless_typed(log_interval, steps, expected):
     assert effective_log_interval(SimpleNamespace(log_interval=log_interval), steps) == expected
 
 
@@ -64,12 +67,14 @@ def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe):
     g = torch.Generator().manual_seed(0)
     positions = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, -1)  # two documents a row
     batches = [(ids, ids.clone(), positions) for ids in (torch.randint(3, 500, (2, 16), generator=g) for _ in range(2))]
-    train_step(trainer, batches)  # the first step (lazy state, allocator) is not the one counted
-    reads = count_host_reads(monkeypatch, lambda: train_step(trainer, batches))
+    bar = Bar(trainer)
+    train_step(trainer, batches, bar)  # the first step (lazy state, allocator) is not the one counted
+    reads = count_host_reads(monkeypatch, lambda: train_step(trainer, batches, bar))
+    bar.close()
     ours = [r for r in reads if r[0].startswith(("trainer/", "model/"))]
     expected = [("trainer/guard.py", "check", "tolist", "cpu")]
     expected += [("trainer/objective.py", "target_tokens", "__int__", "cpu")] * 2  # the CPU labels' target counts
-    expected += [("trainer/train_loop.py", "train_step", "__float__", "cpu")] * 2  # the bar, on CPU only
+    expected += [("trainer/progress.py", "running_loss", "__float__", "cpu")] * 2  # the bar, on CPU only
     if use_moe:
         expected += [("model/model_minimind.py", "dispatch", "tolist", "cpu")] * 2 * 2  # per layer, per micro-batch
     assert sorted(ours) == sorted(expected), ours

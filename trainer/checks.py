@@ -102,7 +102,7 @@ def check_numbers(args):
         value = getattr(args, name)
         if not value > 0 or (math.isinf(value) and name != "grad_clip"):
             raise ConfigError(f"--{name} must be a positive number (got {value})")
-    for name in ("learning_rate", "weight_decay"):  # lr 0 is meant: a run that only evaluates or re-saves weights
+    for name in ("learning_rate", "weight_decay", "save_every_minutes"):  # lr 0 is meant: a run that only evaluates
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"--{name} must be a finite number, 0 or more (got {value})")

@@ -76,9 +76,10 @@ class TrainPlan:
     grad_clip: float
     epochs: int
     max_steps: int  # 0: all epochs
-    log_interval: int
+    log_interval: Optional[int]  # None: MiniMind's 100, or fewer so that an epoch has ten records
     save_interval: int
     save_weights_every: int
+    save_every_minutes: float  # 0: no time-based saves
     eval_interval: int
     eval_batches: int
     keep_checkpoints: int
@@ -180,9 +181,9 @@ def weight_path(spec, save_dir, config):
 
 
 COPIED = ("learning_rate", "weight_decay", "warmup_steps", "grad_clip", "epochs", "max_steps", "log_interval",
-          "save_interval", "save_weights_every", "eval_interval", "eval_batches", "keep_checkpoints", "grace_seconds",
-          "max_bad_steps", "check_replicas", "num_workers", "num_proc", "dist_timeout", "dist_init_timeout",
-          "wandb_project")
+          "save_interval", "save_weights_every", "save_every_minutes", "eval_interval", "eval_batches",
+          "keep_checkpoints", "grace_seconds", "max_bad_steps", "check_replicas", "num_workers", "num_proc",
+          "dist_timeout", "dist_init_timeout", "wandb_project")
 
 
 def copied_flags(args):

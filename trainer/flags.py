@@ -20,7 +20,8 @@ def add_train_args(parser, **defaults):
     a("--accumulation_steps", type=int, default=8, help="micro-batches per optimizer step (pipeline: micro-batches)")
     a("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this value")
     a("--weight_decay", type=float, default=0.01, help="AdamW weight decay")
-    a("--log_interval", type=int, default=100, help="optimizer steps between metrics records")
+    a("--log_interval", type=int, default=None, help="optimizer steps between metrics records (default: 100, or "
+      "fewer so that an epoch has at least ten)")
     a("--save_interval", type=int, default=100, help="optimizer steps between weights + resume checkpoints")
     a("--hidden_size", type=int, default=768, help="model width")
     a("--num_hidden_layers", type=int, default=8, help="decoder blocks")
@@ -94,6 +95,8 @@ def add_checkpoint_args(parser):
       help="write resume checkpoints in the background (dcp.async_save)")
     a("--save_weights_every", type=int, default=0,
       help="also write the <save_weight>.pth weights every N steps (0: at the end only)")
+    a("--save_every_minutes", type=float, default=10, help="also save a resume checkpoint at the step after which the "
+      "next would end more than this many minutes after the last save, so that a slow run loses little (0: off)")
 
 
 def add_guard_args(parser):

@@ -6,6 +6,7 @@ swanlab (MiniMind's --use_wandb) runs online when logged in and offline otherwis
 """
 import json
 import os
+import sys
 
 import torch
 from tqdm import tqdm
@@ -117,6 +118,7 @@ class Tracker:
         self._file.flush()
         if self.console:
             tqdm.write(console_line(record))  # keeps a tqdm progress bar intact
+            sys.stdout.flush()
         values = scalars(record)
         if self._writer is not None:
             for name, value in values.items():

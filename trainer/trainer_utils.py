@@ -1,8 +1,10 @@
 """MiniMind's small helpers: paths, logging, lr schedule, weight names, model init, the resume sampler."""
 import math
 import os
+import sys
 
 from torch.utils.data import Sampler
+from tqdm import tqdm
 
 from model.model_minimind import MiniMindForCausalLM
 from model.weights import WeightsError, load_weights
@@ -25,7 +27,14 @@ def typed_or_default(typed, default):
 
 def Logger(content):
     if is_main_process():
-        print(content, flush=True)
+        say(content)
+
+
+def say(text, file=None):
+    """A message on a line of its own, above the progress bar when one is drawn (tqdm.write), flushed at once."""
+    file = file or sys.stdout
+    tqdm.write(str(text), file=file)
+    file.flush()
 
 
 def get_lr(current_step, total_steps, lr, warmup_steps=0):
