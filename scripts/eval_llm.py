@@ -72,10 +72,11 @@ def check_args(args):
 
 
 def load_model(args):
-    """--load_from folder, --checkpoint (a resume checkpoint, config included) or out/<weight>_<hidden>[_moe].pth
-    (its config from <weight>_<hidden>[_moe].json beside it; the model flags fill in for a .pth without one)."""
+    """(model, the path it came from): --load_from folder, --checkpoint (a resume checkpoint, config included) or
+    out/<weight>_<hidden>[_moe].pth (its config from <weight>_<hidden>[_moe].json beside it; the model flags fill in
+    for a .pth without one)."""
     if args.load_from:
-        return load_folder(args.load_from)
+        return load_folder(args.load_from), args.load_from
     if args.checkpoint:
         path = os.path.abspath(args.checkpoint)
         _, fields, _ = read_checkpoint(path)
@@ -92,7 +93,7 @@ def load_model(args):
             raise WeightsError(f"{path} does not exist; train it first or pass --weight/--hidden_size/--load_from")
         state_dict, saved_config = read_weights(path)  # the trainer's .pth has its config beside it (<stem>.json)
         fields = dict(flags, **weight_fields(state_dict, saved_config))  # flags only fill in what a bare .pth lacks
-    return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path)
+    return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path), path
 
 
 def lora_path(args, config):
@@ -122,11 +123,22 @@ def reply(model, tokenizer, text, args):
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False).to(args.device)
     sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if args.temperature > 0 \
         else dict(do_sample=False)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer = ReplyStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, streamer=streamer,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **sampling)
     return tokenizer.decode(out[0, inputs.input_ids.shape[1]:], skip_special_tokens=True)
+
+
+class ReplyStreamer(TextStreamer):
+    """TextStreamer without the reply's leading blank lines (an empty think block decodes to four newlines once its
+    special tokens are skipped)."""
+
+    def on_finalized_text(self, text, stream_end=False):
+        if not getattr(self, "started", False):
+            text = text.lstrip()
+            self.started = bool(text)
+        super().on_finalized_text(text, stream_end)
 
 
 def parse_args(argv=None):
@@ -172,15 +184,18 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         check_args(args)
-        model = load_model(args)
-        if args.lora:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
-            apply_lora_file(model, lora_path(args, model.config))
+        model, source = load_model(args)
+        adapter = lora_path(args, model.config) if args.lora else None
+        if adapter:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
+            apply_lora_file(model, adapter)
         model = model.eval().to(args.device)
     except (ConfigError, WeightsError, LoraError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(args))
+    print(f"weights {source}{f' + LoRA adapter {adapter}' if adapter else ''}, tokenizer {tokenizer_folder(args)}",
+          flush=True)
     chat = bool(args.chat if args.chat is not None else (args.load_from or args.weight != "pretrain"))
     if args.interactive:
         messages = []

@@ -1,6 +1,7 @@
 """The checks resolve() runs: each raises a ConfigError with one line saying what to change."""
 import math
 import os
+import re
 import tempfile
 
 import torch
@@ -184,7 +185,8 @@ def check_paths(save_dir, from_weight, data_paths, others=()):
     for directory, flag in others:
         check_writable(directory, flag)
     if from_weight != "none" and not os.path.exists(from_weight):
-        raise ConfigError(f"--from_weight: {from_weight} does not exist; train it first or pass --from_weight none")
+        raise ConfigError(f"--from_weight: {from_weight} does not exist; {other_sizes(from_weight, '--from_weight')}"
+                          "train it first (the stage before, with the same size flags) or pass --from_weight none")
     for flag, spec in data_paths:
         if spec is None:
             continue
@@ -195,6 +197,23 @@ def check_paths(save_dir, from_weight, data_paths, others=()):
         for path in files:
             if os.path.getsize(path) == 0:
                 raise ConfigError(f"data file {path} is empty; check {flag}")
+
+
+def other_sizes(path, flag):
+    """For a missing MiniMind weight <prefix>_<hidden>[_moe].pth, the files of the same prefix and other sizes beside
+    it and how to use them ("<folder> has x_256.pth (--hidden_size 256): pass its size flags or <flag> <file>; "),
+    else ""."""
+    match = re.fullmatch(r"(.+)_\d+(_moe)?\.pth", os.path.basename(path))
+    folder = os.path.dirname(path)
+    if not match or not os.path.isdir(folder):
+        return ""
+    pattern = re.escape(match.group(1)) + r"_(\d+)(_moe)?\.pth"
+    found = [re.fullmatch(pattern, name) for name in sorted(os.listdir(folder))]
+    found = [(m.group(0), f"--hidden_size {m.group(1)}{' --use_moe 1' if m.group(2) else ''}") for m in found if m]
+    if not found:
+        return ""
+    files = ", ".join(f"{name} ({flags})" for name, flags in found)
+    return f"{folder} has {files}: pass its size flags or {flag} {os.path.join(folder, found[0][0])}; "
 
 
 def check_tokenizer(path):

@@ -15,12 +15,13 @@ from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import WeightsError, load_weights, read_checkpoint, weight_fields
+from trainer.checks import other_sizes
 from trainer.launch import ConfigError
 from trainer.metrics import step_flops
 from trainer.objective import LMObjective
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
-from trainer.trainer_utils import typed_or_default
+from trainer.trainer_utils import typed_or_default, weight_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -48,7 +49,8 @@ def resolve_distillation(args, plan):
     if plan.pp > 1:
         raise ConfigError("--pp > 1 is not supported by distillation (the teacher is not split into pipeline "
                           "stages); use --tp, --cp or data parallel")
-    path = teacher_path(args.teacher_weight, plan.save_dir)
+    default = weight_name("full_sft", plan.model_config) + ("" if plan.model_config.use_moe else "_moe")
+    path = teacher_path(args.teacher_weight or default, plan.save_dir)  # MiniMind's: the MoE SFT model
     fields = teacher_fields(path, plan)
     return DistillationPlan(alpha=args.alpha, temperature=args.temperature, teacher_path=path, teacher_fields=fields,
                             chunk_size=plan.model_config.loss_chunk_size if plan.chunked_loss else 0)
@@ -61,8 +63,9 @@ def teacher_path(value, save_dir):
     else:
         path = os.path.join(save_dir, value + ".pth")
     if not os.path.exists(path):
-        raise ConfigError(f"--teacher_weight: {path} does not exist; train the teacher first (MiniMind's: "
-                          "train_sft.py --use_moe 1) or pass a .pth, a resume checkpoint or an HF folder")
+        raise ConfigError(f"--teacher_weight: {path} does not exist; {other_sizes(path, '--teacher_weight')}"
+                          "train the teacher first (MiniMind's: train_pretrain.py and train_sft.py with --use_moe 1) "
+                          "or pass a .pth, a resume checkpoint or an HF folder")
     return path
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model.weights import atomic_save
+from trainer.checks import other_sizes
 from trainer.config import weight_path
 from trainer.launch import ConfigError, count_sum, is_main_process, setup_seed
 from trainer.objective import LMObjective
@@ -54,7 +55,8 @@ def resolve_dpo(args, plan):
     ref_weight = (plan.from_weight if args.ref_weight is None
                   else weight_path(args.ref_weight, plan.save_dir, plan.model_config))
     if ref_weight != "none" and not os.path.exists(ref_weight):
-        raise ConfigError(f"--ref_weight {ref_weight} does not exist; pass a .pth, a resume checkpoint step_<N> "
+        raise ConfigError(f"--ref_weight {ref_weight} does not exist; {other_sizes(ref_weight, '--ref_weight')}"
+                          "pass a .pth, a resume checkpoint step_<N> "
                           "directory or a Hugging Face folder")
     return DPOPlan(beta=float(args.beta), ref_weight=ref_weight, ref_identity=reference_identity(ref_weight, plan))
 

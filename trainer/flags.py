@@ -148,17 +148,27 @@ def add_dpo_args(parser):
 def add_distillation_args(parser):
     """train_distillation.py: the teacher and the mixed loss (trainer/distillation.py); MiniMind's defaults."""
     a = parser.add_argument
-    a("--teacher_weight", default="full_sft_768_moe",
+    a("--teacher_weight", default=None,
       help="the teacher: a .pth, a resume checkpoint (step_<N> folder or *_resume.pth), a Hugging Face folder, or a "
-      "weight name in save_dir (default: MiniMind's teacher, the MoE SFT model <save_dir>/full_sft_768_moe.pth); "
-      "any size, dense or MoE, with the student's tokenizer")
+      "weight name in save_dir (default: MiniMind's teacher, the MoE SFT model of the student's width, "
+      "<save_dir>/full_sft_<hidden>_moe.pth); any size, dense or MoE, with the student's tokenizer")
     a("--alpha", type=float, default=0.5, help="loss = alpha * CE + (1 - alpha) * T^2 * KL(teacher || student)")
     a("--temperature", type=float, default=1.5, help="softmax temperature T of both models in the KL")
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """--help adds "(default: X)" to a flag's help unless the help says its default itself (a None default means
+    "unset", which the help explains: "(default: out/ in the repo)", not "... (default: None)")."""
+
+    def _get_help_string(self, action):
+        if "default:" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(description, stage_args=None, **defaults):
     """The script's flags (plus a stage's own, `stage_args(parser)`, e.g. add_dpo_args); --help shows every default."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=DefaultsOnce)
     add_train_args(parser)
     if stage_args is not None:
         stage_args(parser)

@@ -14,12 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import AutoTokenizer
 
-from dataset.demo_data import ensure_demo_data
-from dataset.lm_dataset import SFTDataset
-from dataset.mixture import describe_mixture, load_data_spec
-from dataset.token_cache import local_part
 from trainer.checkpoint import (
     Checkpointer,
     TrainState,
@@ -32,9 +27,16 @@ from trainer.checkpoint import (
 )
 from trainer.checks import check_same_dtype
 from trainer.config import resolve
-from trainer.guard import Preemption, StepAbandoned, StepGuard, check_replicas, scaler_found_inf
+from trainer.data_loading import epoch_loader, leaf_datasets, load_chat_datasets, load_datasets  # noqa: F401 (stages)
+from trainer.guard import (
+    Preemption,
+    StepAbandoned,
+    StepGuard,
+    add_signal_points,
+    check_replicas,
+    scaler_found_inf,
+)
 from trainer.launch import (
-    ConfigError,
     count_sum,
     init_distributed_mode,
     local_value,
@@ -53,7 +55,7 @@ from trainer.parallel.tensor import tp_loss_context
 from trainer.progress import NO_BAR, Bar, effective_log_interval, make_tracker, messages_above_bar, step_record
 from trainer.storage import checkpoint_bytes_estimate, room_warning
 from trainer.tracking import StepProfiler
-from trainer.trainer_utils import Logger, SkipBatchSampler, get_lr, init_model
+from trainer.trainer_utils import Logger, get_lr, init_model
 
 
 @dataclass
@@ -94,48 +96,6 @@ def setup(args, resolve_stage=None):
     return plan, dims
 
 
-def load_datasets(plan, make_dataset, demo_kind):
-    """Phase 2: train/eval datasets (the demo corpus when no --data_path); data errors become ConfigErrors.
-
-    A --data_path of several sources is concatenated, or mixed by its weights (dataset/mixture.py)."""
-    data_path = plan.data_path or ensure_demo_data(demo_kind)  # the embedded corpus, built on first use
-    try:
-        train_ds = load_data_spec(data_path, make_dataset, seed=plan.seed)
-        eval_ds = load_data_spec(plan.eval_data_path, make_dataset, seed=plan.seed) if plan.eval_data_path else None
-    except (ValueError, FileNotFoundError, TimeoutError) as e:
-        raise ConfigError(str(e))
-    for path, ds in ((data_path, train_ds), (plan.eval_data_path, eval_ds)):
-        skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
-        if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
-            Logger(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
-    for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds):  # SFT rows whose targets lie past --max_seq_len
-        if hasattr(ds, "no_target_line") and ds.no_target_line():
-            Logger(ds.no_target_line())
-    if describe_mixture(train_ds, data_path):
-        Logger(describe_mixture(train_ds, data_path))
-    if len(train_ds) < plan.global_batch:
-        raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
-                          f"({plan.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
-    return train_ds, eval_ds
-
-
-def load_chat_datasets(plan):
-    """Phase 2 of the chat stages (SFT, LoRA, distillation): SFTDataset rows of --data_path (the embedded chat corpus
-    by default), whole conversations packed into rows under --packing 1."""
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
-    return load_datasets(plan, lambda path: SFTDataset(
-        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
-        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
-
-
-def leaf_datasets(ds):
-    """The per-file datasets under a ConcatDataset (.datasets) or a MixtureDataset (.sources); [] for None."""
-    if ds is None:
-        return []
-    children = getattr(ds, "datasets", None) or getattr(ds, "sources", None)
-    return [leaf for child in children for leaf in leaf_datasets(child)] if children else [ds]
-
-
 def build_model(config, plan, model_state=None):
     """The plain full model on plan.device: --from_weight (or resume) weights, else the seeded init."""
     model = init_model(config, plan.from_weight)
@@ -158,6 +118,8 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     if warning:
         Logger(warning)
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
+    if plan.world_size == 1 and not plan.use_compile:  # a signal then drops a step between blocks of its backward
+        add_signal_points(model_parts)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, plan.learning_rate, plan.zero_stage, dims.group("dp_cp"),
                                 fused=plan.device.startswith("cuda") and not plan.has_dtensor,
@@ -421,16 +383,6 @@ def epoch_batches(trainer, train_ds, epoch):
     skip = trainer.progress.step_in_epoch * plan.num_microbatches
     return iter(epoch_loader(train_ds, epoch, plan.seed, plan.micro_batch, plan.dp, trainer.dims.dp_rank,
                              plan.num_workers, plan.device.startswith("cuda"), skip))
-
-
-def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_workers=0, pin_memory=False, skip_batches=0):
-    """The DataLoader of one dp rank's micro-batches of `epoch` (scripts/bench_loader.py times it alone)."""
-    sampler = DistributedSampler(train_ds, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
-    sampler.set_epoch(epoch)  # data order is a pure function of (seed, epoch)
-    if hasattr(train_ds, "set_epoch"):  # a weighted mixture draws its rows per epoch, from (seed, epoch) too
-        train_ds.set_epoch(epoch)
-    return DataLoader(train_ds, batch_sampler=SkipBatchSampler(sampler, micro_batch, skip_batches),
-                      num_workers=num_workers, pin_memory=pin_memory)
 
 
 def evaluate(trainer, eval_ds):

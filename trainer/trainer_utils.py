@@ -59,7 +59,8 @@ def init_model(config, from_weight="none", device="cpu"):
             load_weights(model, from_weight)  # strict; a mismatch names the file, tensor, both shapes and the flag
         except WeightsError as e:
             raise ConfigError(str(e)) from None
-    Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
+    source = f"weights {from_weight}" if from_weight != "none" else "initialised from --seed"
+    Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
     return model.to(device)
 
 
