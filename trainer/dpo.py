@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from model.weights import atomic_save
 from trainer.checks import other_sizes
@@ -247,7 +248,8 @@ def reference_log_probs(model_parts, pipeline, ds, plan, dims, objective):
     positions = dims.dp_rank * share + np.arange(-(-share // rows) * rows)
     keep = (positions < min(n, (dims.dp_rank + 1) * share)) & dims.counts_items  # who holds a pair's value
     values = torch.zeros(n, 2, dtype=torch.float64)
-    for start in range(0, len(positions), rows):
+    for start in tqdm(range(0, len(positions), rows), desc="reference log-probs", unit="batch", delay=1,
+                      disable=not is_main_process(), dynamic_ncols=True):  # its own bar, with ETA, before training
         index = positions[start:start + rows] % n
         pairs = [ds[int(i)] for i in index]
         input_ids = torch.stack([p[0] for p in pairs]).flatten(0, 1).to(plan.device)
