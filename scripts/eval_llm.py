@@ -26,7 +26,7 @@ from model.weights import WeightsError, load_weights, read_checkpoint, read_weig
 from trainer.checks import check_device, check_tokenizer  # noqa: E402
 from trainer.config import weight_path  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
-from trainer.trainer_utils import typed_or_default  # noqa: E402
+from trainer.trainer_utils import file_digest, typed_or_default  # noqa: E402
 
 
 def load_folder(folder):
@@ -194,8 +194,8 @@ def main(argv=None):
         sys.exit(2)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(args))
-    print(f"weights {source}{f' + LoRA adapter {adapter}' if adapter else ''}, tokenizer {tokenizer_folder(args)}",
-          flush=True)
+    lora = f" + LoRA adapter {adapter}{file_digest(adapter)}" if adapter else ""
+    print(f"weights {source}{file_digest(source)}{lora}, tokenizer {tokenizer_folder(args)}", flush=True)
     chat = bool(args.chat if args.chat is not None else (args.load_from or args.weight != "pretrain"))
     if args.interactive:
         messages = []

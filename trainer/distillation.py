@@ -21,7 +21,7 @@ from trainer.metrics import step_flops
 from trainer.objective import LMObjective
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
-from trainer.trainer_utils import typed_or_default, weight_name
+from trainer.trainer_utils import file_digest, typed_or_default, weight_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -181,9 +181,9 @@ def describe(stage, plan, teacher):
     config = stage.teacher_config
     params = sum(p.numel() for p in teacher.parameters()) / 1e6  # a DTensor counts its full size
     return (f"Distillation: student from {plan.from_weight} (--from_weight; MiniMind's default full_sft: SFT -> "
-            f"distillation), teacher {stage.teacher_path} ({params:.2f}M, hidden {config.hidden_size}, "
-            f"{'MoE' if config.use_moe else 'dense'}), loss = {stage.alpha} * CE + {1 - stage.alpha:g} * "
-            f"{stage.temperature}^2 * KL(teacher || student)")
+            f"distillation), teacher {stage.teacher_path}{file_digest(stage.teacher_path)} ({params:.2f}M, hidden "
+            f"{config.hidden_size}, {'MoE' if config.use_moe else 'dense'}), loss = {stage.alpha} * CE + "
+            f"{1 - stage.alpha:g} * {stage.temperature}^2 * KL(teacher || student)")
 
 
 class _ChunkedDistillation(torch.autograd.Function):

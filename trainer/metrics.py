@@ -1,5 +1,7 @@
 """What a step measures: FLOPs and peak FLOP/s (MFU), peak memory, tokens/s over a window. The collectives that sum
 them over ranks are in trainer/launch.py; where the figures go (JSONL, TensorBoard, swanlab), trainer/tracking.py."""
+import ctypes
+import ctypes.util
 import json
 import os
 import platform
@@ -208,6 +210,24 @@ def enable_tf32(device, strict):
     if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("highest" if strict else "high")
         torch.backends.cudnn.allow_tf32 = not strict
+
+
+LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+TRIM_SHARE = 0.01  # of the run's time at most spent in malloc_trim
+_trim = {"next": 0.0}
+
+
+def trim_heap(device):
+    """CPU under glibc: give the heap's free pages back to the system (malloc_trim), at most TRIM_SHARE of the time.
+
+    SFT and distillation allocate tensors sized by each batch's target tokens; glibc keeps the freed pieces in its
+    heap, so the resident set climbed with every step (SFT h256 on 2 cores: 1.08 -> 1.53 GB in 30 steps, flat at
+    0.5-1.0 GB when every large block is mmap-ed and given back, 1.08 -> 1.18 GB with a trim after each step)."""
+    if torch.device(device).type != "cpu" or not hasattr(LIBC, "malloc_trim") or time.monotonic() < _trim["next"]:
+        return
+    start = time.monotonic()
+    LIBC.malloc_trim(0)
+    _trim["next"] = start + (time.monotonic() - start) / TRIM_SHARE
 
 
 def peak_mem_gb(device):

@@ -44,7 +44,7 @@ from trainer.launch import (
     setup_seed,
     world_sum,
 )
-from trainer.metrics import StepTimer, enable_tf32, peak_flops
+from trainer.metrics import StepTimer, enable_tf32, peak_flops, trim_heap
 from trainer.objective import LMObjective, add_stats, target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.context import context_position_ids, shard_sequence
@@ -199,6 +199,7 @@ def train_epoch(trainer, batches, tracker, eval_ds, timer, profiler, bar):
         with preemption.abandonable():
             micro_batches = [next(batches) for _ in range(plan.num_microbatches)]
         metrics = train_step(trainer, micro_batches, bar)
+        trim_heap(plan.device)  # batches of varying target counts fragment the CPU heap
         if not trainer.started:  # start-up (token cache, weights, compile) is over
             set_collective_timeout(plan.dist_timeout)
             trainer.started = True

@@ -1,4 +1,5 @@
 """MiniMind's small helpers: paths, logging, lr schedule, weight names, model init, the resume sampler."""
+import hashlib
 import math
 import os
 import sys
@@ -59,9 +60,21 @@ def init_model(config, from_weight="none", device="cpu"):
             load_weights(model, from_weight)  # strict; a mismatch names the file, tensor, both shapes and the flag
         except WeightsError as e:
             raise ConfigError(str(e)) from None
-    source = f"weights {from_weight}" if from_weight != "none" else "initialised from --seed"
+    source = f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else "initialised from --seed"
     Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
     return model.to(device)
+
+
+def file_digest(path):
+    """' (sha256 <first 12 hex>)' of a weights file, so a run's log names the exact bytes it started from; '' for a
+    folder (an HF folder, a checkpoint directory)."""
+    if not os.path.isfile(path):
+        return ""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return f" (sha256 {digest.hexdigest()[:12]})"
 
 
 class SkipBatchSampler(Sampler):
