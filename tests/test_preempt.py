@@ -2,6 +2,7 @@
 (one process drops the step in progress at once; several ranks finish it and stop at the same step); resuming
 reproduces the uninterrupted run's losses and weights."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,11 @@ def test_sigint_in_a_long_step_saves_the_last_completed_step_at_once(tmp_path):
     assert code == 0, output[-3000:]
     assert "SIGINT: dropping the unfinished optimizer step" in output and "Done:" not in output, output[-2000:]
     assert "preempted: dropped step 3; step 2 saved" in output, output[-2000:]
+    # the handler's and the loop's lines start lines of their own (tqdm clears the bar's line first), the bar is the
+    # same file's stderr: a print would have glued them onto the bar's text
+    pieces = re.split(r"[\r\n]", output)
+    for needle in ("SIGINT: dropping", "preempted: dropped", "step 2 | epoch"):
+        assert [p for p in pieces if needle in p] and all(p.startswith(needle) for p in pieces if needle in p), needle
     records = read_metrics(metrics_path(argv))
     assert [r["step"] for r in records] == [1, 2]
     step_seconds = records[1]["elapsed_s"] - records[0]["elapsed_s"]

@@ -1,12 +1,14 @@
 """trainer/train_loop.py in one process: the effective log interval, steps per epoch, the host reads of a step."""
 import argparse
 import os
+import re
 import traceback
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.flags import add_train_args
 from trainer.progress import Bar, effective_log_interval
 from trainer.train_loop import build_trainer, setup, steps_per_epoch, train_step
@@ -78,3 +80,18 @@ def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe):
     if use_moe:
         expected += [("model/model_minimind.py", "dispatch", "tolist", "cpu")] * 2 * 2  # per layer, per micro-batch
     assert sorted(ours) == sorted(expected), ours
+
+
+def test_the_bar_shows_the_log_lines_loss_under_data_parallel(tmp_path):
+    """2 ranks: the bar's loss at a step's end is the step loss summed over the ranks (the guard's all-reduce), the
+    log line's, not rank 0's share (which was about half of it)."""
+    data = demo_slice(tmp_path, "pretrain", 100)
+    out = str(tmp_path / "out")
+    proc = forked("trainer/train_pretrain.py", [
+        *TINY_MODEL, "--data_path", data, "--packing", "0", "--max_seq_len", "32", "--batch_size", "2",
+        "--accumulation_steps", "2", "--max_steps", "3", "--log_interval", "1", "--save_dir", out, "--checkpoint_dir",
+        os.path.join(out, "ckpt"), "--metrics_file", os.path.join(out, "m.jsonl")], 2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = re.findall(r"\| 6/6 .*?loss=([0-9.]+), lr=", proc.stderr)  # the final bar (3 steps x 2 micro-batches)
+    records = read_metrics(os.path.join(out, "m.jsonl"))
+    assert final == [f"{records[-1]['loss']:.4f}"], (final, records[-1]["loss"], proc.stderr[-2000:])
