@@ -219,7 +219,7 @@ def after_step(trainer, tracker, eval_ds, metrics, timer, epoch_end):
     and a step past --save_every_minutes since the last save (agreed by the guard)."""
     plan, step, guard = trainer.plan, trainer.progress.global_step, trainer.guard
     last = epoch_end or should_stop(trainer)
-    if step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or last:
+    if step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or step == 1 or last:  # a first loss early
         tracker.log(step_record(trainer, metrics, timer))
     if plan.check_replicas and step % plan.check_replicas == 0 and plan.dp * plan.cp > 1:
         check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)
@@ -245,10 +245,10 @@ def save_abandoned(trainer):
         Logger("preempted: no optimizer step completed yet; nothing to save")
         return
     set_rng_state(trainer.step_rng)
-    if guard.last_save != step:
+    if guard.last_save != step:  # else that step's checkpoint is on disk already
         trainer.checkpointer.save(step)
         guard.saved(step)
-        save_weights(trainer)
+    save_weights(trainer)  # as a finished or preempted run leaves them
     Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.checkpoint_dir}; "
            "continue with --from_resume 1")
 
