@@ -72,27 +72,28 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def matmul_rate(device, dtype, shape, trials=3, cast_from=None):
-    """FLOP/s of an (m, k) @ (k, n) matmul in `dtype`, best of `trials` (load on a shared machine only slows one
-    down). cast_from: the inputs live in that dtype and are cast first, as autocast does with fp32 activations."""
+def matmul_rate(device, dtype, shape, trials=3, cast_from=None, seconds=0.0):
+    """FLOP/s of an (m, k) @ (k, n) matmul in `dtype`, the best of `trials` and of as many more as fit in `seconds`
+    (load on a shared machine only slows a trial down; a longer window catches a quiet moment). cast_from: the inputs
+    live in that dtype and are cast first, as autocast does with fp32 activations."""
     m, k, n = shape
     a, b = (torch.randn(rows, cols, dtype=cast_from or dtype, device=device) for rows, cols in ((m, k), (k, n)))
     run = (lambda: a.to(dtype) @ b.to(dtype)) if cast_from is not None else (lambda: a @ b)
     run()  # warm-up: the kernel's first call picks and prepares its code path
-    best = float("inf")
-    for _ in range(trials):
+    best, count, deadline = float("inf"), 0, time.perf_counter() + seconds
+    while count < trials or (time.perf_counter() < deadline and count < 100):
         _sync(device)
         start = time.perf_counter()
         run()
         _sync(device)
-        best = min(best, time.perf_counter() - start)
+        best, count = min(best, time.perf_counter() - start), count + 1
     return 2 * m * k * n / best
 
 
 # A training matmul: 2048 token rows through the default model's MLP (hidden 768 -> 2432): 7.6 GFLOP, ~40 ms in fp32
 # on 2 cores; larger squares and the lm_head's shape run no faster on the CPUs measured (1 thread, EPYC: 110-117 fp32)
 TRAINING_SHAPE = (2048, 768, 2432)
-TRIALS = 5  # short trials, the best counts: a trial that other processes slowed down is dropped
+TRIALS, WINDOW_S = 5, 0.3  # at least 5 trials over 0.3 s, the best counts: slowed-down trials are dropped
 RATES_FILE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimind4d",
                           "cpu_matmul_rates.json")
 LOCK_WAIT_S = 60  # a process measuring the rates holds a lock this long at most; others wait for its result
@@ -119,11 +120,11 @@ def measure_cpu_rates():
     """{name: FLOP/s} with this process's threads at TRAINING_SHAPE: fp32, and where native bf16 and
     "bfloat16_autocast" (bf16 with its inputs cast from fp32 first, as autocast runs it)."""
     device = torch.device("cpu")
-    rates = {"float32": matmul_rate(device, torch.float32, TRAINING_SHAPE, TRIALS)}
+    rates = {"float32": matmul_rate(device, torch.float32, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)}
     if cpu_bf16_native():
-        rates["bfloat16"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS)
+        rates["bfloat16"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)
         rates["bfloat16_autocast"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS,
-                                                 cast_from=torch.float32)
+                                                 cast_from=torch.float32, seconds=WINDOW_S)
     return rates
 
 
