@@ -64,6 +64,7 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     assert "initialised from --seed" in pretrain and "Done: 2 steps" in pretrain
     assert started_from(sft, w["pretrain_64.pth"], digests)
     assert started_from(lora, w["full_sft_64.pth"], digests) and os.path.isfile(w["lora/lora_identity_64.pth"])
+    assert "on 4 modules (o_proj, q_proj in 2 layers)" in lora  # the square layers of 2 blocks (it said "4 layers")
     assert started_from(dpo, w["full_sft_64.pth"], digests) and os.path.isfile(os.path.join(out, "dpo_64.pth"))
     assert "initialised from --seed" in moe and started_from(moe_sft, w["pretrain_64_moe.pth"], digests)
     assert started_from(distill, w["full_sft_64.pth"], digests)  # the student; the teacher by default:
