@@ -131,8 +131,7 @@ def reply(model, tokenizer, text, args):
 
 
 class ReplyStreamer(TextStreamer):
-    """TextStreamer without the reply's leading blank lines (an empty think block decodes to four newlines once its
-    special tokens are skipped)."""
+    """TextStreamer without the reply's leading whitespace (a small model's reply often opens with blank lines)."""
 
     def on_finalized_text(self, text, stream_end=False):
         if not getattr(self, "started", False):
