@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager
 
 import numpy as np
+from tqdm import tqdm
 
 from dataset.cache_guard import cache_header, discard_if_damaged, disk_full_line
 
@@ -272,8 +273,9 @@ def _tokenized_ranges(task, ranges, num_proc):
             conn.close()
 
 
-def _write_part(part_dir, task, part_range, num_proc, heartbeat):
-    """Tokenize `part_range` into part_dir/{tokens,mask,lengths}.bin + meta.json, atomically."""
+def _write_part(part_dir, task, part_range, num_proc, heartbeat, show=False):
+    """Tokenize `part_range` into part_dir/{tokens,mask,lengths}.bin + meta.json, atomically; `show`: a progress bar
+    (with ETA) over its bytes (row groups for parquet) once the build takes more than a second."""
     data_path = task[0]
     start, end = part_range
     pieces = max(1, min(end - start, max(4 * num_proc, math.ceil((end - start) / TASK_BYTES))))
@@ -286,11 +288,15 @@ def _write_part(part_dir, task, part_range, num_proc, heartbeat):
     num_docs = num_tokens = num_bad = 0
     has_mask = False
     results = _tokenized_ranges(task, ranges, num_proc)
+    parquet = _is_parquet(data_path)
+    bar = tqdm(total=end - start, desc=f"tokenizing {os.path.basename(data_path)}", unit=" row groups" if parquet
+               else "B", unit_scale=not parquet, disable=not show, delay=1, mininterval=1, dynamic_ncols=True)
     try:
         with open(os.path.join(tmp_dir, "tokens.bin"), "wb") as f_tokens, \
                 open(os.path.join(tmp_dir, "mask.bin"), "wb") as f_mask, \
                 open(os.path.join(tmp_dir, "lengths.bin"), "wb") as f_lengths:
-            for token_bytes, lengths, mask_bytes, bad in results:
+            for (range_start, range_end), (token_bytes, lengths, mask_bytes, bad) in zip(ranges, results):
+                bar.update(range_end - range_start)
                 f_tokens.write(token_bytes)
                 f_lengths.write(lengths.tobytes())
                 if mask_bytes is not None:
@@ -306,6 +312,8 @@ def _write_part(part_dir, task, part_range, num_proc, heartbeat):
         results.close()  # runs the generator's finally now: its workers are terminated before the files go
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+    finally:
+        bar.close()
 
 
 def _rename_or_discard(tmp_dir, final_dir):
@@ -497,7 +505,7 @@ def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_l
                 ours = bool(holder) and holder.get("node") == me["node"] and holder.get("parts") == num_parts
                 if ours and not os.path.exists(os.path.join(part_dir, "meta.json")):
                     _write_part(part_dir, task, split_range(data_path, *_extent(data_path), num_parts)[rank],
-                                num_proc, heartbeat)
+                                num_proc, heartbeat, show=rank == 0)
                     tokenized = True
                 elif holding and all(os.path.exists(os.path.join(parts_dir, f"part{r}", "meta.json"))
                                      for r in range(num_parts)):

@@ -37,7 +37,7 @@ from model.weights import (  # noqa: E402
 from trainer.checks import check_device, check_tokenizer  # noqa: E402
 from trainer.config import weight_path  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
-from trainer.trainer_utils import typed_or_default  # noqa: E402
+from trainer.trainer_utils import file_digest, typed_or_default  # noqa: E402
 
 
 def load_folder(folder):
@@ -133,10 +133,13 @@ def load_chat_model(args):
     (LOAD_ERRORS) name what to change."""
     check_args(args)
     model, weights = load_model(args)
-    if args.lora:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
-        apply_lora_file(model, lora_path(args, model.config))
+    adapter = lora_path(args, model.config) if args.lora else None
+    if adapter:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
+        apply_lora_file(model, adapter)
     tokenizer_dir = tokenizer_folder(args, weights)  # the tokenizer the weights record, unless given by hand
     check_tokenizer(tokenizer_dir)
+    lora = f" + LoRA adapter {adapter}{file_digest(adapter)}" if adapter else ""
+    print(f"weights {weights}{file_digest(weights)}{lora}, tokenizer {tokenizer_dir}", flush=True)
     return model.eval().to(args.device), AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
@@ -218,10 +221,20 @@ def stream_ids(model, tokenizer, text, max_new_tokens, temperature, top_p):
 
 def reply(model, tokenizer, text, args):
     """Stream the continuation of `text` to stdout; return it decoded."""
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer = ReplyStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     _, new_ids = generate_ids(model, tokenizer, text, args.max_new_tokens, args.temperature, args.top_p,
                               streamer=streamer)
     return tokenizer.decode(new_ids, skip_special_tokens=True)
+
+
+class ReplyStreamer(TextStreamer):
+    """TextStreamer without the reply's leading whitespace (a small model's reply often opens with blank lines)."""
+
+    def on_finalized_text(self, text, stream_end=False):
+        if not getattr(self, "started", False):
+            text = text.lstrip()
+            self.started = bool(text)
+        super().on_finalized_text(text, stream_end)
 
 
 def add_model_args(parser, weight="pretrain"):

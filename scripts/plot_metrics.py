@@ -1,7 +1,7 @@
 """Plot one or more --metrics_file JSONL files: loss, eval loss, lr, gradient norm, tokens/s, MFU, memory (and RL
 rewards) against step.
 
-    python scripts/plot_metrics.py out/pretrain_768_metrics.jsonl --out plot.png
+    python scripts/plot_metrics.py out/pretrain_768_metrics.jsonl          # writes out/pretrain_768_metrics.png
     python scripts/plot_metrics.py a.jsonl b.jsonl --labels dp2,tp2 --out compare.png
 
 Several files are drawn as one line each in every panel (compare layouts, resumes, configs). A step logged
@@ -14,6 +14,8 @@ import os
 
 import pandas as pd
 from matplotlib.figure import Figure  # a plain Figure renders PNGs through Agg; no pyplot, no display
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (column, panel title, y scale factor, y label)
 PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "validation loss"),
@@ -76,7 +78,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Plot --metrics_file JSONL files (one line per file in each panel)",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("files", nargs="+", help="metrics JSONL files written by the trainer")
-    parser.add_argument("--out", default="metrics.png", help="PNG to write")
+    parser.add_argument("--out", default=None, help="PNG to write (default: out/<first file's name>.png in the repo)")
     parser.add_argument("--labels", default=None,
                         help="comma-separated legend names, one per file; unset: the file names")
     parser.add_argument("--dpi", type=int, default=100, help="pixels per inch of the PNG")
@@ -96,9 +98,11 @@ def main(argv=None):
         fig = plot(frames, labels)
     except ValueError as e:
         parser.exit(2, f"error: {e}; pass a --metrics_file the trainer wrote\n")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fig.savefig(args.out, dpi=args.dpi)
-    print(f"wrote {args.out}")
+    out = os.path.abspath(args.out) if args.out else os.path.join(
+        ROOT, "out", os.path.splitext(os.path.basename(args.files[0]))[0] + ".png")  # a default under the repo's out/
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fig.savefig(out, dpi=args.dpi)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

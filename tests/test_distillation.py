@@ -18,11 +18,11 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_distillation
+from trainer.batches import step_targets
 from trainer.config import resolve
 from trainer.distillation import DistillationObjective, DistillationPlan, resolve_distillation
 from trainer.flags import add_distillation_args, add_train_args
 from trainer.launch import ConfigError, main_guard
-from trainer.train_loop import step_targets
 
 SCRIPT = "trainer/train_distillation.py"
 STUDENT = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

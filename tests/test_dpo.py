@@ -17,10 +17,10 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import minimind_to_hf, save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_dpo
+from trainer.batches import step_targets
 from trainer.dpo import DPOObjective, sequence_log_probs
 from trainer.launch import main_guard, setup_seed
 from trainer.parallel.pipeline import PipelineLoss
-from trainer.train_loop import step_targets
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 BETA = 0.15

@@ -203,3 +203,16 @@ def test_lora_for_another_shape_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert caught.value.code == 2 and err.startswith("error: ") and "\n" not in err
     assert "lora.A.weight has shape [4, 128], the model's adapter [4, 64]" in err
+
+
+def test_a_reply_starts_with_its_first_word_not_blank_lines(capsys):
+    """A small model's reply often opens with newlines (the issue saw about four blank lines): the streamed reply
+    drops the leading whitespace, and only that, as the model's tokens arrive one by one."""
+    from scripts.eval_llm import ReplyStreamer
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    ids = tokenizer("\n\n\n\n Hello there,\n\n  friend.", add_special_tokens=False).input_ids
+    streamer = ReplyStreamer(tokenizer, skip_special_tokens=True)
+    for token in ids:
+        streamer.put(torch.tensor([token]))
+    streamer.end()
+    assert len(ids) > 3 and capsys.readouterr().out == "Hello there,\n\n  friend.\n"

@@ -61,3 +61,23 @@ def test_check_replicas_names_the_diverged_tensor(tmp_path):
                      "(group ranks [1] vs 0); the replicas diverged, resume from the last checkpoint and look for "
                      "non-deterministic or rank-dependent code"], proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(os.path.join(str(tmp_path), "dp2", "metrics.jsonl"))] == [1, 2, 3]
+
+
+def test_time_based_saves_are_agreed_and_keep_the_gaps_under_the_limit(tmp_path):
+    """--save_every_minutes 0.01 (0.6 s) with --save_interval far away, 2 ranks: checkpoints come at steps every rank
+    chose together (a save is a collective: a disagreement would hang, not pass), and no two consecutive saves (the
+    run's start and its last step counting as saves) lie further apart than the limit plus two steps."""
+    data = demo_slice(tmp_path, "pretrain", 400)
+    limit = 0.01 * 60
+    argv = [*common_args(tmp_path, "timed", data), "--accumulation_steps", "4", "--save_interval", "1000",
+            "--save_every_minutes", "0.01", "--keep_checkpoints", "0", "--max_steps", "24"]
+    proc = forked(SCRIPT, argv, 2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(os.path.join(str(tmp_path), "timed", "metrics.jsonl"))
+    run_dir = os.path.join(str(tmp_path), "timed", "ckpt", "pretrain_64")
+    saved = sorted(int(name.split("_")[1]) for name in os.listdir(run_dir))
+    assert saved[-1] == 24, saved
+    finished = {r["step"]: r["elapsed_s"] for r in records}
+    step_seconds = max(finished[s] - finished[s - 1] for s in range(2, 25))
+    times = [0.0] + [finished[s] for s in saved]
+    assert all(b - a <= limit + 2 * step_seconds for a, b in zip(times, times[1:])), (saved, times, step_seconds)

@@ -1,12 +1,13 @@
 """scripts/plot_metrics.py on real trainer runs' metrics files: the plotted lines are the files' values, PNG out."""
 import json
 import os
+import shutil
 
 import pytest
 from matplotlib.image import imread
 
 from scripts.plot_metrics import load_metrics, plot
-from tests.launch import TINY_MODEL, demo_slice, forked
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 
 SCRIPT = "scripts/plot_metrics.py"
 
@@ -64,8 +65,25 @@ def test_cli_writes_a_png_of_the_documented_size(runs, tmp_path):
     out = tmp_path / "plots" / "compare.png"
     proc = forked(SCRIPT, [*runs, "--labels", "slow,fast", "--out", out, "--dpi", "50"], timeout=120)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"wrote {out}"
     height, width, channels = imread(out).shape  # decodes the whole PNG
     assert (width, height, channels) == (900, 320, 4)  # 7 panels: 4 columns x 2 rows of 4.5 x 3.2 inches at 50 dpi
+
+
+def test_default_output_is_under_the_repos_out_and_named(runs, tmp_path):
+    """Without --out the PNG goes to out/<first file's name>.png in the repository (from any directory), and the
+    script says where."""
+    metrics = tmp_path / f"plot_default_test_{os.getpid()}.jsonl"  # a name no user file has
+    shutil.copy(runs[0], metrics)
+    out = os.path.join(ROOT, "out", metrics.stem + ".png")
+    try:
+        proc = forked(SCRIPT, [metrics, "--dpi", "20"], timeout=120, cwd=str(tmp_path))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip() == f"wrote {out}" and imread(out).shape[2] == 4
+        assert not [name for name in os.listdir(tmp_path) if name.endswith(".png")]  # none in the working directory
+    finally:
+        if os.path.exists(out):
+            os.remove(out)
 
 
 def test_panels_without_data_are_left_out_and_repeated_steps_keep_the_last(tmp_path):

@@ -1,12 +1,15 @@
-"""Preemption (trainer/guard.py Preemption + the loop): SIGTERM/SIGINT stop after the current step with a checkpoint
-there, on every rank at the same step; resuming reproduces the uninterrupted run's losses."""
+"""Preemption (trainer/guard.py Preemption + the loop): SIGTERM/SIGINT leave a checkpoint of the last completed step
+(one process drops the step in progress at once; several ranks finish it and stop at the same step); resuming
+reproduces the uninterrupted run's losses and weights."""
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
 
@@ -73,7 +76,7 @@ def rank_pid(proc, rank):
     raise AssertionError(f"no worker with RANK={rank}")
 
 
-@pytest.mark.parametrize("nproc,sig", [(1, signal.SIGTERM), (1, signal.SIGINT), (2, signal.SIGTERM)])
+@pytest.mark.parametrize("nproc,sig", [(1, signal.SIGTERM), (2, signal.SIGTERM)])
 def test_signal_saves_at_the_step_reached_and_resume_is_exact(tmp_path, nproc, sig):
     data = demo_slice(tmp_path, "pretrain", 200)
     max_steps = 90
@@ -87,8 +90,13 @@ def test_signal_saves_at_the_step_reached_and_resume_is_exact(tmp_path, nproc, s
     stopped = read_metrics(metrics_path(argv))
     reached = stopped[-1]["step"]
     assert 2 <= reached < max_steps and [r["step"] for r in stopped] == list(range(1, reached + 1))
-    assert f"{sig.name}: finishing this optimizer step" in output  # said by the signalled rank
-    assert f"preempted: stopped at step {reached} with its checkpoint" in output
+    if nproc == 1:  # the step in progress is dropped, the last completed one saved
+        assert f"{sig.name}: dropping the unfinished optimizer step" in output
+        assert f"preempted: dropped step {reached + 1}; step {reached} saved" in output
+    else:
+        assert f"{sig.name}: finishing this optimizer step" in output  # said by the signalled rank
+        assert f"preempted: stopped at step {reached} with its checkpoint" in output
+    assert "Done:" not in output
     end = reached + 4
     resume = run_args(tmp_path, "split", data, end) + ["--from_resume", "1"]
     resumed = forked(SCRIPT, resume, nproc, timeout=300)
@@ -103,6 +111,44 @@ def test_signal_saves_at_the_step_reached_and_resume_is_exact(tmp_path, nproc, s
         assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["tokens"] == b["tokens"], (a, b)
 
 
+def test_sigint_in_a_long_step_saves_the_last_completed_step_at_once(tmp_path):
+    """Steps of 100 micro-batches (~2 s): a SIGINT early in step 3 leaves step 2's checkpoint within a fraction of a
+    step (the old loop finished step 3 first), and --from_resume 1 continues exactly as the uninterrupted run."""
+    data = demo_slice(tmp_path, "pretrain", 2000)
+    long_steps = ["--max_seq_len", "64", "--batch_size", "4", "--accumulation_steps", "100"]
+    argv = run_args(tmp_path, "split", data, 5) + long_steps
+    proc, log = start(argv, 1)
+    wait_for_step(proc, argv, 2)
+    time.sleep(0.2)  # inside step 3's micro-batches
+    signalled = time.time()
+    os.kill(proc.pid, signal.SIGINT)
+    code, output = finish(proc, log)
+    assert code == 0, output[-3000:]
+    assert "SIGINT: dropping the unfinished optimizer step" in output and "Done:" not in output, output[-2000:]
+    assert "preempted: dropped step 3; step 2 saved" in output, output[-2000:]
+    # the handler's and the loop's lines start lines of their own (tqdm clears the bar's line first), the bar is the
+    # same file's stderr: a print would have glued them onto the bar's text
+    pieces = re.split(r"[\r\n]", output)
+    for needle in ("SIGINT: dropping", "preempted: dropped", "step 2 | epoch"):
+        assert [p for p in pieces if needle in p] and all(p.startswith(needle) for p in pieces if needle in p), needle
+    records = read_metrics(metrics_path(argv))
+    assert [r["step"] for r in records] == [1, 2]
+    step_seconds = records[1]["elapsed_s"] - records[0]["elapsed_s"]
+    manifest = os.path.join(str(tmp_path), "split", "ckpt", "pretrain_64", "step_2", "complete.json")
+    assert os.path.getmtime(manifest) - signalled < step_seconds / 2, (os.path.getmtime(manifest) - signalled,
+                                                                       step_seconds)
+    resumed = forked(SCRIPT, run_args(tmp_path, "split", data, 5) + long_steps + ["--from_resume", "1"])
+    assert resumed.returncode == 0 and "Done: 5 steps" in resumed.stdout, resumed.stderr[-3000:]
+    assert "Resumed from epoch 0, step 2" in resumed.stdout
+    ref = forked(SCRIPT, run_args(tmp_path, "full", data, 5) + long_steps)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    full = read_metrics(os.path.join(str(tmp_path), "full", "metrics.jsonl"))
+    assert [(r["step"], r["loss"], r["tokens"]) for r in read_metrics(metrics_path(argv))] == \
+        [(r["step"], r["loss"], r["tokens"]) for r in full]  # bitwise: same process, same order of sums
+    weights = [torch.load(os.path.join(str(tmp_path), run, "pretrain_64.pth")) for run in ("split", "full")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
+
+
 def test_grace_period_and_second_sigint_exit_non_zero(tmp_path):
     data = demo_slice(tmp_path, "pretrain", 200)
     argv = run_args(tmp_path, "grace", data, 90) + ["--grace_seconds", "0.001"]
@@ -112,18 +158,18 @@ def test_grace_period_and_second_sigint_exit_non_zero(tmp_path):
     code, output = finish(proc, log)
     assert code == 124 and "error: SIGTERM: the step and its checkpoint did not finish within --grace_seconds 0.001" \
         in output, output[-2000:]
-    # a wider model, so that a step (~0.5 s) outlasts the gap between the two SIGINTs
-    argv = run_args(tmp_path, "twice", data, 90) + ["--hidden_size", "256", "--num_hidden_layers", "4",
+    # a wider model, so that saving the dropped step's checkpoint outlasts the gap between the two SIGINTs
+    argv = run_args(tmp_path, "twice", data, 90) + ["--hidden_size", "512", "--num_hidden_layers", "4",
                                                     "--max_seq_len", "256", "--batch_size", "8"]
     proc, log = start(argv, 1)
     wait_for_step(proc, argv, 1)
     os.kill(proc.pid, signal.SIGINT)
     # two signals before the handler ran (the main thread inside one long op) would reach it as one
     deadline = time.time() + 60
-    while "SIGINT: finishing this optimizer step" not in open(log.name).read():
+    while "SIGINT: dropping the unfinished optimizer step" not in open(log.name).read():
         assert proc.poll() is None and time.time() < deadline, "the first SIGINT was not handled"
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGINT)
     code, output = finish(proc, log)
     assert code == 130 and "error: second SIGINT: aborted at once" in output, output[-2000:]
-    assert "preempted: stopped" not in output
+    assert "preempted:" not in output

@@ -2,6 +2,7 @@
 import argparse
 import copy
 import os
+import re
 import traceback
 from types import SimpleNamespace
 
@@ -9,28 +10,25 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.evaluation import evaluate
 from trainer.flags import add_train_args
 from trainer.metrics import StepTimer
-from trainer.train_loop import (
-    build_trainer,
-    effective_log_interval,
-    evaluate,
-    setup,
-    step_record,
-    steps_per_epoch,
-    train_step,
-)
+from trainer.progress import Bar, effective_log_interval, step_record
+from trainer.train_loop import build_trainer, setup, steps_per_epoch, train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("log_interval,steps,expected", [
-    (100, 6, 1),  # README's first run: 6 steps an epoch, so every step is logged, not only the last
-    (100, 250, 25),  # a tenth of the epoch
-    (10, 1000, 10),  # the flag when it is the smaller
+    (None, 6, 1),  # the full-size default run: 6 steps an epoch, so every step is logged, not only the last
+    (None, 250, 25),  # a tenth of the epoch
+    (None, 5000, 100),  # MiniMind's 100
+    (10, 96, 10),  # a typed interval as typed (it was min(10, 96 // 10) = 9: the small run logged every 9 steps)
+    (100, 6, 100),
     (1, 3, 1),
 ])
-def test_a_record_at_least_every_tenth_of_an_epoch(log_interval, steps, expected):
+def test_a_record_at_least_every_tenth_of_an_epoch_unless_typed(log_interval, steps, expected):
     assert effective_log_interval(SimpleNamespace(log_interval=log_interval), steps) == expected
 
 
@@ -76,12 +74,14 @@ def test_a_step_reads_the_device_once(monkeypatch, tmp_path, use_moe, optimizer)
     g = torch.Generator().manual_seed(0)
     positions = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, -1)  # two documents a row
     batches = [(ids, ids.clone(), positions) for ids in (torch.randint(3, 500, (2, 16), generator=g) for _ in range(2))]
-    train_step(trainer, batches)  # the first step (lazy state, allocator) is not the one counted
-    reads = count_host_reads(monkeypatch, lambda: train_step(trainer, batches))
+    bar = Bar(trainer)
+    train_step(trainer, batches, bar)  # the first step (lazy state, allocator) is not the one counted
+    reads = count_host_reads(monkeypatch, lambda: train_step(trainer, batches, bar))
+    bar.close()
     ours = [r for r in reads if r[0].startswith(("trainer/", "model/"))]
     expected = [("trainer/guard.py", "check", "tolist", "cpu")]
     expected += [("trainer/objective.py", "target_tokens", "__int__", "cpu")] * 2  # the CPU labels' target counts
-    expected += [("trainer/train_loop.py", "train_step", "__float__", "cpu")] * 2  # the bar, on CPU only
+    expected += [("trainer/progress.py", "running_loss", "__float__", "cpu")] * 2  # the bar, on CPU only
     if use_moe:
         expected += [("model/model_minimind.py", "dispatch", "tolist", "cpu")] * 2 * 2  # per layer, per micro-batch
     if optimizer == "lamb":  # its step count, a CPU tensor as AdamW's (whose read is torch's own): no device sync
@@ -151,3 +151,18 @@ def test_deterministic_switches_torch_to_deterministic_kernels(tmp_path, monkeyp
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+def test_the_bar_shows_the_log_lines_loss_under_data_parallel(tmp_path):
+    """2 ranks: the bar's loss at a step's end is the step loss summed over the ranks (the guard's all-reduce), the
+    log line's, not rank 0's share (which was about half of it)."""
+    data = demo_slice(tmp_path, "pretrain", 100)
+    out = str(tmp_path / "out")
+    proc = forked("trainer/train_pretrain.py", [
+        *TINY_MODEL, "--data_path", data, "--packing", "0", "--max_seq_len", "32", "--batch_size", "2",
+        "--accumulation_steps", "2", "--max_steps", "3", "--log_interval", "1", "--save_dir", out, "--checkpoint_dir",
+        os.path.join(out, "ckpt"), "--metrics_file", os.path.join(out, "m.jsonl")], 2, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = re.findall(r"\| 6/6 .*?loss=([0-9.]+), lr=", proc.stderr)  # the final bar (3 steps x 2 micro-batches)
+    records = read_metrics(os.path.join(out, "m.jsonl"))
+    assert final == [f"{records[-1]['loss']:.4f}"], (final, records[-1]["loss"], proc.stderr[-2000:])

@@ -96,9 +96,14 @@ def test_help_shows_every_default():
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     for flag, default in [("--seed", "42"), ("--loss_chunk_size", "1024"), ("--save_weight", "pretrain"),
-                          ("--packing", "1"), ("--tensorboard_dir", "None")]:
+                          ("--packing", "1"), ("--tensorboard_dir", "off"), ("--save_dir", "out/ in the repo"),
+                          ("--log_interval", "100, or fewer so that an epoch has at least ten")]:
         # "flag " so that --save_weight is not found inside --save_weights_every; [-1]: the options section
         assert flag in text and f"(default: {default})" in text.split(flag + " ", 2)[-1].split(" --", 1)[0], flag
+    options = text.split("options:", 1)[-1].split(" --")
+    assert options[1:] and all(option.count("(default") <= 1 for option in options), \
+        [option for option in options if option.count("(default") > 1]  # each default once
+    assert "(default: None)" not in text  # an unset default says what it means
 
 
 def expect_rejected(tmp_path, args, needle):

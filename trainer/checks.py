@@ -1,24 +1,31 @@
 """The checks resolve() runs: each raises a ConfigError with one line saying what to change."""
 import math
 import os
+import re
 import tempfile
 
 import torch
 
 from dataset.mixture import resolve_data_spec
-from trainer.launch import ConfigError
+from trainer import metrics
+from trainer.launch import ConfigError, per_rank
+from trainer.metrics import cpu_bf16_native, cpu_matmul_rates, cpu_name
 from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import validate_layout
 from trainer.parallel.pipeline import pp_validate
 from trainer.parallel.tensor import tp_validate
 
+# bf16 is picked only this much faster than fp32 on the matmul: autocast also casts outside it (gradients, norms)
+BF16_MARGIN = 1.1
+
 
 def resolve_dtype(name, device):
-    """'auto' -> bf16 where the device supports it, else fp32; reject bf16/fp16 where unsupported."""
+    """(dtype, note): 'auto' -> the faster of bf16 and fp32 on this device (CPU: measured matmuls, cached per CPU
+    model; CUDA: bf16 where supported) and a line saying why; bf16/fp16 rejected where unsupported."""
     dev = torch.device(device).type
-    bf16_ok = torch.cuda.is_bf16_supported() if dev == "cuda" else torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bf16_ok = torch.cuda.is_bf16_supported() if dev == "cuda" else cpu_bf16_native()
     if name == "auto":
-        return torch.bfloat16 if bf16_ok else torch.float32
+        return auto_dtype(device, bf16_ok)
     table = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
     if name not in table:
         raise ConfigError(f"--dtype {name} is unknown; use auto, bfloat16, float16 or float32")
@@ -27,7 +34,31 @@ def resolve_dtype(name, device):
                           "use --dtype float32 (or auto)")
     if name == "float16" and dev == "cpu":
         raise ConfigError("--dtype float16 is not supported for training on CPU; use --dtype float32 (or auto)")
-    return table[name]
+    return table[name], f"dtype {name}"
+
+
+def auto_dtype(device, bf16_ok):
+    """--dtype auto: (dtype, the reason in one line)."""
+    if torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+        return (torch.bfloat16, f"dtype auto: bfloat16 (supported by {name})") if bf16_ok else \
+            (torch.float32, f"dtype auto: float32 ({name} has no bf16)")
+    if not bf16_ok:
+        return torch.float32, f"dtype auto: float32 (no native bf16 matmul on {cpu_name()})"
+    rates = cpu_matmul_rates()
+    bf16, fp32 = rates["bfloat16_autocast"], rates["float32"]
+    dtype = torch.bfloat16 if bf16 > BF16_MARGIN * fp32 else torch.float32
+    again = "; the cores were busy, so the next run measures again" if rates["busy"] else ""
+    return dtype, (f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16 / 1e9:.0f} GFLOP/s vs fp32 {fp32 / 1e9:.0f} on "
+                   f"{cpu_name()}, {torch.get_num_threads()} threads; cached in {metrics.RATES_FILE}{again})")
+
+
+def check_same_dtype(dtype, device):
+    """Under torchrun, every rank's --dtype auto chose the same dtype (ranks on different CPU kinds may not)."""
+    chosen = per_rank(float(dtype == torch.bfloat16), device)
+    if len(set(chosen)) > 1:
+        raise ConfigError(f"--dtype auto chose bfloat16 on ranks {[r for r, c in enumerate(chosen) if c]} and float32 "
+                          "on the others (their CPUs differ); pass --dtype float32 or --dtype bfloat16")
 
 
 def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compression="none"):
@@ -73,7 +104,7 @@ def check_numbers(args):
         value = getattr(args, name)
         if not value > 0 or (math.isinf(value) and name != "grad_clip"):
             raise ConfigError(f"--{name} must be a positive number (got {value})")
-    for name in ("learning_rate", "weight_decay"):  # lr 0 is meant: a run that only evaluates or re-saves weights
+    for name in ("learning_rate", "weight_decay", "save_every_minutes"):  # lr 0 is meant: a run that only evaluates
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"--{name} must be a finite number, 0 or more (got {value})")
@@ -155,7 +186,8 @@ def check_paths(save_dir, from_weight, data_paths, others=()):
     for directory, flag in others:
         check_writable(directory, flag)
     if from_weight != "none" and not os.path.exists(from_weight):
-        raise ConfigError(f"--from_weight: {from_weight} does not exist; train it first or pass --from_weight none")
+        raise ConfigError(f"--from_weight: {from_weight} does not exist; {other_sizes(from_weight, '--from_weight')}"
+                          "train it first (the stage before, with the same size flags) or pass --from_weight none")
     for flag, spec in data_paths:
         if spec is None:
             continue
@@ -166,6 +198,23 @@ def check_paths(save_dir, from_weight, data_paths, others=()):
         for path in files:
             if os.path.getsize(path) == 0:
                 raise ConfigError(f"data file {path} is empty; check {flag}")
+
+
+def other_sizes(path, flag):
+    """For a missing MiniMind weight <prefix>_<hidden>[_moe].pth, the files of the same prefix and other sizes beside
+    it and how to use them ("<folder> has x_256.pth (--hidden_size 256): pass its size flags or <flag> <file>; "),
+    else ""."""
+    match = re.fullmatch(r"(.+)_\d+(_moe)?\.pth", os.path.basename(path))
+    folder = os.path.dirname(path)
+    if not match or not os.path.isdir(folder):
+        return ""
+    pattern = re.escape(match.group(1)) + r"_(\d+)(_moe)?\.pth"
+    found = [re.fullmatch(pattern, name) for name in sorted(os.listdir(folder))]
+    found = [(m.group(0), f"--hidden_size {m.group(1)}{' --use_moe 1' if m.group(2) else ''}") for m in found if m]
+    if not found:
+        return ""
+    files = ", ".join(f"{name} ({flags})" for name, flags in found)
+    return f"{folder} has {files}: pass its size flags or {flag} {os.path.join(folder, found[0][0])}; "
 
 
 def check_tokenizer(path):

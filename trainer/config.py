@@ -88,9 +88,10 @@ class TrainPlan:
     epochs: int
     max_steps: int  # 0: all epochs
     max_tokens: int  # 0: no token budget
-    log_interval: int
+    log_interval: Optional[int]  # None: MiniMind's 100, or fewer so that an epoch has ten records
     save_interval: int
     save_weights_every: int
+    save_every_minutes: float  # 0: no time-based saves
     eval_interval: int
     eval_batches: int
     keep_checkpoints: int
@@ -113,6 +114,7 @@ class TrainPlan:
     wandb_project: str
     flags: dict  # the flags as typed: saved in checkpoints and the tracker's config, never read by the trainer
     stage: object = None  # a post-training stage's own frozen plan (LoRA, DPO, distillation), else None
+    dtype_note: str = ""  # how the dtype was chosen (--dtype auto: the measured rates), said once at start
 
     @property
     def micro_batch_shape(self):
@@ -153,7 +155,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
     weight_fields = weight_shapes(args, from_weight) if from_weight != "none" else {}
     config = build_config(args, weight_fields)
     check_model_args(args, config)
-    dtype = resolve_dtype(args.dtype, args.device)
+    dtype, dtype_note = resolve_dtype(args.dtype, args.device)
     dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.tp, args.pp, args.cp, args.zero_stage,
                                                  args.grad_compression)
     check_parallel_args(args, config)
@@ -187,7 +189,7 @@ def resolve(args, world_size, local_rank=0, resolve_stage=None):
         lr=resolve_schedule(args, args.batch_size * args.accumulation_steps * dp),
         optim=resolve_optimizer(args, has_dtensor=args.tp > 1 or dp_mode == "fsdp2"),
         callbacks=resolve_callbacks(args, has_eval=eval_data_path is not None),
-        **copied_flags(args), flags=dict(vars(args)))
+        **copied_flags(args), flags=dict(vars(args)), dtype_note=dtype_note)
     return replace(plan, stage=resolve_stage(args, plan)) if resolve_stage is not None else plan
 
 
@@ -218,9 +220,9 @@ def run_tokenizer(args, from_weight):
 
 
 COPIED = ("learning_rate", "grad_clip", "epochs", "max_steps", "max_tokens", "log_interval", "save_interval",
-          "save_weights_every", "eval_interval", "eval_batches", "keep_checkpoints", "grace_seconds", "max_bad_steps",
-          "check_replicas", "num_workers", "num_proc", "dist_timeout", "dist_init_timeout", "wandb_project",
-          "powersgd_rank", "powersgd_start_step")
+          "save_weights_every", "save_every_minutes", "eval_interval", "eval_batches", "keep_checkpoints",
+          "grace_seconds", "max_bad_steps", "check_replicas", "num_workers", "num_proc", "dist_timeout",
+          "dist_init_timeout", "wandb_project", "powersgd_rank", "powersgd_start_step")
 SWITCHES = ("async_save", "packing", "skip_bad_lines", "use_wandb", "tf32", "cpu_offload", "deterministic")
 
 

@@ -16,12 +16,13 @@ from transformers import AutoTokenizer
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.weights import WeightsError, load_weights, read_record, read_weights, weight_fields
+from trainer.checks import other_sizes
 from trainer.launch import ConfigError
 from trainer.metrics import step_flops
 from trainer.objective import LMObjective
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
-from trainer.trainer_utils import typed_or_default
+from trainer.trainer_utils import file_digest, typed_or_default, weight_name
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ def resolve_distillation(args, plan):
     if plan.pp > 1:
         raise ConfigError("--pp > 1 is not supported by distillation (the teacher is not split into pipeline "
                           "stages); use --tp, --cp or data parallel")
-    path = teacher_path(args.teacher_weight, plan.save_dir)
+    default = weight_name("full_sft", plan.model_config) + ("" if plan.model_config.use_moe else "_moe")
+    path = teacher_path(args.teacher_weight or default, plan.save_dir)  # MiniMind's: the MoE SFT model
     fields = teacher_fields(path, plan)
     return DistillationPlan(alpha=args.alpha, temperature=args.temperature, teacher_path=path,
                             teacher_sha256=content_sha256(path), teacher_fields=fields,
@@ -67,8 +69,9 @@ def teacher_path(value, save_dir):
     else:
         path = os.path.join(save_dir, value + ".pth")
     if not os.path.exists(path):
-        raise ConfigError(f"--teacher_weight: {path} does not exist; train the teacher first (MiniMind's: "
-                          "train_sft.py --use_moe 1) or pass a .pth, a resume checkpoint or an HF folder")
+        raise ConfigError(f"--teacher_weight: {path} does not exist; {other_sizes(path, '--teacher_weight')}"
+                          "train the teacher first (MiniMind's: train_pretrain.py and train_sft.py with --use_moe 1) "
+                          "or pass a .pth, a resume checkpoint or an HF folder")
     return path
 
 
@@ -185,9 +188,9 @@ def describe(stage, plan, teacher):
     config = stage.teacher_config
     params = sum(p.numel() for p in teacher.parameters()) / 1e6  # a DTensor counts its full size
     return (f"Distillation: student from {plan.from_weight} (--from_weight; MiniMind's default full_sft: SFT -> "
-            f"distillation), teacher {stage.teacher_path} ({params:.2f}M, hidden {config.hidden_size}, "
-            f"{'MoE' if config.use_moe else 'dense'}), loss = {stage.alpha} * CE + {1 - stage.alpha:g} * "
-            f"{stage.temperature}^2 * KL(teacher || student)")
+            f"distillation), teacher {stage.teacher_path}{file_digest(stage.teacher_path)} ({params:.2f}M, hidden "
+            f"{config.hidden_size}, {'MoE' if config.use_moe else 'dense'}), loss = {stage.alpha} * CE + "
+            f"{1 - stage.alpha:g} * {stage.temperature}^2 * KL(teacher || student)")
 
 
 class _ChunkedDistillation(torch.autograd.Function):

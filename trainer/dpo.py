@@ -17,6 +17,7 @@ from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.weights import WeightsError, read_weights, shape_mismatch
 from trainer.checkpoint import saved_resume_fields
+from trainer.checks import other_sizes
 from trainer.config import weight_path
 from trainer.launch import ConfigError
 from trainer.model_config import flag_error
@@ -56,7 +57,8 @@ def resolve_dpo(args, plan):
     ref_weight = (plan.from_weight if args.ref_weight is None
                   else weight_path(args.ref_weight, plan.save_dir, plan.model_config))
     if ref_weight != "none" and not os.path.exists(ref_weight):
-        raise ConfigError(f"--ref_weight {ref_weight} does not exist; pass a .pth, a resume checkpoint step_<N> "
+        raise ConfigError(f"--ref_weight {ref_weight} does not exist; {other_sizes(ref_weight, '--ref_weight')}"
+                          "pass a .pth, a resume checkpoint step_<N> "
                           "directory or a Hugging Face folder")
     if ref_weight not in ("none", plan.from_weight):  # --from_weight's file was checked by resolve already
         check_reference(ref_weight, plan.model_config)

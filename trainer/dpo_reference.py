@@ -14,15 +14,17 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from model.provenance import short
 from model.weights import atomic_save, config_fields
+from trainer.batches import autocast, step_targets
+from trainer.data_loading import leaf_datasets
 from trainer.dpo import sequence_log_probs
-from trainer.launch import ConfigError, count_sum, setup_seed
+from trainer.launch import ConfigError, count_sum, is_main_process, setup_seed
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
 from trainer.storage import rank0_write
-from trainer.train_loop import autocast, leaf_datasets, step_targets
 from trainer.trainer_utils import Logger, init_model
 
 REFERENCE_FORMAT_VERSION = 2  # 2: keyed by the reference's content; the file holds its shape and a checksum
@@ -125,7 +127,8 @@ def reference_log_probs(model_parts, pipeline, ds, plan, dims, objective):
     positions = dims.dp_rank * share + np.arange(-(-share // rows) * rows)
     keep = (positions < min(n, (dims.dp_rank + 1) * share)) & dims.counts_items  # who holds a pair's value
     values = torch.zeros(n, 2, dtype=torch.float64)
-    for start in range(0, len(positions), rows):
+    for start in tqdm(range(0, len(positions), rows), desc="reference log-probs", unit="batch", delay=1,
+                      disable=not is_main_process(), dynamic_ncols=True):  # its own bar, with ETA, before training
         index = positions[start:start + rows] % n
         pairs = [ds[int(i)] for i in index]
         input_ids = torch.stack([p[0] for p in pairs]).flatten(0, 1).to(plan.device)

@@ -24,7 +24,8 @@ def add_train_args(parser, **defaults):
     a("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this value")
     a("--weight_decay", type=float, default=0.01, help="decoupled weight decay (adamw, lamb, muon), L2 term of "
       "sgd and lars")
-    a("--log_interval", type=int, default=100, help="optimizer steps between metrics records")
+    a("--log_interval", type=int, default=None, help="optimizer steps between metrics records (default: 100, or "
+      "fewer so that an epoch has at least ten)")
     a("--save_interval", type=int, default=100, help="optimizer steps between weights + resume checkpoints")
     a("--hidden_size", type=int, default=768, help="model width")
     a("--num_hidden_layers", type=int, default=8, help="decoder blocks")
@@ -154,6 +155,8 @@ def add_checkpoint_args(parser):
       help="write resume checkpoints in the background (dcp.async_save)")
     a("--save_weights_every", type=int, default=0,
       help="also write the <save_weight>.pth weights every N steps (0: at the end only)")
+    a("--save_every_minutes", type=float, default=10, help="also save a resume checkpoint at the step after which the "
+      "next would end more than this many minutes after the last save, so that a slow run loses little (0: off)")
 
 
 def add_guard_args(parser):
@@ -210,10 +213,10 @@ def add_dpo_args(parser):
 def add_distillation_args(parser):
     """train_distillation.py: the teacher and the mixed loss (trainer/distillation.py); MiniMind's defaults."""
     a = parser.add_argument
-    a("--teacher_weight", default="full_sft_768_moe",
+    a("--teacher_weight", default=None,
       help="the teacher: a .pth, a resume checkpoint (step_<N> folder or *_resume.pth), a Hugging Face folder, or a "
-      "weight name in save_dir (default: MiniMind's teacher, the MoE SFT model <save_dir>/full_sft_768_moe.pth); "
-      "any size, dense or MoE, with the student's tokenizer")
+      "weight name in save_dir (default: MiniMind's teacher, the MoE SFT model of the student's width, "
+      "<save_dir>/full_sft_<hidden>_moe.pth); any size, dense or MoE, with the student's tokenizer")
     a("--alpha", type=float, default=0.5, help="loss = alpha * CE + (1 - alpha) * T^2 * KL(teacher || student)")
     a("--temperature", type=float, default=1.5, help="softmax temperature T of both models in the KL")
 
@@ -250,9 +253,19 @@ def add_grpo_args(parser):
     a("--rollout_timeout", type=float, default=600, help="seconds a rollout server request may take")
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """--help adds "(default: X)" to a flag's help unless the help says its default itself (a None default means
+    "unset", which the help explains: "(default: out/ in the repo)", not "... (default: None)")."""
+
+    def _get_help_string(self, action):
+        if "default:" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(description, stage_args=None, **defaults):
     """The script's flags (plus a stage's own, `stage_args(parser)`, e.g. add_dpo_args); --help shows every default."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=DefaultsOnce)
     add_train_args(parser)
     if stage_args is not None:
         stage_args(parser)

@@ -2,30 +2,44 @@
 
 The loop calls `StepGuard.check` once per optimizer step, between clipping and the optimizer step: one small
 all-reduce tells every rank whether any rank saw a non-finite loss or gradient norm (skip the step), whether the
-fp16 scaler found an inf on any rank, and whether any rank was signalled (stop after this step), so all ranks skip,
-back off the loss scale and stop at the same step.
+fp16 scaler found an inf on any rank, whether any rank was signalled (stop after this step) and whether a
+checkpoint is due by --save_every_minutes on any rank, so all ranks skip, back off the loss scale, save and stop at
+the same step; it also sums the step's loss for the progress bar. One process does not wait for the step: a signal
+during its micro-batches drops them (Preemption.abandonable).
 """
 import os
 import signal
 import sys
 import threading
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from trainer.launch import TrainingHalted, local_tensor
+from trainer.parallel.perf import decoder_blocks
 from trainer.parallel.state_dict import clean_fqn
-from trainer.trainer_utils import Logger
+from trainer.trainer_utils import Logger, say
+
+
+class StepAbandoned(Exception):
+    """A signal came while one process ran a step's micro-batches: the step is dropped, the last completed one saved."""
 
 
 class Preemption:
-    """SIGTERM/SIGINT ask the loop to stop after the current optimizer step; a second SIGINT aborts at once.
+    """SIGTERM/SIGINT stop the run with a checkpoint of the last completed optimizer step; a second SIGINT aborts.
 
-    Past `grace_seconds` after the first signal the process exits 124 (saves are atomic: nothing half-written
-    looks valid). Used as a context manager around the loop; the previous handlers come back on exit."""
+    One process (`abandon`): inside `abandonable()` (a step's data and micro-batches, before its optimizer step) the
+    signal raises StepAbandoned at once, since the parameters and optimizer are still the last completed step's.
+    Several ranks: the signal may reach one rank only, and a rank leaving a step early would hang the others in
+    its collectives, so they finish the step and stop together (StepGuard.check agrees on it). Past
+    `grace_seconds` after the first signal the process exits 124 (saves are atomic: nothing half-written looks
+    valid). Used as a context manager around the loop; the previous handlers come back on exit."""
 
-    def __init__(self, grace_seconds):
-        self.grace_seconds, self.requested, self.timer, self.previous = grace_seconds, None, None, {}
+    def __init__(self, grace_seconds, abandon=False):
+        self.grace_seconds, self.abandon = grace_seconds, abandon
+        self.requested, self.timer, self.previous, self.in_step = None, None, {}, False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
@@ -38,55 +52,94 @@ class Preemption:
         if self.timer is not None:
             self.timer.cancel()
 
+    @contextmanager
+    def abandonable(self):
+        """Within (one process): a signal, or one that came before, drops the step at once (StepAbandoned)."""
+        if self.abandon and self.requested is not None:
+            raise StepAbandoned(self.requested)
+        self.in_step = self.abandon
+        try:
+            yield
+        finally:
+            self.in_step = False
+
     def _handle(self, signum, frame):
         if self.requested is not None:
             if signum == signal.SIGINT:
-                print("error: second SIGINT: aborted at once, without a checkpoint of this step", file=sys.stderr,
-                      flush=True)
+                say("error: second SIGINT: aborted at once, without a checkpoint of this step", sys.stderr)
                 os._exit(130)
             return
         self.requested = signal.Signals(signum).name
-        print(f"{self.requested}: finishing this optimizer step, then saving a checkpoint "
-              f"(--grace_seconds {self.grace_seconds})", flush=True)
+        what = ("dropping the unfinished optimizer step, saving the last completed one" if self.abandon else
+                "finishing this optimizer step, then saving a checkpoint")
+        say(f"{self.requested}: {what} (--grace_seconds {self.grace_seconds})")
         self.timer = threading.Timer(self.grace_seconds, self._expire)
         self.timer.daemon = True
         self.timer.start()
+        if self.in_step:
+            raise StepAbandoned(self.requested)
 
     def _expire(self):
-        print(f"error: {self.requested}: the step and its checkpoint did not finish within --grace_seconds "
+        print(f"\nerror: {self.requested}: the step and its checkpoint did not finish within --grace_seconds "
               f"{self.grace_seconds}; exiting without them", file=sys.stderr, flush=True)
         os._exit(124)
 
 
+def add_signal_points(model_parts):
+    """One process: a pass-through gradient hook on each decoder block's output, so that a signal's handler runs
+    (and drops the step) between blocks in backward; the CPU autograd engine runs no Python code otherwise, and a
+    signal waited for the whole backward of a micro-batch (10-18 s of the default model on 2 cores)."""
+    for part in model_parts:
+        for block in decoder_blocks(part):
+            block.register_forward_hook(_hook_output)
+
+
+def _hook_output(module, args, output):
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(_pass_gradient)
+
+
+def _pass_gradient(grad):
+    return grad
+
+
 class StepGuard:
     """Skips optimizer steps whose loss or gradient norm is non-finite on any rank, counts them, and stops the run
-    after `max_bad_steps` in a row; also carries the agreed preemption stop."""
+    after `max_bad_steps` in a row; also carries the agreed preemption stop and the agreed time-based save."""
 
-    def __init__(self, max_bad_steps, preemption=None):
-        self.max_bad_steps, self.preemption = max_bad_steps, preemption
+    def __init__(self, max_bad_steps, preemption=None, save_every_s=0):
+        self.max_bad_steps, self.preemption, self.save_every_s = max_bad_steps, preemption, save_every_s
         self.skipped_steps = self.in_a_row = 0
-        self.stop = False
-        self.last_good_save = None  # global step of the last checkpoint saved outside a run of skipped steps
-        self.last_loss = None  # this rank's loss of the last step, read with the check's flags (for the bar)
+        self.stop = self.save_due = False
+        self.last_good_save = self.last_save = None  # global step of the last checkpoint (outside skipped steps)
+        self.last_loss = None  # the step's loss summed over ranks, read with the check's flags (for the bar)
+        self.saved_at = self.checked_at = time.monotonic()
 
-    def check(self, loss, grad_norm, check_norm, device, found_inf=None):
-        """True when this step must be skipped; sets self.stop when any rank was signalled (collective).
+    def check(self, loss, grad_norm, check_norm, device, found_inf=None, shown_loss=None):
+        """True when this step must be skipped; sets self.stop when any rank was signalled and self.save_due when a
+        checkpoint is due by time on any rank (collective: the step's one host sync).
 
         found_inf: the fp16 scaler's per-device found-inf tensors (scaler_found_inf), set to the value agreed over
-        every rank, so that all ranks skip the step and lower the scale together (each sees only its own grads)."""
+        every rank, so that all ranks skip the step and lower the scale together (each sees only its own grads).
+        shown_loss: this rank's share of the logged loss (0 where it does not count), summed into last_loss."""
         loss = torch.as_tensor(loss, dtype=torch.float32, device=device)
         bad = ~torch.isfinite(loss)
         if check_norm:  # under the fp16 scaler an inf gradient norm is the scaler's (it skips and lowers the scale)
             bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=device))
         signalled = self.preemption is not None and self.preemption.requested is not None
+        now = time.monotonic()  # due when the next step would end past --save_every_minutes since the last save
+        due = bool(self.save_every_s) and now - self.saved_at + (now - self.checked_at) > self.save_every_s
+        self.checked_at = now
         inf = sum((t.to(device=device, dtype=torch.float32) for t in found_inf or ()), torch.zeros((), device=device))
-        flags = torch.stack([bad.float(), torch.tensor(float(signalled), device=device), (inf > 0).float()])
+        shown = torch.as_tensor(loss if shown_loss is None else shown_loss, dtype=torch.float32, device=device)
+        flags = torch.stack([bad.float(), torch.tensor(float(signalled), device=device), (inf > 0).float(),
+                             torch.tensor(float(due), device=device), shown.reshape(())])
         if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        skip, stop, any_inf, self.last_loss = torch.cat([flags, loss.reshape(1)]).tolist()  # the step's one host sync
+            dist.all_reduce(flags)  # sums: a flag is set on some rank when its sum is above 0
+        skip, stop, any_inf, save_due, self.last_loss = flags.tolist()  # the step's one host sync
         for tensor in found_inf or ():
-            tensor.fill_(any_inf)
-        self.stop = stop > 0
+            tensor.fill_(float(any_inf > 0))
+        self.stop, self.save_due = stop > 0, save_due > 0
         return skip > 0
 
     def record(self, skipped, progress, num_microbatches, loss, grad_norm):
@@ -107,6 +160,8 @@ class StepGuard:
                                  f"good checkpoint is {last}; lower --learning_rate or check the data, then resume")
 
     def saved(self, step):
+        """A checkpoint of `step` is written: the time-based save counts from now."""
+        self.last_save, self.saved_at = step, time.monotonic()
         if self.in_a_row == 0:
             self.last_good_save = step
 

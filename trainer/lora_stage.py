@@ -4,6 +4,7 @@ The loss is the LM objective unchanged; what differs from SFT is the model (base
 weights file (only the adapters: MiniMind's format plus a PEFT folder). Resume checkpoints hold the whole model.
 """
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,8 +37,11 @@ class LoraPlan:
         names = apply_lora(model, self.rank, self.alpha, self.dropout, self.targets)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        Logger(f"LoRA rank {self.rank} alpha {self.alpha} on {len(names)} layers: {trained / 1e6:.3f}M trainable "
-               f"parameters of {total / 1e6:.2f}M ({100 * trained / total:.2f}%)")
+        layers = {re.search(r"layers\.(\d+)\.", name).group(1) for name in names}
+        kinds = sorted({name.rsplit(".", 1)[-1] for name in names})
+        Logger(f"LoRA rank {self.rank} alpha {self.alpha} on {len(names)} modules ({', '.join(kinds)} in "
+               f"{len(layers)} layers): {trained / 1e6:.3f}M trainable parameters of {total / 1e6:.2f}M "
+               f"({100 * trained / total:.2f}%)")
         return model
 
     def save_weights(self, model_state, config, save_dtype, record):

@@ -1,9 +1,16 @@
 """What a step measures: FLOPs and peak FLOP/s (MFU), peak memory, tokens/s over a window. The collectives that sum
 them over ranks are in trainer/launch.py; where the figures go (JSONL, TensorBoard, swanlab), trainer/tracking.py."""
+import ctypes
+import ctypes.util
+import json
+import os
+import platform
 import resource
 import time
 
 import torch
+
+from model.weights import _atomic_write  # the one atomic writer (temporary file, fsync, rename)
 
 
 def model_flops_per_token(config, seq_len):
@@ -65,32 +72,137 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _probe_peak(device, dtype):
-    """FLOP/s of an n x n matmul, best of three (a shared machine's load only ever slows a probe down)."""
-    n = 4096 if device.type == "cuda" else 1024
-    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    for _ in range(3):
-        a @ b
-    best, reps = float("inf"), 10
-    for _ in range(3):
+def matmul_rate(device, dtype, shape, trials=3, cast_from=None, seconds=0.0):
+    """FLOP/s of an (m, k) @ (k, n) matmul in `dtype`, the best of `trials` and of as many more as fit in `seconds`
+    (load on a shared machine only slows a trial down; a longer window catches a quiet moment). cast_from: the inputs
+    live in that dtype and are cast first, as autocast does with fp32 activations."""
+    m, k, n = shape
+    a, b = (torch.randn(rows, cols, dtype=cast_from or dtype, device=device) for rows, cols in ((m, k), (k, n)))
+    run = (lambda: a.to(dtype) @ b.to(dtype)) if cast_from is not None else (lambda: a @ b)
+    run()  # warm-up: the kernel's first call picks and prepares its code path
+    best, count, deadline = float("inf"), 0, time.perf_counter() + seconds
+    while count < trials or (time.perf_counter() < deadline and count < 100):
         _sync(device)
         start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
+        run()
         _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n ** 3 * reps / best
+        best, count = min(best, time.perf_counter() - start), count + 1
+    return 2 * m * k * n / best
+
+
+# A training matmul: 2048 token rows through the default model's MLP (hidden 768 -> 2432): 7.6 GFLOP, ~40 ms in fp32
+# on 2 cores; larger squares and the lm_head's shape run no faster on the CPUs measured (1 thread, EPYC: 110-117 fp32)
+TRAINING_SHAPE = (2048, 768, 2432)
+TRIALS, WINDOW_S = 5, 0.3  # at least 5 trials over 0.3 s, the best counts: slowed-down trials are dropped
+RATES_FILE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimind4d",
+                          "cpu_matmul_rates.json")
+LOCK_WAIT_S = 60  # a process measuring the rates holds a lock this long at most; others wait for its result
+
+
+def cpu_name():
+    """The CPU's model name (/proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_bf16_native():
+    """This CPU runs bf16 matmuls natively (oneDNN: AVX512-BF16 or AMX); without it bf16 is emulated and slow."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def measure_cpu_rates():
+    """{name: FLOP/s} with this process's threads at TRAINING_SHAPE: fp32, and where native bf16 and
+    "bfloat16_autocast" (bf16 with its inputs cast from fp32 first, as autocast runs it)."""
+    device = torch.device("cpu")
+    rates = {"float32": matmul_rate(device, torch.float32, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)}
+    if cpu_bf16_native():
+        rates["bfloat16"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)
+        rates["bfloat16_autocast"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS,
+                                                 cast_from=torch.float32, seconds=WINDOW_S)
+    return rates
+
+
+def cpu_rates_key():
+    """What the rates depend on: the CPU model, torch's version (its kernels) and the threads a process uses."""
+    return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+
+
+def cpu_busy():
+    """Other processes keep the cores this process's threads need busy (1-minute load average): a measurement now
+    would come out low."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return os.getloadavg()[0] > cores - torch.get_num_threads() + 0.5
+
+
+def cpu_matmul_rates():
+    """This machine's matmul rates (measure_cpu_rates), cached in RATES_FILE per cpu_rates_key. A measurement taken
+    while the machine was busy is used, and taken again by the next run, the cache keeping the best rate seen."""
+    key, path = cpu_rates_key(), RATES_FILE
+    if key not in _PEAK_CACHE:
+        entry = _read_json(path).get(key)
+        _PEAK_CACHE[key] = entry if entry is not None and not entry["busy"] else _measure_locked(path, key, entry)
+    return _PEAK_CACHE[key]
+
+
+def _measure_locked(path, key, before):
+    """Measure and merge into the cache, one process at a time (a lock file): a process that waited for the lock
+    takes the entry the other wrote, so the ranks of a node read the same numbers."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock, deadline = path + ".lock", time.time() + LOCK_WAIT_S
+    while True:
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            break
+        except FileExistsError:
+            if time.time() > deadline:  # its holder died while measuring
+                _remove(lock)
+            time.sleep(0.2)
+    try:
+        entry = _read_json(path).get(key)
+        if entry is not None and entry != before:  # measured by the process that held the lock
+            return entry
+        busy, fresh = cpu_busy(), measure_cpu_rates()
+        entry = dict({name: max(rate, (before or {}).get(name, 0.0)) for name, rate in fresh.items()}, busy=busy)
+        rates = dict(_read_json(path), **{key: entry})
+        _atomic_write(path, lambda f: f.write(json.dumps(rates, indent=1, sort_keys=True).encode()))
+        return entry
+    finally:
+        _remove(lock)
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:  # another waiter took over the same stale lock
+        pass
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):  # none yet, or unreadable: measure again
+        return {}
 
 
 def peak_flops(device, dtype):
     """Device peak FLOP/s for `dtype`: a listed CUDA device from CUDA_PEAKS (fp32 counts TF32 when matmuls use
-    it), anything else (CPU, unlisted GPUs) measured once by a matmul probe."""
+    it); a CPU's best measured matmul rate (cpu_matmul_rates); an unlisted GPU measured once by a matmul."""
     device = torch.device(device)
+    if device.type == "cpu":
+        rates = cpu_matmul_rates()
+        return rates["bfloat16" if dtype == torch.bfloat16 and "bfloat16" in rates else "float32"]
     tf32 = torch.get_float32_matmul_precision() != "highest"
     key = (str(device), dtype, tf32)
     if key not in _PEAK_CACHE:
-        peak = cuda_table_peak(torch.cuda.get_device_name(device), dtype, tf32) if device.type == "cuda" else None
-        _PEAK_CACHE[key] = peak or _probe_peak(device, dtype)
+        peak = cuda_table_peak(torch.cuda.get_device_name(device), dtype, tf32)
+        _PEAK_CACHE[key] = peak or matmul_rate(device, dtype, (4096, 4096, 4096), trials=5)
     return _PEAK_CACHE[key]
 
 
@@ -99,6 +211,24 @@ def enable_tf32(device, strict):
     if torch.device(device).type == "cuda":
         torch.set_float32_matmul_precision("highest" if strict else "high")
         torch.backends.cudnn.allow_tf32 = not strict
+
+
+LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if ctypes.util.find_library("c") else None
+TRIM_SHARE = 0.01  # of the run's time at most spent in malloc_trim
+_trim = {"next": 0.0}
+
+
+def trim_heap(device):
+    """CPU under glibc: give the heap's free pages back to the system (malloc_trim), at most TRIM_SHARE of the time.
+
+    SFT and distillation allocate tensors sized by each batch's target tokens; glibc keeps the freed pieces in its
+    heap, so the resident set climbed with every step (SFT h256 on 2 cores: 1.08 -> 1.53 GB in 30 steps, flat at
+    0.5-1.0 GB when every large block is mmap-ed and given back, 1.08 -> 1.18 GB with a trim after each step)."""
+    if torch.device(device).type != "cpu" or not hasattr(LIBC, "malloc_trim") or time.monotonic() < _trim["next"]:
+        return
+    start = time.monotonic()
+    LIBC.malloc_trim(0)
+    _trim["next"] = start + (time.monotonic() - start) / TRIM_SHARE
 
 
 def peak_mem_gb(device):

@@ -11,11 +11,11 @@ import json
 
 import torch
 
+from trainer.batches import autocast, step_targets
 from trainer.dpo import token_log_probs
 from trainer.dpo_reference import pipeline_log_probs
 from trainer.parallel.tensor import tp_loss_context
 from trainer.rewards import score
-from trainer.train_loop import autocast, step_targets
 
 
 def group_advantages(rewards, num_generations):

@@ -9,6 +9,7 @@ wandb, optional) runs offline under `<metrics file's folder>/wandb/` unless WAND
 import importlib.util
 import json
 import os
+import sys
 
 import torch
 from tqdm import tqdm
@@ -152,6 +153,7 @@ class Tracker:
         self._file.flush()
         if self.console:
             tqdm.write(console_line(record))  # keeps a tqdm progress bar intact
+            sys.stdout.flush()
         values = scalars(record)
         if self._writer is not None:
             for name, value in values.items():

@@ -1,8 +1,10 @@
-"""The training loop shared by train_pretrain.py and train_sft.py: set-up, data, `train_step`, `train`.
+"""The training loop every stage runs: `build_trainer` (phases 3-6), `train()` (the loop), `train_step()` (one
+optimizer step).
 
-Read `train()` for the loop and `train_step()` for one optimizer step. Flags and checks live in
-config.py, checkpoints in checkpoint.py, measurements and sinks in metrics.py, the parallel
-dimensions in parallel/ (applied by parallel/parallelize.py).
+Read `train()` for the loop and `train_step()` for one optimizer step. Flags and checks live in config.py, data in
+data_loading.py, a batch's way into the model in batches.py, checkpoints in checkpoint.py, the console and records in
+progress.py, evaluation in evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/
+(applied by parallel/parallelize.py).
 """
 import os
 import time
@@ -10,15 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
-from transformers import AutoTokenizer
 
-from dataset.data_notes import dataset_notes
-from dataset.demo_data import ensure_demo_data
-from dataset.lm_dataset import SFTDataset
-from dataset.mixture import describe_mixture, load_data_spec
-from dataset.token_cache import local_part
 from trainer.batches import autocast, shard_for_context, step_targets, to_device
 from trainer.callbacks import make_callbacks
 from trainer.checkpoint import (
@@ -27,26 +21,35 @@ from trainer.checkpoint import (
     ensure_final_weights,
     load_resume,
     restore,
+    rng_state,
     save_weights,
+    set_rng_state,
     tied_aliases,
+    weights_path,
 )
+from trainer.checks import check_same_dtype
 from trainer.config import resolve
 from trainer.config_file import write_run_config
+from trainer.data_loading import epoch_loader, leaf_datasets, load_chat_datasets, load_datasets  # noqa: F401 (stages)
 from trainer.evaluation import evaluate
-from trainer.guard import Preemption, StepGuard, check_replicas, scaler_found_inf
+from trainer.guard import (
+    Preemption,
+    StepAbandoned,
+    StepGuard,
+    add_signal_points,
+    check_replicas,
+    scaler_found_inf,
+)
 from trainer.launch import (
-    ConfigError,
     count_sum,
     init_distributed_mode,
     is_main_process,
     local_value,
-    per_rank,
     rank,
     set_collective_timeout,
     setup_seed,
-    world_sum,
 )
-from trainer.metrics import StepTimer, enable_tf32, peak_flops, peak_mem_gb
+from trainer.metrics import StepTimer, enable_tf32, peak_flops, trim_heap
 from trainer.objective import LMObjective, add_stats, target_tokens
 from trainer.oom import out_of_memory_as_one_line
 from trainer.optim import build_optimizer
@@ -55,11 +58,12 @@ from trainer.parallel.data import grad_reduce_factor, gradient_sync
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
+from trainer.progress import NO_BAR, Bar, effective_log_interval, make_tracker, messages_above_bar, step_record
 from trainer.rank_log import open_rank_log
 from trainer.schedule import lr_at, resume_note
 from trainer.storage import checkpoint_bytes_estimate, room_warning
-from trainer.tracking import StepProfiler, Tracker
-from trainer.trainer_utils import Logger, SkipBatchSampler, init_model
+from trainer.tracking import StepProfiler
+from trainer.trainer_utils import Logger, init_model
 
 
 @dataclass
@@ -74,13 +78,14 @@ class Trainer:
     scaler: torch.amp.GradScaler
     progress: TrainState
     steps_per_epoch: int
-    total_steps: int  # of the lr schedule (all epochs)
+    total_steps: int  # of the lr schedule (all epochs, or --max_steps)
     checkpointer: Checkpointer
     guard: StepGuard  # non-finite skips and the agreed preemption stop
     objective: object = None  # what train_step minimises (trainer/objective.py); build_trainer sets LMObjective
     callbacks: object = None  # callbacks.Callbacks: sinks, early stopping, best checkpoint, a user's
     resumed: bool = False
     started: bool = False  # the first step is done: collectives run under the per-step timeout
+    step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
 
 
 def setup(args, resolve_stage=None):
@@ -96,53 +101,11 @@ def setup(args, resolve_stage=None):
     dims = ParallelDims.build(plan.world_size, tp=plan.tp, pp=plan.pp, cp=plan.cp,
                               device_type=torch.device(plan.device).type)
     Logger(dims.summary())
+    if plan.flags.get("dtype") == "auto":
+        check_same_dtype(plan.dtype, plan.device)  # each rank measured (or read) the rates itself
+        Logger(plan.dtype_note)
     setup_seed(plan.seed, plan.deterministic)  # same seed on every rank: every rank builds the same full model
     return plan, dims
-
-
-def load_datasets(plan, make_dataset, demo_kind):
-    """Phase 2: train/eval datasets (the demo corpus when no --data_path); data errors become ConfigErrors.
-
-    A --data_path of several sources is concatenated, or mixed by its weights (dataset/mixture.py)."""
-    data_path = plan.data_path or ensure_demo_data(demo_kind)  # the embedded corpus, built on first use
-    try:
-        train_ds = load_data_spec(data_path, make_dataset, seed=plan.seed)
-        eval_ds = load_data_spec(plan.eval_data_path, make_dataset, seed=plan.seed) if plan.eval_data_path else None
-    except (ValueError, FileNotFoundError, TimeoutError) as e:
-        raise ConfigError(str(e))
-    for path, ds in ((data_path, train_ds), (plan.eval_data_path, eval_ds)):
-        skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
-        if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
-            Logger(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
-    try:  # rows without targets, conversations cut at --max_seq_len, DPO pairs with chosen == rejected
-        notes = [line for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds) for line in dataset_notes(ds)]
-    except ValueError as e:
-        raise ConfigError(str(e))
-    for line in notes:
-        Logger(line)
-    if describe_mixture(train_ds, data_path):
-        Logger(describe_mixture(train_ds, data_path))
-    if len(train_ds) < plan.global_batch:
-        raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
-                          f"({plan.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
-    return train_ds, eval_ds
-
-
-def load_chat_datasets(plan):
-    """Phase 2 of the chat stages (SFT, LoRA, distillation): SFTDataset rows of --data_path (the embedded chat corpus
-    by default), whole conversations packed into rows under --packing 1."""
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
-    return load_datasets(plan, lambda path: SFTDataset(
-        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
-        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
-
-
-def leaf_datasets(ds):
-    """The per-file datasets under a ConcatDataset (.datasets) or a MixtureDataset (.sources); [] for None."""
-    if ds is None:
-        return []
-    children = getattr(ds, "datasets", None) or getattr(ds, "sources", None)
-    return [leaf for child in children for leaf in leaf_datasets(child)] if children else [ds]
 
 
 def build_model(config, plan, model_state=None):
@@ -167,18 +130,22 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     if warning:
         Logger(warning)
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
+    if plan.world_size == 1 and not plan.use_compile:  # a signal then drops a step between blocks of its backward
+        add_signal_points(model_parts)
     optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (trainer/optim.py), ZeRO-1 sharded or not
     scaler = torch.amp.GradScaler(torch.device(plan.device).type, enabled=plan.dtype == torch.float16)
     progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
     checkpointer = Checkpointer(plan.run_dir, plan.async_save, plan.keep_checkpoints, parts=dict(
         model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
         tied=tied_aliases(pipeline, config), plan=plan, config=config, callbacks=callbacks), estimate=estimate)
+    guard = StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds, abandon=plan.world_size == 1),
+                      plan.save_every_minutes * 60)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
-                      plan.lr.length(steps_per_epoch, plan.epochs), checkpointer,
-                      StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds)),
+                      plan.lr.length(steps_per_epoch, plan.epochs), checkpointer, guard,
                       objective=objective, callbacks=callbacks, resumed=ckpt is not None)
     if ckpt is not None:
         restore(trainer, ckpt)
+        trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy
         # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
         progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
         Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
@@ -194,15 +161,11 @@ def steps_per_epoch(plan, train_ds):
     return len(train_ds) // plan.global_batch
 
 
-def effective_log_interval(plan, steps_per_epoch):
-    """--log_interval, but at least ten records per epoch, so a first run shows its loss early."""
-    return min(plan.log_interval, max(1, steps_per_epoch // 10))
-
-
 def train(trainer, train_ds, eval_ds=None):
     """Phase 7, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
 
-    SIGTERM/SIGINT stop it after the current step (every rank at the same step) with a checkpoint there."""
+    SIGTERM/SIGINT stop it with a checkpoint of the last completed step (guard.py Preemption: one process drops
+    the step in progress, several ranks finish it and stop together)."""
     plan, progress = trainer.plan, trainer.progress
     if trainer.resumed and (reached_max_steps(trainer) or stop_reason(trainer)):
         reason = stop_reason(trainer) or f"--max_steps {plan.max_steps}"
@@ -218,16 +181,21 @@ def train(trainer, train_ds, eval_ds=None):
     Logger(f"{trainer.steps_per_epoch} optimizer steps per epoch, global batch {plan.global_batch} x {plan.seq_len} "
            f"tokens, dtype {plan.dtype}; {plan.optim.name}, {plan.lr.describe(trainer.total_steps)}")
     # the bar closes before an error line is printed
-    with trainer.guard.preemption, progress_bar(trainer) as bar, out_of_memory_as_one_line(trainer):
-        for epoch in range(progress.epoch, plan.epochs):
-            if progress.step_in_epoch >= trainer.steps_per_epoch:  # saved at the end of this epoch
+    with trainer.guard.preemption, Bar(trainer) as bar, messages_above_bar(), out_of_memory_as_one_line(trainer):
+        try:
+            for epoch in range(progress.epoch, plan.epochs):
+                if progress.step_in_epoch >= trainer.steps_per_epoch:  # saved at the end of this epoch
+                    progress.step_in_epoch = 0
+                    continue
+                progress.epoch = epoch
+                train_epoch(trainer, epoch_batches(trainer, train_ds, epoch), eval_ds, timer, profiler, bar)
+                if should_stop(trainer):
+                    break
                 progress.step_in_epoch = 0
-                continue
-            progress.epoch = epoch
-            train_epoch(trainer, epoch_batches(trainer, train_ds, epoch), eval_ds, timer, profiler, bar)
-            if should_stop(trainer):
-                break
-            progress.step_in_epoch = 0
+        except StepAbandoned:
+            bar.close()
+            save_abandoned(trainer)
+        bar.close()  # the final bar once, above the last records (no-op when closed already)
         trainer.checkpointer.wait()  # the last async save
         profiler.close()
     trainer.callbacks.call("on_train_end", trainer)  # the sinks close
@@ -236,12 +204,16 @@ def train(trainer, train_ds, eval_ds=None):
 
 def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
     """The steps of one epoch from where progress stands; the bar advances per micro-batch."""
-    plan, progress = trainer.plan, trainer.progress
+    plan, progress, preemption = trainer.plan, trainer.progress, trainer.guard.preemption
     timer.reset()
     while progress.step_in_epoch < trainer.steps_per_epoch and not should_stop(trainer):
         profiler.begin(progress.global_step + 1)
         start = time.perf_counter()
-        metrics = train_step(trainer, [next(batches) for _ in range(plan.num_microbatches)], bar)
+        trainer.step_rng = rng_state() if preemption.abandon else None  # what a dropped step saves
+        with preemption.abandonable():
+            micro_batches = [next(batches) for _ in range(plan.num_microbatches)]
+        metrics = train_step(trainer, micro_batches, bar)
+        trim_heap(plan.device)  # batches of varying target counts fragment the CPU heap
         if not trainer.started:  # start-up (token cache, weights, compile) is over
             set_collective_timeout(plan.dist_timeout)
             trainer.started = True
@@ -249,17 +221,20 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
         rows = plan.micro_batch_shape[0] * plan.num_microbatches * plan.dp  # a DPO sample is two rows
         timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, plan.seq_len, rows * plan.seq_len,
                                                                  metrics["num_tokens"], plan.chunked_loss))
-        after_step(trainer, eval_ds, metrics, timer, progress.step_in_epoch == trainer.steps_per_epoch)
-        bar.set_postfix(loss=f"{trainer.guard.last_loss:.4f}", lr=f"{metrics['lr']:.2e}",
-                        tok_s=f"{metrics['num_tokens'] / (time.perf_counter() - start):.0f}", refresh=False)
+        bar.step_end(trainer.guard.last_loss, metrics["lr"], metrics["num_tokens"] / (time.perf_counter() - start))
+        epoch_end = progress.step_in_epoch == trainer.steps_per_epoch
+        if should_stop(trainer) or (epoch_end and progress.epoch == plan.epochs - 1):
+            bar.close()  # the last step: the final bar, then its record below it
+        after_step(trainer, eval_ds, metrics, timer, epoch_end)
 
 
 def after_step(trainer, eval_ds, metrics, timer, epoch_end):
-    """Log, compare replicas, evaluate and save as the intervals say (the run's last step, or a preempted one, always);
-    the callbacks (trainer/callbacks.py: the sinks, early stopping, best checkpoint, a user's) see each record."""
+    """Log, compare replicas, evaluate and save as the intervals say (the run's last step, or a preempted one, always,
+    and a step past --save_every_minutes since the last save, agreed by the guard); the callbacks
+    (trainer/callbacks.py: the sinks, early stopping, best checkpoint, a user's) see each record."""
     plan, step, guard, callbacks = trainer.plan, trainer.progress.global_step, trainer.guard, trainer.callbacks
     last = epoch_end or should_stop(trainer)
-    logged = step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or last
+    logged = step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or step == 1 or last  # a first loss
     callbacks.call("on_step_end", trainer, step_record(trainer, metrics, timer) if logged else None)
     run_end = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.epochs - 1)
     if plan.check_replicas and step % plan.check_replicas == 0 and plan.dp * plan.cp > 1:
@@ -268,7 +243,7 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
     if eval_ds is not None and (scheduled or (run_end and not guard.stop)):
         callbacks.call("on_eval", trainer, evaluate(trainer, eval_ds))
     last = last or should_stop(trainer)  # a callback may have stopped the run (early stopping)
-    if step % plan.save_interval == 0 or last or callbacks.wants_save(step):
+    if step % plan.save_interval == 0 or last or guard.save_due or callbacks.wants_save(step):
         trainer.checkpointer.save(step)
         guard.saved(step)
         callbacks.call("on_save", trainer, step)
@@ -281,10 +256,29 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
         Logger(f"stopped: {stop_reason(trainer)}")
 
 
+def save_abandoned(trainer):
+    """A signal during a step's micro-batches (one process): drop their gradients and save the last completed step,
+    whose parameters, optimizer state and progress are untouched, with the RNG state it ended with."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    guard, step = trainer.guard, trainer.progress.global_step
+    guard.stop = True
+    if step == 0:
+        Logger("preempted: no optimizer step completed yet; nothing to save")
+        return
+    set_rng_state(trainer.step_rng)
+    if guard.last_save != step:  # else that step's checkpoint is on disk already
+        trainer.checkpointer.save(step)
+        guard.saved(step)
+        trainer.callbacks.call("on_save", trainer, step)
+    save_weights(trainer)  # as a finished or preempted run leaves them
+    Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.checkpoint_dir}; "
+           "continue with --from_resume 1")
+
+
 def finish(trainer):
-    """Say where the weights are and leave the process group."""
-    weights_path = getattr(trainer.plan.stage, "weights_path", trainer.plan.weights_path)  # a stage's own file
-    Logger(f"Done: {trainer.progress.global_step} steps, weights in {weights_path}")
+    """Say where the weights are (only when the run finished) and leave the process group."""
+    if not trainer.guard.stop:
+        Logger(f"Done: {trainer.progress.global_step} steps, weights in {weights_path(trainer.plan)}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -299,17 +293,36 @@ def train_step(trainer, micro_batches, bar=None):
     per micro-batch.
     """
     plan, progress, scaler = trainer.plan, trainer.progress, trainer.scaler
-    bar = bar or NO_BAR
     lr = lr_at(plan.lr, progress.global_step, trainer.total_steps)
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    objective = trainer.objective
-    micro_batches = objective.prepare(trainer, micro_batches)  # e.g. GRPO: the loader's prompts -> a rollout's rows
+    micro_batches = trainer.objective.prepare(trainer, micro_batches)  # e.g. GRPO: the prompts -> a rollout's rows
+    with trainer.guard.preemption.abandonable():  # one process: a signal drops these micro-batches at once
+        ce, aux, stats, num_items, num_tokens = accumulate_gradients(trainer, micro_batches, bar or NO_BAR)
+    scaler.unscale_(trainer.optimizer)
+    grad_norm = clip_gradients(trainer, plan.grad_clip)
+    skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.device,  # agreed by every rank
+                               found_inf=scaler_found_inf(scaler, trainer.optimizer),
+                               shown_loss=ce if trainer.dims.counts_loss else 0.0)  # summed: the logged loss
+    if not skip:
+        scaler.step(trainer.optimizer)
+    scaler.update()  # after a skip too: unscale_ recorded its inf checks
+    trainer.optimizer.zero_grad(set_to_none=True)
+    progress.global_step += 1
+    progress.tokens_seen += num_tokens
+    trainer.guard.record(skip, progress, plan.num_microbatches, ce + aux, grad_norm)
+    return dict(ce=ce, aux=aux, lr=lr, num_items=num_items, num_tokens=num_tokens, stats=stats, grad_norm=grad_norm)
+
+
+def accumulate_gradients(trainer, micro_batches, bar):
+    """Forward and backward of every micro-batch (the pipeline's schedule, or a loop here), gradients accumulated;
+    returns this rank's (CE share, aux share, stats, num_items, num_tokens) of the step."""
+    plan, scaler, objective = trainer.plan, trainer.scaler, trainer.objective
     unpacked = [objective.unpack(batch) for batch in micro_batches]  # (input_ids, labels, positions, extra)
-    local_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)  # CPU: no device sync
-    local_tokens = local_items if objective.items_are_tokens else sum(
+    counts = [objective.count(labels, extra) for _, labels, _, extra in unpacked]  # CPU: no device sync
+    local_tokens = sum(counts) if objective.items_are_tokens else sum(
         target_tokens(labels) for _, labels, _, _ in unpacked)  # for tokens/s and MFU
-    num_items, num_tokens = count_sum([local_items, local_tokens], plan.tp * plan.pp * plan.cp)  # over dp, on CPU
+    num_items, num_tokens = count_sum([sum(counts), local_tokens], plan.tp * plan.pp * plan.cp)  # over dp, on CPU
     # the loader pins its batches on CUDA, so these copies overlap with compute
     inputs, targets, doc_positions, extras = zip(*[(
         to_device(x, plan.device), to_device(step_targets(labels), plan.device), to_device(p, plan.device),
@@ -322,33 +335,22 @@ def train_step(trainer, micro_batches, bar=None):
         ce, aux, stats = trainer.pipeline.step(x, t, positions, num_items, aux_weight, grad_factor, scaler,
                                                objective, extras)
         bar.update(len(micro_batches))
-    else:
-        model, ce, aux, stats = trainer.model_parts[0], 0.0, 0.0, {}
-        for i, (x, t, p, extra) in enumerate(zip(inputs, targets, doc_positions, extras)):
-            (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
-            # DDP and FSDP2 reduce gradients on the last micro-batch only
-            with gradient_sync(trainer.model_parts, i == len(inputs) - 1), tp_loss_context(plan.tp > 1):
-                with autocast(plan):
-                    main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
-                loss = main_loss + aux_loss * aux_weight
-                scaler.scale(loss * grad_factor).backward()
-            ce, aux = ce + local_value(main_loss), aux + local_value(aux_loss) * aux_weight
-            stats = add_stats(stats, micro_stats)
-            if not plan.device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
-                bar.set_postfix(loss=f"{float(ce + aux) * len(inputs) / (i + 1):.4f}", refresh=False)
-            bar.update(1)  # shows the loss just set
-    scaler.unscale_(trainer.optimizer)
-    grad_norm = clip_gradients(trainer, plan.grad_clip)
-    skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.device,  # agreed by every rank
-                               found_inf=scaler_found_inf(scaler, trainer.optimizer))
-    if not skip:
-        scaler.step(trainer.optimizer)
-    scaler.update()  # after a skip too: unscale_ recorded its inf checks
-    trainer.optimizer.zero_grad(set_to_none=True)
-    progress.global_step += 1
-    progress.tokens_seen += num_tokens
-    trainer.guard.record(skip, progress, plan.num_microbatches, ce + aux, grad_norm)
-    return dict(ce=ce, aux=aux, lr=lr, num_items=num_items, num_tokens=num_tokens, stats=stats, grad_norm=grad_norm)
+        return ce, aux, stats, num_items, num_tokens
+    model, ce, aux, stats = trainer.model_parts[0], 0.0, 0.0, {}
+    for i, (x, t, p, extra) in enumerate(zip(inputs, targets, doc_positions, extras)):
+        (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
+        # DDP and FSDP2 reduce gradients on the last micro-batch only
+        with gradient_sync(trainer.model_parts, i == len(inputs) - 1), tp_loss_context(plan.tp > 1):
+            with autocast(plan):
+                main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
+            loss = main_loss + aux_loss * aux_weight
+            scaler.scale(loss * grad_factor).backward()
+        ce, aux = ce + local_value(main_loss), aux + local_value(aux_loss) * aux_weight
+        stats = add_stats(stats, micro_stats)
+        if not plan.device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
+            bar.running_loss(ce, sum(counts[:i + 1]), num_items)
+        bar.update(1)  # shows the loss just set
+    return ce, aux, stats, num_items, num_tokens
 
 
 def clip_gradients(trainer, max_norm):
@@ -385,67 +387,3 @@ def epoch_batches(trainer, train_ds, epoch):
     skip = trainer.progress.step_in_epoch * plan.num_microbatches
     return iter(epoch_loader(train_ds, epoch, plan.seed, plan.micro_batch, plan.dp, trainer.dims.dp_rank,
                              plan.num_workers, plan.device.startswith("cuda"), skip))
-
-
-def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_workers=0, pin_memory=False, skip_batches=0):
-    """The DataLoader of one dp rank's micro-batches of `epoch` (scripts/bench_loader.py times it alone)."""
-    sampler = DistributedSampler(train_ds, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
-    sampler.set_epoch(epoch)  # data order is a pure function of (seed, epoch)
-    if hasattr(train_ds, "set_epoch"):  # a weighted mixture draws its rows per epoch, from (seed, epoch) too
-        train_ds.set_epoch(epoch)
-    return DataLoader(train_ds, batch_sampler=SkipBatchSampler(sampler, micro_batch, skip_batches),
-                      num_workers=num_workers, pin_memory=pin_memory)
-
-
-def progress_bar(trainer):
-    """One bar over the micro-batches of the whole run (all epochs, or up to --max_steps): its ETA is the run's."""
-    plan, progress = trainer.plan, trainer.progress
-    steps = min(trainer.total_steps, plan.max_steps) if plan.max_steps else trainer.total_steps
-    return tqdm(total=steps * plan.num_microbatches, initial=progress.global_step * plan.num_microbatches,
-                desc=f"{plan.epochs} epoch{'s' if plan.epochs > 1 else ''} x {trainer.steps_per_epoch} steps",
-                unit="mb", disable=not is_main_process(), dynamic_ncols=True, mininterval=1.0)
-
-
-class NoBar:
-    """The bar train_step advances when it is called without one."""
-
-    def update(self, n=1):
-        pass
-
-    def set_postfix(self, **kwargs):
-        pass
-
-
-NO_BAR = NoBar()
-
-
-def make_tracker(trainer):
-    """The one object every record goes through: metrics JSONL, console, TensorBoard, swanlab (trainer/tracking.py).
-
-    A resumed run keeps the records up to its checkpoint's step and continues the same swanlab run; a fresh run
-    starts the metrics file anew (kept to step 0)."""
-    plan, progress = trainer.plan, trainer.progress
-    tracker = Tracker(plan.metrics_file, is_main=is_main_process(), tensorboard_dir=plan.tensorboard_dir,
-                      use_wandb="swanlab" in plan.trackers, wandb="wandb" in plan.trackers,
-                      wandb_project=plan.wandb_project, run_name=plan.run_name,
-                      resume_id=progress.tracker_id, config=dict(plan.flags),
-                      resume_step=progress.global_step if trainer.resumed else 0)
-    progress.tracker_id = tracker.run_id
-    return tracker
-
-
-def step_record(trainer, metrics, timer):
-    """A step's record: loss summed over ranks, the window's rates, peak memory per rank (collective)."""
-    device, counts, progress = trainer.plan.device, trainer.dims.counts_loss, trainer.progress
-    names = trainer.objective.stat_names  # the same on every rank, whether or not it computed the loss
-    loss, aux_loss, *stat_sums = world_sum([float(v) if counts else 0.0 for v in (
-        metrics["ce"], metrics["aux"], *(metrics["stats"].get(n, 0.0) for n in names))], device)
-    extra = trainer.objective.record(dict(zip(names, stat_sums)), metrics["num_items"])
-    tokens_per_sec, mfu, elapsed = timer.rates()
-    memory = per_rank(peak_mem_gb(device), device)
-    grad_norm = float(metrics["grad_norm"])  # before clipping; the log step's read (clip: max_norm / (norm + 1e-6))
-    return dict(step=progress.global_step, epoch=progress.epoch, loss=loss, aux_loss=aux_loss, lr=metrics["lr"],
-                grad_norm=grad_norm, grad_clipped=grad_norm + 1e-6 > trainer.plan.grad_clip,
-                tokens=progress.tokens_seen, tokens_per_sec=tokens_per_sec, mfu=mfu, peak_mem_gb=max(memory),
-                peak_mem_gb_per_rank=[round(m, 4) for m in memory], elapsed_s=elapsed,
-                skipped_steps=trainer.guard.skipped_steps, **extra)

@@ -1,7 +1,10 @@
 """MiniMind's small helpers: paths, logging, lr schedule, weight names, model init, the resume sampler."""
+import hashlib
 import os
+import sys
 
 from torch.utils.data import Sampler
+from tqdm import tqdm
 
 from model.model_minimind import MiniMindForCausalLM
 from model.weights import WeightsError, load_weights
@@ -28,7 +31,14 @@ def Logger(content):
     """MiniMind's logger: print on the main process; every rank also writes it to its own log (trainer/rank_log.py)."""
     rank_log.write(content)
     if is_main_process():
-        print(content, flush=True)
+        say(content)
+
+
+def say(text, file=None):
+    """A message on a line of its own, above the progress bar when one is drawn (tqdm.write), flushed at once."""
+    file = file or sys.stdout
+    tqdm.write(str(text), file=file)
+    file.flush()
 
 
 def get_lr(current_step, total_steps, lr, warmup_steps=0):
@@ -49,8 +59,21 @@ def init_model(config, from_weight="none", device="cpu"):
             load_weights(model, from_weight)  # strict; a mismatch names the file, tensor, both shapes and the flag
         except WeightsError as e:
             raise ConfigError(str(e)) from None
-    Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M")
+    source = f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else "initialised from --seed"
+    Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
     return model.to(device)
+
+
+def file_digest(path):
+    """' (sha256 <first 12 hex>)' of a weights file, so a run's log names the exact bytes it started from; '' for a
+    folder (an HF folder, a checkpoint directory)."""
+    if not os.path.isfile(path):
+        return ""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return f" (sha256 {digest.hexdigest()[:12]})"
 
 
 class SkipBatchSampler(Sampler):

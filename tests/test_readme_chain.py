@@ -1,0 +1,91 @@
+"""README.md's small chain, run as written there (smaller and for 2 steps a stage): every stage starts from the file
+the stage before it wrote (its start line names the path and the sha256 of the bytes it read), the outputs are
+where the README says, and a stage without its predecessor names the files of other sizes and the flags to use."""
+import hashlib
+import os
+import re
+import shlex
+
+from tests.launch import ROOT, forked, python
+
+MARK = "# the small chain:"
+# the README's size, and the test's: the file names follow (_256 -> _64)
+SMALLER = [("--hidden_size 256", "--hidden_size 64 --num_attention_heads 4 --num_key_value_heads 2"),
+           ("--num_hidden_layers 4", "--num_hidden_layers 2"), ("_256", "_64")]
+# the trainers' outputs and caches in the test's folder (the command's own flags come first, these win)
+TRAINER_FLAGS = "--max_steps 2 --dtype float32 --save_dir out --checkpoint_dir checkpoints --cache_dir cache"
+
+
+def readme_chain():
+    """The command lines of README.md's small-chain block, without the leading `python `."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    block = next(b for b in blocks if b.startswith(MARK))
+    return [line[len("python "):] for line in block.splitlines() if line.startswith("python ")]
+
+
+def sha12(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
+
+
+def run(line, cwd):
+    for old, new in SMALLER:
+        line = line.replace(old, new)
+    script, *args = shlex.split(line)
+    extra = TRAINER_FLAGS if script.startswith("trainer/") else "--save_dir out --temperature 0 --max_new_tokens 8" \
+        if script.endswith("eval_llm.py") else ""
+    proc = forked(script, args + shlex.split(extra), cwd=cwd, timeout=300)
+    assert proc.returncode == 0, (line, proc.stdout[-2000:], proc.stderr[-3000:])
+    return proc.stdout
+
+
+def started_from(output, path, digests):
+    """The output's start line names `path` and the digest it had when its stage wrote it."""
+    return f"weights {path} (sha256 {digests[path]})" in output
+
+
+def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
+    commands = readme_chain()
+    scripts = [line.split()[0] for line in commands]
+    assert scripts == ["trainer/train_pretrain.py", "trainer/train_sft.py", "trainer/train_lora.py",
+                       "trainer/train_dpo.py", "trainer/train_pretrain.py", "trainer/train_sft.py",
+                       "trainer/train_distillation.py", "scripts/eval_llm.py", "scripts/convert_model.py",
+                       "scripts/plot_metrics.py"], scripts
+    out, digests, outputs = os.path.join(str(tmp_path), "out"), {}, []
+    for command in commands:
+        outputs.append(run(command, str(tmp_path)))
+        for root, _, names in os.walk(out):  # what every weight file held when this stage ended
+            digests.update({os.path.join(root, n): sha12(os.path.join(root, n)) for n in names if n.endswith(".pth")
+                            and os.path.join(root, n) not in digests})
+    w = {name: os.path.join(out, name) for name in ("pretrain_64.pth", "full_sft_64.pth", "pretrain_64_moe.pth",
+                                                     "full_sft_64_moe.pth", "lora/lora_identity_64.pth")}
+    pretrain, sft, lora, dpo, moe, moe_sft, distill, chat, export, plot = outputs
+    assert "initialised from --seed" in pretrain and "Done: 2 steps" in pretrain
+    assert started_from(sft, w["pretrain_64.pth"], digests)
+    assert started_from(lora, w["full_sft_64.pth"], digests) and os.path.isfile(w["lora/lora_identity_64.pth"])
+    assert "on 4 modules (o_proj, q_proj in 2 layers)" in lora  # the square layers of 2 blocks (it said "4 layers")
+    assert started_from(dpo, w["full_sft_64.pth"], digests) and os.path.isfile(os.path.join(out, "dpo_64.pth"))
+    assert "initialised from --seed" in moe and started_from(moe_sft, w["pretrain_64_moe.pth"], digests)
+    assert started_from(distill, w["full_sft_64.pth"], digests)  # the student; the teacher by default:
+    assert f"teacher {w['full_sft_64_moe.pth']} (sha256 {digests[w['full_sft_64_moe.pth']]})" in distill
+    assert (f"weights {w['full_sft_64.pth']} (sha256 {digests[w['full_sft_64.pth']]}) + LoRA adapter "
+            f"{w['lora/lora_identity_64.pth']} (sha256 {digests[w['lora/lora_identity_64.pth']]})") in chat
+    assert "verify: max abs logits diff" in export and os.path.isfile(os.path.join(out, "hf_64", "config.json"))
+    assert plot.strip() == f"wrote {os.path.join(out, 'chain.png')}" and os.path.isfile(os.path.join(out, "chain.png"))
+    for stage in (pretrain, sft, lora, dpo, moe, moe_sft, distill):
+        assert "Done: 2 steps" in stage and "preempted" not in stage
+    # without the size flags SFT looks for the default model's file and names the one that exists
+    missing = forked("trainer/train_sft.py", shlex.split(TRAINER_FLAGS), cwd=str(tmp_path), timeout=120)
+    assert missing.returncode == 2 and (
+        f"error: --from_weight: {os.path.join(out, 'pretrain_768.pth')} does not exist; {out} has pretrain_64.pth "
+        f"(--hidden_size 64), pretrain_64_moe.pth (--hidden_size 64 --use_moe 1): pass its size flags or "
+        f"--from_weight {w['pretrain_64.pth']}; ") in missing.stderr, missing.stderr[-2000:]
+    # MiniMind's name for the SFT stage, run from trainer/ as MiniMind's README does
+    full_sft = python("trainer/train_full_sft.py", shlex.split(TRAINER_FLAGS.replace(" out ", f" {out} ")) + [
+        "--hidden_size", "64", "--num_attention_heads", "4", "--num_key_value_heads", "2", "--num_hidden_layers",
+        "2", "--save_weight", "minimind_name", "--checkpoint_dir", str(tmp_path / "ck2"), "--cache_dir",
+        str(tmp_path / "cache")], cwd=os.path.join(ROOT, "trainer"), timeout=300)  # a fresh python in trainer/
+    assert full_sft.returncode == 0 and started_from(full_sft.stdout, w["pretrain_64.pth"], digests), \
+        full_sft.stderr[-2000:]
+    assert os.path.isfile(os.path.join(out, "minimind_name_64.pth"))

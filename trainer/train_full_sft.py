@@ -1,0 +1,12 @@
+"""MiniMind's name for the SFT stage: `python trainer/train_full_sft.py` (or `cd trainer && python train_full_sft.py`)
+runs trainer/train_sft.py's main, the same flags and defaults."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+
+from trainer.launch import main_guard  # noqa: E402
+from trainer.train_sft import main  # noqa: E402
+
+if __name__ == "__main__":
+    main_guard(main)
