@@ -9,12 +9,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from transformers import AutoTokenizer  # noqa: E402
 
 from dataset.rlaif_dataset import RLAIFDataset  # noqa: E402
+from trainer.batches import autocast  # noqa: E402
 from trainer.dpo_reference import load_reference  # noqa: E402
 from trainer.flags import add_grpo_args, parse_args  # noqa: E402
 from trainer.grpo import GRPOObjective, describe, grpo_row_plan, resolve_grpo, reward_functions  # noqa: E402
 from trainer.launch import main_guard  # noqa: E402
 from trainer.rollout import make_engine  # noqa: E402
-from trainer.batches import autocast  # noqa: E402
 from trainer.train_loop import build_trainer, load_datasets, setup, steps_per_epoch, train  # noqa: E402
 from trainer.trainer_utils import Logger  # noqa: E402
 
