@@ -58,15 +58,14 @@ def reward_columns(rows, num_generations):
     return prompts, {name: [row.get(name) for row in parsed] for name in names}
 
 
-def score_rollout(rollout, rows, tokenizer, functions, weights, num_generations):
-    """(advantages (N,), row stats (N, 5 + F)) of a rollout: per row reward, group std, zero-std flag, length,
-    truncated flag, then each reward function's value (the record's reward, reward_std, frac_reward_zero_std,
-    completions/*, rewards/<fn>/mean)."""
+def score_completions(completions, lengths, truncated, rows, functions, weights, num_generations):
+    """(advantages (N,), row stats (N, 5 + F)) of scored completions (TRL's conversational form, a prompt's
+    num_generations adjacent): per row reward, group std, zero-std flag, length, truncated flag, then each reward
+    function's value (the record's reward, reward_std, frac_reward_zero_std, completions/*, rewards/<fn>/mean)."""
     prompts, columns = reward_columns(rows, num_generations)
-    rewards, per_function = score(functions, weights, prompts, decode_completions(tokenizer, rollout), columns)
+    rewards, per_function = score(functions, weights, prompts, completions, columns)
     advantages, std = group_advantages(rewards, num_generations)
-    stats = torch.stack([rewards, std, (std == 0).float(), rollout.completion_lengths.float(),
-                         rollout.truncated.float()], dim=1)
+    stats = torch.stack([rewards, std, (std == 0).float(), lengths.float(), truncated.float()], dim=1)
     return advantages, torch.cat([stats, per_function], dim=1)
 
 

@@ -11,8 +11,9 @@ from transformers import AutoTokenizer  # noqa: E402
 from dataset.rlaif_dataset import RLAIFDataset  # noqa: E402
 from trainer.dpo_reference import load_reference  # noqa: E402
 from trainer.flags import add_grpo_args, parse_args  # noqa: E402
-from trainer.grpo import GRPOObjective, describe, grpo_row_plan, resolve_grpo, reward_functions  # noqa: E402
+from trainer.grpo import GRPOObjective, describe, resolve_grpo  # noqa: E402
 from trainer.launch import main_guard  # noqa: E402
+from trainer.rl_stage import reward_functions, row_plan  # noqa: E402
 from trainer.rollout import make_engine  # noqa: E402
 from trainer.train_loop import autocast, build_trainer, load_datasets, setup, steps_per_epoch, train  # noqa: E402
 from trainer.trainer_utils import Logger  # noqa: E402
@@ -23,7 +24,7 @@ def build(args):
     Trainer; returns (trainer, train_ds)."""
     # 1. set-up: checks -> TrainPlan (+ GRPOPlan; rows of prompt + completion tokens), process group, mesh, seed
     plan, dims = setup(args, resolve_stage=resolve_grpo)
-    plan = grpo_row_plan(plan)
+    plan = row_plan(plan)
     # 2. tokenizer and prompts (the embedded demo prompts unless --data_path)
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
     train_ds, _ = load_datasets(plan, lambda path: RLAIFDataset(
