@@ -49,6 +49,10 @@ class GRPOPlan(RolloutPlan):
     epsilon_high: float
     num_iterations: int
 
+    @property
+    def uses_reference(self):
+        return self.beta > 0
+
 
 def resolve_group(args):
     """The checked group-loss fields (GRPO's, the agent stage's) as a dict; ConfigError (one line) on bad input."""

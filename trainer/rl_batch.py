@@ -74,22 +74,28 @@ def tempered_log_probs(logits, targets, temperature):
     return token_log_probs(logits / temperature, targets)
 
 
-@torch.no_grad()
 def scoring_log_probs(model_parts, pipeline, micro_batches, plan, temperature):
     """Per micro-batch (N, L) target log-probs at `temperature` under a model in the training layout (the reference,
-    or the policy before its update): one forward per micro-batch, or the pipeline's forward-only schedule over
-    all of them (zeros off its last stage, whose values are never read)."""
+    or the policy before its update)."""
+    return scoring_forward(model_parts, pipeline, micro_batches, plan,
+                           lambda logits, targets: tempered_log_probs(logits, targets, temperature))
+
+
+@torch.no_grad()
+def scoring_forward(model_parts, pipeline, micro_batches, plan, score, columns=1):
+    """Per micro-batch `score(logits, targets)` (N, L), or (N, L, columns), of a no-grad forward in the training
+    layout: one forward per micro-batch, or the pipeline's forward-only schedule over all of them (zeros off its last
+    stage, whose values are never read)."""
     targets = [step_targets(labels) for _, labels in micro_batches]
     if pipeline is None:
         model, out = model_parts[0], []
         for (input_ids, _), t in zip(micro_batches, targets):
             with tp_loss_context(plan.tp > 1), autocast(plan):  # vocab-sharded logits under tensor parallel
                 logits = model(input_ids.to(plan.device)).logits
-                out.append(tempered_log_probs(logits, t.to(plan.device), temperature).cpu())
+                out.append(score(logits, t.to(plan.device)).cpu())
         return out
     input_ids = torch.cat([ids for ids, _ in micro_batches]).to(plan.device)
-    values = pipeline_log_probs(pipeline, input_ids, torch.cat(targets).to(plan.device),
-                                lambda logits, t: tempered_log_probs(logits, t, temperature))
+    values = pipeline_log_probs(pipeline, input_ids, torch.cat(targets).to(plan.device), score)
     if values is None:
-        return [torch.zeros(t.shape) for t in targets]
+        return [torch.zeros(t.shape + ((columns,) if columns > 1 else ())) for t in targets]
     return list(values.cpu().split([t.shape[0] for t in targets]))

@@ -12,11 +12,17 @@ import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from transformers import AutoTokenizer
+
+from dataset.rlaif_dataset import RLAIFDataset
+from trainer.dpo_reference import load_reference
 from trainer.launch import ConfigError, TrainingHalted
 from trainer.objective import LMObjective
 from trainer.rewards import RULES, RewardModel, load_reward_fn, reward_name
 from trainer.rl_batch import decode_completions, score_completions, training_rows
-from trainer.rollout import ENGINES, rollout_seed
+from trainer.rollout import ENGINES, make_engine, rollout_seed
+from trainer.train_loop import autocast, build_trainer, load_datasets, setup, steps_per_epoch
+from trainer.trainer_utils import Logger
 
 ROW_STATS = ("reward_sum", "reward_std_sum", "zero_std_sum", "length_sum", "truncated_sum")  # score_completions'
 
@@ -143,6 +149,27 @@ def reward_functions(stage, device, rules=RULES):
         functions.append(RewardModel(stage.reward_model, device))
     functions += [load_reward_fn(spec) for spec in stage.reward_fns]
     return functions, list(stage.reward_weights or [1.0] * len(functions))
+
+
+def build_rl_trainer(args, resolve_stage, objective_class, describe, demo_kind="rlaif", rules=RULES):
+    """Phases 1-7 of an RL entry script (tests build a Trainer the same way): the plan, prompts, rewards, reference,
+    rollout engine, objective and the Trainer; returns (trainer, train_ds)."""
+    # 1. set-up: checks -> TrainPlan (+ the stage's plan; rows of prompt + completion tokens), process group, mesh, seed
+    plan, dims = setup(args, resolve_stage=resolve_stage)
+    plan = row_plan(plan)
+    # 2. tokenizer and prompts (the embedded demo prompts unless --data_path)
+    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
+    train_ds, _ = load_datasets(plan, lambda path: RLAIFDataset(
+        path, tokenizer, max_length=plan.stage.max_prompt_len, thinking_ratio=plan.stage.thinking_ratio,
+        seed=plan.seed, skip_bad_lines=plan.skip_bad_lines), demo_kind=demo_kind)
+    # 3. rewards, the frozen reference (the starting weights; none without a KL term), the rollout engine
+    functions, weights = reward_functions(plan.stage, plan.device, rules)
+    reference = load_reference(plan, dims) if plan.stage.uses_reference else (None, None)
+    engine = make_engine(plan, tokenizer, dims, lambda: autocast(plan))
+    objective = objective_class(plan.stage, plan, dims, engine, tokenizer, functions, weights, reference)
+    Logger(describe(plan, objective))
+    # 4-7. resume state, policy model (from --from_weight; the stage's heads), parallel wrap, optimizer
+    return build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective=objective), train_ds
 
 
 def rewards_line(objective):
