@@ -98,8 +98,9 @@ class GRPOObjective(RolloutObjective):
         self.items_are_tokens = stage.loss_type in TOKEN_LOSSES
         clip = ("cispo_clip_sum",) if stage.loss_type == "cispo" else ("clip_low_sum", "clip_high_sum",
                                                                        "clip_region_sum")
-        self.stat_names = ("rows", "tokens", *ROW_STATS, *(f"rewards/{n}" for n in self.reward_names), "entropy_sum",
-                           *clip, *(("kl_sum",) if stage.beta else ()))
+        self.row_stat_names = (*ROW_STATS, *(f"rewards/{n}" for n in self.reward_names))  # the row stats' columns
+        self.stat_names = ("rows", "tokens", *self.row_stat_names, "entropy_sum", *clip,
+                           *(("kl_sum",) if stage.beta else ()))
 
     # ------------------------------------------------------------------ the step's micro-batches
     def prepare(self, trainer, micro_batches):
@@ -160,7 +161,7 @@ class GRPOObjective(RolloutObjective):
         loss = normalised(per_token * mask, mask, stage.loss_type, num_items, stage.max_gen_len)
         stats = dict(rows=torch.tensor(float(mask.shape[0])), tokens=mask.sum().detach(),
                      entropy_sum=(token_entropy(logits, stage.temperature) * mask).sum())
-        stats.update(zip(ROW_STATS + tuple(f"rewards/{n}" for n in self.reward_names), row_stats.sum(0)))
+        stats.update(zip(self.row_stat_names, row_stats.sum(0)))
         stats.update(clip_stats(ratio.detach(), advantages, mask, stage))
         if stage.beta:
             stats["kl_sum"] = (kl.detach() * mask).sum()
