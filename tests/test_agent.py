@@ -5,15 +5,19 @@ import glob
 import json
 import os
 import sys
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+from dataset.rlaif_dataset import RLAIFDataset
 from dataset.tools import TOOL_CASES, agent_rows, tool_schemas
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from model.model_minimind import MiniMindForCausalLM
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer import train_agent
-from trainer.agent import Episode, agent_reward, episode_rows, resolve_agent, rule_agent
+from trainer.agent import AgentObjective, Episode, agent_reward, episode_rows, resolve_agent, rule_agent
 from trainer.config import resolve
 from trainer.launch import ConfigError
 from trainer.rewards import repetition_penalty
@@ -162,6 +166,43 @@ def test_multi_turn_sampling_log_probs_are_one_forward_over_the_episode(monkeypa
         assert torch.allclose(got, expected, atol=1e-5)
         assert all(lp == 0.0 for lp, s in zip(episode.logprobs, episode.sampled) if not s)
     assert episodes[0].tokens != episodes[1].tokens  # the second turns differ: each episode samples its own
+
+
+def _zero3_episodes_worker(rank, world_size, out_dir, argv):
+    """Under ZeRO-3 rank 0's episodes take two turns (a forced tool call), rank 1's one: each rank plays its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallel.data import apply_data_parallel
+    from trainer.parallel.mesh import ParallelDims
+    from trainer.rollout import make_engine
+    sys.argv = argv
+    plan = resolve(train_agent.agent_args(), world_size, rank, resolve_agent)
+    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
+    dataset = RLAIFDataset(plan.data_path, tokenizer, max_length=448, thinking_ratio=0.0)
+    dims = ParallelDims.build(world_size)
+    objective = AgentObjective(plan.stage, plan, dims, make_engine(plan, tokenizer, dims, nullcontext), tokenizer,
+                               [rule_agent], [1.0])
+    torch.manual_seed(0)
+    model = apply_data_parallel(MiniMindForCausalLM(plan.model_config), init_device_mesh("cpu", (world_size,)),
+                                zero_stage=3)
+    prompt_ids, length, row = dataset[0]
+    call = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    policy = ScriptedTurn(model, int(length) - 1, call) if rank == 0 else model
+    episodes = objective.episodes(SimpleNamespace(model_parts=[policy]), 0, prompt_ids[None], length[None], [row], 0)
+    torch.save([[m["role"] for m in e.completion] for e in episodes], os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_ranks_whose_episodes_end_sooner_keep_taking_turns_under_zero3(tmp_path):
+    """FSDP2 gathers the weights for every rollout, a collective: a rank whose episodes are over still takes the
+    turns another rank takes (with a throwaway row), so neither waits for the other."""
+    data = str(tmp_path / "agent.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in agent_rows())
+    argv = ["train_agent.py", *agent_flags(tmp_path, data, "--max_turns", "3", "--max_gen_len", "32",
+                                           "--zero_stage", "3")]
+    spawn(_zero3_episodes_worker, 2, str(tmp_path), argv, timeout=120, start_method="fork")
+    roles = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert roles[0] == [["assistant", "tool", "assistant"]] * 2 and roles[1] == [["assistant"]] * 2
 
 
 # ----------------------------------------------------------------------------- end to end

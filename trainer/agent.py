@@ -18,7 +18,7 @@ import torch
 
 from dataset.tools import gt_matches, parse_assistant, tool_message, valid_call
 from trainer.grpo import GRPOObjective, GRPOPlan, describe, resolve_group
-from trainer.launch import ConfigError, TrainingHalted
+from trainer.launch import ConfigError, TrainingHalted, count_sum
 from trainer.rewards import THINK_END, answer_of, completion_texts, repetition_penalty
 from trainer.rl_stage import check_positions, resolve_rollout
 from trainer.rollout import rollout_seed
@@ -180,7 +180,8 @@ class AgentObjective(GRPOObjective):
 
     def episodes(self, trainer, index, prompt_ids, prompt_lengths, data_rows, step):
         """The episodes of one micro-batch's prompts, num_generations each (adjacent): turn by turn, every unfinished
-        episode continues from its whole context, sampled with a seed of (seed, step, dp rank, micro-batch, turn)."""
+        episode continues from its whole context, sampled with a seed of (seed, step, dp rank, micro-batch, turn).
+        Every rank runs as many turns as the rank with the longest episode (a collective per turn)."""
         stage, pad_id = self.stage, self.tokenizer.pad_token_id
         width, episodes = prompt_ids.shape[1], []
         for ids, length, row in zip(prompt_ids.tolist(), prompt_lengths.tolist(), data_rows):
@@ -192,13 +193,16 @@ class AgentObjective(GRPOObjective):
                          for _ in range(stage.num_generations)]
         for turn in range(stage.max_turns):
             active = [e for e in episodes if not e.done]
-            if not active:
+            # every rank takes a turn while any rank has one: under ZeRO-2/3 each rollout gathers the weights (a
+            # collective), so a rank whose episodes are over joins with a throwaway row
+            if not count_sum(len(active)):
                 break
             seed = rollout_seed(self.plan.seed, step, self.dims.dp_rank, f"{index}:{turn}")
             if turn == 0:
                 rollout = self.generate(trainer, prompt_ids, prompt_lengths, stage.num_generations, seed)
             else:
-                rollout = self.generate(trainer, *left_padded([e.context for e in active], pad_id), 1, seed)
+                contexts = [e.context for e in active] or [episodes[0].prompt]
+                rollout = self.generate(trainer, *left_padded(contexts, pad_id), 1, seed)
             for row, episode in enumerate(active):
                 n = int(rollout.completion_lengths[row])
                 self.take_turn(episode, rollout.completion_ids[row, :n].tolist(), rollout.logprobs[row, :n].tolist(),
