@@ -7,7 +7,8 @@ generation prompt. MiniMind opens the think block in a share of the prompts (--t
 Which rows open it is drawn once from the seed, so the prompts are a pure function of (file, seed).
 
 An item is (prompt ids (max_length,) left-padded with the pad id, its length, the row as JSON text): the row's
-other columns and its prompt messages ("prompt") reach the reward functions (TRL's convention). A prompt longer than
+other columns, its prompt messages ("prompt") and the tools it offers ("tools", where it offers any) reach the reward
+functions (TRL's convention). A prompt longer than
 max_length keeps its last max_length tokens, as MiniMind's. JSONL or parquet; rows are read and tokenized once.
 """
 import json
@@ -77,6 +78,8 @@ class RLAIFDataset(Dataset):
                 bad_lines(lineno, str(e))
                 continue
             columns = {key: value for key, value in row.items() if key != "conversations"}
+            if tools:  # the tools offered, for the agent stage's mock environment and reward
+                columns["tools"] = tools
             self.rows.append(json.dumps(dict(columns, prompt=messages), ensure_ascii=False))
         self.num_bad_lines = bad_lines.count
         if not texts:

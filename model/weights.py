@@ -208,13 +208,18 @@ def config_fields(config):
     return {k: v for k, v in config.items() if k in CONFIG_FIELDS}
 
 
+VALUE_HEAD = "model.norm.value_head."  # PPO's critic on the trunk's final norm (trainer/ppo.py), in its checkpoints
+
+
 def clean_state_dict(state_dict, tie=None):
-    """Drop wrapper prefixes (DDP 'module.', torch.compile '_orig_mod.'); with tie, fill the missing tied twin."""
+    """Drop wrapper prefixes (DDP 'module.', torch.compile '_orig_mod.') and a PPO value head (not part of the language
+    model); with tie, fill the missing tied twin."""
     out = {}
     for k, v in state_dict.items():
         for prefix in ("module.", "_orig_mod."):
             k = k[len(prefix):] if k.startswith(prefix) else k
-        out[k] = v
+        if not k.startswith(VALUE_HEAD):
+            out[k] = v
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     if tie and head not in out and embed in out:  # tied checkpoints may store one of the two names only
         out[head] = out[embed]

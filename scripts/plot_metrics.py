@@ -23,7 +23,9 @@ PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "vali
           ("tokens_per_sec", "tokens/s", 1, "target tokens / s"),
           ("mfu", "MFU", 100, "% of peak FLOPs"), ("peak_mem_gb", "peak memory", 1, "GB (max over ranks)"),
           ("reward", "reward (RL)", 1, "mean reward of the step's completions"),
-          ("completions/mean_length", "completion length (RL)", 1, "tokens")]
+          ("completions/mean_length", "completion length (RL)", 1, "tokens"),
+          ("ppo/mean_scores", "score (PPO)", 1, "mean reward of the rollout's completions"),
+          ("tokens/responses_len_mean", "completion length (PPO)", 1, "tokens")]
 PANEL_SIZE = (4.5, 3.2)  # inches per panel; the PNG is columns*4.5 x rows*3.2 inches at --dpi
 COLUMNS = 4
 

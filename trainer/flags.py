@@ -221,15 +221,31 @@ def add_distillation_args(parser):
     a("--temperature", type=float, default=1.5, help="softmax temperature T of both models in the KL")
 
 
-def add_grpo_args(parser):
-    """train_grpo.py: rollouts, rewards and the policy loss (trainer/grpo.py, rollout.py, rewards.py); MiniMind's
-    defaults, TRL's names."""
+def add_rollout_args(parser):
+    """The RL stages' rollouts and rewards (trainer/rl_stage.py, rollout.py, rewards.py); MiniMind's defaults."""
     a = parser.add_argument
-    a("--num_generations", type=int, default=6, help="completions per prompt (a group, on one data-parallel rank)")
-    a("--max_gen_len", type=int, default=1024, help="tokens generated at most per completion")
+    a("--max_gen_len", type=int, default=1024, help="tokens generated at most per completion (agent: per turn)")
     a("--temperature", type=float, default=0.8, help="sampling temperature; the log-probs are taken at it too")
     a("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: the whole vocabulary)")
     a("--thinking_ratio", type=float, default=0.9, help="share of prompts that open the think block")
+    a("--reward", default="rule", choices=["rule", "none"], help="rule: MiniMind's rule terms (GRPO, PPO: length, "
+      "think format, repetition; agent: the tool-call rule against the row's gt), offline")
+    a("--reward_model", default=None, help="a local Hugging Face AutoModelForSequenceClassification folder (its "
+      "first logit is a reward)")
+    a("--reward_fn", action="append", default=None, help="FILE.py:NAME, a reward function NAME(prompts, completions, "
+      "**columns) -> list[float] (TRL's convention); repeat for several")
+    a("--reward_weights", default=None, help="comma list, one weight per reward function in the order: rule terms "
+      "(GRPO, PPO: 3; agent: 1), reward model, each --reward_fn (default: 1 each)")
+    a("--rollout_engine", default="torch", choices=["torch", "sglang", "vllm"], help="torch: generate in-process; "
+      "sglang|vllm: an OpenAI-compatible server at --rollout_url, synced through an HF export folder")
+    a("--rollout_url", default=None, help="the rollout server's base URL (--rollout_engine sglang|vllm)")
+    a("--rollout_timeout", type=float, default=600, help="seconds a rollout server request may take")
+
+
+def add_group_args(parser):
+    """GRPO's group-relative loss (trainer/grpo.py), which the agent stage trains with too; TRL's names."""
+    a = parser.add_argument
+    a("--num_generations", type=int, default=6, help="completions per prompt (a group, on one data-parallel rank)")
     a("--loss_type", default="cispo", choices=["grpo", "dapo", "dr_grpo", "bnpo", "cispo"],
       help="policy loss and its normaliser, as TRL defines them")
     a("--beta", type=float, default=0.1, help="weight of the k3 KL to the reference (the starting weights); 0 loads "
@@ -239,18 +255,41 @@ def add_grpo_args(parser):
       "ratio's cap; default: 5.0 for cispo, --epsilon otherwise)")
     a("--num_iterations", type=int, default=1, help="optimizer steps on each rollout (> 1: the ratio moves from 1 "
       "and clipping acts)")
-    a("--reward", default="rule", choices=["rule", "none"], help="rule: MiniMind's rule terms (length, think format, "
-      "repetition), offline")
-    a("--reward_model", default=None, help="a local Hugging Face AutoModelForSequenceClassification folder (its "
-      "first logit is a reward)")
-    a("--reward_fn", action="append", default=None, help="FILE.py:NAME, a reward function NAME(prompts, completions, "
-      "**columns) -> list[float] (TRL's convention); repeat for several")
-    a("--reward_weights", default=None, help="comma list, one weight per reward function in the order: rule terms "
-      "(3), reward model, each --reward_fn (default: 1 each)")
-    a("--rollout_engine", default="torch", choices=["torch", "sglang", "vllm"], help="torch: generate in-process; "
-      "sglang|vllm: an OpenAI-compatible server at --rollout_url, synced through an HF export folder")
-    a("--rollout_url", default=None, help="the rollout server's base URL (--rollout_engine sglang|vllm)")
-    a("--rollout_timeout", type=float, default=600, help="seconds a rollout server request may take")
+
+
+def add_grpo_args(parser):
+    """train_grpo.py: rollouts, rewards and the policy loss (trainer/grpo.py, rollout.py, rewards.py); MiniMind's
+    defaults, TRL's names."""
+    add_rollout_args(parser)
+    add_group_args(parser)
+
+
+def add_ppo_args(parser):
+    """train_ppo.py: the value head, GAE and the clipped losses (trainer/ppo.py); MiniMind's defaults and names."""
+    add_rollout_args(parser)
+    a = parser.add_argument
+    a("--clip_epsilon", type=float, default=0.2, help="the policy ratio's clip range: [1 - clip, 1 + clip]")
+    a("--cliprange_value", type=float, default=0.2, help="the value prediction's clip range around the rollout's")
+    a("--vf_coef", type=float, default=0.5, help="weight of the value loss beside the policy loss")
+    a("--kl_coef", type=float, default=0.02, help="per-token KL penalty to the reference in the reward (the starting "
+      "weights); 0 loads no reference")
+    a("--gamma", type=float, default=1.0, help="GAE's discount")
+    a("--lam", type=float, default=0.95, help="GAE's lambda")
+    a("--ppo_update_iters", type=int, default=2, help="optimizer steps on each rollout (each over the step's whole "
+      "rollout: MiniMind's mini_batch_size = batch_size)")
+    a("--early_stop_kl", type=float, default=0.25, help="roll out anew once the policy's approx KL to the rollout's "
+      "exceeds this (checked before each further update on a rollout; 0: off)")
+
+
+def add_agent_args(parser):
+    """train_agent.py: multi-turn tool rollouts (trainer/agent.py) with GRPO's loss; MiniMind's defaults."""
+    add_rollout_args(parser)
+    add_group_args(parser)
+    a = parser.add_argument
+    a("--max_turns", type=int, default=3, help="model turns per episode (a turn that calls a tool gets the mock "
+      "tool's answer and a next turn)")
+    a("--max_total_len", type=int, default=2500, help="tokens of a whole episode at most (prompt, turns, tool "
+      "answers); a turn that would pass it is cut there")
 
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):

@@ -22,7 +22,8 @@ THINK_END = "</think>"
 
 
 def completion_texts(completions):
-    return [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    """Each completion's text: a conversational one's last message (a multi-turn episode's final turn)."""
+    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
 
 
 def answer_of(text):

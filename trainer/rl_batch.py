@@ -58,15 +58,14 @@ def reward_columns(rows, num_generations):
     return prompts, {name: [row.get(name) for row in parsed] for name in names}
 
 
-def score_rollout(rollout, rows, tokenizer, functions, weights, num_generations):
-    """(advantages (N,), row stats (N, 5 + F)) of a rollout: per row reward, group std, zero-std flag, length,
-    truncated flag, then each reward function's value (the record's reward, reward_std, frac_reward_zero_std,
-    completions/*, rewards/<fn>/mean)."""
+def score_completions(completions, lengths, truncated, rows, functions, weights, num_generations):
+    """(advantages (N,), row stats (N, 5 + F)) of scored completions (TRL's conversational form, a prompt's
+    num_generations adjacent): per row reward, group std, zero-std flag, length, truncated flag, then each reward
+    function's value (the record's reward, reward_std, frac_reward_zero_std, completions/*, rewards/<fn>/mean)."""
     prompts, columns = reward_columns(rows, num_generations)
-    rewards, per_function = score(functions, weights, prompts, decode_completions(tokenizer, rollout), columns)
+    rewards, per_function = score(functions, weights, prompts, completions, columns)
     advantages, std = group_advantages(rewards, num_generations)
-    stats = torch.stack([rewards, std, (std == 0).float(), rollout.completion_lengths.float(),
-                         rollout.truncated.float()], dim=1)
+    stats = torch.stack([rewards, std, (std == 0).float(), lengths.float(), truncated.float()], dim=1)
     return advantages, torch.cat([stats, per_function], dim=1)
 
 
@@ -75,22 +74,28 @@ def tempered_log_probs(logits, targets, temperature):
     return token_log_probs(logits / temperature, targets)
 
 
-@torch.no_grad()
 def scoring_log_probs(model_parts, pipeline, micro_batches, plan, temperature):
     """Per micro-batch (N, L) target log-probs at `temperature` under a model in the training layout (the reference,
-    or the policy before its update): one forward per micro-batch, or the pipeline's forward-only schedule over
-    all of them (zeros off its last stage, whose values are never read)."""
+    or the policy before its update)."""
+    return scoring_forward(model_parts, pipeline, micro_batches, plan,
+                           lambda logits, targets: tempered_log_probs(logits, targets, temperature))
+
+
+@torch.no_grad()
+def scoring_forward(model_parts, pipeline, micro_batches, plan, score, columns=1):
+    """Per micro-batch `score(logits, targets)` (N, L), or (N, L, columns), of a no-grad forward in the training
+    layout: one forward per micro-batch, or the pipeline's forward-only schedule over all of them (zeros off its last
+    stage, whose values are never read)."""
     targets = [step_targets(labels) for _, labels in micro_batches]
     if pipeline is None:
         model, out = model_parts[0], []
         for (input_ids, _), t in zip(micro_batches, targets):
             with tp_loss_context(plan.tp > 1), autocast(plan):  # vocab-sharded logits under tensor parallel
                 logits = model(input_ids.to(plan.device)).logits
-                out.append(tempered_log_probs(logits, t.to(plan.device), temperature).cpu())
+                out.append(score(logits, t.to(plan.device)).cpu())
         return out
     input_ids = torch.cat([ids for ids, _ in micro_batches]).to(plan.device)
-    values = pipeline_log_probs(pipeline, input_ids, torch.cat(targets).to(plan.device),
-                                lambda logits, t: tempered_log_probs(logits, t, temperature))
+    values = pipeline_log_probs(pipeline, input_ids, torch.cat(targets).to(plan.device), score)
     if values is None:
-        return [torch.zeros(t.shape) for t in targets]
+        return [torch.zeros(t.shape + ((columns,) if columns > 1 else ())) for t in targets]
     return list(values.cpu().split([t.shape[0] for t in targets]))
