@@ -213,7 +213,8 @@ def generation_mask(mask):
     return mask | ~mask.any(dim=-1, keepdim=True)
 
 
-# torch's CPU flash-attention kernel (what SDPA calls on CPU); its attn_mask argument exists since torch 2.3
+# torch's CPU flash-attention kernel (what SDPA calls on CPU); its attn_mask argument exists since torch 2.3. A private
+# op, listed in model/torch_compat.py (CPU_FLASH_OP) but looked up here: this file ships alone as remote code
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # it splits keys into blocks of 512 (FlashAttentionKernel.cpp): shorter rows have no block above the diagonal to skip
 _CPU_FLASH_KV_BLOCK = 512

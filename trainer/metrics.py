@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from model.torch_compat import cpu_bf16_native
 from model.weights import _atomic_write  # the one atomic writer (temporary file, fsync, rename)
 
 
@@ -109,11 +110,6 @@ def cpu_name():
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def cpu_bf16_native():
-    """This CPU runs bf16 matmuls natively (oneDNN: AVX512-BF16 or AMX); without it bf16 is emulated and slow."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def measure_cpu_rates():
