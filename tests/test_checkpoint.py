@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from model.atomic import atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import atomic_save
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.checkpoint import (
     MANIFEST,
     Checkpointer,
     TrainState,
     latest_checkpoint,
-    load_resume,
+    read_resume,
     rng_state,
     set_rng_state,
 )
@@ -41,7 +41,7 @@ def test_corrupt_resume_file_is_one_clear_error(tmp_path):
     with open(tmp_path / "pretrain_64_resume.pth", "wb") as f:
         f.write(b"PK\x03\x04 truncated garbage")
     with pytest.raises(ConfigError, match="pretrain_64_resume.pth is not a readable resume file"):
-        load_resume(tiny_config(), resume_plan(tmp_path))
+        read_resume(tiny_config(), resume_plan(tmp_path))
 
 
 @pytest.mark.parametrize("old", [dict(format_version=2, train_state={}), dict(format_version=1, step_in_epoch=3)])
@@ -50,13 +50,13 @@ def test_format_1_and_2_files_name_the_commit_that_reads_them(tmp_path, old):
     torch.save(dict(model={"w": torch.ones(2)}, optimizer={}, epoch=0, rng=rng, **old),
                tmp_path / "pretrain_64_resume.pth")
     with pytest.raises(ConfigError, match="format 1/2 single-file checkpoints were read up to commit 4df0373"):
-        load_resume(tiny_config(), resume_plan(tmp_path))
+        read_resume(tiny_config(), resume_plan(tmp_path))
 
 
 KILL_MIDWAY = r"""
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
-from model.weights import atomic_save
+from model.atomic import atomic_save
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 real_save = torch.save
 def save_then_die(obj, f, *a, **k):
@@ -142,9 +142,9 @@ def test_from_resume_1_without_a_checkpoint_is_refused_and_auto_starts_fresh(tmp
     config = tiny_config()
     make_steps(str(tmp_path / "pretrain_64"), [3], complete=[])  # a save killed before its manifest
     with pytest.raises(ConfigError, match="--from_resume 1 but .*pretrain_64 holds no complete checkpoint"):
-        load_resume(config, resume_plan(tmp_path, from_resume="1"))
-    assert load_resume(config, resume_plan(tmp_path, from_resume="auto")) is None
-    assert load_resume(config, resume_plan(tmp_path, from_resume="0")) is None
+        read_resume(config, resume_plan(tmp_path, from_resume="1"))
+    assert read_resume(config, resume_plan(tmp_path, from_resume="auto")) is None
+    assert read_resume(config, resume_plan(tmp_path, from_resume="0")) is None
 
 
 @pytest.mark.cuda

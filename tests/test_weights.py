@@ -11,20 +11,11 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import (
-    WeightsError,
-    flag_conflicts,
-    infer_config,
-    load_weights,
-    read_checkpoint,
-    read_weights,
-    save_weights_file,
-    shape_mismatch,
-    sidecar_path,
-    weight_fields,
-)
+from model.weight_shapes import WeightsError, infer_config, shape_mismatch, weight_fields
+from model.weights import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
 from trainer.flags import MODEL_FLAGS
 from trainer.model_config import weight_shapes
+from trainer.weight_flags import flag_conflicts, weights_line
 
 VOCAB = 512
 
@@ -105,7 +96,7 @@ def test_shape_mismatch_names_file_tensor_shapes_and_flag(minimind3_dense):
     state_dict, _ = read_weights(str(path))
     with torch.device("meta"):
         old = MiniMindForCausalLM(MiniMindConfig(intermediate_size=2048))  # this project's former 8/3 default
-    message = shape_mismatch(state_dict, old, str(path))
+    message = weights_line(shape_mismatch(state_dict, old, str(path)))
     assert message == (f"{path}: tensor model.layers.0.mlp.gate_proj.weight has shape [2432, 768] in the file "
                        "but [2048, 768] in the model; pass --intermediate_size 2432")
 
@@ -133,7 +124,7 @@ def tiny(**kw):
 def test_shape_mismatch_flags(saved, model_kw, expected):
     torch.manual_seed(0)
     state_dict = MiniMindForCausalLM(tiny(**saved)).state_dict()
-    message = shape_mismatch(state_dict, MiniMindForCausalLM(tiny(**model_kw)), "w.pth")
+    message = weights_line(shape_mismatch(state_dict, MiniMindForCausalLM(tiny(**model_kw)), "w.pth"))
     assert message is not None and message.startswith("w.pth: ") and "\n" not in message
     assert expected in message, message
 
@@ -163,7 +154,7 @@ def test_resume_checkpoint_with_rng_state_reads_model_config_and_args(tmp_path):
     torch.save(ckpt, tmp_path / "pretrain_64_moe_resume.pth")
     with pytest.raises(Exception):  # what convert_model tripped on: weights_only refuses numpy RNG state
         torch.load(tmp_path / "pretrain_64_moe_resume.pth", weights_only=True)
-    state_dict, saved, args = read_checkpoint(str(tmp_path / "pretrain_64_moe_resume.pth"))
+    state_dict, saved, args = read_weights_and_args(str(tmp_path / "pretrain_64_moe_resume.pth"))
     assert args["tokenizer_path"] == "/somewhere/tok"
     assert saved["num_experts_per_tok"] == 2 and "model_type" not in saved
     original = model.state_dict()

@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from model.atomic import atomic_write  # the one atomic writer (temporary file, fsync, rename)
 from model.torch_compat import cpu_bf16_native
-from model.weights import _atomic_write  # the one atomic writer (temporary file, fsync, rename)
 
 
 def model_flops_per_token(config, seq_len):
@@ -166,7 +166,7 @@ def _measure_locked(path, key, before):
         busy, fresh = cpu_busy(), measure_cpu_rates()
         entry = dict({name: max(rate, (before or {}).get(name, 0.0)) for name, rate in fresh.items()}, busy=busy)
         rates = dict(_read_json(path), **{key: entry})
-        _atomic_write(path, lambda f: f.write(json.dumps(rates, indent=1, sort_keys=True).encode()))
+        atomic_write(path, lambda f: f.write(json.dumps(rates, indent=1, sort_keys=True).encode()))
         return entry
     finally:
         _remove(lock)

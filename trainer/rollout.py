@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from transformers.cache_utils import DynamicCache
 
-from model.weights import save_hf_folder
+from model.hf_convert import save_hf_folder
 from trainer.launch import TrainingHalted, is_main_process
 from trainer.parallel.state_dict import full_model_state_dict
 
