@@ -23,7 +23,7 @@ CPU_FLASH_OP = "_scaled_dot_product_flash_attention_for_cpu"
 
 def set_default_pg_timeout(seconds):
     """distributed_c10d._set_pg_timeout(timedelta, None): the default group's collective timeout after start-up
-    (torchtitan's train_timeout_seconds). Missing: the start-up timeout (--dist_init_timeout) stays in force."""
+    (torchtitan's train_timeout_seconds). Missing: the start-up timeout stays in force."""
     if hasattr(distributed_c10d, "_set_pg_timeout"):
         distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), None)
 
@@ -36,7 +36,7 @@ def flatten_mesh(mesh, name):
 
 def cpu_bf16_native():
     """torch.ops.mkldnn._is_mkldnn_bf16_supported(): this CPU runs bf16 matmuls natively (AVX512-BF16 or AMX).
-    Missing: False, so --dtype auto picks fp32 and --dtype bfloat16 on CPU is refused in one line."""
+    Missing: False, so the trainer picks fp32 on CPU and refuses bf16 there in one line."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
@@ -58,18 +58,18 @@ def scaler_found_inf_per_device(scaler, optimizer):
     guard agrees on them over every rank). Missing: one line asking for bf16 or a checked torch."""
     if not hasattr(scaler, "_found_inf_per_device"):
         raise RuntimeError(f"this torch ({torch.__version__}) has no GradScaler._found_inf_per_device, which fp16 "
-                           f"training reads; use --dtype bfloat16, or torch {' / '.join(CHECKED_ON)}")
+                           f"training reads; train in bf16 or fp32, or use torch {' / '.join(CHECKED_ON)}")
     return scaler._found_inf_per_device(optimizer)
 
 
 def flatten_optim_state_dict(optimizer_state):
     """DCP's _flatten_optim_state_dict: {"state": {fqn: {key: v}}, "param_groups": [...]} -> {"state.<fqn>.<key>": v,
     "param_groups.<fqn>.<key>": v} (the ZeRO-1 optimizer's state in the per-FQN layout every other one saves).
-    Missing: one line asking for another --zero_stage or a checked torch."""
+    Missing: one line asking for another ZeRO stage or a checked torch."""
     flatten = getattr(dcp_state_dict, "_flatten_optim_state_dict", None)
     if flatten is None:
         raise RuntimeError(f"this torch ({torch.__version__}) has no _flatten_optim_state_dict, which saving a ZeRO-1 "
-                           f"optimizer needs; use another --zero_stage, or torch {' / '.join(CHECKED_ON)}")
+                           f"optimizer needs; use another ZeRO stage, or torch {' / '.join(CHECKED_ON)}")
     return flatten(optimizer_state)
 
 

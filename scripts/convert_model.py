@@ -32,12 +32,13 @@ sys.path.insert(0, ROOT)
 from model.hf_convert import save_hf_folder  # noqa: E402
 from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.provenance import TokenizerMismatch, tokenizer_for, tokenizer_record  # noqa: E402
 from model.provenance import copy_tokenizer as copy_files  # noqa: E402
+from model.provenance import tokenizer_record  # noqa: E402
 from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
 from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
 from trainer.checks import check_writable  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
+from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
 from trainer.weight_flags import flag_conflicts, weights_line  # noqa: E402
 from trainer.weights_file import any_weights_record, read_any_weights  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 
 from dataset.mixture import absolute_data_spec
 from model.model_minimind import MiniMindConfig
-from model.provenance import TokenizerMismatch, tokenizer_for, tokenizer_record
+from model.provenance import tokenizer_record
 from trainer.callbacks import CallbackPlan, resolve_callbacks
 from trainer.checkpoint import MANIFEST
 from trainer.checks import (
@@ -30,6 +30,7 @@ from trainer.launch import ConfigError
 from trainer.model_config import build_config, weight_shapes
 from trainer.optim import OptimizerPlan, resolve_optimizer
 from trainer.schedule import LRSchedule, resolve_schedule
+from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from trainer.tracking import parse_profile_steps, resolve_trackers
 from trainer.trainer_utils import Logger, repo_path, typed_or_default, weight_name
 from trainer.weights_file import any_weights_record
