@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.token_cache import CACHE_FORMAT_VERSION, build_token_cache, discard_if_damaged
+from dataset.token_cache import CACHE_FORMAT_VERSION, build_token_cache, discard_if_damaged, read_token_cache
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
@@ -93,9 +93,7 @@ class TokenCacheDataset(Dataset):
                                              cache_dir or DEFAULT_CACHE_DIR)
             if not discard_if_damaged(self.cache_path, quiet=part[0] != 0):  # absent, or damaged: built (again)
                 _build_cache(self, skip_bad_lines, num_proc, part)
-            with open(os.path.join(self.cache_path, "meta.json")) as f:
-                self.meta = json.load(f)
-            files = {name: os.path.join(self.cache_path, f"{name}.bin") for name in ("tokens", "offsets", "mask")}
+            self.meta, files = read_token_cache(self.cache_path)
         self._token_file, self._mask_file = files["tokens"], files["mask"]
         self.num_bad_lines = self.meta["num_bad_lines"]
         self.offsets = np.fromfile(files["offsets"], dtype=np.int64)

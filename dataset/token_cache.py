@@ -42,6 +42,13 @@ STALE_LOCK_S = 60  # a lock from another host not touched for this long belongs 
 WAIT_TIMEOUT_S = 6 * 3600  # longest wait for another rank's part or another node's cache
 
 
+def read_token_cache(out_dir):
+    """(meta, {"tokens", "offsets", "mask": file}) of the complete cache `out_dir` (mask.bin exists for SFT only)."""
+    with open(os.path.join(out_dir, "meta.json")) as f:
+        meta = json.load(f)
+    return meta, {name: os.path.join(out_dir, f"{name}.bin") for name in ("tokens", "offsets", "mask")}
+
+
 def default_num_proc():
     """Worker processes to tokenize with: the cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
