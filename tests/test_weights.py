@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_shapes import WeightsError, infer_config, shape_mismatch, weight_fields
 from model.weights import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
@@ -120,6 +121,9 @@ def tiny(**kw):
     (dict(use_moe=True, moe_intermediate_size=96), dict(use_moe=True), "pass --moe_intermediate_size 96"),
     (dict(tie_word_embeddings=False), dict(), "(untied); pass --tie_word_embeddings 0"),
     (dict(vocab_size=600), dict(), "(vocab_size 600): --tokenizer_path"),
+    (dict(use_moe=True, n_shared_experts=1), dict(use_moe=True), "tensor model.layers.0.mlp.shared_experts.0.down_proj."
+                                                                 "weight has no place in this model (6 unexpected); "
+                                                                 "check --use_moe / shared experts"),
 ])
 def test_shape_mismatch_flags(saved, model_kw, expected):
     torch.manual_seed(0)
@@ -281,3 +285,12 @@ def test_from_weight_takes_top_k_from_the_sidecar(tmp_path):
     assert weight_shapes(flags, path)["num_experts_per_tok"] == 2
     os.remove(sidecar_path(path))
     assert "num_experts_per_tok" not in weight_shapes(flags, path)
+
+
+def test_shared_experts_do_not_export_to_qwen3_moe_and_the_line_says_what_to_pass():
+    config = tiny(use_moe=True, n_shared_experts=1)
+    with pytest.raises(WeightsError) as e:
+        minimind_to_hf(MiniMindForCausalLM(config).state_dict(), config)
+    assert weights_line(e.value) == ("n_shared_experts=1: Qwen3-MoE has no shared experts; "
+                                     "export with --format minimind instead")
+    assert "--" not in str(e.value)  # model/ names no flag: trainer/weight_flags.py adds it
