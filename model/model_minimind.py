@@ -1,6 +1,6 @@
 """MiniMind: a small Qwen3-style decoder (dense or MoE) as a Hugging Face PreTrainedModel.
 
-Numerically follows transformers' Qwen3 / Qwen3-MoE (model/weights.py maps weights both ways).
+Numerically follows transformers' Qwen3 / Qwen3-MoE (model/hf_convert.py maps weights both ways).
 No distributed code: parallelism is applied from outside through the hooks documented in docs/design.md
 (`Attention.attn_fn`, `MOEFeedForward.reduce_router_stats` / `seq_len_scale`, shape-derived head counts).
 """

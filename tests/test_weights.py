@@ -1,5 +1,5 @@
-"""model/weights.py: MiniMind-3 .pth files, the trainer's .pth + sidecar config, resume checkpoints and HF folders load,
-and mismatches are one line."""
+"""model/weights.py, weight_shapes.py, hf_convert.py (trainer/weight_flags.py words the fixes): MiniMind-3 .pth files,
+the trainer's .pth + sidecar config, resume files and HF folders load, and mismatches are one line."""
 import argparse
 import json
 import os

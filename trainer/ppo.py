@@ -138,7 +138,7 @@ class ValueHead(nn.Linear):
     def attach(self, model):
         """Make this head `model.model.norm.value_head` and record V on every forward of the trunk."""
         norm = model.model.norm
-        norm.value_head = self.to(norm.weight.device)  # model/weights.VALUE_HEAD: left out of the LM's weights
+        norm.value_head = self.to(norm.weight.device)  # model/weight_shapes.VALUE_HEAD: left out of the LM's weights
         norm.register_forward_hook(self.capture)
         return self
 
