@@ -10,8 +10,7 @@ import torch
 
 from dataset.mixture import absolute_data_spec
 from model.model_minimind import MiniMindConfig
-from model.provenance import TokenizerMismatch, tokenizer_for, tokenizer_record
-from model.weights import read_record
+from model.provenance import tokenizer_record
 from trainer.callbacks import CallbackPlan, resolve_callbacks
 from trainer.checkpoint import MANIFEST
 from trainer.checks import (
@@ -31,8 +30,10 @@ from trainer.launch import ConfigError
 from trainer.model_config import build_config, weight_shapes
 from trainer.optim import OptimizerPlan, resolve_optimizer
 from trainer.schedule import LRSchedule, resolve_schedule
+from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from trainer.tracking import parse_profile_steps, resolve_trackers
 from trainer.trainer_utils import Logger, repo_path, typed_or_default, weight_name
+from trainer.weights_file import any_weights_record
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ def weight_path(spec, save_dir, config):
 def run_tokenizer(args, from_weight):
     """The run's tokenizer folder: --tokenizer_path, else the one --from_weight was trained with (its record), else
     model/; a typed folder whose tokenizer.json differs from the recorded one is refused (--force_tokenizer 1: kept)."""
-    record = read_record(from_weight).get("tokenizer") if from_weight != "none" else None
+    record = any_weights_record(from_weight).get("tokenizer") if from_weight != "none" else None
     if record is None:
         return typed_or_default(args.tokenizer_path, "model")
     try:

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model.weights import clean_state_dict, save_weights_file
+from model.weight_shapes import clean_state_dict
+from model.weights import save_weights_file
 from trainer.batches import step_targets
-from trainer.checkpoint import SIDECAR_BYTES
 from trainer.launch import ConfigError, world_sum
 from trainer.metrics import step_flops
 from trainer.policy_loss import token_entropy
@@ -43,6 +43,7 @@ from trainer.rl_stage import (
     resolve_rollout,
     rewards_line,
 )
+from trainer.weights_file import SIDECAR_BYTES
 
 # per-row stats of a rollout, summed over the step's rows in the loss's stats
 ROW_STATS = ("score_sum", "score_sq_sum", "length_sum", "truncated_sum", "kl_sum", "non_score_sum", "neg_logp_sum",
@@ -137,7 +138,7 @@ class ValueHead(nn.Linear):
     def attach(self, model):
         """Make this head `model.model.norm.value_head` and record V on every forward of the trunk."""
         norm = model.model.norm
-        norm.value_head = self.to(norm.weight.device)  # model/weights.VALUE_HEAD: left out of the LM's weights
+        norm.value_head = self.to(norm.weight.device)  # model/weight_shapes.VALUE_HEAD: left out of the LM's weights
         norm.register_forward_hook(self.capture)
         return self
 

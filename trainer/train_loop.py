@@ -15,18 +15,7 @@ import torch.distributed as dist
 
 from trainer.batches import autocast, shard_for_context, step_targets, to_device
 from trainer.callbacks import make_callbacks
-from trainer.checkpoint import (
-    Checkpointer,
-    TrainState,
-    ensure_final_weights,
-    load_resume,
-    restore,
-    rng_state,
-    save_weights,
-    set_rng_state,
-    tied_aliases,
-    weights_path,
-)
+from trainer.checkpoint import Checkpointer, TrainState, read_resume, rng_state, set_rng_state, tied_aliases
 from trainer.checks import check_same_dtype
 from trainer.config import resolve
 from trainer.config_file import write_run_config
@@ -63,7 +52,8 @@ from trainer.rank_log import open_rank_log
 from trainer.schedule import lr_at, resume_note
 from trainer.storage import checkpoint_bytes_estimate, room_warning
 from trainer.tracking import StepProfiler
-from trainer.trainer_utils import Logger, init_model
+from trainer.trainer_utils import Logger
+from trainer.weights_file import ensure_final_weights, init_model, save_weights, weights_path
 
 
 @dataclass
@@ -121,7 +111,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
 
     objective: what the stage minimises (trainer/objective.py); None: LMObjective (pretraining, SFT)."""
     config = plan.model_config
-    ckpt = load_resume(config, plan)
+    ckpt = read_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
     if hasattr(plan.stage, "prepare_model"):  # e.g. LoRA: adapters on the plain loaded model, base frozen
         model = plan.stage.prepare_model(model)
@@ -144,7 +134,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
                       plan.lr.length(steps_per_epoch, plan.epochs), checkpointer, guard,
                       objective=objective, callbacks=callbacks, resumed=ckpt is not None)
     if ckpt is not None:
-        restore(trainer, ckpt)
+        checkpointer.load(ckpt)
         trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy
         # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
         progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
