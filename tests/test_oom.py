@@ -45,6 +45,8 @@ def test_one_rank_out_of_memory_is_one_line_and_the_checkpoint_resumes(tmp_path)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 3 and time.time() - start < 60, proc.stderr[-3000:]
     assert len(errors) == 1, proc.stderr[-3000:]
+    # the other rank, left waiting in a collective, says so in one line, not a traceback
+    assert "stopped: rank 0 lost a peer in a collective" in proc.stderr and "Traceback" not in proc.stderr
     line = errors[0]
     assert line.startswith("error: out of CPU memory on rank 1 in step 3 (peak ") and " GB on this rank;" in line
     assert ("GB on this rank; DefaultCPUAllocator: can't allocate memory: you tried to allocate 4611686018427387904 "

@@ -129,6 +129,10 @@ def per_rank(value, device):
     return [g.item() for g in gathered]
 
 
+# a collective's error when a peer process has gone (gloo's words); the rank that left says why in its own line
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 def main_guard(main):
     """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank, a TrainingHalted (the run
     stopped itself) one line and exit code 3."""
@@ -146,6 +150,16 @@ def main_guard(main):
         if dist.is_initialized() and not own:  # the others may sit in a collective this rank will never join
             dist.destroy_process_group()
         code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingHalted) else 128 + e.signum
+    except RuntimeError as e:
+        rank_log.write(f"error:\n{traceback.format_exc()}")
+        if not (dist.is_initialized() and any(m in str(e) for m in PEER_LOST)):
+            raise
+        # another rank left (its own error line says why): one line here, and its exit is the launcher's first
+        reason = str(e).splitlines()[0][-160:]
+        print(f"stopped: rank {os.environ.get('RANK', 0)} lost a peer in a collective ({reason})", file=sys.stderr,
+              flush=True)
+        time.sleep(RANK0_REPORT_SECONDS)
+        code = 1
     except BaseException:
         rank_log.write(f"error:\n{traceback.format_exc()}")
         raise
