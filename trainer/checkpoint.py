@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from model.weights import atomic_json, atomic_save, read_record, save_weights_file
+from model.weights import atomic_json, atomic_save, read_record
 from trainer.launch import ConfigError, count_sum, is_main_process, rank
 from trainer.minimind_resume import minimind_resume_path, read_minimind_resume
 from trainer.parallel.state_dict import (
@@ -49,7 +49,6 @@ MANIFEST = "complete.json"
 BEST_INDEX = "best.json"  # --save_best: the step whose checkpoint is kept whatever --keep_checkpoints says
 # one process saves and loads without a process group, as intended: DCP warns about it on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-SIDECAR_BYTES = 64 << 10  # room for a weights file's sidecar and torch.save's own headers
 CHECK_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "num_attention_heads",
               "num_key_value_heads", "num_experts")
 
@@ -145,7 +144,7 @@ def read_train_state(path, config):
 
 def saved_resume_fields(plan):
     """(path, resume fields) of the checkpoint --from_resume would load; (None, None) without one."""
-    path = latest_checkpoint(plan.run_dir) if plan.from_resume != "0" else None
+    path = latest_checkpoint(plan.io.run_dir) if plan.io.from_resume != "0" else None
     try:
         return path, torch.load(os.path.join(path, "train_state.pt"), map_location="cpu",
                                 weights_only=False).get("resume_fields") if path else None
@@ -159,22 +158,23 @@ def load_resume(config, plan):
     None for --from_resume 0, or auto with nothing to resume; --from_resume 1 with nothing is a ConfigError.
     Its global batch must match this run's.
     """
-    if plan.from_resume == "0":
+    if plan.io.from_resume == "0":
         return None
-    path = plan.resume_path or latest_checkpoint(plan.run_dir)  # --from_resume <step dir>: that one
-    minimind_path = minimind_resume_path(plan.checkpoint_dir, os.path.basename(plan.run_dir))
+    path = plan.io.resume_path or latest_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
+    minimind_path = minimind_resume_path(plan.io.checkpoint_dir, os.path.basename(plan.io.run_dir))
     ckpt = read_train_state(path, config) if path else \
         read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None
     if ckpt is None:
-        if plan.from_resume == "1":
-            raise ConfigError(f"--from_resume 1 but {plan.run_dir} holds no complete checkpoint; pass --from_resume "
+        if plan.io.from_resume == "1":
+            raise ConfigError(f"--from_resume 1 but {plan.io.run_dir} holds no complete checkpoint; pass --from_resume "
                               "auto to start fresh when there is none, or 0")
-        Logger(f"--from_resume auto: no complete checkpoint in {plan.run_dir}, starting fresh")
+        Logger(f"--from_resume auto: no complete checkpoint in {plan.io.run_dir}, starting fresh")
         return None
     check_resume_fields(ckpt.get("resume_fields"), plan, path or minimind_path)
-    if ckpt["global_batch"] != plan.global_batch:
+    if ckpt["global_batch"] != plan.data.global_batch:
         raise ConfigError(f"checkpoint was saved with a global batch of {ckpt['global_batch']} samples, this run "
-                          f"has {plan.global_batch} (batch_size x accumulation_steps x dp); match it to resume exactly")
+                          f"has {plan.data.global_batch} (batch_size x accumulation_steps x dp); match it to resume "
+                          "exactly")
     Logger(f"Resuming from {path or minimind_path}")
     return ckpt
 
@@ -190,7 +190,7 @@ def restore(trainer, ckpt):
     rng = None  # MiniMind's resume file saves no RNG state
     if "dcp_path" in ckpt:
         load_sharded_state(trainer.model_parts, trainer.optimizer, ckpt["dcp_path"], tied_aliases=aliases)
-        same_world = ckpt["world_size"] == trainer.plan.world_size  # else every rank takes rank 0's, as one process
+        same_world = ckpt["world_size"] == trainer.plan.layout.world_size  # else every rank takes rank 0's
         rng_file = os.path.join(ckpt["dcp_path"], f"rng_{rank() if same_world else 0}.pt")
         rng = torch.load(rng_file, weights_only=False)
         restore_objective(trainer.objective, ckpt["dcp_path"], same_world)
@@ -288,11 +288,12 @@ class Checkpointer:
     def train_state(self):
         """What rank 0 writes beside the shards: progress, scaler, layout, the typed flags and the model config."""
         parts, plan = self.parts, self.parts["plan"]
+        layout = plan.layout
         return dict(train_state=parts["progress"].state_dict(), scaler=parts["scaler"].state_dict(),
-                    world_size=plan.world_size, global_batch=plan.global_batch,
-                    layout=dict(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage),
+                    world_size=plan.layout.world_size, global_batch=plan.data.global_batch,
+                    layout=dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage),
                     args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION,
-                    tokenizer=plan.tokenizer_record, resume_fields=resume_fields(plan),
+                    tokenizer=plan.data.tokenizer_record, resume_fields=resume_fields(plan),
                     callbacks=parts["callbacks"].state_dict())
 
     def wait(self):
@@ -323,39 +324,26 @@ class Checkpointer:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def weights_path(plan):
-    """The weights file the run writes: <save_dir>/<run_name>.pth, or a stage's own (LoRA: its adapters)."""
-    return getattr(plan.stage, "weights_path", plan.weights_path)
-
-
 def save_weights(trainer, path=None):
-    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0, at
-    `path` (default: the run's weights path), or the stage's own files (plan.stage.save_weights(model_state, config,
-    save_dtype, record)), its sidecar recording the tokenizer and the step. A disk without room stops every rank
-    with one line (DiskFullError)."""
-    plan = trainer.plan
-    pp_group = trainer.dims.group("pp") if plan.pp > 1 else None
+    """Gather the full model (a collective) and write the stage's weights on rank 0 (trainer/stage.py: MiniMind's plain
+    weights file in --save_dtype, or the stage's own files, LoRA's adapters) at `path` (default: the stage's weights
+    path), its sidecar recording the tokenizer and the step. A disk without room stops every rank with one line
+    (DiskFullError)."""
+    plan, stage = trainer.plan, trainer.plan.stage
+    pp_group = trainer.dims.group("pp") if plan.layout.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
-    stage = plan.stage
-    own = hasattr(stage, "save_weights") and path is None  # a stage writing its own files (LoRA: the adapters only)
-    path = path or weights_path(plan)
-    record = dict(tokenizer=plan.tokenizer_record, step=trainer.progress.global_step)
-    weights = {k: v.to(plan.save_dtype) for k, v in model_sd.items()} if is_main_process() and not own else {}
-    needed = (stage.weights_bytes(model_sd, plan.save_dtype, record) if own else
-              sum(v.numel() * v.element_size() for v in weights.values()) + SIDECAR_BYTES) if is_main_process() else 0
-
-    def write():
-        if own:
-            stage.save_weights(model_sd, trainer.config, plan.save_dtype, record)
-        else:
-            save_weights_file(weights, trainer.config, path, record)
-    rank0_write(os.path.dirname(path), needed, path, "--save_dir", write, latest_checkpoint(plan.run_dir))
+    path = path or stage.weights_path(plan)
+    record = dict(tokenizer=plan.data.tokenizer_record, step=trainer.progress.global_step)
+    needed = stage.weights_bytes(model_sd, plan.io.save_dtype, record) if is_main_process() else 0
+    rank0_write(os.path.dirname(path), needed, path, "--save_dir",
+                lambda: stage.save_weights(model_sd, trainer.config, plan.io.save_dtype, record, path),
+                latest_checkpoint(plan.io.run_dir))
 
 
 def ensure_final_weights(trainer):
     """A resume that finds --max_steps reached: the weights file must be this step's (its sidecar says which step it
     holds); a save that failed before (a full disk) is written now. Every rank takes rank 0's decision."""
-    path, step = weights_path(trainer.plan), trainer.progress.global_step
+    path, step = trainer.plan.stage.weights_path(trainer.plan), trainer.progress.global_step
     held = read_record(path).get("step") if os.path.isfile(path) else None
     if count_sum(int(held != step) if is_main_process() else 0):
         now = f"holds step {held}" if held is not None else "records no step" if os.path.isfile(path) else "is missing"
