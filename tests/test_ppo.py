@@ -17,7 +17,8 @@ from trainer import train_ppo
 from trainer.batches import step_targets
 from trainer.config import resolve
 from trainer.launch import ConfigError
-from trainer.ppo import PPOPlan, gae, value_loss
+from trainer.policy_loss import gae, value_loss
+from trainer.ppo import PPOPlan
 from trainer.train_loop import epoch_batches, train_step
 
 REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")

@@ -1,10 +1,10 @@
-"""The training loop every stage runs: `build_trainer` (phases 3-6), `train()` (the loop), `train_step()` (one
-optimizer step).
+"""The training loop every stage runs: `setup` (phase 1), `build_trainer` (phases 3-6), `train()` (the loop),
+`train_step()` (one optimizer step). Entry scripts import it; stage modules never do (they sit below it).
 
-Read `train()` for the loop and `train_step()` for one optimizer step. Flags and checks live in config.py, data in
-data_loading.py, a batch's way into the model in batches.py, checkpoints in checkpoint.py, the console and records in
-progress.py, evaluation in evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/
-(applied by parallel/parallelize.py).
+Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in plan.py
+(resolved by config.py), what a stage gives the loop in stage.py and objective.py, data in data_loading.py, a batch's
+way into the model in batches.py, checkpoints in checkpoint.py, the console and records in progress.py, evaluation in
+evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/ (applied by parallel/parallelize.py).
 """
 import os
 import time
