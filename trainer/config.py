@@ -67,21 +67,20 @@ def resolve(args, world_size, local_rank=0, stage=Stage):
     metrics_file = typed_or_default(args.metrics_file, None) or os.path.join(save_dir, f"{name}_metrics.jsonl")
     check_metrics_file(metrics_file)
     global_batch = args.batch_size * args.accumulation_steps * layout.dp
-    plan = TrainPlan(
+    plan = TrainPlan(  # the sections in the order their checks ran before the plan had sections
         layout=layout, model=model,
         data=fill(DataPlan, args, data_path=data_path, eval_data_path=eval_data_path, seq_len=args.max_seq_len,
                   micro_batch=args.batch_size, num_microbatches=args.accumulation_steps, global_batch=global_batch,
                   doc_mask=bool(args.packing and args.doc_mask), cache_dir=cache_dir, tokenizer_path=tokenizer_path,
                   tokenizer_record=tokenizer_record(tokenizer_path)),
-        schedule=fill(Schedule, args), optim=resolve_optimizer(args, has_dtensor=layout.has_dtensor),
-        lr=resolve_schedule(args, global_batch),
         io=fill(IOPlan, args, save_dir=save_dir, checkpoint_dir=checkpoint_dir, run_name=name,
                 weights_path=os.path.join(save_dir, name + ".pth"), run_dir=os.path.join(checkpoint_dir, name),
                 save_dtype=getattr(torch, args.save_dtype), **resume_flags(args.from_resume), metrics_file=metrics_file,
                 tensorboard_dir=tensorboard_dir, trackers=trackers, log_dir=log_dir,
                 profile_steps=profile_steps(args.profile_steps)),
-        guard=fill(GuardPlan, args), callbacks=resolve_callbacks(args, has_eval=eval_data_path is not None),
-        flags=dict(vars(args)))
+        lr=resolve_schedule(args, global_batch), optim=resolve_optimizer(args, has_dtensor=layout.has_dtensor),
+        callbacks=resolve_callbacks(args, has_eval=eval_data_path is not None),
+        schedule=fill(Schedule, args), guard=fill(GuardPlan, args), flags=dict(vars(args)))
     if eval_data_path and not stage.has_eval:
         raise ConfigError(f"--eval_data_path: {stage.name} logs its rewards instead of a held-out LM loss; "
                           "leave it out")

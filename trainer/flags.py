@@ -3,24 +3,26 @@ trainer/schema.py) and the stage's own (Stage.FLAGS); nothing else. --help lists
 """
 import argparse
 import sys
+from dataclasses import fields
 
 from trainer.config_file import config_argv
-from trainer.plan import SECTIONS, ModelPlan
+from trainer.plan import SECTIONS, ModelPlan, TrainPlan
 from trainer.schema import section_flags
 from trainer.stage import Stage
 
 MODEL_FLAGS = tuple(f.name for f in ModelPlan.SHAPE_FLAGS)  # the flags that are MiniMindConfig fields
+PLAN_NAMES = {f.type: f.name for f in fields(TrainPlan)}  # section class -> its name in the plan
 
 
 def add_train_args(parser, stage=Stage, **defaults):
     """Every section's flags, one argument group each, then the stage's (a trainer/stage.py Stage class);
     `defaults` sets the script-specific values."""
     for section in SECTIONS:
-        group = parser.add_argument_group(section.__doc__.split("\n")[0].split(" (")[0].rstrip("."))
+        group = parser.add_argument_group(f"plan.{PLAN_NAMES[section]}", section.__doc__.split("\n")[0])
         for declared in section_flags(section):
             declared.add_to(group)
     if stage.FLAGS:
-        group = parser.add_argument_group(f"{stage.name}")
+        group = parser.add_argument_group(f"plan.stage ({stage.name})", stage.__doc__.split("\n")[0])
         for declared in stage.FLAGS:
             declared.add_to(group)
     parser.set_defaults(**defaults)
