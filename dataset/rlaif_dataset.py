@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.lm_dataset import _chat_messages
-from dataset.token_cache import BadLines
+from dataset.chat import chat_messages
+from dataset.file_ranges import BadLines
 
 
 def read_rows(path):
@@ -48,8 +48,8 @@ def prompt_messages(conversations):
         conversations = conversations[:-1]
     if not isinstance(conversations, list) or not conversations:
         raise ValueError("'conversations' needs a message before the last assistant one (the prompt)")
-    # _chat_messages checks and normalises a conversation; the empty answer stands for the one to be generated
-    messages, tools = _chat_messages(list(conversations) + [{"role": "assistant", "content": ""}])
+    # chat_messages checks and normalises a conversation; the empty answer stands for the one to be generated
+    messages, tools = chat_messages(list(conversations) + [{"role": "assistant", "content": ""}])
     return messages[:-1], tools
 
 

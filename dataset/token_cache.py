@@ -15,11 +15,10 @@ Building it goes through files only, so no collective (and no --dist_timeout) is
   stop with the same line instead of waiting for the timeout;
 - SIGINT/SIGTERM stop the build at once (CacheBuildInterrupted): workers are terminated, temporary files, the
   parts and the lock removed; the next run builds the cache from the start.
+A part's ranges and records: dataset/file_ranges.py; its worker processes: dataset/tokenize_pool.py.
 """
 import json
 import math
-import multiprocessing
-import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -32,6 +31,8 @@ import numpy as np
 from tqdm import tqdm
 
 from dataset.cache_guard import cache_header, discard_if_damaged, disk_full_line
+from dataset.file_ranges import extent, is_parquet, split_range
+from dataset.tokenize_pool import tokenized_ranges
 
 CACHE_FORMAT_VERSION = 2  # 2: SFT labels cover think blocks and tool calls; tools rendered
 TASK_BYTES = 4 << 20  # JSONL bytes per worker task: many tasks keep workers busy, each stays small in memory
@@ -39,6 +40,13 @@ POLL_S = 0.1  # how often waiting ranks look for the cache, its error file and t
 HEARTBEAT_S = 5  # how often the lock holder touches the lock
 STALE_LOCK_S = 60  # a lock from another host not touched for this long belongs to a dead builder
 WAIT_TIMEOUT_S = 6 * 3600  # longest wait for another rank's part or another node's cache
+
+
+def read_token_cache(out_dir):
+    """(meta, {"tokens", "offsets", "mask": file}) of the complete cache `out_dir` (mask.bin exists for SFT only)."""
+    with open(os.path.join(out_dir, "meta.json")) as f:
+        meta = json.load(f)
+    return meta, {name: os.path.join(out_dir, f"{name}.bin") for name in ("tokens", "offsets", "mask")}
 
 
 def default_num_proc():
@@ -56,230 +64,13 @@ def default_node():
     return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
 
 
-# ----------------------------------------------------------------------------- reading ranges of a file
-# A range is (start, end) in bytes for JSONL (start aligned to a line start) and in row groups for parquet.
-
-def _is_parquet(path):
-    return path.endswith(".parquet")
-
-
-def _extent(path):
-    if _is_parquet(path):
-        import pyarrow.parquet as pq  # optional dependency: only for parquet corpora
-        return 0, pq.ParquetFile(path).num_row_groups
-    return 0, os.path.getsize(path)
-
-
-def split_range(path, start, end, pieces):
-    """`pieces` consecutive ranges covering [start, end), JSONL boundaries moved to the next line start."""
-    cuts = [start + (end - start) * i // pieces for i in range(pieces + 1)]
-    if not _is_parquet(path):
-        with open(path, "rb") as f:
-            for i in range(1, pieces):
-                if cuts[i] > 0:
-                    f.seek(cuts[i] - 1)
-                    f.readline()  # to the end of the line holding byte cuts[i] - 1
-                    cuts[i] = min(max(f.tell(), cuts[i - 1]), end)
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def lines_before(path, start):
-    """Lines (rows) of the file before `start`: turns a line number within a range into one in the file."""
-    if _is_parquet(path):
-        import pyarrow.parquet as pq  # optional dependency: only for parquet corpora
-        metadata = pq.ParquetFile(path).metadata
-        return sum(metadata.row_group(i).num_rows for i in range(start))
-    count = 0
-    with open(path, "rb") as f:
-        while start > 0:
-            block = f.read(min(start, 1 << 24))
-            count += block.count(b"\n")
-            start -= len(block)
-    return count
-
-
-def iter_records(path, field, start, end):
-    """Yield (line or row number within the range, 1-based; value of `field`; error or None) per record."""
-    if _is_parquet(path):
-        import pyarrow.parquet as pq  # optional dependency: only for parquet corpora
-        parquet_file = pq.ParquetFile(path)
-        if field not in parquet_file.schema_arrow.names:
-            raise ValueError(f"{path}: parquet file has no '{field}' column")
-        row = 0
-        if start >= end:
-            return
-        for batch in parquet_file.iter_batches(columns=[field], row_groups=range(start, end)):
-            for value in batch.column(0).to_pylist():
-                row += 1
-                yield row, value, None if value is not None else f"'{field}' is null"
-        return
-    with open(path, "rb") as f:  # bytes, so a bad UTF-8 line is reported with its number, too
-        f.seek(start)
-        position, lineno = start, 0
-        while position < end:
-            line = f.readline()
-            if not line:
-                break
-            position, lineno = position + len(line), lineno + 1
-            if not line.strip():
-                continue  # blank lines (e.g. a trailing one) are not records
-            try:
-                record = json.loads(line)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                yield lineno, None, f"malformed JSON ({e})"
-                continue
-            if not isinstance(record, dict) or field not in record:
-                yield lineno, None, f"no '{field}' field"
-                continue
-            yield lineno, record[field], None
-
-
-class BadLines:
-    """Raises `file:line: error` (line numbered in the whole file) on a bad record, or counts it when skipping."""
-
-    def __init__(self, path, skip, start=0):
-        self.path, self.skip, self.start, self.count = path, skip, start, 0
-
-    def __call__(self, lineno, error):
-        if not self.skip:
-            raise ValueError(f"{self.path}:{lines_before(self.path, self.start) + lineno}: {error}")
-        self.count += 1
-
-
-# ----------------------------------------------------------------------------- tokenizing one part
-
-_task = None  # (data_path, field, encode, token_dtype, skip_bad_lines), set in each worker by _init_worker
-
-
-def _init_worker(task):
-    global _task
-    _task = task
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's terminate() ends a worker mid-task
-
-
-def _tokenize_range(byte_range):
-    """Tokens (bytes), document lengths, mask (bytes or None) and bad-line count of one range."""
-    data_path, field, encode, token_dtype, skip = _task
-    bad_lines = BadLines(data_path, skip, byte_range[0])
-    tokens, lengths, masks = [], [], []
-    for chunk in encode(iter_records(data_path, field, *byte_range), bad_lines):
-        for ids, mask in chunk:
-            tokens.append(np.asarray(ids, dtype=token_dtype))
-            lengths.append(len(ids))
-            if mask is not None:
-                masks.append(np.asarray(mask, dtype=np.uint8))
-    token_bytes = np.concatenate(tokens).tobytes() if tokens else b""
-    return token_bytes, np.asarray(lengths, dtype=np.int64), np.concatenate(masks).tobytes() if masks else None, \
-        bad_lines.count
-
-
-def _worker(task, conn, inherited):
-    """A worker process: tokenizes each range the parent sends over its own pipe until None (or the pipe closes)."""
-    for other in inherited:  # the other pipe ends fork copied: closed, so that only the parent and this worker
-        other.close()  # hold this pipe (each sees the other's death as EOF)
-    _init_worker(task)
-    try:
-        while (byte_range := conn.recv()) is not None:
-            try:
-                result = (True, _tokenize_range(byte_range))
-            except Exception as e:
-                result = (False, e)
-            try:
-                conn.send(result)
-            except Exception:  # an exception that does not pickle goes as its text
-                conn.send((False, RuntimeError(f"{type(result[1]).__name__}: {result[1]}")))
-    except (EOFError, BrokenPipeError):
-        pass  # the parent is gone: so is this worker
-
-
-def _start_workers(task, count):
-    """{parent end of its pipe: process} of `count` worker processes running _worker."""
-    # fork, as DataLoader workers do: no re-import, and the tokenizer is inherited instead of pickled
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    ctx = multiprocessing.get_context(method)
-    pipes = [ctx.Pipe() for _ in range(count)]
-    ends = [end for pipe in pipes for end in pipe] if method == "fork" else []
-    parallelism = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # workers are the parallelism; silences the after-fork warning
-    workers = {}
-    try:
-        for parent, child in pipes:
-            process = ctx.Process(target=_worker, args=(task, child, [e for e in ends if e is not child]),
-                                  daemon=True)
-            process.start()
-            workers[parent] = process
-            child.close()
-    finally:
-        if parallelism is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM")
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = parallelism
-    return workers
-
-
-def _tokenized_ranges(task, ranges, num_proc):
-    """Results of _tokenize_range over `ranges`, in order, from `num_proc` worker processes.
-
-    Each worker has a pipe of its own (no lock shared with the others, unlike multiprocessing.Pool, whose
-    terminate() deadlocks when a worker dies holding the result queue's lock), and a worker that dies is an
-    error here, not a task waited for forever.
-    """
-    if num_proc == 1 or len(ranges) == 1:
-        _init_worker(task)
-        yield from map(_tokenize_range, ranges)
-        return
-    workers = _start_workers(task, min(num_proc, len(ranges)))
-    todo, busy, done, next_index = iter(enumerate(ranges)), {}, {}, 0
-
-    def give(conn):
-        index, byte_range = next(todo, (None, None))
-        try:
-            conn.send(byte_range)  # None: no more work, the worker exits
-        except OSError:
-            pass  # the worker died just now: the wait below reads its end (EOF) and says so
-        if index is not None:
-            busy[conn] = index
-
-    try:
-        for conn in workers:
-            give(conn)
-        while next_index < len(ranges):
-            if next_index in done:  # in file order: the first bad line of the file is the one reported
-                ok, value = done.pop(next_index)
-                if not ok:
-                    raise value
-                yield value
-                next_index += 1
-                continue
-            sentinels = {workers[conn].sentinel: conn for conn in busy}
-            for ready in multiprocessing.connection.wait(list(busy) + list(sentinels)):
-                conn = sentinels.get(ready, ready)
-                if conn not in busy:
-                    continue  # its result came with the same wait
-                try:
-                    done[busy[conn]] = conn.recv()
-                except EOFError:  # died mid-task
-                    workers[conn].join()
-                    raise RuntimeError(f"a tokenizer worker process died (exit code {workers[conn].exitcode}); if "
-                                       "it was killed for memory, lower --num_proc or split the file") from None
-                del busy[conn]
-                give(conn)
-    finally:
-        for conn, process in workers.items():
-            if process.is_alive():
-                process.terminate()
-            process.join()
-            conn.close()
-
-
 def _write_part(part_dir, task, part_range, num_proc, heartbeat, show=False):
     """Tokenize `part_range` into part_dir/{tokens,mask,lengths}.bin + meta.json, atomically; `show`: a progress bar
     (with ETA) over its bytes (row groups for parquet) once the build takes more than a second."""
     data_path = task[0]
     start, end = part_range
     pieces = max(1, min(end - start, max(4 * num_proc, math.ceil((end - start) / TASK_BYTES))))
-    if _is_parquet(data_path):
+    if is_parquet(data_path):
         pieces = max(1, end - start)  # one row group per task
     ranges = [r for r in split_range(data_path, start, end, pieces) if r[0] < r[1]] or [(start, start)]
     tmp_dir = f"{part_dir}.tmp{os.getpid()}"
@@ -287,8 +78,8 @@ def _write_part(part_dir, task, part_range, num_proc, heartbeat, show=False):
     os.makedirs(tmp_dir)
     num_docs = num_tokens = num_bad = 0
     has_mask = False
-    results = _tokenized_ranges(task, ranges, num_proc)
-    parquet = _is_parquet(data_path)
+    results = tokenized_ranges(task, ranges, num_proc)
+    parquet = is_parquet(data_path)
     bar = tqdm(total=end - start, desc=f"tokenizing {os.path.basename(data_path)}", unit=" row groups" if parquet
                else "B", unit_scale=not parquet, disable=not show, delay=1, mininterval=1, dynamic_ncols=True)
     try:
@@ -504,7 +295,7 @@ def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_l
                         raise _ReportedError(f.read())
                 ours = bool(holder) and holder.get("node") == me["node"] and holder.get("parts") == num_parts
                 if ours and not os.path.exists(os.path.join(part_dir, "meta.json")):
-                    _write_part(part_dir, task, split_range(data_path, *_extent(data_path), num_parts)[rank],
+                    _write_part(part_dir, task, split_range(data_path, *extent(data_path), num_parts)[rank],
                                 num_proc, heartbeat, show=rank == 0)
                     tokenized = True
                 elif holding and all(os.path.exists(os.path.join(parts_dir, f"part{r}", "meta.json"))

@@ -18,8 +18,10 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from model.atomic import atomic_folder, atomic_save
+from model.hf_convert import minimind_to_hf
 from model.provenance import copy_tokenizer
-from model.weights import atomic_folder, atomic_save, clean_state_dict, minimind_to_hf
+from model.weight_shapes import clean_state_dict
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -150,7 +152,7 @@ def _read_lora_file(path):
 
 
 def apply_lora_file(model, path):
-    """apply_lora with the rank and targets a MiniMind-format file shows, then load it (for --lora FILE)."""
+    """apply_lora with the rank and targets a MiniMind-format file shows, then load it."""
     state = _read_lora_file(path)
     a_keys = [k for k in state if k.endswith(".lora.A.weight")]
     targets = sorted({k.removesuffix(".lora.A.weight").rsplit(".", 1)[-1] for k in a_keys})

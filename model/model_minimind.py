@@ -1,6 +1,6 @@
 """MiniMind: a small Qwen3-style decoder (dense or MoE) as a Hugging Face PreTrainedModel.
 
-Numerically follows transformers' Qwen3 / Qwen3-MoE (model/weights.py maps weights both ways).
+Numerically follows transformers' Qwen3 / Qwen3-MoE (model/hf_convert.py maps weights both ways).
 No distributed code: parallelism is applied from outside through the hooks documented in docs/design.md
 (`Attention.attn_fn`, `MOEFeedForward.reduce_router_stats` / `seq_len_scale`, shape-derived head counts).
 """
@@ -213,7 +213,8 @@ def generation_mask(mask):
     return mask | ~mask.any(dim=-1, keepdim=True)
 
 
-# torch's CPU flash-attention kernel (what SDPA calls on CPU); its attn_mask argument exists since torch 2.3
+# torch's CPU flash-attention kernel (what SDPA calls on CPU); its attn_mask argument exists since torch 2.3. A private
+# op, listed in model/torch_compat.py (CPU_FLASH_OP) but looked up here: this file ships alone as remote code
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # it splits keys into blocks of 512 (FlashAttentionKernel.cpp): shorter rows have no block above the diagonal to skip
 _CPU_FLASH_KV_BLOCK = 512
@@ -491,35 +492,31 @@ class MiniMindModel(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Chunked lm_head + cross-entropy (the loss path without full-batch logits)
 # ----------------------------------------------------------------------------------------------
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed CE of `hidden @ weight.T` over chunks of rows; gradients are formed chunk by chunk in forward.
+class _ChunkedHead(torch.autograd.Function):
+    """`loss.total()` over the rows of `hidden @ weight.T`, a chunk of rows at a time; gradients are formed in forward.
 
-    Only one chunk's fp32 logits exist at a time, and backward just scales the stored gradients, so no
-    logits are kept or recomputed (the idea of Liger-Kernel's fused linear cross-entropy). Under autocast
-    the matmuls run in the autocast dtype, as the unchunked `lm_head` would.
+    `loss.chunk(logits, start)` takes one chunk's fp32 logits (rows start, start + 1, ...), adds the chunk's terms to
+    its sums and returns d(total)/d(logits) in fp32. Only one chunk's logits exist at a time, and backward just scales
+    the stored gradients, so no logits are kept or recomputed (the idea of Liger-Kernel's fused linear
+    cross-entropy). Under autocast the matmuls run in the autocast dtype, as the unchunked `lm_head` would. Serves
+    the model's CE (CrossEntropyChunks) and distillation's KL + CE (trainer/distillation.py).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
-        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    def forward(ctx, hidden, weight, loss, chunk_size):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
-        rows = torch.arange(min(chunk_size, hidden.shape[0]), device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
-            logits = F.linear(h, weight).float()
-            ce_sum += F.cross_entropy(logits, t, reduction="sum")
-            grad_logits = torch.softmax(logits, dim=-1)  # d(sum CE)/d logits = softmax - one_hot(target)
-            del logits
-            grad_logits[rows[:len(t)], t] -= 1
+            h = hidden[start:start + chunk_size]
+            grad_logits = loss.chunk(F.linear(h, weight).float(), start)  # it holds the only reference to the logits
             grad_logits = grad_logits.to(weight.dtype)  # as the lm_head backward sees it (autocast casts in mm)
             if grad_hidden is not None:
                 grad_hidden[start:start + chunk_size] = torch.mm(grad_logits, weight).to(hidden.dtype)
             if grad_weight is not None:
                 grad_weight += torch.mm(grad_logits.t().to(h.dtype), h).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
-        return ce_sum
+        return loss.total()
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -527,6 +524,33 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
         grad_weight = grad_weight * grad_output if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None
+
+
+def chunked_head(hidden, weight, loss, chunk_size):
+    """`loss.total()` of the rows hidden (N, H) against the lm_head `weight` (V, H), in chunks of `chunk_size` rows,
+    differentiable in hidden and weight (see _ChunkedHead for what `loss` provides)."""
+    return _ChunkedHead.apply(hidden, weight, loss, chunk_size)
+
+
+class CrossEntropyChunks:
+    """Summed cross-entropy of rows against `targets`, one chunk of logits at a time (the loss of chunked_head)."""
+
+    def __init__(self, targets, chunk_size):
+        self.targets, self.chunk_size = targets, chunk_size
+        self.ce_sum = torch.zeros((), dtype=torch.float32, device=targets.device)
+        self.rows = torch.arange(min(chunk_size, targets.shape[0]), device=targets.device)
+
+    def chunk(self, logits, start):
+        """Adds the chunk's CE to ce_sum; returns d(sum CE)/d logits = softmax - one_hot(target)."""
+        t = self.targets[start:start + self.chunk_size]
+        self.ce_sum += F.cross_entropy(logits, t, reduction="sum")
+        grad_logits = torch.softmax(logits, dim=-1)
+        del logits
+        grad_logits[self.rows[:len(t)], t] -= 1
+        return grad_logits
+
+    def total(self):
+        return self.ce_sum
 
 
 def chunked_cross_entropy(hidden, weight, targets, chunk_size):
@@ -539,7 +563,7 @@ def chunked_cross_entropy(hidden, weight, targets, chunk_size):
     keep = (targets != -100).nonzero().squeeze(1)
     hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
+        return chunked_head(hidden, weight, CrossEntropyChunks(targets, chunk_size), chunk_size)
     ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_size):  # no grad needed: plain chunked loop
         logits = F.linear(hidden[start:start + chunk_size], weight).float()

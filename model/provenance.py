@@ -2,7 +2,8 @@
 content digests of weight files (a DPO reference, a distillation teacher), so that a later use can tell.
 
 A record names the tokenizer as {"path": folder, "sha256": sha256 of its tokenizer.json}. The hash decides: a
-folder with the same tokenizer.json is the same tokenizer wherever it lies, and a folder that changed is not.
+folder with the same tokenizer.json is the same tokenizer wherever it lies, and a folder that changed is not
+(trainer/tokenizer_choice.py picks the tokenizer a run or a script uses from the record and the flags).
 """
 import glob
 import hashlib
@@ -11,10 +12,6 @@ import shutil
 
 BLOCK = 1 << 20  # bytes read at a time while hashing
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
-
-
-class TokenizerMismatch(ValueError):
-    """A tokenizer that is not the one the weights were trained with: the message is one line saying what to pass."""
 
 
 def content_sha256(path):
@@ -45,36 +42,6 @@ def tokenizer_record(folder):
 
 def short(sha):
     return sha[:12] if sha else "none"
-
-
-def tokenizer_for(record, typed, default, what, force=False):
-    """(folder, note or None): the tokenizer to use with weights whose record is `record` ({"path", "sha256"} or None).
-
-    typed: the folder the user passed, or None; default: the repository's model/; what: the weights as the user named
-    them, for the messages (e.g. "--from_weight out/x.pth"). A typed folder must hold the recorded tokenizer.json
-    (force: use it anyway, with a note); without one, the recorded folder, else `default` when its hash matches.
-    """
-    path, sha = (record or {}).get("path"), (record or {}).get("sha256")
-    if typed:
-        got = tokenizer_sha256(typed)
-        if sha is None or got == sha:
-            return typed, None
-        if not force:
-            raise TokenizerMismatch(
-                f"--tokenizer_path {typed} (tokenizer.json sha256 {short(got)}) is not the tokenizer {what} was "
-                f"trained with ({path}, sha256 {short(sha)}); leave --tokenizer_path out to use that one, or pass "
-                "--force_tokenizer 1 to use this one anyway")
-        return typed, (f"--force_tokenizer 1: using {typed}, not the tokenizer {what} was trained with "
-                       f"({path}, sha256 {short(sha)})")
-    if path is None:
-        return default, f"{what} records no tokenizer; using {default} (--tokenizer_path if the run used another)"
-    for folder in [path] + ([default] if sha else []):
-        if os.path.isdir(folder) and (sha is None or tokenizer_sha256(folder) == sha):
-            same = os.path.realpath(folder) == os.path.realpath(default)
-            return folder, None if same else f"{what} was trained with the tokenizer {folder}: using it"
-    state = "has changed" if os.path.isdir(path) else "is not found here"
-    raise TokenizerMismatch(f"{what} was trained with the tokenizer {path} (tokenizer.json sha256 {short(sha)}), which "
-                            f"{state}; pass --tokenizer_path with that tokenizer's folder")
 
 
 def tokenizer_files(folder):

@@ -29,25 +29,18 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from model.hf_convert import save_hf_folder  # noqa: E402
 from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.provenance import TokenizerMismatch, tokenizer_for, tokenizer_record  # noqa: E402
 from model.provenance import copy_tokenizer as copy_files  # noqa: E402
-from model.weights import (  # noqa: E402
-    WeightsError,
-    clean_state_dict,
-    flag_conflicts,
-    read_checkpoint,
-    read_record,
-    read_weights,
-    save_hf_folder,
-    save_weights_file,
-    shape_mismatch,
-    sidecar_path,
-    weight_fields,
-)
+from model.provenance import tokenizer_record  # noqa: E402
+from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
+from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
 from trainer.checks import check_writable  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
+from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
+from trainer.weight_flags import flag_conflicts, weights_line  # noqa: E402
+from trainer.weights_file import any_weights_record, read_any_weights  # noqa: E402
 
 MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -77,7 +70,7 @@ def tokenizer_source(args, saved_args):
     """The tokenizer folder the run used, as the weights record it (a .pth's sidecar, a resume checkpoint), else
     --tokenizer_path, else model/ (with a note); a --tokenizer_path other than the recorded one is refused unless
     --force_tokenizer 1."""
-    record = read_record(args.weight).get("tokenizer")
+    record = any_weights_record(args.weight).get("tokenizer")
     saved = (saved_args or {}).get("tokenizer_path")
     if record is None and saved:  # a single-file resume checkpoint: the typed --tokenizer_path, no hash
         record = {"path": saved if os.path.isabs(saved) or os.path.isdir(saved) else os.path.join(ROOT, saved),
@@ -107,13 +100,13 @@ def max_logit_diff(reference, folder, vocab_size, trust_remote_code=False):
 
 def export(args):
     """A .pth / resume checkpoint -> Qwen3(-MoE) or MiniMind-format folder; returns the verified logits diff."""
-    state_dict, saved_config, saved_args = read_checkpoint(args.weight)
+    state_dict, saved_config, saved_args = read_any_weights(args.weight)
     config = source_config(state_dict, saved_config, args)
     tokenizer_dir = tokenizer_source(args, saved_args)
     model = MiniMindForCausalLM(config).eval()
-    message = shape_mismatch(state_dict, model, args.weight)
-    if message:
-        raise WeightsError(message)
+    mismatch = shape_mismatch(state_dict, model, args.weight)
+    if mismatch:
+        raise mismatch
     state_dict = clean_state_dict(state_dict, True)
     save_dtype = state_dict["model.embed_tokens.weight"].dtype
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
@@ -159,9 +152,9 @@ def import_folder(args):
     state_dict, fields = read_weights(args.out_dir)
     config = MiniMindConfig(**fields)
     model = MiniMindForCausalLM(config).eval()
-    message = shape_mismatch(state_dict, model, args.out_dir)
-    if message:
-        raise WeightsError(message)
+    mismatch = shape_mismatch(state_dict, model, args.out_dir)
+    if mismatch:
+        raise mismatch
     state_dict = clean_state_dict(state_dict, True)
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     os.makedirs(os.path.dirname(args.weight) or ".", exist_ok=True)
@@ -249,7 +242,7 @@ def main(argv=None):
             args.use_moe = bool(args.use_moe)
         diff = export(args) if args.to == "hf" else import_folder(args)
     except (ConfigError, WeightsError, LoraError, TokenizerMismatch) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {weights_line(e)}", file=sys.stderr)
         return 2
     if diff is not None and not diff <= MAX_LOGIT_DIFF:  # NaN logits fail too
         print(f"error: logits differ by {diff:.3g} > {MAX_LOGIT_DIFF:g}; the converted folder is wrong",

@@ -25,19 +25,15 @@ from transformers.generation import BaseStreamer, StoppingCriteria, StoppingCrit
 
 from model.lora import LoraError, apply_lora_file  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.provenance import TokenizerMismatch, tokenizer_for  # noqa: E402
-from model.weights import (  # noqa: E402
-    WeightsError,
-    load_weights,
-    read_checkpoint,
-    read_record,
-    read_weights,
-    weight_fields,
-)
+from model.weight_shapes import WeightsError, weight_fields  # noqa: E402
+from model.weights import load_weights, read_weights  # noqa: E402
 from trainer.checks import check_device, check_tokenizer  # noqa: E402
 from trainer.config import weight_path  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
+from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
 from trainer.trainer_utils import file_digest, typed_or_default  # noqa: E402
+from trainer.weight_flags import weights_line  # noqa: E402
+from trainer.weights_file import any_weights_record, load_any_weights, read_any_weights  # noqa: E402
 
 
 def load_folder(folder):
@@ -55,7 +51,7 @@ def tokenizer_folder(args, weights=None):
     the weights record (a .pth's sidecar, a checkpoint, an exported folder's own files), else model/. A
     --tokenizer_path other than the recorded tokenizer is refused (TokenizerMismatch) unless --force_tokenizer 1."""
     typed = typed_or_default(args.tokenizer_path, None)
-    record = read_record(weights).get("tokenizer") if weights else None
+    record = any_weights_record(weights).get("tokenizer") if weights else None
     if weights is None or (args.load_from and record is None):
         return typed or args.load_from or typed_or_default(None, "model")
     flag = "--load_from" if args.load_from else "--checkpoint" if args.checkpoint else "--weight"
@@ -99,7 +95,7 @@ def load_model(args):
         return load_folder(args.load_from), args.load_from
     if args.checkpoint:
         path = os.path.abspath(args.checkpoint)
-        _, fields, _ = read_checkpoint(path)
+        _, fields, _ = read_any_weights(path)
         if fields is None:
             raise WeightsError(f"{path} is not a resume checkpoint (no config); pass it with --weight instead")
     else:
@@ -113,7 +109,7 @@ def load_model(args):
             raise WeightsError(f"{path} does not exist; train it first or pass --weight/--hidden_size/--load_from")
         state_dict, saved_config = read_weights(path)  # the trainer's .pth has its config beside it (<stem>.json)
         fields = dict(flags, **weight_fields(state_dict, saved_config))  # flags only fill in what a bare .pth lacks
-    return load_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path), path
+    return load_any_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path), path
 
 
 def lora_path(args, config):
@@ -287,7 +283,7 @@ def load_or_exit(args):
     try:
         return load_chat_model(args)
     except LOAD_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {weights_line(e)}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from dataset.demo_data import pydoc_topic_texts, reasoning_records, stdlib_docstrings, tool_records  # noqa: E402
+from model.torch_compat import cpu_bf16_native  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("tests", "smoke", "attention", "bench")
@@ -113,7 +114,7 @@ def smoke_plan(ctx):
 
 def dry_run_dtype():
     """The dry run's training dtype: bf16 where the CPU computes it natively (--dtype bfloat16 is refused elsewhere)."""
-    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    return "bfloat16" if cpu_bf16_native() else "float32"
 
 
 def smoke_run(ctx, name, script, extra, torchrun=False, steps=4, expect=None):

@@ -21,7 +21,8 @@ sys.path.insert(0, ROOT)
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from dataset.lm_dataset import PretrainDataset, SFTDataset, _tokenizer_fingerprint, shard_files  # noqa: E402
+from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
+from dataset.shards import shard_files, tokenizer_fingerprint  # noqa: E402
 from dataset.token_cache import default_num_proc  # noqa: E402
 from trainer.checks import check_tokenizer, check_writable  # noqa: E402
 from trainer.launch import ConfigError  # noqa: E402
@@ -47,7 +48,7 @@ def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_line
                 os.replace(source, files[name])
             elif os.path.exists(files[name]):
                 os.remove(files[name])  # a stale mask from an earlier shard of the same name
-        meta = dict(ds.meta, kind=kind, tokenizer=_tokenizer_fingerprint(tokenizer))
+        meta = dict(ds.meta, kind=kind, tokenizer=tokenizer_fingerprint(tokenizer))
         with open(files["meta"], "w") as f:
             json.dump(meta, f, indent=1)
         return meta

@@ -27,6 +27,7 @@ from scripts.eval_llm import (  # noqa: E402
     render_prompt,
     stream_ids,
 )
+from trainer.weight_flags import weights_line  # noqa: E402
 
 
 def parse_args(argv):
@@ -72,7 +73,7 @@ def main():
     try:
         model, tokenizer = load(tuple(sys.argv[1:]))
     except LOAD_ERRORS as e:
-        st.error(f"error: {e}")
+        st.error(f"error: {weights_line(e)}")
         st.stop()
 
     sidebar = st.sidebar

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from model.weights import read_checkpoint
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.checkpoint import read_checkpoint_model
 
 SCRIPT = "trainer/train_pretrain.py"
 STEPS = 12
@@ -61,7 +61,7 @@ def test_best_checkpoint_is_the_argmin_of_the_recorded_eval_losses(reference, da
     assert set(os.listdir(run_dir)) == {"best.json", f"step_{best_step}", f"step_{STEPS}"}
     assert os.path.isfile(os.path.join(run_dir, f"step_{best_step}", "complete.json"))
     weights = torch.load(os.path.join(reference, "out", "pretrain_64_best.pth"))
-    model_state, _, _ = read_checkpoint(os.path.join(run_dir, f"step_{best_step}"))
+    model_state, _, _ = read_checkpoint_model(os.path.join(run_dir, f"step_{best_step}"))
     assert weights.keys() <= model_state.keys() and all(torch.equal(weights[k], model_state[k]) for k in weights)
     assert index["weights"] == os.path.join(reference, "out", "pretrain_64_best.pth")
     # stopped after the best (--max_tokens) and resumed: the best so far came back with the checkpoint (a fresh one

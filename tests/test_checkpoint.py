@@ -11,15 +11,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from model.atomic import atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import atomic_save
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer.checkpoint import (
     MANIFEST,
     Checkpointer,
     TrainState,
     latest_checkpoint,
-    load_resume,
+    read_checkpoint_model,
+    read_resume,
     rng_state,
     set_rng_state,
 )
@@ -44,7 +45,7 @@ def test_corrupt_resume_file_is_one_clear_error(tmp_path):
     with open(tmp_path / "pretrain_64_resume.pth", "wb") as f:
         f.write(b"PK\x03\x04 truncated garbage")
     with pytest.raises(ConfigError, match="pretrain_64_resume.pth is not a readable resume file"):
-        load_resume(tiny_config(), resume_plan(tmp_path))
+        read_resume(tiny_config(), resume_plan(tmp_path))
 
 
 @pytest.mark.parametrize("old", [dict(format_version=2, train_state={}), dict(format_version=1, step_in_epoch=3)])
@@ -53,14 +54,14 @@ def test_format_1_and_2_files_name_the_commit_that_reads_them(tmp_path, old):
     torch.save(dict(model={"w": torch.ones(2)}, optimizer={}, epoch=0, rng=rng, **old),
                tmp_path / "pretrain_64_resume.pth")
     with pytest.raises(ConfigError, match="format 1/2 single-file checkpoints were read up to commit 4df0373"):
-        load_resume(tiny_config(), resume_plan(tmp_path))
+        read_resume(tiny_config(), resume_plan(tmp_path))
 
 
 KILL_MIDWAY = r"""
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
-from model.weights import atomic_save
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from model.atomic import atomic_save
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 real_save = torch.save
 def save_then_die(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
@@ -100,6 +101,32 @@ def trained(config, seed, steps=2, weight_decay=0.01):
         optimizer.step()
         optimizer.zero_grad()
     return model, optimizer
+
+
+def _tp_save_worker(rank, world_size, path):
+    """The seeded tiny model, tensor-parallel over the two ranks (DTensor shards), saved as the trainer saves it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallel.tensor import apply_tensor_parallel
+    torch.manual_seed(0)
+    model = apply_tensor_parallel(MiniMindForCausalLM(tiny_config()), init_device_mesh("cpu", (2,), mesh_dim_names=(
+        "tp",)), False, False)
+    dcp.save(sharded_state_dict([model], torch.optim.AdamW(model.parameters())), checkpoint_id=path)
+    if rank == 0:
+        atomic_save(dict(config=tiny_config().to_dict(), args=dict(tokenizer_path="model")),
+                    os.path.join(path, "train_state.pt"))
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_step_directory_reads_as_the_full_model(tmp_path):
+    """read_checkpoint_model (convert_model, eval_llm --checkpoint, --from_weight) gathers every rank's shards in one
+    process: the same tensors as the seeded model before it was split."""
+    spawn(_tp_save_worker, 2, str(tmp_path / "step_1"), timeout=120, start_method="fork")
+    state_dict, config, args = read_checkpoint_model(str(tmp_path / "step_1"))
+    torch.manual_seed(0)
+    want = MiniMindForCausalLM(tiny_config()).state_dict()
+    assert state_dict.keys() == want.keys() and all(torch.equal(state_dict[k], want[k]) for k in want)
+    assert config["hidden_size"] == 64 and args == dict(tokenizer_path="model")
 
 
 def test_sharded_state_round_trip_is_exact(tmp_path):
@@ -145,9 +172,9 @@ def test_from_resume_1_without_a_checkpoint_is_refused_and_auto_starts_fresh(tmp
     config = tiny_config()
     make_steps(str(tmp_path / "pretrain_64"), [3], complete=[])  # a save killed before its manifest
     with pytest.raises(ConfigError, match="--from_resume 1 but .*pretrain_64 holds no complete checkpoint"):
-        load_resume(config, resume_plan(tmp_path, from_resume="1"))
-    assert load_resume(config, resume_plan(tmp_path, from_resume="auto")) is None
-    assert load_resume(config, resume_plan(tmp_path, from_resume="0")) is None
+        read_resume(config, resume_plan(tmp_path, from_resume="1"))
+    assert read_resume(config, resume_plan(tmp_path, from_resume="auto")) is None
+    assert read_resume(config, resume_plan(tmp_path, from_resume="0")) is None
 
 
 @pytest.mark.cuda

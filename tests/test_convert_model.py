@@ -214,9 +214,9 @@ def test_export_from_the_trainers_own_resume_checkpoint(tmp_path, capsys):
 
 def test_a_wrong_export_exits_non_zero(tmp_path, capsys, monkeypatch):
     """The verification catches issue 9's silent bug: a config read with rope_theta 10000 instead of 1e6."""
-    import model.weights as weights
-    write_rope = weights.write_rope_both_ways
-    monkeypatch.setattr(weights, "write_rope_both_ways", lambda out_dir, rope_theta: write_rope(out_dir, 10000.0))
+    import model.hf_convert as hf_convert
+    write_rope = hf_convert.write_rope_both_ways
+    monkeypatch.setattr(hf_convert, "write_rope_both_ways", lambda out_dir, rope_theta: write_rope(out_dir, 10000.0))
     torch.save(source_model(tiny()).state_dict(), tmp_path / "w.pth")
     assert convert_main(["--weight", str(tmp_path / "w.pth"), "--out_dir", str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' progress bars

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from dataset.lm_dataset import DPODataset, SFTDataset
+from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import minimind_to_hf, save_weights_file
+from model.weights import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_dpo
 from trainer.batches import step_targets

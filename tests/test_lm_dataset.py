@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 import dataset.lm_dataset as lm_dataset
+import dataset.shards as shards
 from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
@@ -379,7 +380,7 @@ def test_sft_packing_keeps_every_conversation_whole_once(tokenizer, tmp_path, mo
     packed row, equal to its padded sample; rows are full within best-fit decreasing's bound; one cache serves both."""
     path = demo_slice(tmp_path, "sft", 800)
     padded = SFTDataset(path, tokenizer, max_length=96, cache_dir=tmp_path / "cache")
-    monkeypatch.setattr(lm_dataset, "_build_cache", lambda *a, **k: pytest.fail("packing rebuilt the token cache"))
+    monkeypatch.setattr(shards, "_build_cache", lambda *a, **k: pytest.fail("packing rebuilt the token cache"))
     packed = SFTDataset(path, tokenizer, max_length=96, cache_dir=tmp_path / "cache", packing=True, doc_mask=True)
     expected = []
     for i in range(len(padded)):
@@ -463,7 +464,7 @@ def test_cache_is_reused_and_invalidated(tokenizer, tmp_path, monkeypatch):
         raise AssertionError("cache was rebuilt")
 
     with monkeypatch.context() as m:
-        m.setattr(lm_dataset, "_build_cache", no_rebuild)
+        m.setattr(shards, "_build_cache", no_rebuild)
         second = PretrainDataset(path, tokenizer, max_length=16, cache_dir=tmp_path / "cache")
     assert second.cache_path == first.cache_path
     assert [os.stat(os.path.join(first.cache_path, f)).st_mtime_ns for f in files] == mtimes

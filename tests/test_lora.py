@@ -10,6 +10,7 @@ from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers import __version__ as transformers_version
 
 import trainer.parallel.tensor as tensor_parallel
+from model.hf_convert import minimind_to_hf
 from model.lora import (
     LoraError,
     apply_lora,
@@ -21,7 +22,6 @@ from model.lora import (
     save_peft,
 )
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import minimind_to_hf
 from tests.launch import spawn
 from trainer.parallel.data import apply_data_parallel
 

@@ -19,7 +19,7 @@ from torch.func import functional_call
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.checkpoint import load_resume
+from trainer.checkpoint import read_resume
 from trainer.flags import add_train_args
 from trainer.launch import ConfigError
 from trainer.minimind_resume import minimind_parameter_order
@@ -210,7 +210,7 @@ def test_the_file_is_read_by_minimind_s_order_and_position(tmp_path):
     """MiniMind's step 5 on 2 processes of 4 samples = 40 samples; at this run's global batch 12 that is step 3."""
     config = tiny_config()
     saved = minimind_run(config, str(tmp_path / "pretrain_64_resume.pth"), epoch=1, step=5, world_size=2)
-    ckpt = load_resume(config, resume_plan(tmp_path, 4, 12))
+    ckpt = read_resume(config, resume_plan(tmp_path, 4, 12))
     assert ckpt["train_state"] == dict(epoch=1, step_in_epoch=3, global_step=3, tokens_seen=0, tracker_id="run-7")
     assert ckpt["world_size"] == 2 and ckpt["global_batch"] == 12
     names = [name for name, _ in MiniMindOrder(config).named_parameters()]  # the test-side tree's own order
@@ -235,7 +235,7 @@ def test_moments_in_another_order_are_one_line_naming_the_index(tmp_path):
     torch.save(saved, tmp_path / "pretrain_64_resume.pth")
     index = order.index("model.layers.0.mlp.down_proj.weight")
     with pytest.raises(ConfigError) as error:
-        load_resume(config, resume_plan(tmp_path, 4, 4))
+        read_resume(config, resume_plan(tmp_path, 4, 4))
     assert str(error.value) == (
         f"{tmp_path}/pretrain_64_resume.pth: optimizer state {index} (exp_avg) has shape [256, 64], but MiniMind's "
         f"parameter {index} is model.layers.0.mlp.down_proj.weight of shape [64, 256]; this file was not written by "
@@ -246,7 +246,7 @@ def test_a_resume_file_of_another_model_is_one_line(tmp_path):
     minimind_run(tiny_config(num_hidden_layers=3), str(tmp_path / "pretrain_64_resume.pth"), steps=1)
     with pytest.raises(ConfigError, match=r"pretrain_64_resume.pth: the weights have 3 layers .* the model 2; "
                                           "pass --num_hidden_layers 3"):
-        load_resume(tiny_config(), resume_plan(tmp_path))
+        read_resume(tiny_config(), resume_plan(tmp_path))
 
 
 def adamw_bound(saved, new, lr, wd, betas, eps):

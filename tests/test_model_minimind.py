@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from model.hf_convert import hf_to_minimind, minimind_to_hf
 from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM, MOEFeedForward, packed_document_mask
-from model.weights import hf_to_minimind, minimind_to_hf
 
 VOCAB = 512
 TOL = 1e-4

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from model.weights import VALUE_HEAD
+from model.weight_shapes import VALUE_HEAD
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from tests.rollout_server import RolloutServer
 from trainer import train_ppo

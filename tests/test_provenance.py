@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from model.provenance import TokenizerMismatch, content_sha256, tokenizer_for
+from model.provenance import content_sha256
 from scripts.convert_model import main as convert_main
 from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args as eval_args
@@ -18,6 +18,7 @@ from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 from trainer.config import resolve
 from trainer.flags import add_train_args
 from trainer.launch import ConfigError
+from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for
 
 MODEL_DIR = os.path.join(ROOT, "model")
 

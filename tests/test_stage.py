@@ -5,10 +5,10 @@ import argparse
 import pytest
 import torch
 
-from model.weights import read_checkpoint
 from tests.custom_stage import EMBEDDINGS
 from tests.launch import TINY_MODEL, demo_slice, forked
 from trainer.agent import AgentPlan
+from trainer.checkpoint import read_checkpoint_model
 from trainer.config import resolve
 from trainer.dpo import DPOPlan
 from trainer.flags import add_train_args
@@ -38,7 +38,7 @@ def test_a_stage_added_through_the_contract_alone(tmp_path):
             "--save_dir", out, "--checkpoint_dir", out / "ckpt", "--log_dir", "none", "--tag", "b"]
     proc = forked("tests/custom_stage.py", args, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [read_checkpoint(str(out / "ckpt" / "emb_64" / f"step_{n}"))[0] for n in (1, 2)]
+    steps = [read_checkpoint_model(str(out / "ckpt" / "emb_64" / f"step_{n}"))[0] for n in (1, 2)]
     changed = sorted(name for name in steps[0] if not torch.equal(steps[0][name], steps[1][name]))
     assert changed == sorted([EMBEDDINGS, "lm_head.weight"])  # the tied lm_head is the embedding
     weights = torch.load(out / "emb_64.pth", weights_only=True)

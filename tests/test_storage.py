@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from model.atomic import atomic_folder, atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import atomic_folder, atomic_save
 from tests.launch import spawn
 from trainer.parallel.state_dict import sharded_state_dict
 from trainer.storage import (

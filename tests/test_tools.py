@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from dataset.lm_dataset import _chat_messages
+from dataset.chat import chat_messages
 from dataset.tools import (
     TOOL_CASES,
     TOOLS,
@@ -255,7 +255,7 @@ def test_agent_rows_read_as_sft_conversations(tokenizer):
     them; the last message is the reference answer."""
     rows = agent_rows()
     assert len(rows) == len(TOOL_CASES) and rows[0]["gt"] == ["9472"]
-    messages, tools = _chat_messages(rows[0]["conversations"])
+    messages, tools = chat_messages(rows[0]["conversations"])
     assert tools == tool_schemas(["calculate_math", "get_current_time"])
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
     assert '"name": "calculate_math"' in text and text.rstrip().endswith("256 乘以 37 等于 9472。<|im_end|>")

@@ -1,5 +1,5 @@
-"""model/weights.py: MiniMind-3 .pth files, the trainer's .pth + sidecar config, resume checkpoints and HF folders load,
-and mismatches are one line."""
+"""model/weights.py, weight_shapes.py, hf_convert.py (trainer/weight_flags.py words the fixes): MiniMind-3 .pth files,
+the trainer's .pth + sidecar config, resume files and HF folders load, and mismatches are one line."""
 import argparse
 import json
 import os
@@ -10,21 +10,13 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import (
-    WeightsError,
-    flag_conflicts,
-    infer_config,
-    load_weights,
-    read_checkpoint,
-    read_weights,
-    save_weights_file,
-    shape_mismatch,
-    sidecar_path,
-    weight_fields,
-)
+from model.weight_shapes import WeightsError, infer_config, shape_mismatch, weight_fields
+from model.weights import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
 from trainer.flags import MODEL_FLAGS
 from trainer.model_config import weight_shapes
+from trainer.weight_flags import flag_conflicts, weights_line
 
 VOCAB = 512
 
@@ -105,7 +97,7 @@ def test_shape_mismatch_names_file_tensor_shapes_and_flag(minimind3_dense):
     state_dict, _ = read_weights(str(path))
     with torch.device("meta"):
         old = MiniMindForCausalLM(MiniMindConfig(intermediate_size=2048))  # this project's former 8/3 default
-    message = shape_mismatch(state_dict, old, str(path))
+    message = weights_line(shape_mismatch(state_dict, old, str(path)))
     assert message == (f"{path}: tensor model.layers.0.mlp.gate_proj.weight has shape [2432, 768] in the file "
                        "but [2048, 768] in the model; pass --intermediate_size 2432")
 
@@ -129,11 +121,14 @@ def tiny(**kw):
     (dict(use_moe=True, moe_intermediate_size=96), dict(use_moe=True), "pass --moe_intermediate_size 96"),
     (dict(tie_word_embeddings=False), dict(), "(untied); pass --tie_word_embeddings 0"),
     (dict(vocab_size=600), dict(), "(vocab_size 600): --tokenizer_path"),
+    (dict(use_moe=True, n_shared_experts=1), dict(use_moe=True), "tensor model.layers.0.mlp.shared_experts.0.down_proj."
+                                                                 "weight has no place in this model (6 unexpected); "
+                                                                 "check --use_moe / shared experts"),
 ])
 def test_shape_mismatch_flags(saved, model_kw, expected):
     torch.manual_seed(0)
     state_dict = MiniMindForCausalLM(tiny(**saved)).state_dict()
-    message = shape_mismatch(state_dict, MiniMindForCausalLM(tiny(**model_kw)), "w.pth")
+    message = weights_line(shape_mismatch(state_dict, MiniMindForCausalLM(tiny(**model_kw)), "w.pth"))
     assert message is not None and message.startswith("w.pth: ") and "\n" not in message
     assert expected in message, message
 
@@ -163,7 +158,7 @@ def test_resume_checkpoint_with_rng_state_reads_model_config_and_args(tmp_path):
     torch.save(ckpt, tmp_path / "pretrain_64_moe_resume.pth")
     with pytest.raises(Exception):  # what convert_model tripped on: weights_only refuses numpy RNG state
         torch.load(tmp_path / "pretrain_64_moe_resume.pth", weights_only=True)
-    state_dict, saved, args = read_checkpoint(str(tmp_path / "pretrain_64_moe_resume.pth"))
+    state_dict, saved, args = read_weights_and_args(str(tmp_path / "pretrain_64_moe_resume.pth"))
     assert args["tokenizer_path"] == "/somewhere/tok"
     assert saved["num_experts_per_tok"] == 2 and "model_type" not in saved
     original = model.state_dict()
@@ -290,3 +285,12 @@ def test_from_weight_takes_top_k_from_the_sidecar(tmp_path):
     assert weight_shapes(flags, path)["num_experts_per_tok"] == 2
     os.remove(sidecar_path(path))
     assert "num_experts_per_tok" not in weight_shapes(flags, path)
+
+
+def test_shared_experts_do_not_export_to_qwen3_moe_and_the_line_says_what_to_pass():
+    config = tiny(use_moe=True, n_shared_experts=1)
+    with pytest.raises(WeightsError) as e:
+        minimind_to_hf(MiniMindForCausalLM(config).state_dict(), config)
+    assert weights_line(e.value) == ("n_shared_experts=1: Qwen3-MoE has no shared experts; "
+                                     "export with --format minimind instead")
+    assert "--" not in str(e.value)  # model/ names no flag: trainer/weight_flags.py adds it

@@ -17,12 +17,14 @@ import json
 import os
 from dataclasses import dataclass
 
-from model.weights import atomic_write_text, read_checkpoint, save_weights_file
-from trainer.checkpoint import BEST_INDEX, MANIFEST, best_checkpoint_step, save_weights
+from model.atomic import atomic_write_text
+from model.weights import save_weights_file
+from trainer.checkpoint import BEST_INDEX, MANIFEST, best_checkpoint_step, read_checkpoint_model
 from trainer.launch import ConfigError, is_main_process
 from trainer.rank_log import RankLog
 from trainer.schema import Flag, fill, flag
 from trainer.trainer_utils import Logger
+from trainer.weights_file import save_weights
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
 
@@ -169,7 +171,7 @@ class BestCheckpoint:
                    "best.json follows from the next better eval")
             return
         if self.weights_path:
-            model_state, config, _ = read_checkpoint(checkpoint)
+            model_state, config, _ = read_checkpoint_model(checkpoint)
             save_weights_file(model_state, config, self.weights_path)
         self.write_index(checkpoint)
 

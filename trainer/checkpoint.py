@@ -1,6 +1,6 @@
-"""Checkpoints: DCP resume directories, MiniMind's weights file (+ sidecar config), TrainState, MiniMind's resume file.
-
-A resume checkpoint is a directory per save, every rank writing its own shards (torch.distributed.checkpoint):
+"""The resume checkpoint, a DCP directory per save: its one writer (Checkpointer.save) and reader (read_resume before
+the model is built, Checkpointer.load once it is wrapped; read_checkpoint_model / read_checkpoint_record for a step
+directory named as weights).
   <checkpoint_dir>/<weight>_<hidden>[_moe]/step_<N>/
       __*.distcp, .metadata   model + optimizer (sharded_state_dict: FQN-keyed, DTensor shards stay shards)
       train_state.pt          rank 0: format_version, train_state (TrainState), scaler, world_size, global_batch,
@@ -8,9 +8,7 @@ A resume checkpoint is a directory per save, every rank writing its own shards (
       rng_<rank>.pt           each rank's RNG states
       objective_<rank>.pt     each rank's objective state, where it has one (GRPO: a rollout being reused)
       complete.json           written last, by rank 0, once every rank's shards are written: only then it counts
-DCP reshards on load, so a run may resume under another layout. The weights, a plain MiniMind state dict in
---save_dtype, are gathered on rank 0 only at the end or every --save_weights_every steps:
-  <save_dir>/<weight>_<hidden>[_moe].pth, its config beside it as <weight>_<hidden>[_moe].json
+DCP reshards on load, so a run may resume under another layout. The weights file: trainer/weights_file.py.
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
 (trainer/minimind_resume.py).
 """
@@ -28,19 +26,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
-from model.weights import atomic_json, atomic_save, read_record
-from trainer.launch import ConfigError, count_sum, is_main_process, rank
+from model.atomic import atomic_json, atomic_save
+from model.weight_shapes import WeightsError, clean_state_dict, config_fields
+from trainer.launch import ConfigError, rank
 from trainer.minimind_resume import minimind_resume_path, read_minimind_resume
 from trainer.parallel.state_dict import (
     TIED_EMBEDDING,
-    full_model_state_dict,
     load_full_state,
     load_sharded_state,
     sharded_state_dict,
 )
 from trainer.resume_fields import check_resume_fields, resume_fields
-from trainer.storage import check_room, disk_full_as_one_line, rank0_write, tree_bytes
+from trainer.storage import check_room, disk_full_as_one_line, tree_bytes
 from trainer.trainer_utils import Logger
 
 # 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save
@@ -126,7 +125,7 @@ def latest_checkpoint(run_dir):
     return complete[-1] if complete else None
 
 
-def read_train_state(path, config):
+def _read_train_state(path, config):
     """train_state.pt of a complete DCP checkpoint, checked against this run's model (ConfigError if unusable)."""
     file = os.path.join(path, "train_state.pt")
     try:
@@ -149,11 +148,13 @@ def saved_resume_fields(plan):
         return path, torch.load(os.path.join(path, "train_state.pt"), map_location="cpu",
                                 weights_only=False).get("resume_fields") if path else None
     except Exception:
-        return path, None  # load_resume names the unreadable file
+        return path, None  # read_resume names the unreadable file
 
 
-def load_resume(config, plan):
-    """--from_resume 1/auto: the newest complete checkpoint's state (a DCP directory, else MiniMind's resume file).
+def read_resume(config, plan):
+    """--from_resume 1/auto, before the model is built: the newest complete checkpoint's own state (train_state.pt of
+    a DCP directory, else MiniMind's resume file, whose model the plain model loads), checked against this run;
+    Checkpointer.load restores it once the model is wrapped.
 
     None for --from_resume 0, or auto with nothing to resume; --from_resume 1 with nothing is a ConfigError.
     Its global batch must match this run's.
@@ -162,7 +163,7 @@ def load_resume(config, plan):
         return None
     path = plan.io.resume_path or latest_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
     minimind_path = minimind_resume_path(plan.io.checkpoint_dir, os.path.basename(plan.io.run_dir))
-    ckpt = read_train_state(path, config) if path else \
+    ckpt = _read_train_state(path, config) if path else \
         read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None
     if ckpt is None:
         if plan.io.from_resume == "1":
@@ -179,28 +180,37 @@ def load_resume(config, plan):
     return ckpt
 
 
+def read_checkpoint_model(path):
+    """(state_dict, config fields, typed args) of a step directory's model, whatever layout saved it: the full
+    tensors from every rank's shards, in this one process (eval_llm --checkpoint, convert_model, --from_weight)."""
+    try:
+        reader = FileSystemReader(path)
+        model = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)  # saved as {"model": ...}
+                 for key, meta in reader.read_metadata().state_dict_metadata.items()
+                 if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+        dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+        saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise WeightsError(f"{path} is not a readable resume checkpoint ({type(e).__name__}); pass a complete "
+                           "step_<N> directory, a .pth or an HF folder") from None
+    return clean_state_dict(model), config_fields(saved["config"]), saved.get("args")
+
+
+def read_checkpoint_record(path):
+    """What a step directory records besides the model: {"tokenizer": {"path", "sha256"} (older ones: the typed
+    --tokenizer_path only), "step": N}; {} when train_state.pt is unreadable (read_checkpoint_model names it)."""
+    try:
+        saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
+    except Exception:
+        return {}
+    tokenizer = saved.get("tokenizer") or {"path": (saved.get("args") or {}).get("tokenizer_path"), "sha256": None}
+    return {"tokenizer": tokenizer if tokenizer["path"] else None,
+            "step": (saved.get("train_state") or {}).get("global_step")}
+
+
 def tied_aliases(pipeline, config):
     """Under pp the tied embedding has a copy on the last stage; its optimizer state is saved once."""
     return TIED_EMBEDDING if pipeline is not None and config.tie_word_embeddings else None
-
-
-def restore(trainer, ckpt):
-    """Load model (DCP) or optimizer (MiniMind's file: model loaded before parallelizing), scaler, RNG, TrainState."""
-    aliases = tied_aliases(trainer.pipeline, trainer.config)
-    rng = None  # MiniMind's resume file saves no RNG state
-    if "dcp_path" in ckpt:
-        load_sharded_state(trainer.model_parts, trainer.optimizer, ckpt["dcp_path"], tied_aliases=aliases)
-        same_world = ckpt["world_size"] == trainer.plan.layout.world_size  # else every rank takes rank 0's
-        rng_file = os.path.join(ckpt["dcp_path"], f"rng_{rank() if same_world else 0}.pt")
-        rng = torch.load(rng_file, weights_only=False)
-        restore_objective(trainer.objective, ckpt["dcp_path"], same_world)
-    else:
-        load_full_state(trainer.model_parts, [trainer.optimizer], None, ckpt["optimizer"], tied_aliases=aliases)
-    trainer.scaler.load_state_dict(ckpt["scaler"])
-    if rng is not None:
-        set_rng_state(rng)
-    trainer.progress.load_state_dict(ckpt["train_state"])
-    trainer.callbacks.load_state_dict(ckpt.get("callbacks", {}))  # early stopping, best checkpoint, a user's
 
 
 def objective_file(path, rank_):
@@ -246,6 +256,26 @@ class Checkpointer:
         with disk_full_as_one_line(self.run_dir, self.needed, self.last, partial=path):
             self.save_files(path)
 
+    def load(self, ckpt):
+        """Restore the parts from read_resume's `ckpt`: model and optimizer from the DCP shards, resharded into this
+        layout (MiniMind's file: its optimizer; its model was loaded before parallelizing), scaler, RNG (the same
+        rank's file when the world size matches, else rank 0's), objective, TrainState and callbacks."""
+        parts, rng = self.parts, None  # MiniMind's resume file saves no RNG state
+        if "dcp_path" in ckpt:
+            load_sharded_state(parts["model_parts"], parts["optimizer"], ckpt["dcp_path"], tied_aliases=parts["tied"])
+            same_world = ckpt["world_size"] == parts["plan"].layout.world_size  # else every rank takes rank 0's
+            rng_file = os.path.join(ckpt["dcp_path"], f"rng_{rank() if same_world else 0}.pt")
+            rng = torch.load(rng_file, weights_only=False)
+            restore_objective(parts["objective"], ckpt["dcp_path"], same_world)
+        else:
+            load_full_state(parts["model_parts"], [parts["optimizer"]], None, ckpt["optimizer"],
+                            tied_aliases=parts["tied"])
+        parts["scaler"].load_state_dict(ckpt["scaler"])
+        if rng is not None:
+            set_rng_state(rng)
+        parts["progress"].load_state_dict(ckpt["train_state"])
+        parts["callbacks"].load_state_dict(ckpt.get("callbacks", {}))  # early stopping, best checkpoint, a user's
+
     def save_files(self, path):
         """train_state.pt (rank 0), this rank's RNG file and its DCP shards into `path`."""
         if rank() == 0 and os.path.exists(os.path.join(path, MANIFEST)):
@@ -290,7 +320,7 @@ class Checkpointer:
         parts, plan = self.parts, self.parts["plan"]
         layout = plan.layout
         return dict(train_state=parts["progress"].state_dict(), scaler=parts["scaler"].state_dict(),
-                    world_size=plan.layout.world_size, global_batch=plan.data.global_batch,
+                    world_size=layout.world_size, global_batch=plan.data.global_batch,
                     layout=dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage),
                     args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION,
                     tokenizer=plan.data.tokenizer_record, resume_fields=resume_fields(plan),
@@ -322,30 +352,3 @@ class Checkpointer:
         for s, p, done in older:
             if p not in kept and (self.keep or s > step or not done):
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def save_weights(trainer, path=None):
-    """Gather the full model (a collective) and write the stage's weights on rank 0 (trainer/stage.py: MiniMind's plain
-    weights file in --save_dtype, or the stage's own files, LoRA's adapters) at `path` (default: the stage's weights
-    path), its sidecar recording the tokenizer and the step. A disk without room stops every rank with one line
-    (DiskFullError)."""
-    plan, stage = trainer.plan, trainer.plan.stage
-    pp_group = trainer.dims.group("pp") if plan.layout.pp > 1 else None
-    model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
-    path = path or stage.weights_path(plan)
-    record = dict(tokenizer=plan.data.tokenizer_record, step=trainer.progress.global_step)
-    needed = stage.weights_bytes(model_sd, plan.io.save_dtype, record) if is_main_process() else 0
-    rank0_write(os.path.dirname(path), needed, path, "--save_dir",
-                lambda: stage.save_weights(model_sd, trainer.config, plan.io.save_dtype, record, path),
-                latest_checkpoint(plan.io.run_dir))
-
-
-def ensure_final_weights(trainer):
-    """A resume that finds --max_steps reached: the weights file must be this step's (its sidecar says which step it
-    holds); a save that failed before (a full disk) is written now. Every rank takes rank 0's decision."""
-    path, step = trainer.plan.stage.weights_path(trainer.plan), trainer.progress.global_step
-    held = read_record(path).get("step") if os.path.isfile(path) else None
-    if count_sum(int(held != step) if is_main_process() else 0):
-        now = f"holds step {held}" if held is not None else "records no step" if os.path.isfile(path) else "is missing"
-        Logger(f"{path} {now}, not the final step {step}: writing them")
-        save_weights(trainer)

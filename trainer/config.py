@@ -10,8 +10,7 @@ from dataclasses import replace
 import torch
 
 from dataset.mixture import absolute_data_spec
-from model.provenance import TokenizerMismatch, tokenizer_for, tokenizer_record
-from model.weights import read_record
+from model.provenance import tokenizer_record
 from trainer.callbacks import resolve_callbacks
 from trainer.checkpoint import MANIFEST
 from trainer.checks import (
@@ -34,8 +33,10 @@ from trainer.plan import DataPlan, GuardPlan, IOPlan, Layout, ModelPlan, Schedul
 from trainer.schedule import resolve_schedule
 from trainer.schema import fill
 from trainer.stage import Stage
+from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from trainer.tracking import parse_profile_steps, resolve_trackers
 from trainer.trainer_utils import Logger, repo_path, typed_or_default, weight_name
+from trainer.weights_file import any_weights_record
 
 
 def resolve(args, world_size, local_rank=0, stage=Stage):
@@ -126,7 +127,7 @@ def weight_path(spec, save_dir, config):
 def run_tokenizer(args, from_weight):
     """The run's tokenizer folder: --tokenizer_path, else the one --from_weight was trained with (its record), else
     model/; a typed folder whose tokenizer.json differs from the recorded one is refused (--force_tokenizer 1: kept)."""
-    record = read_record(from_weight).get("tokenizer") if from_weight != "none" else None
+    record = any_weights_record(from_weight).get("tokenizer") if from_weight != "none" else None
     if record is None:
         return typed_or_default(args.tokenizer_path, "model")
     try:

@@ -8,7 +8,7 @@ import argparse
 
 import yaml
 
-from model.weights import atomic_write_text
+from model.atomic import atomic_write_text
 
 
 def config_argv(parser, argv):

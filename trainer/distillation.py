@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import AutoTokenizer
 
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.model_minimind import CrossEntropyChunks, MiniMindConfig, MiniMindForCausalLM, chunked_head
 from model.provenance import content_sha256
-from model.weights import WeightsError, load_weights, read_record, read_weights, weight_fields
+from model.weight_shapes import WeightsError, weight_fields
 from trainer.checks import other_sizes
 from trainer.launch import ConfigError
 from trainer.metrics import step_flops
@@ -25,6 +25,8 @@ from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
 from trainer.schema import Flag
 from trainer.stage import SFTStage
 from trainer.trainer_utils import Logger, file_digest, typed_or_default, weight_name
+from trainer.weight_flags import weights_line
+from trainer.weights_file import any_weights_record, load_any_weights, read_any_weights
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,10 @@ def teacher_path(value, save_dir):
 def teacher_fields(path, plan):
     """The teacher's MiniMindConfig fields, after checking its vocabulary, tokenizer and tensor-parallel split."""
     try:
-        state_dict, saved_config = read_weights(path)
+        state_dict, saved_config, _ = read_any_weights(path)
         fields = weight_fields(state_dict, saved_config)
     except WeightsError as e:
-        raise ConfigError(f"--teacher_weight: {e}") from None
+        raise ConfigError(f"--teacher_weight: {weights_line(e)}") from None
     fields = dict(fields, loss_chunk_size=0)
     student_vocab = plan.model.config.vocab_size
     if fields["vocab_size"] != student_vocab:
@@ -124,7 +126,7 @@ def teacher_fields(path, plan):
 def tokenizer_folder(path, plan):
     """The tokenizer the teacher records (its sidecar, resume checkpoint or HF folder), to compare with the student's;
     None where it records none, where it is the student's (same tokenizer.json), or where it is not found here."""
-    record = read_record(path).get("tokenizer") or {}
+    record = any_weights_record(path).get("tokenizer") or {}
     if record.get("sha256") and record["sha256"] == plan.data.tokenizer_record["sha256"]:
         return None
     return record["path"] if record.get("path") and os.path.isdir(record["path"]) else None
@@ -141,9 +143,9 @@ def build_teacher(stage, plan, dims):
     """The frozen teacher on plan.layout.device in the training dtype, eval mode, split like the student (tp, cp)."""
     teacher = MiniMindForCausalLM(stage.teacher_config)
     try:
-        load_weights(teacher, stage.teacher_path)
+        load_any_weights(teacher, stage.teacher_path)
     except WeightsError as e:
-        raise ConfigError(f"--teacher_weight: {e}") from None
+        raise ConfigError(f"--teacher_weight: {weights_line(e)}") from None
     teacher = teacher.to(plan.layout.device, dtype=plan.model.dtype).eval()
     if plan.layout.tp > 1:  # vocab-sharded logits, like the student's
         apply_tensor_parallel(teacher, dims.mesh("tp"), sequence_parallel=plan.layout.sequence_parallel)
@@ -216,65 +218,45 @@ def describe(stage, plan, teacher):
             f"{1 - stage.alpha:g} * {stage.temperature}^2 * KL(teacher || student)")
 
 
-class _ChunkedDistillation(torch.autograd.Function):
-    """(loss_sum, ce_sum, kl_sum) of the rows of `hidden` over chunks; the student's gradients are formed in forward.
+class _DistillationChunks(CrossEntropyChunks):
+    """loss_sum = alpha * ce_sum + (1 - alpha) * T^2 * kl_sum over chunks of rows (the loss of chunked_head): each
+    chunk's teacher logits are formed beside the student's, so only one chunk's logits of each model exist at a time."""
 
-    loss_sum = alpha * ce_sum + (1 - alpha) * T^2 * kl_sum; only loss_sum has a gradient. As in
-    model_minimind's _ChunkedLinearCrossEntropy only one chunk's logits (of each model) exist at a time.
-    """
+    def __init__(self, teacher_hidden, teacher_weight, targets, chunk_size, alpha, temperature):
+        super().__init__(targets, chunk_size)
+        self.teacher_hidden, self.teacher_weight, self.alpha, self.temperature = (teacher_hidden, teacher_weight,
+                                                                                  alpha, temperature)
+        self.kl_sum = torch.zeros((), dtype=torch.float32, device=targets.device)
 
-    @staticmethod
-    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, targets, chunk_size, alpha, temperature):
-        ce_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        kl_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        rows = torch.arange(min(chunk_size, hidden.shape[0]), device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
-            logits = F.linear(h, weight).float()
-            teacher_log_probs = F.linear(teacher_hidden[start:start + chunk_size], teacher_weight).float()
-            teacher_log_probs = torch.log_softmax(teacher_log_probs.div_(temperature), dim=-1)
-            log_probs = torch.log_softmax(logits / temperature, dim=-1)
-            teacher_probs = teacher_log_probs.exp()
-            # in place and as a dot product: no further chunk-sized temporaries
-            kl_sum += torch.dot(teacher_probs.view(-1), teacher_log_probs.sub_(log_probs).view(-1))
-            del teacher_log_probs
-            ce_sum += F.cross_entropy(logits, t, reduction="sum")
-            # d(alpha CE + (1-alpha) T^2 KL)/d logits = alpha (softmax - one_hot) + (1-alpha) T (softmax(z/T) - p)
-            grad_logits = log_probs.exp_().sub_(teacher_probs).mul_((1 - alpha) * temperature)
-            del teacher_probs, log_probs
-            ce_grad = torch.softmax(logits, dim=-1)
-            del logits
-            ce_grad[rows[:len(t)], t] -= 1
-            grad_logits.add_(ce_grad, alpha=alpha)
-            del ce_grad
-            grad_logits = grad_logits.to(weight.dtype)  # as the lm_head backward sees it (autocast casts in mm)
-            if grad_hidden is not None:
-                grad_hidden[start:start + chunk_size] = torch.mm(grad_logits, weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += torch.mm(grad_logits.t().to(h.dtype), h).float()
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.mark_non_differentiable(ce_sum, kl_sum)
-        return alpha * ce_sum + (1 - alpha) * temperature ** 2 * kl_sum, ce_sum, kl_sum
+    def chunk(self, logits, start):
+        """Adds the chunk's KL and CE; returns d(alpha CE + (1-alpha) T^2 KL)/d logits = alpha (softmax - one_hot) +
+        (1-alpha) T (softmax(z/T) - p)."""
+        temperature = self.temperature
+        teacher_log_probs = F.linear(self.teacher_hidden[start:start + self.chunk_size], self.teacher_weight).float()
+        teacher_log_probs = torch.log_softmax(teacher_log_probs.div_(temperature), dim=-1)
+        log_probs = torch.log_softmax(logits / temperature, dim=-1)
+        teacher_probs = teacher_log_probs.exp()
+        # in place and as a dot product: no further chunk-sized temporaries
+        self.kl_sum += torch.dot(teacher_probs.view(-1), teacher_log_probs.sub_(log_probs).view(-1))
+        del teacher_log_probs
+        grad_logits = log_probs.exp_().sub_(teacher_probs).mul_((1 - self.alpha) * temperature)
+        del teacher_probs, log_probs
+        return grad_logits.add_(super().chunk(logits, start), alpha=self.alpha)
 
-    @staticmethod
-    def backward(ctx, grad_loss, grad_ce, grad_kl):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
-        grad_weight = grad_weight * grad_loss if grad_weight is not None else None
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+    def total(self):
+        return self.alpha * self.ce_sum + (1 - self.alpha) * self.temperature ** 2 * self.kl_sum
 
 
 def chunked_distillation(hidden, weight, teacher_hidden, teacher_weight, targets, alpha, temperature, chunk_size):
-    """(loss_sum, ce_sum, kl_sum) over targets != -100, from the two models' final hidden states and lm_head weights.
+    """(loss_sum, ce_sum, kl_sum) over targets != -100, from the two models' final hidden states and lm_head weights;
+    only loss_sum has a gradient.
 
     hidden (..., H), teacher_hidden (..., H_t), targets (...); positions without a target are dropped first."""
     keep = (targets.reshape(-1) != -100).nonzero().squeeze(1)
     rows = [t.reshape(-1, t.shape[-1]).index_select(0, keep) for t in (hidden, teacher_hidden)]
-    return _ChunkedDistillation.apply(rows[0], weight, rows[1].detach(), teacher_weight.detach(),
-                                      targets.reshape(-1).index_select(0, keep), chunk_size, alpha, temperature)
+    chunks = _DistillationChunks(rows[1].detach(), teacher_weight.detach(), targets.reshape(-1).index_select(0, keep),
+                                 chunk_size, alpha, temperature)
+    return chunked_head(rows[0], weight, chunks, chunk_size), chunks.ce_sum, chunks.kl_sum
 
 
 def full_distillation(logits, teacher_logits, targets, alpha, temperature):

@@ -17,7 +17,7 @@ from dataset.lm_dataset import DPODataset
 from dataset.token_cache import local_part
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
-from model.weights import WeightsError, read_weights, shape_mismatch
+from model.weight_shapes import WeightsError
 from trainer.checkpoint import saved_resume_fields
 from trainer.checks import other_sizes
 from trainer.config import weight_path
@@ -30,6 +30,8 @@ from trainer.resume_fields import check_resume_fields
 from trainer.schema import Flag
 from trainer.stage import Stage
 from trainer.trainer_utils import Logger
+from trainer.weight_flags import mismatch_line, weights_line
+from trainer.weights_file import read_any_weights
 
 DEFAULT_BETA = 0.15  # MiniMind's train_dpo.py
 
@@ -105,11 +107,11 @@ def resolve_dpo(args, plan):
 def check_reference(path, config):
     """The reference weights fit the policy's model: one line naming --ref_weight and the file otherwise."""
     try:
-        state_dict, _ = read_weights(path)
+        state_dict, _, _ = read_any_weights(path)
         with torch.device("meta"):
-            message = shape_mismatch(state_dict, MiniMindForCausalLM(config), path)
+            message = mismatch_line(state_dict, MiniMindForCausalLM(config), path)
     except WeightsError as e:
-        message = str(e)
+        message = weights_line(e)
     if message:
         raise ConfigError(flag_error("--ref_weight", path, message))
 

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from model.atomic import atomic_save
 from model.provenance import short
-from model.weights import atomic_save, config_fields
+from model.weight_shapes import config_fields
 from trainer.batches import autocast, pipeline_forward_only, step_targets
 from trainer.data_loading import leaf_datasets
 from trainer.launch import ConfigError, count_sum, is_main_process, setup_seed
@@ -25,7 +26,8 @@ from trainer.log_probs import sequence_log_probs
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
 from trainer.storage import rank0_write
-from trainer.trainer_utils import Logger, init_model
+from trainer.trainer_utils import Logger
+from trainer.weights_file import init_model
 
 REFERENCE_FORMAT_VERSION = 2  # 2: keyed by the reference's content; the file holds its shape and a checksum
 CACHE_SLACK_BYTES = 64 << 10  # torch.save's headers around the values

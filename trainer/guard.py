@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from model.torch_compat import scaler_found_inf_per_device
 from trainer.launch import TrainingHalted, local_tensor
 from trainer.parallel.perf import decoder_blocks
 from trainer.parallel.state_dict import clean_fqn
@@ -173,7 +174,7 @@ def scaler_found_inf(scaler, optimizer):
     across pipeline stages or plain-tensor layouts, hence the guard's agreement over every rank."""
     if not scaler.is_enabled():
         return None
-    return list(scaler._found_inf_per_device(optimizer).values())  # private, in every torch 2.x (2.11 too)
+    return list(scaler_found_inf_per_device(scaler, optimizer).values())
 
 
 def replica_checksums(model_parts):

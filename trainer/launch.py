@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from dataset.token_cache import CacheBuildInterrupted
+from model.torch_compat import set_default_pg_timeout
 from trainer import rank_log
 
 RANK0_REPORT_SECONDS = 2
@@ -84,8 +85,8 @@ CPU_GROUP = None  # the gloo group beside NCCL (None: the default group is gloo 
 def set_collective_timeout(seconds):
     """After the first step: a hung collective of the default group fails after `seconds` (torchtitan's
     train_timeout_seconds); the start-up timeout had to cover the token cache, weights and compile."""
-    if dist.is_initialized() and hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # private; present in 2.11
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), None)
+    if dist.is_initialized():
+        set_default_pg_timeout(seconds)
 
 
 def setup_seed(seed, deterministic=False):

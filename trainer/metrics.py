@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from model.weights import _atomic_write  # the one atomic writer (temporary file, fsync, rename)
+from model.atomic import atomic_write  # the one atomic writer (temporary file, fsync, rename)
+from model.torch_compat import cpu_bf16_native
 
 
 def model_flops_per_token(config, seq_len):
@@ -111,11 +112,6 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
-def cpu_bf16_native():
-    """This CPU runs bf16 matmuls natively (oneDNN: AVX512-BF16 or AMX); without it bf16 is emulated and slow."""
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def measure_cpu_rates():
     """{name: FLOP/s} with this process's threads at TRAINING_SHAPE: fp32, and where native bf16 and
     "bfloat16_autocast" (bf16 with its inputs cast from fp32 first, as autocast runs it)."""
@@ -170,7 +166,7 @@ def _measure_locked(path, key, before):
         busy, fresh = cpu_busy(), measure_cpu_rates()
         entry = dict({name: max(rate, (before or {}).get(name, 0.0)) for name, rate in fresh.items()}, busy=busy)
         rates = dict(_read_json(path), **{key: entry})
-        _atomic_write(path, lambda f: f.write(json.dumps(rates, indent=1, sort_keys=True).encode()))
+        atomic_write(path, lambda f: f.write(json.dumps(rates, indent=1, sort_keys=True).encode()))
         return entry
     finally:
         _remove(lock)

@@ -12,9 +12,11 @@ import os
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
-from model.weights import clean_state_dict, numpy_rng_globals, shape_mismatch
+from model.weight_shapes import clean_state_dict
+from model.weights import numpy_rng_globals
 from trainer.launch import ConfigError
 from trainer.trainer_utils import Logger
+from trainer.weight_flags import mismatch_line
 
 LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df0373; resume it with that commit "
                "(its next save writes a step directory this trainer reads) or pass --from_resume 0")
@@ -100,7 +102,7 @@ def _fresh_scaler_state():
 
 
 def read_minimind_resume(path, config, plan):
-    """load_resume's dict from MiniMind's resume file: model, optimizer (by name), scaler, train_state, world_size.
+    """read_resume's dict from MiniMind's resume file: model, optimizer (by name), scaler, train_state, world_size.
 
     The position is kept in samples: MiniMind's step x its world_size x --batch_size (its file has no batch size:
     this run's is taken as its), over this run's global batch; a partial optimizer step is trained again.
@@ -108,7 +110,7 @@ def read_minimind_resume(path, config, plan):
     ckpt = _load(path)
     model = clean_state_dict(ckpt["model"], config.tie_word_embeddings)
     with torch.device("meta"):
-        message = shape_mismatch(model, MiniMindForCausalLM(config), path)
+        message = mismatch_line(model, MiniMindForCausalLM(config), path)
     if message:
         raise ConfigError(message)
     saved_world = int(ckpt.get("world_size", 1))

@@ -1,9 +1,11 @@
 """The MiniMindConfig the flags describe, with the shapes of a --from_weight file taking precedence."""
 from model.model_minimind import MiniMindConfig
-from model.weights import WeightsError, flag_conflicts, infer_config, read_weights
+from model.weight_shapes import WeightsError, infer_config
 from trainer.flags import MODEL_FLAGS
 from trainer.launch import ConfigError
 from trainer.trainer_utils import Logger
+from trainer.weight_flags import flag_conflicts, weights_line
+from trainer.weights_file import read_any_weights
 
 
 def build_config(args, weight_fields=None):
@@ -20,7 +22,7 @@ def weight_shapes(args, path):
     """The model fields a --from_weight file fixes (from its tensors, and top-k from its saved config); one line
     says which flags they override, so a MiniMind-3 .pth or an older run's weights load without size flags."""
     try:
-        state_dict, saved_config = read_weights(path)
+        state_dict, saved_config, _ = read_any_weights(path)
         fields = infer_config(state_dict)
     except WeightsError as e:
         raise ConfigError(flag_error("--from_weight", path, e)) from None
@@ -35,5 +37,5 @@ def weight_shapes(args, path):
 
 def flag_error(flag, path, error):
     """One line naming the weights flag and its file: `error` prefixed by them (the file once, where it names it)."""
-    message = str(error)
+    message = weights_line(error)  # with the flag that fixes it, where one does
     return f"{flag}: {message}" if message.startswith(path) else f"{flag} {path}: {message}"

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from model.weights import clean_state_dict
+from model.weight_shapes import clean_state_dict
 from trainer.batches import step_targets
 from trainer.launch import ConfigError, world_sum
 from trainer.metrics import step_flops
@@ -156,7 +156,7 @@ class ValueHead(nn.Linear):
     def attach(self, model):
         """Make this head `model.model.norm.value_head` and record V on every forward of the trunk."""
         norm = model.model.norm
-        norm.value_head = self.to(norm.weight.device)  # model/weights.VALUE_HEAD: left out of the LM's weights
+        norm.value_head = self.to(norm.weight.device)  # model/weight_shapes.VALUE_HEAD: left out of the LM's weights
         norm.register_forward_hook(self.capture)
         return self
 

@@ -23,17 +23,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from transformers.cache_utils import DynamicCache
 
-from model.weights import save_hf_folder
+from model.hf_convert import save_hf_folder
 from trainer.launch import TrainingHalted, is_main_process
 from trainer.parallel.state_dict import full_model_state_dict
-
-try:  # public path since torch 2.6 (2.11, 2.13)
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import FSDPModule
 
 ENGINES = ("torch", "sglang", "vllm")
 

@@ -2,7 +2,7 @@
 
 Checkpoints (every rank) go through check_room + disk_full_as_one_line; rank 0's own files (weights, adapters, the
 DPO reference cache) through rank0_write, which does both around the write and tells every rank the outcome. The
-atomic writers of model/weights.py leave no temporary file behind a failed write.
+atomic writers of model/atomic.py leave no temporary file behind a failed write.
 
 A full disk does not surface as ENOSPC from a DCP save: FileSystemWriter's torch.save stream fails with
 RuntimeError "unexpected pos N vs M", which dcp.save wraps in a CheckpointException (a BaseException) carrying

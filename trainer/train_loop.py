@@ -15,17 +15,7 @@ import torch.distributed as dist
 
 from trainer.batches import autocast, shard_for_context, step_targets, to_device
 from trainer.callbacks import make_callbacks
-from trainer.checkpoint import (
-    Checkpointer,
-    TrainState,
-    ensure_final_weights,
-    load_resume,
-    restore,
-    rng_state,
-    save_weights,
-    set_rng_state,
-    tied_aliases,
-)
+from trainer.checkpoint import Checkpointer, TrainState, read_resume, rng_state, set_rng_state, tied_aliases
 from trainer.checks import check_same_dtype
 from trainer.config import resolve
 from trainer.config_file import write_run_config
@@ -63,7 +53,8 @@ from trainer.schedule import lr_at, resume_note
 from trainer.stage import Stage
 from trainer.storage import checkpoint_bytes_estimate, room_warning
 from trainer.tracking import StepProfiler
-from trainer.trainer_utils import Logger, init_model
+from trainer.trainer_utils import Logger
+from trainer.weights_file import ensure_final_weights, init_model, save_weights
 
 
 @dataclass
@@ -121,7 +112,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
 
     objective: what the stage minimises (plan.stage.objective(...), trainer/objective.py); None: LMObjective."""
     config = plan.model.config
-    ckpt = load_resume(config, plan)
+    ckpt = read_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
     model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
     estimate = checkpoint_bytes_estimate(model, plan.io.save_dtype.itemsize)
@@ -144,7 +135,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
                       plan.lr.length(steps_per_epoch, plan.schedule.epochs), checkpointer, guard,
                       objective=objective, callbacks=callbacks, resumed=ckpt is not None)
     if ckpt is not None:
-        restore(trainer, ckpt)
+        checkpointer.load(ckpt)
         trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy
         # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
         progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)

@@ -1,4 +1,5 @@
-"""MiniMind's small helpers: paths, logging, lr schedule, weight names, model init, the resume sampler."""
+"""MiniMind's small helpers: paths, logging, lr schedule, weight names, the resume sampler (init_model, MiniMind's
+model init, is in trainer/weights_file.py with the other weights readers)."""
 import hashlib
 import os
 import sys
@@ -6,10 +7,8 @@ import sys
 from torch.utils.data import Sampler
 from tqdm import tqdm
 
-from model.model_minimind import MiniMindForCausalLM
-from model.weights import WeightsError, load_weights
 from trainer import rank_log
-from trainer.launch import ConfigError, is_main_process
+from trainer.launch import is_main_process
 from trainer.schedule import MINIMIND_FLOOR, LRSchedule, lr_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,19 +48,6 @@ def get_lr(current_step, total_steps, lr, warmup_steps=0):
 def weight_name(save_weight, config):
     """MiniMind's weight file stem: <save_weight>_<hidden>[_moe]."""
     return f"{save_weight}_{config.hidden_size}{'_moe' if config.use_moe else ''}"
-
-
-def init_model(config, from_weight="none", device="cpu"):
-    """MiniMind's model; loads `from_weight` (a .pth path or HF folder, resolved by config.resolve) unless 'none'."""
-    model = MiniMindForCausalLM(config)
-    if from_weight != "none":
-        try:
-            load_weights(model, from_weight)  # strict; a mismatch names the file, tensor, both shapes and the flag
-        except WeightsError as e:
-            raise ConfigError(str(e)) from None
-    source = f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else "initialised from --seed"
-    Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
-    return model.to(device)
 
 
 def file_digest(path):

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from model.torch_compat import foreach_mul_
 from trainer.launch import local_tensor
 
 
@@ -79,5 +80,5 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None, exclude=
         local = local_tensor(p.grad)
         by_device.setdefault(local.device, []).append(local)
     for device, tensors in by_device.items():
-        torch._foreach_mul_(tensors, clip_coef.to(device))
+        foreach_mul_(tensors, clip_coef.to(device))
     return total

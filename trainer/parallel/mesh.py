@@ -9,6 +9,8 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from model.torch_compat import flatten_mesh
+
 MESH_DIMS = ("dp", "pp", "cp", "tp")
 GROUP_NAMES = MESH_DIMS + ("dp_cp",)
 
@@ -59,9 +61,8 @@ def build_mesh(dp, pp, cp, tp, device_type):
     torch 2.11+ deprecates slicing a flattened dim from the root mesh, so keep the returned handle.
     """
     mesh = init_device_mesh(device_type, (dp, pp, cp, tp), mesh_dim_names=MESH_DIMS)
-    if hasattr(DeviceMesh, "_flatten"):  # torchtitan's way; present in torch 2.4 .. 2.13
-        dp_cp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
-    else:
+    dp_cp_mesh = flatten_mesh(mesh["dp", "cp"], "dp_cp")  # torchtitan's way (a private DeviceMesh method)
+    if dp_cp_mesh is None:
         dp_cp_mesh = _flatten_with_new_groups(mesh, ("dp", "cp"), "dp_cp")
     return mesh, dp_cp_mesh
 

@@ -1,57 +1,15 @@
 """One q block of the ring against one k/v block: (out, lse) forward and (dq, dk, dv) backward.
 
 Unmasked blocks run torch's own fused attention ops (CPU flash; CUDA flash for bf16/fp16, memory-efficient
-otherwise), the backward from the *global* out and lse as torch's context parallel does; a kernel that raises
-for a dtype or head dim falls back to the math below once and for all. Blocks with a document mask run math
-in the compute dtype (fp32 at least). Used by trainer/parallel/context.py.
+otherwise: model/torch_compat.py), the backward from the *global* out and lse as torch's context parallel does; a
+kernel that raises for a dtype or head dim falls back to the math below once and for all. Blocks with a document
+mask run math in the compute dtype (fp32 at least). Used by trainer/parallel/context.py.
 """
 import torch
 
+from model.torch_compat import fused_attention_kernels as fused_kernels  # torch's private aten ops
+
 FAILED_KERNELS = set()  # (kernel, direction, device type, dtype, head dim) that raised once: don't retry every block
-
-
-def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale):
-    """Flash backward of one block. cum_seq None: the dense kernel (a defined one means varlen); dropout 0 reads
-    no philox state, so empty tensors stand for the forward's."""
-    rng = torch.empty(0, dtype=torch.long, device=q.device)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0, causal, rng, rng, scale=scale)
-
-
-def _cuda_efficient_forward(q, k, v, causal, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
-                                                                      scale=scale)[:2]
-    return out, lse[..., :q.shape[-2]]  # its lse is padded to a multiple of 32 rows
-
-
-def _cuda_efficient_backward(dout, q, k, v, out, lse, causal, scale):
-    """Memory-efficient backward of one block; the lse padded back to the forward's multiple of 32 rows."""
-    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32))
-    rng = torch.empty(0, dtype=torch.long, device=q.device)  # dropout 0: not read
-    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse, rng, rng, 0.0, [True, True, True, False], causal, scale=scale)[:3]
-
-
-def fused_kernels(q):
-    """Candidate fused (name, forward, backward) ops for this device and dtype, best first.
-
-    forward(q, k, v, causal, scale) -> (out, lse); backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)
-    from the *global* out and lse, as torch's context parallel calls them (_templated_ring_attention_backward)."""
-    aten = torch.ops.aten
-    if q.device.type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        yield ("flash_cpu",
-               lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu(
-                   q, k, v, 0.0, causal, scale=scale),
-               lambda dout, q, k, v, out, lse, causal, scale: aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                   dout, q, k, v, out, lse, 0.0, causal, scale=scale))
-    if q.device.type == "cuda":
-        if q.dtype in (torch.float16, torch.bfloat16) and hasattr(aten, "_scaled_dot_product_flash_attention"):
-            yield ("flash_cuda",
-                   lambda q, k, v, causal, scale: aten._scaled_dot_product_flash_attention(
-                       q, k, v, 0.0, causal, False, scale=scale)[:2],
-                   _cuda_flash_backward)
-        if hasattr(aten, "_scaled_dot_product_efficient_attention"):
-            yield "efficient_cuda", _cuda_efficient_forward, _cuda_efficient_backward
 
 
 def _run_fused(direction, q, *args):

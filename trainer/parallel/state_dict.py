@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    _flatten_optim_state_dict,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from model.torch_compat import flatten_optim_state_dict
 from trainer.launch import is_main_process
 
 # alias -> canonical FQN of a weight a pipeline stage keeps a synchronised copy of (tied embeddings).
@@ -225,7 +225,7 @@ def sharded_state_dict(model_parts, optimizer, tied_aliases=None):
     part, optim = _optim_pair(model_parts, optimizer)
     if isinstance(optim, ZeroRedundancyOptimizer):  # no DTensor state to shard: rank 0 of the group saves it whole
         osd = _zero_state_dict(part, optim)
-        optim_sd = _flatten_optim_state_dict(osd) if osd else {}
+        optim_sd = flatten_optim_state_dict(osd) if osd else {}
     else:
         optim_sd = get_optimizer_state_dict(part, optim, options=_FLAT)
     aliases = tuple(f"{section}.{alias}." for alias in tied_aliases or {} for section in ("state", "param_groups"))
