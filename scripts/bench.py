@@ -97,10 +97,10 @@ def bench_one(label, flags, args, peaks, world):
     stats = step_stats(records, args.warmup)
     run = trainer_args(flags)
     config, plan = build_config(run), resolve(run, world)
-    flops = model_flops_per_token(config, plan.seq_len)
+    flops = model_flops_per_token(config, plan.data.seq_len)
     # counted as the trainer counts them
-    step = step_flops(config, plan.seq_len, plan.global_batch * plan.seq_len, stats["tokens_per_step"],
-                      plan.chunked_loss)
+    step = step_flops(config, plan.data.seq_len, plan.data.global_batch * plan.data.seq_len,
+                      stats["tokens_per_step"], plan.model.chunked_loss)
     stats["mfu_vs_fp32_peak"] = step / stats["step_time_median"] / (peaks["float32"] * world)
     stats["target_mfu_vs_fp32_peak"] = flops * stats["tokens_per_sec"] / (peaks["float32"] * world)  # padding excluded
     result = dict(label=label, time=time.strftime("%Y-%m-%dT%H:%M:%S"), wall_s=round(time.time() - start, 1),
@@ -120,14 +120,16 @@ def plan_for(flags, nproc):
     run = trainer_args(flags)
     config = build_config(run)
     t = resolve(run, nproc)  # the TrainPlan: the layout exactly as the trainer would run it
-    act_bytes = 4 if t.dtype == torch.float32 else 2
+    lay, data = t.layout, t.data
+    act_bytes = 4 if t.model.dtype == torch.float32 else 2
     # the layout model knows whole-block recomputation; a selective mode is estimated as none (an upper bound)
-    plan = plan_layout(config, t.seq_len, t.micro_batch, t.num_microbatches, t.dp, t.tp, t.pp, t.cp, t.zero_stage,
-                       t.pp_schedule, act_bytes, t.grad_checkpointing == "full", t.sequence_parallel,
-                       run.loss_chunk_size if t.chunked_loss else 0)  # full logits where the trainer has them
-    layout = dict(nproc=nproc, dp=t.dp, tp=t.tp, pp=t.pp, cp=t.cp, zero_stage=t.zero_stage, pp_schedule=t.pp_schedule,
-                  act_bytes=act_bytes, micro_batch=t.micro_batch, seq_len=t.seq_len,
-                  num_microbatches=t.num_microbatches)
+    plan = plan_layout(config, data.seq_len, data.micro_batch, data.num_microbatches, lay.dp, lay.tp, lay.pp, lay.cp,
+                       lay.zero_stage, lay.pp_schedule, act_bytes, t.model.grad_checkpointing == "full",
+                       lay.sequence_parallel,
+                       run.loss_chunk_size if t.model.chunked_loss else 0)  # full logits where the trainer has them
+    layout = dict(nproc=nproc, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero_stage=lay.zero_stage,
+                  pp_schedule=lay.pp_schedule, act_bytes=act_bytes, micro_batch=data.micro_batch, seq_len=data.seq_len,
+                  num_microbatches=data.num_microbatches)
     return layout, plan
 
 

@@ -6,9 +6,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
-
-from trainer.trainer_utils import ROOT  # noqa: E402
+from trainer.trainer_utils import ROOT
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
 

@@ -17,7 +17,7 @@ from dataset.tools import TOOL_CASES, agent_rows, tool_schemas
 from model.model_minimind import MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer import train_agent
-from trainer.agent import AgentObjective, Episode, agent_reward, episode_rows, resolve_agent, rule_agent
+from trainer.agent import AgentObjective, AgentPlan, Episode, agent_reward, episode_rows, rule_agent
 from trainer.batches import step_targets
 from trainer.config import resolve
 from trainer.launch import ConfigError
@@ -176,14 +176,14 @@ def _zero3_episodes_worker(rank, world_size, out_dir, argv):
     from trainer.parallel.mesh import ParallelDims
     from trainer.rollout import make_engine
     sys.argv = argv
-    plan = resolve(train_agent.agent_args(), world_size, rank, resolve_agent)
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
-    dataset = RLAIFDataset(plan.data_path, tokenizer, max_length=448, thinking_ratio=0.0)
+    plan = resolve(train_agent.agent_args(), world_size, rank, AgentPlan)
+    tokenizer = AutoTokenizer.from_pretrained(plan.data.tokenizer_path)
+    dataset = RLAIFDataset(plan.data.data_path, tokenizer, max_length=448, thinking_ratio=0.0)
     dims = ParallelDims.build(world_size)
     objective = AgentObjective(plan.stage, plan, dims, make_engine(plan, tokenizer, dims, nullcontext), tokenizer,
                                [rule_agent], [1.0])
     torch.manual_seed(0)
-    model = apply_data_parallel(MiniMindForCausalLM(plan.model_config), init_device_mesh("cpu", (world_size,)),
+    model = apply_data_parallel(MiniMindForCausalLM(plan.model.config), init_device_mesh("cpu", (world_size,)),
                                 zero_stage=3)
     prompt_ids, length, row = dataset[0]
     call = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -253,5 +253,5 @@ def test_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, flags, message)
     data = demo_slice(tmp_path, "agent", 10)
     monkeypatch.setattr(sys, "argv", ["train_agent.py", *agent_flags(tmp_path, data), *flags])
     with pytest.raises(ConfigError) as error:
-        resolve(train_agent.agent_args(), 2, 0, resolve_agent)
+        resolve(train_agent.agent_args(), 2, 0, AgentPlan)
     assert message in str(error.value), str(error.value)

@@ -34,8 +34,11 @@ def tiny_config(**kw):
 
 
 def resume_plan(tmp_path, micro_batch=4, global_batch=8, from_resume="1"):
-    return SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), micro_batch=micro_batch,
-                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume, resume_path=None)
+    """The TrainPlan's sections load_resume reads."""
+    return SimpleNamespace(io=SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"),
+                                              from_resume=from_resume, resume_path=None),
+                           data=SimpleNamespace(micro_batch=micro_batch, global_batch=global_batch),
+                           model=SimpleNamespace(dtype=torch.float32))
 
 
 def test_corrupt_resume_file_is_one_clear_error(tmp_path):

@@ -50,13 +50,14 @@ def test_resolve_is_frozen_and_leaves_args_as_typed():
     typed = dict(vars(args))
     plan = resolve(args, 8)
     assert vars(args) == typed  # nothing written back
-    assert (plan.dp, plan.tp, plan.pp, plan.cp, plan.zero_stage, plan.dp_mode) == (2, 2, 2, 1, 2, "fsdp2")
-    assert plan.global_batch == 3 * 4 * 2 and plan.micro_batch_shape == (3, 64)
-    assert plan.dtype == torch.float32 and plan.autocast_dtype is None and plan.has_dtensor
-    assert not plan.chunked_loss  # tp: vocab-sharded logits
-    assert resolve(flags(), 1).chunked_loss and resolve(flags("--cp", "2"), 2).micro_batch_shape == (32, 170)
+    layout = plan.layout
+    assert (layout.dp, layout.tp, layout.pp, layout.cp, layout.zero_stage, layout.dp_mode) == (2, 2, 2, 1, 2, "fsdp2")
+    assert plan.data.global_batch == 3 * 4 * 2 and plan.micro_batch_shape == (3, 64)
+    assert plan.model.dtype == torch.float32 and plan.model.autocast_dtype is None and plan.layout.has_dtensor
+    assert not plan.model.chunked_loss  # tp: vocab-sharded logits
+    assert resolve(flags(), 1).model.chunked_loss and resolve(flags("--cp", "2"), 2).micro_batch_shape == (32, 170)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.dp = 4
+        plan.layout.dp = 4
     assert isinstance(plan, TrainPlan)
 
 
@@ -64,14 +65,14 @@ def test_paths_typed_against_cwd_defaults_against_repo(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.jsonl").write_text('{"text": "hi"}\n')
     plan = resolve(flags("--save_dir", "mine", "--data_path", "d.jsonl"), 1)
-    assert plan.save_dir == str(tmp_path / "mine") and plan.data_path == str(tmp_path / "d.jsonl")
-    assert plan.metrics_file == str(tmp_path / "mine" / "pretrain_64_metrics.jsonl")  # keyed by the weight name
-    assert plan.checkpoint_dir == os.path.join(ROOT, "checkpoints")
-    assert plan.tokenizer_path == os.path.join(ROOT, "model")
-    assert plan.cache_dir == os.path.join(ROOT, "dataset", ".cache")
+    assert plan.io.save_dir == str(tmp_path / "mine") and plan.data.data_path == str(tmp_path / "d.jsonl")
+    assert plan.io.metrics_file == str(tmp_path / "mine" / "pretrain_64_metrics.jsonl")  # keyed by the weight name
+    assert plan.io.checkpoint_dir == os.path.join(ROOT, "checkpoints")
+    assert plan.data.tokenizer_path == os.path.join(ROOT, "model")
+    assert plan.data.cache_dir == os.path.join(ROOT, "dataset", ".cache")
     moe = resolve(flags("--save_dir", "mine", "--use_moe", "1", "--save_weight", "w"), 1)
-    assert moe.metrics_file == str(tmp_path / "mine" / "w_64_moe_metrics.jsonl")
-    assert resolve(flags(), 1).save_dir == os.path.join(ROOT, "out")
+    assert moe.io.metrics_file == str(tmp_path / "mine" / "w_64_moe_metrics.jsonl")
+    assert resolve(flags(), 1).io.save_dir == os.path.join(ROOT, "out")
 
 
 def test_resolve_creates_nothing_and_names_the_run_once(tmp_path):
@@ -79,14 +80,14 @@ def test_resolve_creates_nothing_and_names_the_run_once(tmp_path):
     plan = resolve(flags("--save_dir", str(out), "--checkpoint_dir", str(ckpt), "--cache_dir", str(tmp_path / "c"),
                          "--use_moe", "1", "--save_weight", "w", "--learning_rate", "3e-4"), 1)
     assert sorted(os.listdir(tmp_path)) == []  # checked, not made: the folders come with the first write
-    assert (plan.run_name, plan.weights_path, plan.run_dir) == ("w_64_moe", str(out / "w_64_moe.pth"),
-                                                                str(ckpt / "w_64_moe"))
-    assert plan.learning_rate == 3e-4 and plan.flags["learning_rate"] == 3e-4 and plan.flags["save_weight"] == "w"
-    assert plan.model_config.hidden_size == 64 and plan.model_config.use_moe
+    assert (plan.io.run_name, plan.io.weights_path, plan.io.run_dir) == ("w_64_moe", str(out / "w_64_moe.pth"),
+                                                                         str(ckpt / "w_64_moe"))
+    assert plan.lr.peak == 3e-4 and plan.flags["learning_rate"] == 3e-4 and plan.flags["save_weight"] == "w"
+    assert plan.model.config.hidden_size == 64 and plan.model.config.use_moe
 
 
 def test_profile_steps_and_model_sizes():
-    assert resolve(flags("--profile_steps", "3:5"), 1).profile_steps == (3, 5)
+    assert resolve(flags("--profile_steps", "3:5"), 1).io.profile_steps == (3, 5)
     with pytest.raises(ConfigError, match="--profile_steps"):
         resolve(flags("--profile_steps", "5:3"), 1)
     with pytest.raises(ConfigError, match="A:B"):
@@ -165,7 +166,7 @@ def test_check_replicas_needs_replicated_parameters(tmp_path):
     with pytest.raises(ConfigError, match="--check_replicas compares replicated parameters"):
         resolve(flags("--save_dir", str(tmp_path), "--check_replicas", "1", "--zero_stage", "3"), 2)
     plan = resolve(flags("--save_dir", str(tmp_path), "--check_replicas", "1", "--zero_stage", "1"), 2)
-    assert plan.dp_mode == "zero1"  # ZeRO-1 keeps full replicated parameters
+    assert plan.layout.dp_mode == "zero1"  # ZeRO-1 keeps full replicated parameters
 
 
 def test_every_integer_flag_has_a_range():
@@ -178,7 +179,7 @@ def test_every_integer_flag_has_a_range():
 
 
 def test_doc_mask_follows_packing():
-    assert resolve(flags("--packing", "1"), 1).doc_mask  # on by default for packed rows
-    assert resolve(flags("--packing", "1", "--cp", "2"), 2).doc_mask  # the ring masks by positions too
-    assert not resolve(flags("--packing", "1", "--doc_mask", "0"), 1).doc_mask
-    assert not resolve(flags(), 1).doc_mask  # one document per row: nothing to mask
+    assert resolve(flags("--packing", "1"), 1).data.doc_mask  # on by default for packed rows
+    assert resolve(flags("--packing", "1", "--cp", "2"), 2).data.doc_mask  # the ring masks by positions too
+    assert not resolve(flags("--packing", "1", "--doc_mask", "0"), 1).data.doc_mask
+    assert not resolve(flags(), 1).data.doc_mask  # one document per row: nothing to mask

@@ -8,15 +8,15 @@ import yaml
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.config_file import config_argv, run_config_text
-from trainer.flags import add_dpo_args, add_train_args
+from trainer.dpo import DPOPlan
+from trainer.flags import add_train_args
+from trainer.stage import Stage
 
 SCRIPT = "trainer/train_pretrain.py"
 
 
-def parse(argv, stage_args=None):
-    parser = add_train_args(argparse.ArgumentParser())
-    if stage_args:
-        stage_args(parser)
+def parse(argv, stage=Stage):
+    parser = add_train_args(argparse.ArgumentParser(), stage)
     return parser.parse_args(config_argv(parser, argv))
 
 
@@ -35,9 +35,9 @@ def test_file_flags_equal_typed_flags_and_the_command_line_wins(tmp_path):
 def test_the_written_config_repeats_every_flag(tmp_path):
     """run_config_text(flags) read back by --config gives the same flags, stage flags included (DPO's here)."""
     args = parse([*TINY_MODEL, "--learning_rate", "3e-4", "--eps", "1e-6", "--grad_checkpointing", "attention",
-                  "--from_resume", "auto", "--data_path", "a.jsonl:0.7,b.jsonl:0.3", "--beta", "0.2"], add_dpo_args)
+                  "--from_resume", "auto", "--data_path", "a.jsonl:0.7,b.jsonl:0.3", "--beta", "0.2"], DPOPlan)
     (tmp_path / "c.yaml").write_text(run_config_text(vars(args)))
-    again = parse(["--config", str(tmp_path / "c.yaml")], add_dpo_args)
+    again = parse(["--config", str(tmp_path / "c.yaml")], DPOPlan)
     assert vars(again) == dict(vars(args), config=str(tmp_path / "c.yaml"))
     assert "config" not in yaml.safe_load(run_config_text(vars(again)))
 

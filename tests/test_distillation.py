@@ -20,8 +20,8 @@ from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_distillation
 from trainer.batches import step_targets
 from trainer.config import resolve
-from trainer.distillation import DistillationObjective, DistillationPlan, resolve_distillation
-from trainer.flags import add_distillation_args, add_train_args
+from trainer.distillation import DistillationObjective, DistillationPlan
+from trainer.flags import add_train_args
 from trainer.launch import ConfigError, main_guard
 
 SCRIPT = "trainer/train_distillation.py"
@@ -227,9 +227,8 @@ def test_teacher_with_another_vocabulary_is_one_line_exit_2(files):
 
 def resolve_flags(files, flags, world_size=1):
     parser = argparse.ArgumentParser()
-    add_train_args(parser)
-    add_distillation_args(parser)
-    return resolve(parser.parse_args(run_args(files, "bad", 4, flags)), world_size, resolve_stage=resolve_distillation)
+    add_train_args(parser, DistillationPlan)
+    return resolve(parser.parse_args(run_args(files, "bad", 4, flags)), world_size, stage=DistillationPlan)
 
 
 @pytest.mark.parametrize("flags,world_size,message", [

@@ -13,7 +13,7 @@ from tests.rollout_server import RolloutServer
 from trainer import train_grpo
 from trainer.batches import step_targets
 from trainer.config import resolve
-from trainer.grpo import resolve_grpo
+from trainer.grpo import GRPOPlan
 from trainer.launch import ConfigError, main_guard
 from trainer.rl_batch import group_advantages
 from trainer.train_loop import epoch_batches, train_step
@@ -38,7 +38,7 @@ def in_process_trainer(monkeypatch, tmp_path, *extra):
     monkeypatch.setattr(sys, "argv", ["train_grpo.py", *grpo_flags(tmp_path, data, *extra)])
     trainer, train_ds = train_grpo.build(train_grpo.grpo_args())
     batches = epoch_batches(trainer, train_ds, 0)
-    return trainer, [next(batches) for _ in range(trainer.plan.num_microbatches)]
+    return trainer, [next(batches) for _ in range(trainer.plan.data.num_microbatches)]
 
 
 def objective_loss(trainer, prepared):
@@ -321,5 +321,5 @@ def test_resolve_refuses_split_layouts_without_a_server_and_rewards_that_do_not_
                                                       argv[i + 1].startswith("--"))]
         monkeypatch.setattr(sys, "argv", ["train_grpo.py", *argv, *flags])
         with pytest.raises(ConfigError) as error:
-            resolve(train_grpo.grpo_args(), 2, 0, resolve_grpo)
+            resolve(train_grpo.grpo_args(), 2, 0, GRPOPlan)
         assert message in str(error.value), str(error.value)

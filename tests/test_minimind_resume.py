@@ -23,6 +23,7 @@ from trainer.checkpoint import read_resume
 from trainer.flags import add_train_args
 from trainer.launch import ConfigError
 from trainer.minimind_resume import minimind_parameter_order
+from trainer.stage import Stage
 from trainer.train_loop import build_trainer, setup, train_step
 
 # ----------------------------------------------------------------------------- MiniMind's registration order
@@ -172,8 +173,8 @@ def test_the_resumed_step_equals_minimind_s_own_next_step(tmp_path, use_moe):
              "--checkpoint_dir", str(tmp_path / "ckpt"), *(MOE_FLAGS if use_moe else [])]
     args = add_train_args(argparse.ArgumentParser()).parse_args(flags)
     plan, dims = setup(args)
-    config = plan.model_config
-    saved = minimind_run(config, os.path.join(plan.checkpoint_dir, f"{plan.run_name}_resume.pth"))
+    config = plan.model.config
+    saved = minimind_run(config, os.path.join(plan.io.checkpoint_dir, f"{plan.io.run_name}_resume.pth"))
     assert list(saved["optimizer"]["state"]) == list(range(len(minimind_parameter_order(config))))  # every moment
     steps_per_epoch = 20
     trainer = build_trainer(plan, dims, steps_per_epoch)
@@ -193,9 +194,11 @@ def test_the_resumed_step_equals_minimind_s_own_next_step(tmp_path, use_moe):
 
 
 def resume_plan(tmp_path, micro_batch=4, global_batch=8, from_resume="1"):
-    return SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), micro_batch=micro_batch,
-                           global_batch=global_batch, dtype=torch.float32, from_resume=from_resume, stage=None,
-                           resume_path=None)
+    """The TrainPlan's sections load_resume reads."""
+    return SimpleNamespace(io=SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"),
+                                              from_resume=from_resume, resume_path=None),
+                           data=SimpleNamespace(micro_batch=micro_batch, global_batch=global_batch),
+                           model=SimpleNamespace(dtype=torch.float32), stage=Stage())
 
 
 def tiny_config(**kw):

@@ -17,7 +17,8 @@ from trainer import train_ppo
 from trainer.batches import step_targets
 from trainer.config import resolve
 from trainer.launch import ConfigError
-from trainer.ppo import gae, resolve_ppo, value_loss
+from trainer.policy_loss import gae, value_loss
+from trainer.ppo import PPOPlan
 from trainer.train_loop import epoch_batches, train_step
 
 REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
@@ -39,7 +40,7 @@ def in_process_trainer(monkeypatch, tmp_path, *extra):
     monkeypatch.setattr(sys, "argv", ["train_ppo.py", *ppo_flags(tmp_path, data, *extra)])
     trainer, train_ds = train_ppo.build(train_ppo.ppo_args())
     batches = epoch_batches(trainer, train_ds, 0)
-    return trainer, [next(batches) for _ in range(trainer.plan.num_microbatches)]
+    return trainer, [next(batches) for _ in range(trainer.plan.data.num_microbatches)]
 
 
 def objective_loss(trainer, prepared):
@@ -170,7 +171,7 @@ def test_a_rollout_is_trained_on_ppo_update_iters_steps_unless_the_policy_drifts
             metrics = train_step(trainer, micro_batches)
             records.append(trainer.objective.record({k: float(v) for k, v in metrics["stats"].items()},
                                                     metrics["num_items"]))
-        rollouts[name] = (len(calls) // trainer.plan.num_microbatches, records)
+        rollouts[name] = (len(calls) // trainer.plan.data.num_microbatches, records)
     count, records = rollouts["keep"]
     assert count == 1 and records[0]["ppo/policy/approxkl"] == 0.0
     assert records[1]["ppo/policy/approxkl"] > 0 and records[2]["ppo/policy/clipfrac"] > 0
@@ -292,5 +293,5 @@ def test_bad_input_is_refused_in_one_line(tmp_path, monkeypatch, flags, message)
     data = demo_slice(tmp_path, "rlaif", 10)
     monkeypatch.setattr(sys, "argv", ["train_ppo.py", *ppo_flags(tmp_path, data), *flags])
     with pytest.raises(ConfigError) as error:
-        resolve(train_ppo.ppo_args(), 2, 0, resolve_ppo)
+        resolve(train_ppo.ppo_args(), 2, 0, PPOPlan)
     assert message in str(error.value), str(error.value)

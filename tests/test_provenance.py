@@ -104,7 +104,7 @@ def test_from_weight_takes_the_recorded_tokenizer(trained, tmp_path):
     tok, weights, _ = trained
     save = ["--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt")]
     plan = resolve(sft_args("--from_weight", weights, *save), 1)
-    assert plan.tokenizer_path == tok and plan.tokenizer_record["sha256"] == sha256_of(os.path.join(tok,
+    assert plan.data.tokenizer_path == tok and plan.data.tokenizer_record["sha256"] == sha256_of(os.path.join(tok,
                                                                                                   "tokenizer.json"))
     with pytest.raises(ConfigError) as caught:
         resolve(sft_args("--from_weight", weights, "--tokenizer_path", MODEL_DIR, *save), 1)
@@ -112,11 +112,11 @@ def test_from_weight_takes_the_recorded_tokenizer(trained, tmp_path):
                                       "use this one anyway")
     forced = resolve(sft_args("--from_weight", weights, "--tokenizer_path", MODEL_DIR, "--force_tokenizer", "1",
                               *save), 1)
-    assert forced.tokenizer_path == MODEL_DIR
+    assert forced.data.tokenizer_path == MODEL_DIR
     # the recorded folder moved away: a copy with the same tokenizer.json (found by hash) is not enough unless typed
     moved = str(tmp_path / "moved")
     shutil.copytree(tok, moved)
-    assert resolve(sft_args("--from_weight", weights, "--tokenizer_path", moved, *save), 1).tokenizer_path == moved
+    assert resolve(sft_args("--from_weight", weights, "--tokenizer_path", moved, *save), 1).data.tokenizer_path == moved
 
 
 def test_tokenizer_for_by_hand(tmp_path):

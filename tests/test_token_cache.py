@@ -1,7 +1,8 @@
 """The token cache built by several local ranks / worker processes / nodes equals the single-process one, byte
 for byte; bad lines stop every rank with the original file:line; stale locks are taken over.
 
-Run as a script, this file is one rank: `python tests/test_token_cache.py KIND DATA CACHE_DIR RANK PARTS NUM_PROC`.
+Run as a module from the repo root, this file is one rank:
+`python -m tests.test_token_cache KIND DATA CACHE_DIR RANK PARTS NUM_PROC`.
 """
 import json
 import os
@@ -16,16 +17,15 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
+import dataset.shards as shards
+import dataset.token_cache as token_cache
+from dataset.file_ranges import lines_before, split_range
+from dataset.lm_dataset import PretrainDataset, SFTDataset
+from dataset.token_cache import CacheBuildInterrupted, build_token_cache
+from tests.launch import demo_slice
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import dataset.shards as shards  # noqa: E402
-import dataset.token_cache as token_cache  # noqa: E402
-from dataset.file_ranges import lines_before, split_range  # noqa: E402
-from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
-from dataset.token_cache import CacheBuildInterrupted, build_token_cache  # noqa: E402
-from tests.launch import demo_slice  # noqa: E402
-
+RANK = [sys.executable, "-m", "tests.test_token_cache"]  # one rank, run from ROOT (which -m puts on sys.path)
 CACHE_FILES = ("tokens.bin", "offsets.bin", "mask.bin", "meta.json")
 DATASETS = {"pretrain": PretrainDataset, "sft": SFTDataset}
 BIG_REPEAT = 16  # copies of a 5000-line demo slice: ~30 MB, over 10 s of tokenizing on two busy cores
@@ -53,8 +53,8 @@ def launch_ranks(kind, path, cache_dir, num_parts, num_proc, nodes=1, timeout=18
     for node in range(nodes):
         env = dict(os.environ, OMP_NUM_THREADS="1", GROUP_RANK=str(node))
         for rank in range(num_parts):
-            args = [sys.executable, os.path.abspath(__file__), kind, path, cache_dir, rank, num_parts, num_proc]
-            procs.append((node, subprocess.Popen(list(map(str, args)), env=env, stdout=subprocess.PIPE,
+            args = [*RANK, kind, path, cache_dir, rank, num_parts, num_proc]
+            procs.append((node, subprocess.Popen(list(map(str, args)), env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                                  stderr=subprocess.STDOUT, text=True)))
     results = []
     deadline = time.time() + timeout
@@ -205,8 +205,8 @@ def test_killed_build_leaves_no_cache_and_is_taken_over(tokenizer, tmp_path):
     with open(source) as f, open(path, "w") as out:
         out.write(f.read() * 4)  # ~8 MB: a few seconds of tokenizing
     cache_dir = tmp_path / "cache"
-    args = [sys.executable, os.path.abspath(__file__), "pretrain", path, str(cache_dir), 0, 1, 2]
-    builder = subprocess.Popen(list(map(str, args)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [*RANK, "pretrain", path, str(cache_dir), 0, 1, 2]
+    builder = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 60
         while len(workers := children(builder.pid)) < 2:  # the lock is taken and both workers tokenize
@@ -285,8 +285,9 @@ def alive(pid):
 def test_signal_stops_the_build_and_its_workers_and_the_next_run_builds_it(tokenizer, tmp_path, big_corpus, sig):
     path, expected = big_corpus
     cache_dir = tmp_path / "cache"
-    args = [sys.executable, os.path.abspath(__file__), "pretrain", path, str(cache_dir), 0, 1, 2]
-    builder = subprocess.Popen(list(map(str, args)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [*RANK, "pretrain", path, str(cache_dir), 0, 1, 2]
+    builder = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     try:
         deadline = time.time() + 60
         while len(workers := children(builder.pid)) < 2:  # the lock is taken and both workers tokenize

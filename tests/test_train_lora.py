@@ -26,9 +26,9 @@ from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from tests.test_storage import small_disk  # noqa: F401  (the tmpfs fixture)
 from trainer import train_lora
 from trainer.config import resolve
-from trainer.flags import add_lora_args, parse_args
+from trainer.flags import parse_args
 from trainer.launch import ConfigError, main_guard
-from trainer.lora_stage import resolve_lora
+from trainer.lora_stage import LoraPlan
 
 SCRIPT = "trainer/train_lora.py"
 STEPS = 4
@@ -222,12 +222,12 @@ def test_bad_lora_flags_are_config_errors(flags, needle, base, monkeypatch, tmp_
     """resolve_lora's checks in-process (main_guard turns a ConfigError into the one line and exit 2, above)."""
     monkeypatch.setattr(sys, "argv", ["train_lora.py", *TINY_MODEL, "--from_weight", "none", "--save_dir",
                                       str(tmp_path), *flags])
-    args = parse_args("MiniMind LoRA", stage_args=add_lora_args, save_weight="lora_identity")
+    args = parse_args("MiniMind LoRA", LoraPlan, save_weight="lora_identity")
     if needle is None:  # a layer the model has: no error (MoE experts are targets too)
-        assert resolve(args, 1, resolve_stage=resolve_lora).stage.targets == ("gate_proj",)
+        assert resolve(args, 1, stage=LoraPlan).stage.targets == ("gate_proj",)
         return
     with pytest.raises(ConfigError) as caught:
-        resolve(args, 1, resolve_stage=resolve_lora)
+        resolve(args, 1, stage=LoraPlan)
     assert needle in str(caught.value) and "\n" not in str(caught.value)
 
 

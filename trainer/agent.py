@@ -22,6 +22,7 @@ from trainer.launch import ConfigError, TrainingHalted, count_sum
 from trainer.rewards import THINK_END, answer_of, completion_texts, repetition_penalty
 from trainer.rl_stage import check_positions, resolve_rollout
 from trainer.rollout import rollout_seed
+from trainer.schema import Flag
 
 REWARD_CLIP = 3.0  # MiniMind clips an episode's rule reward to [-3, 3]
 
@@ -75,6 +76,25 @@ class AgentPlan(GRPOPlan):
     """The agent stage's checked flags: GRPO's and the episode limits."""
     max_turns: int
     max_total_len: int
+    name = "the agent stage"
+    demo_kind = "agent"
+    reward_rules = AGENT_RULES
+    FLAGS = GRPOPlan.FLAGS + (  # MiniMind's defaults
+        Flag("max_turns", int, 3, "model turns per episode (a turn that calls a tool gets the mock tool's answer and a "
+             "next turn)"),
+        Flag("max_total_len", int, 2500, "tokens of a whole episode at most (prompt, turns, tool answers); a turn that "
+             "would pass it is cut there"),
+    )
+
+    @classmethod
+    def resolve(cls, args, plan):
+        return resolve_agent(args, plan)
+
+    def rollout_objective(self, *parts):
+        return AgentObjective(self, *parts)
+
+    def start_line(self, plan, objective):
+        return describe_agent(plan, objective)
 
     @property
     def row_length(self):
@@ -197,7 +217,7 @@ class AgentObjective(GRPOObjective):
             # collective), so a rank whose episodes are over joins with a throwaway row
             if not count_sum(len(active)):
                 break
-            seed = rollout_seed(self.plan.seed, step, self.dims.dp_rank, f"{index}:{turn}")
+            seed = rollout_seed(self.plan.data.seed, step, self.dims.dp_rank, f"{index}:{turn}")
             if turn == 0:
                 rollout = self.generate(trainer, prompt_ids, prompt_lengths, stage.num_generations, seed)
             else:

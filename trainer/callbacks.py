@@ -22,6 +22,7 @@ from model.weights import save_weights_file
 from trainer.checkpoint import BEST_INDEX, MANIFEST, best_checkpoint_step, read_checkpoint_model
 from trainer.launch import ConfigError, is_main_process
 from trainer.rank_log import RankLog
+from trainer.schema import Flag, fill, flag
 from trainer.trainer_utils import Logger
 from trainer.weights_file import save_weights
 
@@ -30,11 +31,17 @@ HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
 
 @dataclass(frozen=True)
 class CallbackPlan:
-    """The checked --save_best, --early_stop_* and --callbacks flags."""
-    save_best: bool
-    early_stop_patience: int  # 0: off
-    early_stop_min_delta: float
+    """Best checkpoint, early stopping and a user's callbacks (trainer/callbacks.py)."""
+    save_best: bool = flag(0, "keep the checkpoint with the lowest eval_loss (never pruned, in "
+                           "<checkpoint_dir>/<run>/best.json) and its weights as <save_weight>_<hidden>[_moe]_best.pth")
+    early_stop_patience: int = flag(0, "stop after this many --eval_interval evals without an eval_loss below the best "
+                                    "by more than --early_stop_min_delta (0: off)")
+    early_stop_min_delta: float = flag(0.0, "the improvement early stopping asks for")
     user: tuple  # ((file, name), ...) of --callbacks
+    FLAGS = (
+        Flag("callbacks", str, None, "comma list of FILE.py:NAME, a class (made with no arguments) or object with any "
+             "of on_step_end, on_eval, on_save, on_train_end (trainer/callbacks.py)"),
+    )
 
 
 def resolve_callbacks(args, has_eval):
@@ -54,7 +61,7 @@ def resolve_callbacks(args, has_eval):
         if not os.path.isfile(path):
             raise ConfigError(f"--callbacks {spec}: {path} does not exist")
         user.append((os.path.abspath(path), name))
-    return CallbackPlan(bool(args.save_best), args.early_stop_patience, args.early_stop_min_delta, tuple(user))
+    return fill(CallbackPlan, args, user=tuple(user))
 
 
 class Callbacks(list):
@@ -123,9 +130,9 @@ class BestCheckpoint:
     older ones are pruned, and named in <run_dir>/best.json; its weights go to <save_weight>_..._best.pth (a stage
     that writes its own weight files, LoRA, keeps the checkpoint only)."""
 
-    def __init__(self, run_dir, weights_path, own_weights=False):
+    def __init__(self, run_dir, weights_path):
         self.index = os.path.join(run_dir, BEST_INDEX)
-        self.weights_path = None if own_weights else os.path.splitext(weights_path)[0] + "_best.pth"
+        self.weights_path = weights_path  # None: a stage whose weights are not the whole model (LoRA's adapters)
         self.best = self.best_step = self.save_step = None
 
     def on_eval(self, trainer, record):
@@ -194,10 +201,11 @@ def make_callbacks(plan):
     checkpoint, the per-rank log, then the user's."""
     callbacks, settings = Callbacks(), plan.callbacks
     if settings.early_stop_patience:
-        callbacks.append(EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta, plan.eval_interval))
+        callbacks.append(EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta,
+                                       plan.schedule.eval_interval))
     if settings.save_best:
-        callbacks.append(BestCheckpoint(plan.run_dir, plan.weights_path, hasattr(plan.stage, "save_weights")))
-    if plan.log_dir:
+        callbacks.append(BestCheckpoint(plan.io.run_dir, plan.stage.best_weights_path(plan)))
+    if plan.io.log_dir:
         callbacks.append(RankLog())
     callbacks.extend(load_user_callbacks(settings.user))
     return callbacks

@@ -143,7 +143,7 @@ def _read_train_state(path, config):
 
 def saved_resume_fields(plan):
     """(path, resume fields) of the checkpoint --from_resume would load; (None, None) without one."""
-    path = latest_checkpoint(plan.run_dir) if plan.from_resume != "0" else None
+    path = latest_checkpoint(plan.io.run_dir) if plan.io.from_resume != "0" else None
     try:
         return path, torch.load(os.path.join(path, "train_state.pt"), map_location="cpu",
                                 weights_only=False).get("resume_fields") if path else None
@@ -159,22 +159,23 @@ def read_resume(config, plan):
     None for --from_resume 0, or auto with nothing to resume; --from_resume 1 with nothing is a ConfigError.
     Its global batch must match this run's.
     """
-    if plan.from_resume == "0":
+    if plan.io.from_resume == "0":
         return None
-    path = plan.resume_path or latest_checkpoint(plan.run_dir)  # --from_resume <step dir>: that one
-    minimind_path = minimind_resume_path(plan.checkpoint_dir, os.path.basename(plan.run_dir))
+    path = plan.io.resume_path or latest_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
+    minimind_path = minimind_resume_path(plan.io.checkpoint_dir, os.path.basename(plan.io.run_dir))
     ckpt = _read_train_state(path, config) if path else \
         read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None
     if ckpt is None:
-        if plan.from_resume == "1":
-            raise ConfigError(f"--from_resume 1 but {plan.run_dir} holds no complete checkpoint; pass --from_resume "
+        if plan.io.from_resume == "1":
+            raise ConfigError(f"--from_resume 1 but {plan.io.run_dir} holds no complete checkpoint; pass --from_resume "
                               "auto to start fresh when there is none, or 0")
-        Logger(f"--from_resume auto: no complete checkpoint in {plan.run_dir}, starting fresh")
+        Logger(f"--from_resume auto: no complete checkpoint in {plan.io.run_dir}, starting fresh")
         return None
     check_resume_fields(ckpt.get("resume_fields"), plan, path or minimind_path)
-    if ckpt["global_batch"] != plan.global_batch:
+    if ckpt["global_batch"] != plan.data.global_batch:
         raise ConfigError(f"checkpoint was saved with a global batch of {ckpt['global_batch']} samples, this run "
-                          f"has {plan.global_batch} (batch_size x accumulation_steps x dp); match it to resume exactly")
+                          f"has {plan.data.global_batch} (batch_size x accumulation_steps x dp); match it to resume "
+                          "exactly")
     Logger(f"Resuming from {path or minimind_path}")
     return ckpt
 
@@ -262,7 +263,7 @@ class Checkpointer:
         parts, rng = self.parts, None  # MiniMind's resume file saves no RNG state
         if "dcp_path" in ckpt:
             load_sharded_state(parts["model_parts"], parts["optimizer"], ckpt["dcp_path"], tied_aliases=parts["tied"])
-            same_world = ckpt["world_size"] == parts["plan"].world_size  # else every rank takes rank 0's
+            same_world = ckpt["world_size"] == parts["plan"].layout.world_size  # else every rank takes rank 0's
             rng_file = os.path.join(ckpt["dcp_path"], f"rng_{rank() if same_world else 0}.pt")
             rng = torch.load(rng_file, weights_only=False)
             restore_objective(parts["objective"], ckpt["dcp_path"], same_world)
@@ -317,11 +318,12 @@ class Checkpointer:
     def train_state(self):
         """What rank 0 writes beside the shards: progress, scaler, layout, the typed flags and the model config."""
         parts, plan = self.parts, self.parts["plan"]
+        layout = plan.layout
         return dict(train_state=parts["progress"].state_dict(), scaler=parts["scaler"].state_dict(),
-                    world_size=plan.world_size, global_batch=plan.global_batch,
-                    layout=dict(dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero_stage=plan.zero_stage),
+                    world_size=layout.world_size, global_batch=plan.data.global_batch,
+                    layout=dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage),
                     args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION,
-                    tokenizer=plan.tokenizer_record, resume_fields=resume_fields(plan),
+                    tokenizer=plan.data.tokenizer_record, resume_fields=resume_fields(plan),
                     callbacks=parts["callbacks"].state_dict())
 
     def wait(self):

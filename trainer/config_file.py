@@ -54,7 +54,7 @@ def run_config_text(flags):
 
 def run_config_path(plan):
     """<checkpoint_dir>/<save_weight>_<hidden>[_moe]_config.yaml, beside the run's checkpoint folder."""
-    return plan.run_dir + "_config.yaml"
+    return plan.io.run_dir + "_config.yaml"
 
 
 def write_run_config(plan):

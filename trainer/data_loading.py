@@ -5,24 +5,28 @@ from transformers import AutoTokenizer
 
 from dataset.data_notes import dataset_notes
 from dataset.demo_data import ensure_demo_data
-from dataset.lm_dataset import SFTDataset
 from dataset.mixture import describe_mixture, load_data_spec
-from dataset.token_cache import local_part
 from trainer.launch import ConfigError
 from trainer.trainer_utils import Logger, SkipBatchSampler
 
 
-def load_datasets(plan, make_dataset, demo_kind):
-    """Phase 2: train/eval datasets (the demo corpus when no --data_path); data errors become ConfigErrors.
+def load_datasets(plan):
+    """Phase 2: the stage's train/eval datasets (Stage.dataset of each file; its demo data when no --data_path), with
+    the run's tokenizer; data errors become ConfigErrors.
 
     A --data_path of several sources is concatenated, or mixed by its weights (dataset/mixture.py)."""
-    data_path = plan.data_path or ensure_demo_data(demo_kind)  # the embedded corpus, built on first use
+    stage, tokenizer = plan.stage, AutoTokenizer.from_pretrained(plan.data.tokenizer_path)
+    data_path = plan.data.data_path or ensure_demo_data(stage.demo_kind)  # the embedded corpus, built on first use
+
+    def make_dataset(path):
+        return stage.dataset(plan, tokenizer, path)
     try:
-        train_ds = load_data_spec(data_path, make_dataset, seed=plan.seed)
-        eval_ds = load_data_spec(plan.eval_data_path, make_dataset, seed=plan.seed) if plan.eval_data_path else None
+        train_ds = load_data_spec(data_path, make_dataset, seed=plan.data.seed)
+        eval_path = plan.data.eval_data_path
+        eval_ds = load_data_spec(eval_path, make_dataset, seed=plan.data.seed) if eval_path else None
     except (ValueError, FileNotFoundError, TimeoutError) as e:
         raise ConfigError(str(e))
-    for path, ds in ((data_path, train_ds), (plan.eval_data_path, eval_ds)):
+    for path, ds in ((data_path, train_ds), (plan.data.eval_data_path, eval_ds)):
         skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
         if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
             Logger(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
@@ -32,22 +36,13 @@ def load_datasets(plan, make_dataset, demo_kind):
         raise ConfigError(str(e))
     for line in notes:
         Logger(line)
-    Logger(f"Data: {data_path} ({len(train_ds)} rows), tokenizer {plan.tokenizer_path}")
+    Logger(f"Data: {data_path} ({len(train_ds)} rows), tokenizer {plan.data.tokenizer_path}")
     if describe_mixture(train_ds, data_path):
         Logger(describe_mixture(train_ds, data_path))
-    if len(train_ds) < plan.global_batch:
+    if len(train_ds) < plan.data.global_batch:
         raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
-                          f"({plan.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
+                          f"({plan.data.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
     return train_ds, eval_ds
-
-
-def load_chat_datasets(plan):
-    """Phase 2 of the chat stages (SFT, LoRA, distillation): SFTDataset rows of --data_path (the embedded chat corpus
-    by default), whole conversations packed into rows under --packing 1."""
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
-    return load_datasets(plan, lambda path: SFTDataset(
-        path, tokenizer, max_length=plan.seq_len, skip_bad_lines=plan.skip_bad_lines, cache_dir=plan.cache_dir,
-        num_proc=plan.num_proc, part=local_part(), packing=plan.packing, doc_mask=plan.doc_mask), demo_kind="sft")
 
 
 def leaf_datasets(ds):

@@ -22,20 +22,42 @@ from trainer.metrics import step_flops
 from trainer.objective import LMObjective
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
-from trainer.trainer_utils import file_digest, typed_or_default, weight_name
+from trainer.schema import Flag
+from trainer.stage import SFTStage
+from trainer.trainer_utils import Logger, file_digest, typed_or_default, weight_name
 from trainer.weight_flags import weights_line
 from trainer.weights_file import any_weights_record, load_any_weights, read_any_weights
 
 
 @dataclass(frozen=True)
-class DistillationPlan:
-    """The distillation stage's checked flags: the loss weights and the teacher (a file and its model fields)."""
+class DistillationPlan(SFTStage):
+    """The distillation stage's checked flags: the loss weights and the teacher (a file and its model fields). Its data
+    and held-out metric are SFT's (the student's CE); the objective adds the teacher's KL."""
     alpha: float  # weight of the CE; 1 - alpha weights T^2 * KL
     temperature: float
     teacher_path: str
     teacher_fields: dict  # MiniMindConfig fields of the teacher weights
     chunk_size: int  # target tokens per KL chunk; 0: the full logits (also under tensor parallel)
     teacher_sha256: str = None  # the teacher by content: a resume must distil from the same one
+    name = "distillation"
+    FLAGS = (  # MiniMind's defaults
+        Flag("teacher_weight", str, None, "the teacher: a .pth, a resume checkpoint (step_<N> folder or *_resume.pth), "
+             "a Hugging Face folder, or a weight name in save_dir (default: MiniMind's teacher, the MoE SFT model of "
+             "the student's width, <save_dir>/full_sft_<hidden>_moe.pth); any size, dense or MoE, with the student's "
+             "tokenizer"),
+        Flag("alpha", float, 0.5, "loss = alpha * CE + (1 - alpha) * T^2 * KL(teacher || student)"),
+        Flag("temperature", float, 1.5, "softmax temperature T of both models in the KL"),
+    )
+
+    @classmethod
+    def resolve(cls, args, plan):
+        return resolve_distillation(args, plan)
+
+    def objective(self, plan, dims, train_ds):
+        """The mixed loss with the teacher: frozen, eval mode, the training dtype, split like the student (tp, cp)."""
+        teacher = build_teacher(self, plan, dims)
+        Logger(describe(self, plan, teacher))
+        return DistillationObjective(teacher, self)
 
     @property
     def teacher_config(self):
@@ -53,15 +75,15 @@ def resolve_distillation(args, plan):
         raise ConfigError(f"--alpha must lie in [0, 1] (got {args.alpha}): the CE's weight, 1 - alpha the KL's")
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         raise ConfigError(f"--temperature must be a positive number (got {args.temperature}); MiniMind uses 1.5")
-    if plan.pp > 1:
+    if plan.layout.pp > 1:
         raise ConfigError("--pp > 1 is not supported by distillation (the teacher is not split into pipeline "
                           "stages); use --tp, --cp or data parallel")
-    default = weight_name("full_sft", plan.model_config) + ("" if plan.model_config.use_moe else "_moe")
-    path = teacher_path(args.teacher_weight or default, plan.save_dir)  # MiniMind's: the MoE SFT model
+    default = weight_name("full_sft", plan.model.config) + ("" if plan.model.config.use_moe else "_moe")
+    path = teacher_path(args.teacher_weight or default, plan.io.save_dir)  # MiniMind's: the MoE SFT model
     fields = teacher_fields(path, plan)
     return DistillationPlan(alpha=args.alpha, temperature=args.temperature, teacher_path=path,
                             teacher_sha256=content_sha256(path), teacher_fields=fields,
-                            chunk_size=plan.model_config.loss_chunk_size if plan.chunked_loss else 0)
+                            chunk_size=plan.model.config.loss_chunk_size if plan.model.chunked_loss else 0)
 
 
 def teacher_path(value, save_dir):
@@ -85,16 +107,17 @@ def teacher_fields(path, plan):
     except WeightsError as e:
         raise ConfigError(f"--teacher_weight: {weights_line(e)}") from None
     fields = dict(fields, loss_chunk_size=0)
-    student_vocab = plan.model_config.vocab_size
+    student_vocab = plan.model.config.vocab_size
     if fields["vocab_size"] != student_vocab:
         raise ConfigError(f"--teacher_weight {path} has vocab_size {fields['vocab_size']}, the student "
                           f"{student_vocab}: distillation compares both models' token distributions, so pass a "
                           "teacher trained with the student's tokenizer")
     teacher_tokenizer = tokenizer_folder(path, plan)
-    if teacher_tokenizer and not same_vocabulary(teacher_tokenizer, plan.tokenizer_path):
+    if teacher_tokenizer and not same_vocabulary(teacher_tokenizer, plan.data.tokenizer_path):
         raise ConfigError(f"--teacher_weight {path}: its tokenizer ({teacher_tokenizer}) differs from the "
-                          f"student's ({plan.tokenizer_path}); pass a teacher trained with the student's tokenizer")
-    split = tp_validate(MiniMindConfig(**fields), plan.tp)
+                          f"student's ({plan.data.tokenizer_path}); pass a teacher trained with the student's "
+                          "tokenizer")
+    split = tp_validate(MiniMindConfig(**fields), plan.layout.tp)
     if split:
         raise ConfigError(f"--teacher_weight {path}: the teacher is split like the student: {split}")
     return fields
@@ -104,7 +127,7 @@ def tokenizer_folder(path, plan):
     """The tokenizer the teacher records (its sidecar, resume checkpoint or HF folder), to compare with the student's;
     None where it records none, where it is the student's (same tokenizer.json), or where it is not found here."""
     record = any_weights_record(path).get("tokenizer") or {}
-    if record.get("sha256") and record["sha256"] == plan.tokenizer_record["sha256"]:
+    if record.get("sha256") and record["sha256"] == plan.data.tokenizer_record["sha256"]:
         return None
     return record["path"] if record.get("path") and os.path.isdir(record["path"]) else None
 
@@ -117,17 +140,17 @@ def same_vocabulary(folder, other):
 
 
 def build_teacher(stage, plan, dims):
-    """The frozen teacher on plan.device in the training dtype, eval mode, split like the student (tp, cp)."""
+    """The frozen teacher on plan.layout.device in the training dtype, eval mode, split like the student (tp, cp)."""
     teacher = MiniMindForCausalLM(stage.teacher_config)
     try:
         load_any_weights(teacher, stage.teacher_path)
     except WeightsError as e:
         raise ConfigError(f"--teacher_weight: {weights_line(e)}") from None
-    teacher = teacher.to(plan.device, dtype=plan.dtype).eval()
-    if plan.tp > 1:  # vocab-sharded logits, like the student's
-        apply_tensor_parallel(teacher, dims.mesh("tp"), sequence_parallel=plan.sequence_parallel)
-    if plan.cp > 1:
-        apply_context_parallel(teacher, dims.mesh("cp"), doc_mask=plan.doc_mask)
+    teacher = teacher.to(plan.layout.device, dtype=plan.model.dtype).eval()
+    if plan.layout.tp > 1:  # vocab-sharded logits, like the student's
+        apply_tensor_parallel(teacher, dims.mesh("tp"), sequence_parallel=plan.layout.sequence_parallel)
+    if plan.layout.cp > 1:
+        apply_context_parallel(teacher, dims.mesh("cp"), doc_mask=plan.data.doc_mask)
     return teacher.requires_grad_(False)
 
 
@@ -189,7 +212,7 @@ def describe(stage, plan, teacher):
     """The run's one line at start: where the student and the teacher come from, and the loss."""
     config = stage.teacher_config
     params = sum(p.numel() for p in teacher.parameters()) / 1e6  # a DTensor counts its full size
-    return (f"Distillation: student from {plan.from_weight} (--from_weight; MiniMind's default full_sft: SFT -> "
+    return (f"Distillation: student from {plan.model.from_weight} (--from_weight; MiniMind's default full_sft: SFT -> "
             f"distillation), teacher {stage.teacher_path}{file_digest(stage.teacher_path)} ({params:.2f}M, hidden "
             f"{config.hidden_size}, {'MoE' if config.use_moe else 'dense'}), loss = {stage.alpha} * CE + "
             f"{1 - stage.alpha:g} * {stage.temperature}^2 * KL(teacher || student)")

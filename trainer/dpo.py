@@ -13,31 +13,63 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from dataset.lm_dataset import DPODataset
+from dataset.token_cache import local_part
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.weight_shapes import WeightsError
 from trainer.checkpoint import saved_resume_fields
 from trainer.checks import other_sizes
 from trainer.config import weight_path
+from trainer.dpo_reference import attach_reference
 from trainer.launch import ConfigError
+from trainer.log_probs import sequence_log_probs
 from trainer.model_config import flag_error
 from trainer.objective import LMObjective
 from trainer.resume_fields import check_resume_fields
+from trainer.schema import Flag
+from trainer.stage import Stage
+from trainer.trainer_utils import Logger
 from trainer.weight_flags import mismatch_line, weights_line
 from trainer.weights_file import read_any_weights
 
 DEFAULT_BETA = 0.15  # MiniMind's train_dpo.py
-LOG_PROB_CHUNK = 1024  # rows of logits turned into fp32 log-softmax at a time
 
 
 @dataclass(frozen=True)
-class DPOPlan:
-    """The DPO stage's checked flags."""
+class DPOPlan(Stage):
+    """The DPO stage's checked flags (trainer/stage.py: chosen/rejected pairs, the preference objective)."""
     beta: float
     ref_weight: str  # the reference model's weights (a .pth, a step_<N> checkpoint, an HF folder), or "none"
     ref_sha256: str  # the run's reference by content: its weights' sha256 at the run's start ("seed N": the init)
     ref_changed: bool  # resuming, and ref_weight no longer holds the run's reference (its cached log-probs must do)
-    rows_per_sample: int = 2  # a sample is a chosen/rejected pair: two model rows (pipeline stage shapes)
+    name = "DPO"
+    demo_kind = "dpo"
+    rows_per_sample = 2  # a sample is a chosen/rejected pair: two model rows (pipeline stage shapes)
+    has_eval = False  # it logs its rewards
+    FLAGS = (
+        Flag("beta", float, DEFAULT_BETA, "DPO's beta: how far the policy may move from the reference (> 0)"),
+        Flag("ref_weight", str, None, "the reference model: a weight prefix in save_dir, a .pth, a resume checkpoint "
+             "step_<N> or an HF folder (default: the starting weights, --from_weight)"),
+    )
+
+    @classmethod
+    def resolve(cls, args, plan):
+        return resolve_dpo(args, plan)
+
+    def dataset(self, plan, tokenizer, path):
+        """Chosen/rejected chat pairs (DPODataset), each conversation in its own row."""
+        return DPODataset(path, tokenizer, max_length=plan.data.seq_len, skip_bad_lines=plan.data.skip_bad_lines,
+                          cache_dir=plan.data.cache_dir, num_proc=plan.data.num_proc, part=local_part())
+
+    def objective(self, plan, dims, train_ds):
+        """The preference loss, after the reference model's log-probs of every pair: cached, or computed in this
+        layout by the reference (loaded alone, then dropped)."""
+        Logger(f"DPO from --from_weight {plan.model.from_weight} (the SFT stage's output by default), "
+               f"reference {self.ref_weight}, beta {self.beta}")
+        objective = DPOObjective(self.beta)
+        attach_reference(plan, dims, train_ds, objective)
+        return objective
 
     def resume_fields(self):
         """The flags that shape the saved state (checked on resume, trainer/resume_fields.py)."""
@@ -49,22 +81,20 @@ def resolve_dpo(args, plan):
     here already (beta, reference, tokenizer), before the reference log-probs are computed."""
     if not args.beta > 0:
         raise ConfigError(f"--beta must be > 0 (MiniMind uses {DEFAULT_BETA}), got {args.beta}")
-    if plan.cp > 1:
+    if plan.layout.cp > 1:
         raise ConfigError("DPO does not run with --cp > 1 (its per-sequence log-prob sums would need a "
                           "context-parallel reduction); use --tp or --pp for long rows")
-    if plan.packing:
+    if plan.data.packing:
         raise ConfigError("--packing 1: DPO keeps each chosen/rejected conversation in its own row; leave it out")
-    if plan.eval_data_path:
-        raise ConfigError("--eval_data_path: DPO logs its rewards instead of a held-out LM loss; leave it out")
-    ref_weight = (plan.from_weight if args.ref_weight is None
-                  else weight_path(args.ref_weight, plan.save_dir, plan.model_config))
+    ref_weight = (plan.model.from_weight if args.ref_weight is None
+                  else weight_path(args.ref_weight, plan.io.save_dir, plan.model.config))
     if ref_weight != "none" and not os.path.exists(ref_weight):
         raise ConfigError(f"--ref_weight {ref_weight} does not exist; {other_sizes(ref_weight, '--ref_weight')}"
                           "pass a .pth, a resume checkpoint step_<N> "
                           "directory or a Hugging Face folder")
-    if ref_weight not in ("none", plan.from_weight):  # --from_weight's file was checked by resolve already
-        check_reference(ref_weight, plan.model_config)
-    sha = content_sha256(ref_weight) if ref_weight != "none" else f"seed {plan.seed}"
+    if ref_weight not in ("none", plan.model.from_weight):  # --from_weight's file was checked by resolve already
+        check_reference(ref_weight, plan.model.config)
+    sha = content_sha256(ref_weight) if ref_weight != "none" else f"seed {plan.data.seed}"
     path, saved = saved_resume_fields(plan)
     was = (saved or {}).get("--ref_weight") or {}
     changed = bool(was) and was.get("sha256") != sha and was.get("path") == ref_weight  # overwritten since
@@ -84,63 +114,6 @@ def check_reference(path, config):
         message = weights_line(e)
     if message:
         raise ConfigError(flag_error("--ref_weight", path, message))
-
-
-# ----------------------------------------------------------------------------- log-probs of the targets
-
-class _TargetLogProbs(torch.autograd.Function):
-    """log softmax(logits)[target] per row, in fp32 chunks of rows; backward recomputes each chunk's softmax.
-
-    Only the logits (the model's output, in its dtype) are kept for backward, never a full fp32 copy of them.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, chunk_size):
-        out = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-        valid = targets != -100
-        safe = torch.where(valid, targets, 0)
-        for start in range(0, logits.shape[0], chunk_size):
-            rows = slice(start, start + chunk_size)
-            log_probs = torch.log_softmax(logits[rows].float(), dim=-1)
-            out[rows] = log_probs.gather(1, safe[rows, None]).squeeze(1)
-        out = out * valid
-        ctx.save_for_backward(logits, safe, valid)
-        ctx.chunk_size = chunk_size
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        logits, safe, valid = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        weights = (grad_out * valid).float()
-        for start in range(0, logits.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            w = weights[rows, None]
-            chunk = torch.softmax(logits[rows].float(), dim=-1).mul_(-w)  # d log p_t / d z = onehot(t) - softmax
-            chunk.scatter_add_(1, safe[rows, None], w)
-            grad[rows] = chunk.to(logits.dtype)
-        return grad, None, None
-
-
-def token_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
-    """Log-prob of each target (0 where -100): logits (N, L, V), targets (N, L) -> (N, L) fp32.
-
-    Vocab-sharded DTensor logits (tensor parallel, under loss_parallel()) go through cross_entropy with
-    reduction="none", which loss_parallel supports: log p = -CE.
-    """
-    rows, length = targets.shape
-    if hasattr(logits, "placements"):
-        per_token = -F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
-                                     reduction="none")
-        per_token = per_token.full_tensor() if hasattr(per_token, "full_tensor") else per_token
-    else:
-        per_token = _TargetLogProbs.apply(logits.flatten(0, 1), targets.flatten(), chunk_size)
-    return per_token.view(rows, length)
-
-
-def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
-    """Summed log-probs of each row's targets (-100: none): logits (N, L, V), targets (N, L) -> (N,) fp32."""
-    return token_log_probs(logits, targets, chunk_size).sum(dim=1)
 
 
 def pair_losses(log_probs, reference, beta):

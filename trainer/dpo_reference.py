@@ -19,10 +19,10 @@ from tqdm import tqdm
 from model.atomic import atomic_save
 from model.provenance import short
 from model.weight_shapes import config_fields
-from trainer.batches import autocast, step_targets
+from trainer.batches import autocast, pipeline_forward_only, step_targets
 from trainer.data_loading import leaf_datasets
-from trainer.dpo import sequence_log_probs
 from trainer.launch import ConfigError, count_sum, is_main_process, setup_seed
+from trainer.log_probs import sequence_log_probs
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
 from trainer.storage import rank0_write
@@ -67,7 +67,7 @@ def attach_reference(plan, dims, train_ds, objective):
 
 def reference_cache_path(ds, plan):
     """<token cache dir>/<data file>.dpo_ref.<digest>.pt, keyed by the pairs' tokens and the reference model."""
-    reference = [plan.stage.ref_sha256, config_fields(plan.model_config.to_dict()), str(plan.dtype)]
+    reference = [plan.stage.ref_sha256, config_fields(plan.model.config.to_dict()), str(plan.model.dtype)]
     key = json.dumps([REFERENCE_FORMAT_VERSION, ds.cache_key(), reference], sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return os.path.join(os.path.dirname(ds.chosen.cache_path), f"{os.path.basename(ds.data_path)}.dpo_ref.{digest}.pt")
@@ -103,19 +103,19 @@ def read_reference_cache(path, num_pairs):
 def load_reference(plan, dims):
     """The reference model in the training layout, eval mode; the RNG is reseeded after, so that a seeded policy
     init (--from_weight none) equals a seeded reference."""
-    setup_seed(plan.seed)
+    setup_seed(plan.data.seed)
     try:
-        model = init_model(plan.model_config, plan.stage.ref_weight).to(plan.device).eval()
+        model = init_model(plan.model.config, plan.stage.ref_weight).to(plan.layout.device).eval()
     except ConfigError as e:
         raise ConfigError(f"--ref_weight: {e}") from None
     model_parts, pipeline = parallelize(model, dims, plan)
-    setup_seed(plan.seed)
+    setup_seed(plan.data.seed)
     return model_parts, pipeline
 
 
 def release_memory(plan):
     gc.collect()
-    if plan.device.startswith("cuda"):
+    if plan.layout.device.startswith("cuda"):
         torch.cuda.empty_cache()
 
 
@@ -124,8 +124,8 @@ def reference_log_probs(model_parts, pipeline, ds, plan, dims, objective):
 
     dp rank r takes pairs [r * share, (r + 1) * share) in batches of one optimizer step's micro-batches (pipeline)
     or one micro-batch; every rank runs the same number of batches (data-parallel wrappers gather in forward)."""
-    n, rows = len(ds), plan.micro_batch * (plan.num_microbatches if pipeline is not None else 1)
-    share = -(-n // plan.dp)
+    n, rows = len(ds), plan.data.micro_batch * (plan.data.num_microbatches if pipeline is not None else 1)
+    share = -(-n // plan.layout.dp)
     positions = dims.dp_rank * share + np.arange(-(-share // rows) * rows)
     keep = (positions < min(n, (dims.dp_rank + 1) * share)) & dims.counts_items  # who holds a pair's value
     values = torch.zeros(n, 2, dtype=torch.float64)
@@ -133,15 +133,15 @@ def reference_log_probs(model_parts, pipeline, ds, plan, dims, objective):
                       disable=not is_main_process(), dynamic_ncols=True):  # its own bar, with ETA, before training
         index = positions[start:start + rows] % n
         pairs = [ds[int(i)] for i in index]
-        input_ids = torch.stack([p[0] for p in pairs]).flatten(0, 1).to(plan.device)
-        targets = step_targets(torch.stack([p[1] for p in pairs]).flatten(0, 1)).to(plan.device)
+        input_ids = torch.stack([p[0] for p in pairs]).flatten(0, 1).to(plan.layout.device)
+        targets = step_targets(torch.stack([p[1] for p in pairs]).flatten(0, 1)).to(plan.layout.device)
         with torch.no_grad():
             log_probs = forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective)
         held = keep[start:start + rows]
         if held.any():
             values[index[held]] = log_probs.view(-1, 2).double().cpu()[torch.from_numpy(held)]
     if dist.is_initialized():
-        values = values.to(plan.device)
+        values = values.to(plan.layout.device)
         dist.all_reduce(values)  # each pair is held by exactly one rank: the sum is that rank's value
     return values.cpu().numpy()
 
@@ -150,25 +150,7 @@ def forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective
     """(rows,) summed target log-probs; through the pipeline's forward-only schedule when pp > 1 (zeros off the
     last stage)."""
     if pipeline is None:
-        with tp_loss_context(plan.tp > 1), autocast(plan):
+        with tp_loss_context(plan.layout.tp > 1), autocast(plan):
             return objective.log_probs(model_parts[0], input_ids, targets)[0]
-    values = pipeline_log_probs(pipeline, input_ids, targets)
+    values = pipeline_forward_only(pipeline, input_ids, targets, sequence_log_probs)
     return torch.zeros(input_ids.shape[0]) if values is None else values
-
-
-def pipeline_log_probs(pipeline, input_ids, targets, log_probs=sequence_log_probs):
-    """Forward only through the pipeline's schedule (schedule.eval, torch >= 2.9): the last stage's loss function
-    returns each micro-batch's `log_probs(logits, targets)` (summed log-probs), which the schedule collects; None on
-    the other stages."""
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).float().expand(input_ids.shape)
-    collected = []
-    pipeline.loss_fn.forward_only = log_probs
-    args = (input_ids, positions.contiguous()) if pipeline.has_first else ()
-    try:
-        if pipeline.has_last:
-            pipeline.schedule.eval(*args, target=pipeline.loss_fn.pack(targets, None), losses=collected)
-            return torch.cat(collected)
-        pipeline.schedule.eval(*args)
-        return None
-    finally:
-        pipeline.loss_fn.forward_only = None  # the policy's own pipeline trains again after a scoring pass

@@ -33,10 +33,22 @@ from trainer.rl_stage import (
     resolve_rollout,
     rewards_line,
 )
+from trainer.schema import Flag
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo")
 TOKEN_LOSSES = ("dapo", "cispo")  # normalised by the step's completion tokens
 CISPO_EPSILON_HIGH = 5.0  # MiniMind's --epsilon_high for cispo; the clipping losses default to --epsilon (TRL)
+
+
+GROUP_FLAGS = (  # GRPO's group-relative loss, which the agent stage trains with too; TRL's names
+    Flag("num_generations", int, 6, "completions per prompt (a group, on one data-parallel rank)"),
+    Flag("loss_type", str, "cispo", "policy loss and its normaliser, as TRL defines them", choices=LOSS_TYPES),
+    Flag("beta", float, 0.1, "weight of the k3 KL to the reference (the starting weights); 0 loads no reference"),
+    Flag("epsilon", float, 0.2, "lower clip of the ratio: 1 - epsilon"),
+    Flag("epsilon_high", float, None, "upper clip of the ratio: 1 + epsilon_high (cispo: the ratio's cap; default: "
+         "5.0 for cispo, --epsilon otherwise)"),
+    Flag("num_iterations", int, 1, "optimizer steps on each rollout (> 1: the ratio moves from 1 and clipping acts)"),
+)
 
 
 @dataclass(frozen=True)
@@ -48,10 +60,22 @@ class GRPOPlan(RolloutPlan):
     epsilon: float
     epsilon_high: float
     num_iterations: int
+    name = "GRPO"
+    FLAGS = RolloutPlan.FLAGS + GROUP_FLAGS
+
+    @classmethod
+    def resolve(cls, args, plan):
+        return resolve_grpo(args, plan)
 
     @property
     def uses_reference(self):
         return self.beta > 0
+
+    def rollout_objective(self, *parts):
+        return GRPOObjective(self, *parts)
+
+    def start_line(self, plan, objective):
+        return describe(plan, objective)
 
 
 def resolve_group(args):
@@ -80,9 +104,10 @@ def resolve_grpo(args, plan):
 def describe(plan, objective, name="GRPO"):
     """The run's line at start: start weights, groups, loss, reference, rewards, rollout engine."""
     stage = plan.stage
-    line = (f"{name} from --from_weight {plan.from_weight}: {stage.num_generations} completions per prompt (up to "
-            f"{stage.max_gen_len} tokens, temperature {stage.temperature}, top_p {stage.top_p}, {engine_line(stage)}),"
-            f" loss {stage.loss_type} (epsilon {stage.epsilon}, epsilon_high {stage.epsilon_high}), beta {stage.beta}"
+    line = (f"{name} from --from_weight {plan.model.from_weight}: {stage.num_generations} completions per prompt "
+            f"(up to {stage.max_gen_len} tokens, temperature {stage.temperature}, top_p {stage.top_p}, "
+            f"{engine_line(stage)}), loss {stage.loss_type} (epsilon {stage.epsilon}, epsilon_high "
+            f"{stage.epsilon_high}), beta {stage.beta}"
             f"{' (reference: the starting weights)' if stage.beta else ''}; rewards: {rewards_line(objective)}")
     if stage.num_iterations > 1:
         line += (f"; each rollout trains {stage.num_iterations} steps: the prompt batches drawn in the steps between "
@@ -187,7 +212,7 @@ class GRPOObjective(RolloutObjective):
         """The policy's training FLOPs and the reference's forward (a third) on the rows as trained: the loop counts
         every row at the full row length, this rank's rows (as for the others) are as long as their completions;
         lm_head on every position."""
-        rows = self.plan.micro_batch_shape[0] * self.plan.num_microbatches
+        rows = self.plan.micro_batch_shape[0] * self.plan.data.num_microbatches
         row_length = self.trained_positions / max(1, rows)
         train = step_flops(config, row_length, positions * row_length / seq_len, target_tokens, False)
         return train * (1 + (1 / 3 if self.stage.beta else 0))

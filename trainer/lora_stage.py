@@ -1,6 +1,7 @@
-"""The LoRA stage's plan: checked flags, the adapters put on the loaded base, and the adapter files it writes.
+"""The LoRA stage's plan (trainer/stage.py): checked flags, the adapters put on the loaded base, and the adapter files
+it writes.
 
-The loss is the LM objective unchanged; what differs from SFT is the model (base frozen, adapters trained) and the
+The loss, data and evaluation are SFT's unchanged; what differs is the model (base frozen, adapters trained) and the
 weights file (only the adapters: MiniMind's format plus a PEFT folder). Resume checkpoints hold the whole model.
 """
 import os
@@ -15,22 +16,36 @@ from model.model_minimind import MiniMindForCausalLM
 from model.provenance import tokenizer_files
 from model.weights import save_weights_file
 from trainer.launch import ConfigError
+from trainer.schema import Flag
+from trainer.stage import SIDECAR_BYTES, SFTStage
 from trainer.trainer_utils import Logger, weight_name
-
-SIDECAR_BYTES = 64 << 10  # the JSON files and torch.save's headers
 
 
 @dataclass(frozen=True)
-class LoraPlan:
+class LoraPlan(SFTStage):
     """--lora_* flags, checked, and where the adapters go."""
     rank: int
     alpha: float
     dropout: float
     targets: Optional[tuple]  # short names (q_proj, ...); None: MiniMind's square layers
-    name: str
-    weights_path: str  # <save_dir>/lora/<name>_<hidden>[_moe].pth, MiniMind's format
+    lora_name: str
+    adapter_path: str  # <save_dir>/lora/<name>_<hidden>[_moe].pth, MiniMind's format
     peft_dir: str  # <save_dir>/lora/<name>_<hidden>[_moe]_peft
     base_weight: str  # --from_weight, recorded in the sidecar and PEFT's base_model_name_or_path
+    name = "LoRA"
+    FLAGS = (
+        Flag("lora_name", str, "lora_identity", "adapter name: <save_dir>/lora/<lora_name>_<hidden>[_moe].pth "
+             "(MiniMind's format) and a PEFT folder <lora_name>_<hidden>[_moe]_peft beside it"),
+        Flag("lora_rank", int, 16, "rank of each adapter (A: in -> rank, B: rank -> out)"),
+        Flag("lora_alpha", float, None, "scale = alpha / rank (default: alpha = rank, MiniMind's scale 1)"),
+        Flag("lora_dropout", float, 0.0, "dropout on the adapters' input"),
+        Flag("lora_targets", str, None, "comma list of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (MoE "
+             "experts included; default: MiniMind's choice, every square linear layer)"),
+    )
+
+    @classmethod
+    def resolve(cls, args, plan):
+        return resolve_lora(args, plan)
 
     def prepare_model(self, model):
         """Attach the adapters to the plain, loaded model and freeze its base (before parallelizing)."""
@@ -44,9 +59,16 @@ class LoraPlan:
                f"({100 * trained / total:.2f}%)")
         return model
 
-    def save_weights(self, model_state, config, save_dtype, record):
-        """Rank 0: the adapters of a gathered model state dict, in MiniMind's format (+ its sidecar: the model
-        fields, `record` (tokenizer, step) and the adapters' own) and PEFT's (+ the tokenizer files)."""
+    def weights_path(self, plan):
+        """The adapters' file, MiniMind's format (the PEFT folder beside it)."""
+        return self.adapter_path
+
+    def best_weights_path(self, plan):
+        return None  # --save_best keeps the best checkpoint; its adapters are exported from it
+
+    def save_weights(self, model_state, config, save_dtype, record, path):
+        """Rank 0: the adapters of a gathered model state dict, in MiniMind's format at `path` (+ its sidecar: the
+        model fields, `record` (tokenizer, step) and the adapters' own) and PEFT's (+ the tokenizer files)."""
         model = MiniMindForCausalLM(config)
         apply_lora(model, self.rank, self.alpha, self.dropout, self.targets)
         model.load_state_dict(model_state)
@@ -59,7 +81,7 @@ class LoraPlan:
         except LoraError as e:  # MoE expert targets: transformers 5 fuses experts, PEFT has no layer to adapt
             Logger(f"PEFT export skipped: {e}")
         # last: the sidecar's step says every file of this save is written (a resume rewrites them otherwise)
-        save_weights_file(lora_state_dict(model), config, self.weights_path, dict(record, lora=lora))
+        save_weights_file(lora_state_dict(model), config, path, dict(record, lora=lora))
 
     def weights_bytes(self, model_state, save_dtype, record):
         """What save_weights writes, about: the adapters twice (MiniMind's file, PEFT's), the tokenizer, sidecars."""
@@ -96,18 +118,18 @@ def resolve_lora(args, plan):
         raise ConfigError(f"--lora_dropout must be in [0, 1) (got {args.lora_dropout})")
     if not args.lora_name or os.sep in args.lora_name:
         raise ConfigError(f"--lora_name must be a plain file name (got {args.lora_name!r})")
-    if plan.from_weight == "none":
+    if plan.model.from_weight == "none":
         Logger("--from_weight none: LoRA on a randomly initialised base (pass --from_weight full_sft or a .pth)")
     targets = parse_targets(args.lora_targets)
     with torch.device("meta"):  # only the layer names and shapes: no memory, no init
-        model = MiniMindForCausalLM(plan.model_config)
+        model = MiniMindForCausalLM(plan.model.config)
     try:
         lora_target_names(model, targets)
     except LoraError as e:
         raise ConfigError(f"--lora_targets: {e}") from None
-    stem = weight_name(args.lora_name, plan.model_config)
-    folder = os.path.join(plan.save_dir, "lora")
+    stem = weight_name(args.lora_name, plan.model.config)
+    folder = os.path.join(plan.io.save_dir, "lora")
     return LoraPlan(rank=args.lora_rank, alpha=float(args.lora_rank if args.lora_alpha is None else args.lora_alpha),
-                    dropout=args.lora_dropout, targets=targets, name=args.lora_name,
-                    weights_path=os.path.join(folder, stem + ".pth"), peft_dir=os.path.join(folder, stem + "_peft"),
-                    base_weight=plan.from_weight)
+                    dropout=args.lora_dropout, targets=targets, lora_name=args.lora_name,
+                    adapter_path=os.path.join(folder, stem + ".pth"), peft_dir=os.path.join(folder, stem + "_peft"),
+                    base_weight=plan.model.from_weight)

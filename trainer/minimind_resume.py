@@ -114,17 +114,18 @@ def read_minimind_resume(path, config, plan):
     if message:
         raise ConfigError(message)
     saved_world = int(ckpt.get("world_size", 1))
-    samples = int(ckpt["step"]) * saved_world * plan.micro_batch
-    step_in_epoch = samples // plan.global_batch
-    Logger(f"{path}: MiniMind's step {ckpt['step']} x {saved_world} processes x --batch_size {plan.micro_batch} = "
-           f"{samples} samples of epoch {ckpt['epoch']}; at this run's global batch {plan.global_batch} that is step "
-           f"{step_in_epoch} of the epoch (MiniMind's data order differs, so the position continues, not the samples)")
-    scaler = ckpt.get("scaler") or (_fresh_scaler_state() if plan.dtype == torch.float16 else {})
+    samples = int(ckpt["step"]) * saved_world * plan.data.micro_batch
+    step_in_epoch = samples // plan.data.global_batch
+    Logger(f"{path}: MiniMind's step {ckpt['step']} x {saved_world} processes x --batch_size {plan.data.micro_batch} = "
+           f"{samples} samples of epoch {ckpt['epoch']}; at this run's global batch {plan.data.global_batch} that is "
+           f"step {step_in_epoch} of the epoch (MiniMind's data order differs, so the position continues, not the "
+           "samples)")
+    scaler = ckpt.get("scaler") or (_fresh_scaler_state() if plan.model.dtype == torch.float16 else {})
     # global_step counts this epoch's steps only: the epochs before have the data's length, not known here
     train_state = dict(epoch=int(ckpt["epoch"]), step_in_epoch=step_in_epoch, global_step=step_in_epoch,
                        tokens_seen=0, tracker_id=ckpt.get("wandb_id"))
     return dict(model=model, optimizer=_optimizer_by_name(ckpt["optimizer"], config, path), scaler=scaler,
-                train_state=train_state, world_size=saved_world, global_batch=plan.global_batch)
+                train_state=train_state, world_size=saved_world, global_batch=plan.data.global_batch)
 
 
 def minimind_resume_path(checkpoint_dir, stem):

@@ -1,8 +1,9 @@
-"""What a stage minimises, seen by the one shared train_step: LMObjective for pretraining, SFT and LoRA.
+"""What a stage minimises, seen by the one shared train_step and by evaluate(): LMObjective, the base every stage's
+objective subclasses, and the objective of pretraining, SFT and LoRA.
 
-A post-training stage (trainer/dpo.py, trainer/distillation.py) defines an objective with the same methods and
-hands it to build_trainer; the loop, the layouts, checkpoints and tracking stay the same. Every method but
-`record` runs without a host sync: counts come from CPU tensors, stats stay on the device until a log step.
+A stage's objective (trainer/stage.py: Stage.objective makes it) overrides what differs; the loop, the layouts,
+checkpoints and tracking stay the same. Every method but `record` runs without a host sync: counts come from CPU
+tensors, stats stay on the device until a log step.
 """
 import torch.nn.functional as F
 
@@ -38,8 +39,16 @@ class LMObjective:
 
     def pipeline_loss(self, logits, targets, extra, num_items):
         """The same on the last pipeline stage's logits: (CE sum / num_items, stats)."""
-        ce_sum = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
-        return ce_sum / num_items, {}
+        return cross_entropy_sum(logits, targets) / num_items, {}
+
+    def eval_loss(self, model, input_ids, targets, position_ids, extra):
+        """A held-out micro-batch's summed loss (no grad); eval_loss is its sum over the eval batches / their count()s:
+        the CE sum, the model's own (a stage with no held-out metric says so: Stage.has_eval)."""
+        return model(input_ids, position_ids=position_ids, shift_labels=targets, num_items_in_batch=1).loss
+
+    def eval_pipeline_loss(self, logits, targets):
+        """The same on the last pipeline stage's logits, shape (1,): what the forward-only schedule collects."""
+        return cross_entropy_sum(logits, targets).reshape(1)
 
     def record(self, stats, num_items):
         """Extra values for a log step's record, from `stats` summed over micro-batches and ranks: none for LM."""
@@ -55,6 +64,11 @@ class LMObjective:
 
     def load_state_dict(self, state):
         """Restore what state_dict() returned."""
+
+
+def cross_entropy_sum(logits, targets):
+    """The summed CE (fp32) of logits (..., V) over targets != -100."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum")
 
 
 def target_tokens(labels):

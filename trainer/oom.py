@@ -27,14 +27,14 @@ def is_out_of_memory(error):
 
 def advice(plan):
     """What to change, most direct first, for this run's layout."""
-    changes = [f"lower --batch_size (now {plan.micro_batch}; raise --accumulation_steps to keep the global batch)"]
-    if plan.grad_checkpointing != "full":
+    changes = [f"lower --batch_size (now {plan.data.micro_batch}; raise --accumulation_steps to keep the global batch)"]
+    if plan.model.grad_checkpointing != "full":
         changes.append("--grad_checkpointing full")
-    if plan.dp * plan.cp > 1 and plan.zero_stage < 3:
-        changes.append(f"--zero_stage {plan.zero_stage + 1} (shards more state over the data-parallel ranks)")
-    if plan.dp_mode == "fsdp2" and plan.device.startswith("cuda") and not plan.cpu_offload:
+    if plan.layout.dp * plan.layout.cp > 1 and plan.layout.zero_stage < 3:
+        changes.append(f"--zero_stage {plan.layout.zero_stage + 1} (shards more state over the data-parallel ranks)")
+    if plan.layout.dp_mode == "fsdp2" and plan.layout.device.startswith("cuda") and not plan.layout.cpu_offload:
         changes.append("--cpu_offload 1")
-    if not plan.chunked_loss and plan.tp == 1 and plan.pp == 1:
+    if not plan.model.chunked_loss and plan.layout.tp == 1 and plan.layout.pp == 1:
         changes.append("--loss_chunk_size 1024")
     return ", ".join(changes[:-1]) + f" or {changes[-1]}" if len(changes) > 1 else changes[0]
 
@@ -55,7 +55,7 @@ def out_of_memory_as_one_line(trainer):
             raise
         plan, progress = trainer.plan, trainer.progress
         kind = "CUDA" if isinstance(e, torch.cuda.OutOfMemoryError) else "CPU"
-        last, peak = latest_checkpoint(plan.run_dir), peak_mem_gb(plan.device)
+        last, peak = latest_checkpoint(plan.io.run_dir), peak_mem_gb(plan.layout.device)
         raise OutOfMemory(
             f"out of {kind} memory on rank {rank()} in step {progress.global_step + 1} (peak {peak:.2f} GB on this "
             f"rank; {what_failed(e)}): {advice(plan)}; the last complete checkpoint is "

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from trainer.launch import ConfigError, local_tensor
 from trainer.parallel.data import build_optimizer as build_data_parallel_optimizer
 from trainer.parallel.state_dict import clean_fqn
+from trainer.schema import Flag, fill, flag
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "muon")
 LARS_TRUST = 0.001  # LARS's trust coefficient eta (the paper's value)
@@ -24,12 +25,20 @@ LARS_TRUST = 0.001  # LARS's trust coefficient eta (the paper's value)
 
 @dataclass(frozen=True)
 class OptimizerPlan:
-    """The checked optimizer flags."""
-    name: str
-    weight_decay: float
-    betas: tuple
-    eps: float
-    momentum: float  # sgd, lars, muon
+    """The optimizer and the gradient clip (trainer/optim.py)."""
+    name: str  # --optimizer
+    weight_decay: float = flag(0.01, "decoupled weight decay (adamw, lamb, muon), L2 term of sgd and lars")
+    betas: tuple  # --beta1, --beta2
+    eps: float = flag(1e-8, "denominator epsilon of adamw and lamb")
+    momentum: float = flag(None, "momentum of sgd, lars and muon (default: 0.9; muon 0.95)")  # sgd, lars, muon
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this value")
+    FLAGS = (
+        Flag("optimizer", str, "adamw", "adamw, sgd (torch.optim); muon (torch.optim.Muon on the decoder blocks' "
+             "matrices, AdamW on the rest; needs a torch that has it, 2.9+, else one error line); lamb, lars (the "
+             "papers' trust-ratio updates, written here: torch has none)", choices=OPTIMIZERS),
+        Flag("beta1", float, 0.9, "first-moment decay of adamw, lamb and muon's AdamW part"),
+        Flag("beta2", float, 0.999, "second-moment decay of adamw, lamb and muon's AdamW part"),
+    )
 
     def kwargs(self, fused):
         """(optimizer class, its keyword arguments besides lr)."""
@@ -65,8 +74,7 @@ def resolve_optimizer(args, has_dtensor):
         if has_dtensor:
             raise ConfigError("--optimizer muon orthogonalises each whole matrix, which FSDP2 and tensor parallel "
                               "shard; use --zero_stage 0 or 1 (DDP, ZeRO-1) and no --tp, or another optimizer")
-    return OptimizerPlan(name=args.optimizer, weight_decay=args.weight_decay, betas=(args.beta1, args.beta2),
-                         eps=args.eps, momentum=momentum)
+    return fill(OptimizerPlan, args, name=args.optimizer, betas=(args.beta1, args.beta2), momentum=momentum)
 
 
 def build_optimizer(model_parts, plan, dims):
@@ -77,9 +85,10 @@ def build_optimizer(model_parts, plan, dims):
         hidden = [p for name, p in named if p.ndim == 2 and ".layers." in f".{name}"]
         rest = [p for p in params if all(p is not h for h in hidden)]
         params = [dict(params=hidden, muon=True), dict(params=rest, muon=False)]
-    fused = (plan.device.startswith("cuda") and not plan.has_dtensor) if plan.optim.name == "adamw" else None
+    layout = plan.layout
+    fused = (layout.device.startswith("cuda") and not layout.has_dtensor) if plan.optim.name == "adamw" else None
     optimizer_class, kwargs = plan.optim.kwargs(fused)
-    return build_data_parallel_optimizer(params, plan.lr.peak, plan.zero_stage, dims.group("dp_cp"),
+    return build_data_parallel_optimizer(params, plan.lr.peak, plan.layout.zero_stage, dims.group("dp_cp"),
                                          optimizer_class=optimizer_class, **kwargs)
 
 

@@ -1,5 +1,5 @@
-"""Per-token policy-gradient pieces of the RL losses (GRPO now; PPO's clipping and entropy too): TRL's normalisers,
-the clip-ratio counts, the k3 KL to a reference and the entropy metric."""
+"""Per-token pieces of the RL losses: TRL's normalisers, the clip-ratio counts, the k3 KL to a reference and the
+entropy metric (GRPO, agent); GAE, the clipped value loss and the sample variance of PPO's records."""
 import torch
 
 from trainer.distillation import log_softmax
@@ -46,3 +46,36 @@ def token_entropy(logits, temperature, chunk=1024):
         log_p = torch.log_softmax(flat[start:start + chunk].float() / temperature, dim=-1)
         out[start:start + chunk] = -(log_p.exp() * log_p).sum(-1)
     return out.view(logits.shape[:2])
+
+
+def gae(rewards, values, mask, gamma, lam):
+    """(advantages, returns) (N, L) of per-token rewards and values on each row's masked positions (its completion
+    tokens, contiguous): delta_t = r_t + gamma V_(t+1) - V_t and A_t = delta_t + gamma lam A_(t+1), V and A 0 after
+    the last token; R_t = A_t + V_t. 0 off the mask."""
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else 0.0
+        running = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def value_loss(values, old_values, returns, cliprange_value):
+    """(per-token loss 0.5 max((V - R)^2, (V_clipped - R)^2), where the clipped term is the larger), V_clipped =
+    V_old + clip(V - V_old, -c, c) (TRL's clip_by_value)."""
+    clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    plain, clipped = (values - returns) ** 2, (clipped - returns) ** 2
+    return 0.5 * torch.max(plain, clipped), clipped > plain
+
+
+def last_token_positions(mask):
+    """(N,) index of each row's last masked position."""
+    return mask.cumsum(1).argmax(1)
+
+
+def unbiased_var(total, squares, count):
+    """The sample variance of `count` values from their sum and sum of squares (0 for fewer than 2)."""
+    return max(squares - total * total / count, 0.0) / (count - 1) if count > 1 else 0.0

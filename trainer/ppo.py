@@ -28,11 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from model.weight_shapes import clean_state_dict
-from model.weights import save_weights_file
 from trainer.batches import step_targets
 from trainer.launch import ConfigError, world_sum
 from trainer.metrics import step_flops
-from trainer.policy_loss import token_entropy
+from trainer.policy_loss import gae, last_token_positions, token_entropy, unbiased_var, value_loss
 from trainer.rl_batch import scoring_forward, scoring_log_probs, tempered_log_probs
 from trainer.rl_stage import (
     RolloutObjective,
@@ -43,7 +42,7 @@ from trainer.rl_stage import (
     resolve_rollout,
     rewards_line,
 )
-from trainer.weights_file import SIDECAR_BYTES
+from trainer.schema import Flag
 
 # per-row stats of a rollout, summed over the step's rows in the loss's stats
 ROW_STATS = ("score_sum", "score_sq_sum", "length_sum", "truncated_sum", "kl_sum", "non_score_sum", "neg_logp_sum",
@@ -64,11 +63,34 @@ class PPOPlan(RolloutPlan):
     ppo_update_iters: int
     early_stop_kl: float
     seed: int  # the value head's init
-    weights_path: str  # the actor's weights file (no value head)
+    name = "PPO"
+    FLAGS = RolloutPlan.FLAGS + (  # MiniMind's defaults and names
+        Flag("clip_epsilon", float, 0.2, "the policy ratio's clip range: [1 - clip, 1 + clip]"),
+        Flag("cliprange_value", float, 0.2, "the value prediction's clip range around the rollout's"),
+        Flag("vf_coef", float, 0.5, "weight of the value loss beside the policy loss"),
+        Flag("kl_coef", float, 0.02, "per-token KL penalty to the reference in the reward (the starting weights); 0 "
+             "loads no reference"),
+        Flag("gamma", float, 1.0, "GAE's discount"),
+        Flag("lam", float, 0.95, "GAE's lambda"),
+        Flag("ppo_update_iters", int, 2, "optimizer steps on each rollout (each over the step's whole rollout: "
+             "MiniMind's mini_batch_size = batch_size)"),
+        Flag("early_stop_kl", float, 0.25, "roll out anew once the policy's approx KL to the rollout's exceeds this "
+             "(checked before each further update on a rollout; 0: off)"),
+    )
+
+    @classmethod
+    def resolve(cls, args, plan):
+        return resolve_ppo(args, plan)
 
     @property
     def uses_reference(self):
         return self.kl_coef > 0
+
+    def rollout_objective(self, *parts):
+        return PPOObjective(self, *parts)
+
+    def start_line(self, plan, objective):
+        return describe(plan, objective)
 
     @property
     def num_generations(self):
@@ -79,13 +101,9 @@ class PPOPlan(RolloutPlan):
         ValueHead(model.config.hidden_size, self.seed).attach(model)
         return model
 
-    def save_weights(self, model_state, config, save_dtype, record):
-        """Rank 0: the actor of a gathered model state dict, as MiniMind's plain weights file (+ sidecar)."""
-        save_weights_file({k: v.to(save_dtype) for k, v in clean_state_dict(model_state).items()}, config,
-                          self.weights_path, record)
-
-    def weights_bytes(self, model_state, save_dtype, record):
-        return sum(v.numel() for v in clean_state_dict(model_state).values()) * save_dtype.itemsize + SIDECAR_BYTES
+    def weights_state(self, model_state):
+        """The actor: the weights file holds no value head (MiniMind's plain weights)."""
+        return clean_state_dict(model_state)
 
 
 def resolve_ppo(args, plan):
@@ -102,8 +120,8 @@ def resolve_ppo(args, plan):
     stage = PPOPlan(**resolve_rollout(args, plan, "PPO"), clip_epsilon=float(args.clip_epsilon),
                     cliprange_value=float(args.cliprange_value), vf_coef=float(args.vf_coef),
                     kl_coef=float(args.kl_coef), gamma=float(args.gamma), lam=float(args.lam),
-                    ppo_update_iters=args.ppo_update_iters, early_stop_kl=float(args.early_stop_kl), seed=plan.seed,
-                    weights_path=plan.weights_path)
+                    ppo_update_iters=args.ppo_update_iters, early_stop_kl=float(args.early_stop_kl),
+                    seed=plan.data.seed)
     check_positions(stage.row_length, plan, "--max_seq_len + --max_gen_len")
     return stage
 
@@ -111,9 +129,9 @@ def resolve_ppo(args, plan):
 def describe(plan, objective):
     """The run's line at start."""
     stage = plan.stage
-    line = (f"PPO from --from_weight {plan.from_weight}: one completion per prompt (up to {stage.max_gen_len} tokens, "
-            f"temperature {stage.temperature}, top_p {stage.top_p}, {engine_line(stage)}); value head on the trunk "
-            f"(vf_coef {stage.vf_coef}, cliprange_value {stage.cliprange_value}), GAE gamma {stage.gamma} lambda "
+    line = (f"PPO from --from_weight {plan.model.from_weight}: one completion per prompt (up to {stage.max_gen_len} "
+            f"tokens, temperature {stage.temperature}, top_p {stage.top_p}, {engine_line(stage)}); value head on the "
+            f"trunk (vf_coef {stage.vf_coef}, cliprange_value {stage.cliprange_value}), GAE gamma {stage.gamma} lambda "
             f"{stage.lam}, clip_epsilon {stage.clip_epsilon}, kl_coef {stage.kl_coef}"
             f"{' (reference: the starting weights)' if stage.kl_coef else ''}; rewards: {rewards_line(objective)}")
     if stage.ppo_update_iters > 1:
@@ -153,34 +171,6 @@ class ValueHead(nn.Linear):
         return values.float()
 
 
-def gae(rewards, values, mask, gamma, lam):
-    """(advantages, returns) (N, L) of per-token rewards and values on each row's masked positions (its completion
-    tokens, contiguous): delta_t = r_t + gamma V_(t+1) - V_t and A_t = delta_t + gamma lam A_(t+1), V and A 0 after
-    the last token; R_t = A_t + V_t. 0 off the mask."""
-    rewards, values = rewards * mask, values * mask
-    advantages = torch.zeros_like(values)
-    running = torch.zeros_like(values[:, 0])
-    for t in reversed(range(values.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < values.shape[1] else 0.0
-        running = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * running
-        advantages[:, t] = running
-    advantages = advantages * mask
-    return advantages, (advantages + values) * mask
-
-
-def value_loss(values, old_values, returns, cliprange_value):
-    """(per-token loss 0.5 max((V - R)^2, (V_clipped - R)^2), where the clipped term is the larger), V_clipped =
-    V_old + clip(V - V_old, -c, c) (TRL's clip_by_value)."""
-    clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
-    plain, clipped = (values - returns) ** 2, (clipped - returns) ** 2
-    return 0.5 * torch.max(plain, clipped), clipped > plain
-
-
-def last_token_positions(mask):
-    """(N,) index of each row's last masked position."""
-    return mask.cumsum(1).argmax(1)
-
-
 class PPOObjective(RolloutObjective):
     """The PPO loss for train_step (see trainer/objective.py); `prepare` rolls out, scores and runs GAE."""
 
@@ -217,7 +207,7 @@ class PPOObjective(RolloutObjective):
         for log_probs, (_, labels, extra) in zip(current, self.buffer):
             mask = (step_targets(labels) != -100).float()
             kl, tokens = kl + float(0.5 * ((log_probs - extra[3]) ** 2 * mask).sum()), tokens + float(mask.sum())
-        kl, tokens = world_sum([kl, tokens] if self.dims.counts_items else [0.0, 0.0], self.plan.device)
+        kl, tokens = world_sum([kl, tokens] if self.dims.counts_items else [0.0, 0.0], self.plan.layout.device)
         stop = kl / max(tokens, 1.0) > self.stage.early_stop_kl
         self.early_stops += stop
         return stop
@@ -261,7 +251,7 @@ class PPOObjective(RolloutObjective):
         squares = sum(float((adv ** 2 * mask).sum()) for adv, mask in parts)
         count = sum(float(mask.sum()) for _, mask in parts)
         total, squares, count = world_sum([total, squares, count] if self.dims.counts_items else [0.0] * 3,
-                                          self.plan.device)
+                                          self.plan.layout.device)
         mean = total / max(count, 1.0)
         return mean, 1 / math.sqrt(max(squares / max(count, 1.0) - mean ** 2, 0.0) + 1e-8)
 
@@ -331,7 +321,7 @@ class PPOObjective(RolloutObjective):
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
         """The policy's training FLOPs on the rows as trained, plus this step's no-grad forwards (a third each: the
         rollout's policy and reference forwards, the early-stop check)."""
-        rows = self.plan.micro_batch_shape[0] * self.plan.num_microbatches
+        rows = self.plan.micro_batch_shape[0] * self.plan.data.num_microbatches
         row_length = self.trained_positions / max(1, rows)
         train = step_flops(config, row_length, positions * row_length / seq_len, target_tokens, False)
         return train * (1 + self.scoring_forwards / 3)
@@ -343,8 +333,3 @@ class PPOObjective(RolloutObjective):
 
     def load_state_dict(self, state):
         self.buffer, self.updates = state.get("buffer"), state.get("updates", 0)
-
-
-def unbiased_var(total, squares, count):
-    """The sample variance of `count` values from their sum and sum of squares (0 for fewer than 2)."""
-    return max(squares - total * total / count, 0.0) / (count - 1) if count > 1 else 0.0

@@ -21,7 +21,7 @@ DEFAULT_LOG_INTERVAL = 100  # MiniMind's
 
 def effective_log_interval(plan, steps_per_epoch):
     """--log_interval as typed; unset, MiniMind's 100 or fewer, so that an epoch has at least ten records."""
-    return plan.log_interval or min(DEFAULT_LOG_INTERVAL, max(1, steps_per_epoch // 10))
+    return plan.schedule.log_interval or min(DEFAULT_LOG_INTERVAL, max(1, steps_per_epoch // 10))
 
 
 class Bar:
@@ -30,11 +30,12 @@ class Bar:
     `running_loss` (one process: free) and `step_end` (the agreed step loss) set the loss it shows."""
 
     def __init__(self, trainer):
-        plan, progress = trainer.plan, trainer.progress
-        steps = min(trainer.total_steps, plan.max_steps) if plan.max_steps else trainer.total_steps
-        self.single = plan.world_size == 1
-        self.tqdm = tqdm(total=steps * plan.num_microbatches, initial=progress.global_step * plan.num_microbatches,
-                         desc=f"{plan.epochs} epoch{'s' if plan.epochs > 1 else ''} x {trainer.steps_per_epoch} steps",
+        plan, progress, schedule = trainer.plan, trainer.progress, trainer.plan.schedule
+        steps = min(trainer.total_steps, schedule.max_steps) if schedule.max_steps else trainer.total_steps
+        self.single = plan.layout.world_size == 1
+        micro = plan.data.num_microbatches
+        self.tqdm = tqdm(total=steps * micro, initial=progress.global_step * micro,
+                         desc=f"{schedule.epochs} epoch{'s' * (schedule.epochs > 1)} x {trainer.steps_per_epoch} steps",
                          unit="mb", disable=not is_main_process(), dynamic_ncols=True, mininterval=1.0)
 
     def __enter__(self):
@@ -93,9 +94,9 @@ def make_tracker(trainer):
     A resumed run keeps the records up to its checkpoint's step and continues the same swanlab run; a fresh run
     starts the metrics file anew (kept to step 0)."""
     plan, progress = trainer.plan, trainer.progress
-    tracker = Tracker(plan.metrics_file, is_main=is_main_process(), tensorboard_dir=plan.tensorboard_dir,
-                      use_wandb="swanlab" in plan.trackers, wandb="wandb" in plan.trackers,
-                      wandb_project=plan.wandb_project, run_name=plan.run_name,
+    tracker = Tracker(plan.io.metrics_file, is_main=is_main_process(), tensorboard_dir=plan.io.tensorboard_dir,
+                      use_wandb="swanlab" in plan.io.trackers, wandb="wandb" in plan.io.trackers,
+                      wandb_project=plan.io.wandb_project, run_name=plan.io.run_name,
                       resume_id=progress.tracker_id, config=dict(plan.flags),
                       resume_step=progress.global_step if trainer.resumed else 0)
     progress.tracker_id = tracker.run_id
@@ -104,7 +105,7 @@ def make_tracker(trainer):
 
 def step_record(trainer, metrics, timer):
     """A step's record: loss summed over ranks, the window's rates, peak memory per rank (collective)."""
-    device, counts, progress = trainer.plan.device, trainer.dims.counts_loss, trainer.progress
+    device, counts, progress = trainer.plan.layout.device, trainer.dims.counts_loss, trainer.progress
     names = trainer.objective.stat_names  # the same on every rank, whether or not it computed the loss
     loss, aux_loss, *stat_sums = world_sum([float(v) if counts else 0.0 for v in (
         metrics["ce"], metrics["aux"], *(metrics["stats"].get(n, 0.0) for n in names))], device)
@@ -113,7 +114,7 @@ def step_record(trainer, metrics, timer):
     memory = per_rank(peak_mem_gb(device), device)
     grad_norm = float(metrics["grad_norm"])  # before clipping; the log step's read (clip: max_norm / (norm + 1e-6))
     return dict(step=progress.global_step, epoch=progress.epoch, loss=loss, aux_loss=aux_loss, lr=metrics["lr"],
-                grad_norm=grad_norm, grad_clipped=grad_norm + 1e-6 > trainer.plan.grad_clip,
+                grad_norm=grad_norm, grad_clipped=grad_norm + 1e-6 > trainer.plan.optim.grad_clip,
                 tokens=progress.tokens_seen, tokens_per_sec=tokens_per_sec, mfu=mfu, peak_mem_gb=max(memory),
                 peak_mem_gb_per_rank=[round(m, 4) for m in memory], elapsed_s=elapsed,
                 skipped_steps=trainer.guard.skipped_steps, **extra)

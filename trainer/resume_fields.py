@@ -12,8 +12,7 @@ from trainer.launch import ConfigError
 def resume_fields(plan):
     """What shapes the saved state besides the model's fields, by flag: the tokenizer (its record) and the stage's
     own (LoRA rank/alpha/targets/dropout, DPO beta and reference, distillation teacher/alpha/temperature)."""
-    stage_fields = getattr(plan.stage, "resume_fields", None)
-    return dict({"--tokenizer_path": plan.tokenizer_record}, **(stage_fields() if stage_fields else {}))
+    return dict({"--tokenizer_path": plan.data.tokenizer_record}, **plan.stage.resume_fields())
 
 
 def _shown(value):

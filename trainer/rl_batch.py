@@ -11,9 +11,8 @@ import json
 
 import torch
 
-from trainer.batches import autocast, step_targets
-from trainer.dpo import token_log_probs
-from trainer.dpo_reference import pipeline_log_probs
+from trainer.batches import autocast, pipeline_forward_only, step_targets
+from trainer.log_probs import token_log_probs
 from trainer.parallel.tensor import tp_loss_context
 from trainer.rewards import score
 
@@ -90,12 +89,12 @@ def scoring_forward(model_parts, pipeline, micro_batches, plan, score, columns=1
     if pipeline is None:
         model, out = model_parts[0], []
         for (input_ids, _), t in zip(micro_batches, targets):
-            with tp_loss_context(plan.tp > 1), autocast(plan):  # vocab-sharded logits under tensor parallel
-                logits = model(input_ids.to(plan.device)).logits
-                out.append(score(logits, t.to(plan.device)).cpu())
+            with tp_loss_context(plan.layout.tp > 1), autocast(plan):  # vocab-sharded logits under tensor parallel
+                logits = model(input_ids.to(plan.layout.device)).logits
+                out.append(score(logits, t.to(plan.layout.device)).cpu())
         return out
-    input_ids = torch.cat([ids for ids, _ in micro_batches]).to(plan.device)
-    values = pipeline_log_probs(pipeline, input_ids, torch.cat(targets).to(plan.device), score)
+    input_ids = torch.cat([ids for ids, _ in micro_batches]).to(plan.layout.device)
+    values = pipeline_forward_only(pipeline, input_ids, torch.cat(targets).to(plan.layout.device), score)
     if values is None:
         return [torch.zeros(t.shape + ((columns,) if columns > 1 else ())) for t in targets]
     return list(values.cpu().split([t.shape[0] for t in targets]))

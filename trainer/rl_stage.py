@@ -1,5 +1,6 @@
-"""What the RL stages (GRPO, PPO, agent) share: the rollout and reward flags' checks and plan fields, the reward
-functions, and RolloutObjective, the base of their objectives.
+"""What the RL stages (GRPO, PPO, agent) share: RolloutPlan (the rollout and reward flags' checks and plan fields,
+the prompts, and the objective's parts: reward functions, reference, rollout engine), and RolloutObjective, the base
+of their objectives.
 
 A RolloutObjective's `prepare` hook (trainer/objective.py) turns the step's prompts into training rows: each
 micro-batch's prompts are completed by the rollout engine (trainer/rollout.py) on the current policy, the completions
@@ -9,7 +10,7 @@ scored by the reward functions (trainer/rewards.py), and laid out as rows of pro
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from transformers import AutoTokenizer
@@ -22,15 +23,17 @@ from trainer.objective import LMObjective
 from trainer.rewards import RULES, RewardModel, load_reward_fn, reward_name
 from trainer.rl_batch import decode_completions, score_completions, training_rows
 from trainer.rollout import ENGINES, make_engine, rollout_seed
-from trainer.train_loop import build_trainer, load_datasets, setup, steps_per_epoch
+from trainer.schema import Flag
+from trainer.stage import Stage
 from trainer.trainer_utils import Logger
 
 ROW_STATS = ("reward_sum", "reward_std_sum", "zero_std_sum", "length_sum", "truncated_sum")  # score_completions'
 
 
 @dataclass(frozen=True)
-class RolloutPlan:
-    """The checked flags every RL stage has: generation, rewards, the rollout engine and the reference."""
+class RolloutPlan(Stage):
+    """The checked flags every RL stage has: generation, rewards, the rollout engine and the reference. A subclass
+    gives num_generations, uses_reference, rollout_objective and start_line (trainer/stage.py for the rest)."""
     max_prompt_len: int
     max_gen_len: int
     temperature: float
@@ -44,6 +47,47 @@ class RolloutPlan:
     rollout_url: Optional[str]
     rollout_timeout: float
     ref_weight: str  # the reference model: the starting weights (--from_weight)
+    demo_kind = "rlaif"
+    has_eval = False  # it logs its rewards
+    reward_rules = RULES  # the rule functions of --reward rule
+    FLAGS = (  # MiniMind's defaults
+        Flag("max_gen_len", int, 1024, "tokens generated at most per completion (agent: per turn)"),
+        Flag("temperature", float, 0.8, "sampling temperature; the log-probs are taken at it too"),
+        Flag("top_p", float, 1.0, "nucleus sampling mass (1: the whole vocabulary)"),
+        Flag("thinking_ratio", float, 0.9, "share of prompts that open the think block"),
+        Flag("reward", str, "rule", "rule: MiniMind's rule terms (GRPO, PPO: length, think format, repetition; agent: "
+             "the tool-call rule against the row's gt), offline", choices=("rule", "none")),
+        Flag("reward_model", str, None, "a local Hugging Face AutoModelForSequenceClassification folder (its first "
+             "logit is a reward)"),
+        Flag("reward_fn", str, None, "FILE.py:NAME, a reward function NAME(prompts, completions, **columns) -> "
+             "list[float] (TRL's convention); repeat for several", action="append"),
+        Flag("reward_weights", str, None, "comma list, one weight per reward function in the order: rule terms (GRPO, "
+             "PPO: 3; agent: 1), reward model, each --reward_fn (default: 1 each)"),
+        Flag("rollout_engine", str, "torch", "torch: generate in-process; sglang|vllm: an OpenAI-compatible server at "
+             "--rollout_url, synced through an HF export folder", choices=("torch", "sglang", "vllm")),
+        Flag("rollout_url", str, None, "the rollout server's base URL (--rollout_engine sglang|vllm)"),
+        Flag("rollout_timeout", float, 600, "seconds a rollout server request may take"),
+    )
+
+    def sequence_length(self, max_seq_len):
+        """Training rows hold prompt and completion (--max_seq_len is the prompt's length)."""
+        return self.row_length
+
+    def dataset(self, plan, tokenizer, path):
+        """The prompts (RLAIFDataset), the think block opened for --thinking_ratio of them."""
+        return RLAIFDataset(path, tokenizer, max_length=self.max_prompt_len, thinking_ratio=self.thinking_ratio,
+                            seed=plan.data.seed, skip_bad_lines=plan.data.skip_bad_lines)
+
+    def objective(self, plan, dims, train_ds):
+        """The stage's rollout objective with its reward functions, the frozen reference (the starting weights; none
+        without a KL term) and the rollout engine; its line at start."""
+        tokenizer = AutoTokenizer.from_pretrained(plan.data.tokenizer_path)
+        functions, weights = reward_functions(self, plan.layout.device, self.reward_rules)
+        reference = load_reference(plan, dims) if self.uses_reference else (None, None)
+        engine = make_engine(plan, tokenizer, dims, lambda: autocast(plan))
+        objective = self.rollout_objective(plan, dims, engine, tokenizer, functions, weights, reference)
+        Logger(self.start_line(plan, objective))
+        return objective
 
     @property
     def rows_per_sample(self):
@@ -74,7 +118,7 @@ def resolve_rollout(args, plan, stage_name, rules=RULES):
         reward_model=os.path.abspath(args.reward_model) if args.reward_model else None,
         reward_fns=tuple(args.reward_fn or ()), reward_weights=reward_weights(args),
         rollout_engine=args.rollout_engine, rollout_url=args.rollout_url, rollout_timeout=float(args.rollout_timeout),
-        ref_weight=plan.from_weight)
+        ref_weight=plan.model.from_weight)
 
 
 def check_positive(args, name, zero=False):
@@ -86,29 +130,26 @@ def check_positive(args, name, zero=False):
 
 def check_positions(length, plan, flags):
     """The longest row fits the model's positions."""
-    if length > plan.model_config.max_position_embeddings:
-        raise ConfigError(f"{flags} = {length} exceeds the model's {plan.model_config.max_position_embeddings} "
+    if length > plan.model.config.max_position_embeddings:
+        raise ConfigError(f"{flags} = {length} exceeds the model's {plan.model.config.max_position_embeddings} "
                           "positions")
 
 
 def check_layout(args, plan, stage_name):
     """Where generation and the loss can run: one line saying why not."""
-    if plan.cp > 1:
+    if plan.layout.cp > 1:
         raise ConfigError(f"{stage_name} does not run with --cp > 1 (completions are short rows; use --tp or --pp)")
-    if plan.sequence_parallel:
+    if plan.layout.sequence_parallel:
         raise ConfigError(f"--sequence_parallel 1: {stage_name}'s rows vary in length; leave it out")
-    if plan.packing:
+    if plan.data.packing:
         raise ConfigError(f"--packing 1: {stage_name} trains each completion in its own row; leave it out")
-    if plan.eval_data_path:
-        raise ConfigError(f"--eval_data_path: {stage_name} logs its rewards instead of a held-out LM loss; leave it "
-                          "out")
     if args.rollout_engine not in ENGINES:
         raise ConfigError(f"--rollout_engine must be one of {', '.join(ENGINES)} (got {args.rollout_engine})")
     if args.rollout_engine == "torch":
         if args.rollout_url:
             raise ConfigError("--rollout_url is for --rollout_engine sglang|vllm; the torch engine generates "
                               "in-process")
-        if plan.tp > 1 or plan.pp > 1:
+        if plan.layout.tp > 1 or plan.layout.pp > 1:
             raise ConfigError("--rollout_engine torch generates with the whole model on each rank, which --tp/--pp "
                               "split; use data parallel (--zero_stage 0-3), or --rollout_engine sglang|vllm "
                               "--rollout_url URL")
@@ -152,27 +193,6 @@ def reward_functions(stage, device, rules=RULES):
     return functions, list(stage.reward_weights or [1.0] * len(functions))
 
 
-def build_rl_trainer(args, resolve_stage, objective_class, describe, demo_kind="rlaif", rules=RULES):
-    """Phases 1-7 of an RL entry script (tests build a Trainer the same way): the plan, prompts, rewards, reference,
-    rollout engine, objective and the Trainer; returns (trainer, train_ds)."""
-    # 1. set-up: checks -> TrainPlan (+ the stage's plan; rows of prompt + completion tokens), process group, mesh, seed
-    plan, dims = setup(args, resolve_stage=resolve_stage)
-    plan = row_plan(plan)
-    # 2. tokenizer and prompts (the embedded demo prompts unless --data_path)
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_path)
-    train_ds, _ = load_datasets(plan, lambda path: RLAIFDataset(
-        path, tokenizer, max_length=plan.stage.max_prompt_len, thinking_ratio=plan.stage.thinking_ratio,
-        seed=plan.seed, skip_bad_lines=plan.skip_bad_lines), demo_kind=demo_kind)
-    # 3. rewards, the frozen reference (the starting weights; none without a KL term), the rollout engine
-    functions, weights = reward_functions(plan.stage, plan.device, rules)
-    reference = load_reference(plan, dims) if plan.stage.uses_reference else (None, None)
-    engine = make_engine(plan, tokenizer, dims, lambda: autocast(plan))
-    objective = objective_class(plan.stage, plan, dims, engine, tokenizer, functions, weights, reference)
-    Logger(describe(plan, objective))
-    # 4-7. resume state, policy model (from --from_weight; the stage's heads), parallel wrap, optimizer
-    return build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective=objective), train_ds
-
-
 def rewards_line(objective):
     """'name xweight, ...' of the stage's reward functions, for its start line."""
     return ", ".join(f"{name} x{weight:g}" for name, weight in zip(objective.reward_names, objective.weights))
@@ -180,12 +200,6 @@ def rewards_line(objective):
 
 def engine_line(stage):
     return "in-process" if stage.rollout_engine == "torch" else f"{stage.rollout_engine} at {stage.rollout_url}"
-
-
-def row_plan(plan):
-    """The TrainPlan with the stage's row length (prompt + completion) as its sequence length: the model's positions
-    and the pipeline stages' shapes."""
-    return replace(plan, seq_len=plan.stage.row_length)
 
 
 def unique_names(names):
@@ -222,7 +236,7 @@ class RolloutObjective(LMObjective):
     def micro_batch_rows(self, trainer, index, prompt_ids, prompt_lengths, data_rows, step):
         """One micro-batch's prompts completed num_generations times, scored, laid out as rows."""
         rollout = self.generate(trainer, prompt_ids, prompt_lengths, self.stage.num_generations,
-                                rollout_seed(self.plan.seed, step, self.dims.dp_rank, index))
+                                rollout_seed(self.plan.data.seed, step, self.dims.dp_rank, index))
         advantages, row_stats = self.score(decode_completions(self.tokenizer, rollout), rollout.completion_lengths,
                                            rollout.truncated, data_rows, step)
         return training_rows(rollout, self.tokenizer.pad_token_id, self.pipeline_row_length), advantages, row_stats
@@ -231,13 +245,13 @@ class RolloutObjective(LMObjective):
     def pipeline_row_length(self):
         """Rows are padded to the plan's row length under pp (fixed stage shapes), else to their micro-batch's
         longest."""
-        return self.plan.seq_len if self.plan.pp > 1 else None
+        return self.plan.data.seq_len if self.plan.layout.pp > 1 else None
 
     def generate(self, trainer, prompt_ids, prompt_lengths, num_generations, seed):
         """The engine's Rollout (on the CPU) of left-padded prompts; its time and tokens counted for the log."""
         start = time.perf_counter()
-        rollout = self.engine.generate(trainer.model_parts, prompt_ids.to(self.plan.device),
-                                       prompt_lengths.to(self.plan.device), num_generations, seed).to("cpu")
+        rollout = self.engine.generate(trainer.model_parts, prompt_ids.to(self.plan.layout.device),
+                                       prompt_lengths.to(self.plan.layout.device), num_generations, seed).to("cpu")
         self.rollout_seconds += time.perf_counter() - start
         self.rollout_tokens += rollout.generated_tokens
         return rollout

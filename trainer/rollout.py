@@ -289,6 +289,6 @@ def make_engine(plan, tokenizer, dims, autocast):
     if stage.rollout_engine == "torch":
         return InProcessEngine(stage.max_gen_len, stage.temperature, stage.top_p, tokenizer.eos_token_id,
                                tokenizer.pad_token_id, autocast)
-    folder = os.path.join(plan.save_dir, f"{plan.run_name}_rollout_hf")
+    folder = os.path.join(plan.io.save_dir, f"{plan.io.run_name}_rollout_hf")
     return HttpEngine(stage.rollout_engine, stage.rollout_url, folder, tokenizer, stage.max_gen_len,
-                      stage.temperature, stage.top_p, stage.rollout_timeout, dims, plan.save_dtype)
+                      stage.temperature, stage.top_p, stage.rollout_timeout, dims, plan.io.save_dtype)

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from trainer.launch import ConfigError
+from trainer.schema import Flag, flag
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 SCALINGS = ("none", "linear", "sqrt")
@@ -18,14 +19,27 @@ MINIMIND_FLOOR = 0.1  # MiniMind's cosine ends at 0.1 * lr
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """The resolved schedule (the plan's `lr`); its length comes with the step count (`length`)."""
+    """The learning-rate schedule (the plan's `lr`; trainer/schedule.py); its length comes with the step count."""
     kind: str  # cosine | linear | wsd | constant
     peak: float  # --learning_rate after --lr_scaling
     floor_ratio: float  # the last value / peak (--min_lr / peak; MiniMind's 0.1 by default)
-    warmup_steps: int
+    warmup_steps: int = flag(0, "linear warm-up steps before the --lr_schedule")
     decay_fraction: float  # wsd: the last fraction of the post-warm-up steps decays
-    max_steps: int  # 0: the schedule spans every epoch
+    max_steps: int  # 0: the schedule spans every epoch (--max_steps)
     scaling_note: str = ""  # how the peak came from --learning_rate (printed at start)
+    FLAGS = (
+        Flag("learning_rate", float, 5e-4, "peak learning rate of the schedule (MiniMind's cosine)"),
+        Flag("lr_schedule", str, "cosine", "after --warmup_steps: cosine (MiniMind's), linear decay, wsd "
+             "(warmup-stable-decay: the peak, then a linear decay over the last --wsd_decay_fraction), constant; down "
+             "to --min_lr", choices=SCHEDULES),
+        Flag("min_lr", float, None, "the schedule's last lr (default: MiniMind's 0.1 x the peak)"),
+        Flag("wsd_decay_fraction", float, 0.1, "--lr_schedule wsd: the fraction of the steps after warm-up that "
+             "decays"),
+        Flag("lr_scaling", str, "none", "scale --learning_rate by global batch / --base_batch (linear) or its square "
+             "root (sqrt)", choices=SCALINGS),
+        Flag("base_batch", int, None, "the global batch in samples that --learning_rate was tuned for (with "
+             "--lr_scaling)"),
+    )
 
     def length(self, steps_per_epoch, epochs):
         """Optimizer steps the schedule spans: --max_steps when set (and shorter), else every epoch."""

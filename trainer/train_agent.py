@@ -7,22 +7,29 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.agent import AGENT_RULES, AgentObjective, describe_agent, resolve_agent  # noqa: E402
-from trainer.flags import add_agent_args, parse_args  # noqa: E402
-from trainer.launch import main_guard  # noqa: E402
-from trainer.rl_stage import build_rl_trainer  # noqa: E402
-from trainer.train_loop import train  # noqa: E402
+from trainer.agent import AgentPlan
+from trainer.data_loading import load_datasets
+from trainer.flags import parse_args
+from trainer.launch import main_guard
+from trainer.train_loop import build_trainer, setup, steps_per_epoch, train
 
 
 def build(args):
-    """Phases 1-7 (trainer/rl_stage.build_rl_trainer): the plan, agent_rl prompts (the embedded demo rows unless
-    --data_path), rewards, reference, rollout engine and the Trainer; returns (trainer, train_ds)."""
-    return build_rl_trainer(args, resolve_agent, AgentObjective, describe_agent, demo_kind="agent", rules=AGENT_RULES)
+    """Phases 1-7: the plan, agent_rl prompts, rewards, reference, rollout engine and the Trainer; returns (trainer,
+    train_ds)."""
+    # 1. set-up: checks -> TrainPlan (+ AgentPlan; rows of prompt + completion tokens), process group, mesh, seed
+    plan, dims = setup(args, AgentPlan)
+    # 2. tokenizer and agent_rl prompts with their tools (the embedded demo rows unless --data_path)
+    train_ds, _ = load_datasets(plan)
+    # 3. the objective: rewards, the frozen reference (the starting weights; none without a KL term), the rollout engine
+    objective = plan.stage.objective(plan, dims, train_ds)
+    # 4-7. resume state, policy model (from --from_weight), parallel wrap, optimizer
+    return build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective), train_ds
 
 
 def agent_args():
     # MiniMind's agent defaults: lr 3e-7, prompts up to 1024 tokens, 768 per turn, 4 episodes per prompt, cispo
-    return parse_args("MiniMind Agent RL", stage_args=add_agent_args, save_weight="agent", from_weight="full_sft",
+    return parse_args("MiniMind Agent RL", AgentPlan, save_weight="agent", from_weight="full_sft",
                       learning_rate=3e-7, max_seq_len=1024, max_gen_len=768, num_generations=4, thinking_ratio=0.1,
                       batch_size=2, accumulation_steps=1, epochs=1, log_interval=1, save_interval=10,
                       wandb_project="MiniMind-Agent-RL")

@@ -5,27 +5,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.distillation import DistillationObjective, build_teacher, describe, resolve_distillation  # noqa: E402
-from trainer.flags import add_distillation_args, parse_args  # noqa: E402
-from trainer.launch import main_guard  # noqa: E402
-from trainer.train_loop import build_trainer, load_chat_datasets, setup, steps_per_epoch, train  # noqa: E402
-from trainer.trainer_utils import Logger  # noqa: E402
+from trainer.data_loading import load_datasets
+from trainer.distillation import DistillationPlan
+from trainer.flags import parse_args
+from trainer.launch import main_guard
+from trainer.train_loop import build_trainer, setup, steps_per_epoch, train
 
 
 def main():
-    args = parse_args("MiniMind Knowledge Distillation", stage_args=add_distillation_args, save_weight="full_dist",
+    args = parse_args("MiniMind Knowledge Distillation", DistillationPlan, save_weight="full_dist",
                       from_weight="full_sft", learning_rate=5e-6, max_seq_len=340, batch_size=32,
                       accumulation_steps=1, epochs=6, wandb_project="MiniMind-Distillation", packing=1)
     # 1. set-up: checks (the teacher's too) -> TrainPlan, process group, mesh, seed
-    plan, dims = setup(args, resolve_stage=resolve_distillation)
+    plan, dims = setup(args, DistillationPlan)
     # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
-    train_ds, eval_ds = load_chat_datasets(plan)
-    # 3. the teacher: frozen, eval mode, the training dtype, split like the student (tp, cp)
-    teacher = build_teacher(plan.stage, plan, dims)
-    Logger(describe(plan.stage, plan, teacher))
+    train_ds, eval_ds = load_datasets(plan)
+    # 3. the objective: the teacher, frozen, eval mode, the training dtype, split like the student (tp, cp)
+    objective = plan.stage.objective(plan, dims, train_ds)
     # 4-7. resume state, student (from --from_weight), parallel wrap (tp -> cp -> dp), optimizer
-    objective = DistillationObjective(teacher, plan.stage)
-    trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective=objective)
+    trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective)
     # 8. the loop
     train(trainer, train_ds, eval_ds)
 

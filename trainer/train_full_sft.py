@@ -5,8 +5,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.launch import main_guard  # noqa: E402
-from trainer.train_sft import main  # noqa: E402
+from trainer.launch import main_guard
+from trainer.train_sft import main
 
 if __name__ == "__main__":
     main_guard(main)

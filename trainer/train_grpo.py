@@ -6,22 +6,29 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.flags import add_grpo_args, parse_args  # noqa: E402
-from trainer.grpo import GRPOObjective, describe, resolve_grpo  # noqa: E402
-from trainer.launch import main_guard  # noqa: E402
-from trainer.rl_stage import build_rl_trainer  # noqa: E402
-from trainer.train_loop import train  # noqa: E402
+from trainer.data_loading import load_datasets
+from trainer.flags import parse_args
+from trainer.grpo import GRPOPlan
+from trainer.launch import main_guard
+from trainer.train_loop import build_trainer, setup, steps_per_epoch, train
 
 
 def build(args):
-    """Phases 1-7 (trainer/rl_stage.build_rl_trainer): the plan, prompts, rewards, reference, rollout engine and the
-    Trainer; returns (trainer, train_ds)."""
-    return build_rl_trainer(args, resolve_grpo, GRPOObjective, describe)
+    """Phases 1-7: the plan, prompts, rewards, reference, rollout engine and the Trainer; returns (trainer,
+    train_ds)."""
+    # 1. set-up: checks -> TrainPlan (+ GRPOPlan; rows of prompt + completion tokens), process group, mesh, seed
+    plan, dims = setup(args, GRPOPlan)
+    # 2. tokenizer and prompts (the embedded demo prompts unless --data_path)
+    train_ds, _ = load_datasets(plan)
+    # 3. the objective: rewards, the frozen reference (the starting weights; none without a KL term), the rollout engine
+    objective = plan.stage.objective(plan, dims, train_ds)
+    # 4-7. resume state, policy model (from --from_weight), parallel wrap, optimizer
+    return build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective), train_ds
 
 
 def grpo_args():
     # MiniMind's GRPO defaults: lr 3e-7, prompts up to 768 tokens, 2 prompts per step, a save every 10 steps
-    return parse_args("MiniMind GRPO", stage_args=add_grpo_args, save_weight="grpo", from_weight="full_sft",
+    return parse_args("MiniMind GRPO", GRPOPlan, save_weight="grpo", from_weight="full_sft",
                       learning_rate=3e-7, max_seq_len=768, batch_size=2, accumulation_steps=1, epochs=1,
                       log_interval=1, save_interval=10, wandb_project="MiniMind-GRPO")
 

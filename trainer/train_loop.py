@@ -1,10 +1,10 @@
-"""The training loop every stage runs: `build_trainer` (phases 3-6), `train()` (the loop), `train_step()` (one
-optimizer step).
+"""The training loop every stage runs: `setup` (phase 1), `build_trainer` (phases 3-6), `train()` (the loop),
+`train_step()` (one optimizer step). Entry scripts import it; stage modules never do (they sit below it).
 
-Read `train()` for the loop and `train_step()` for one optimizer step. Flags and checks live in config.py, data in
-data_loading.py, a batch's way into the model in batches.py, checkpoints in checkpoint.py, the console and records in
-progress.py, evaluation in evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/
-(applied by parallel/parallelize.py).
+Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in plan.py
+(resolved by config.py), what a stage gives the loop in stage.py and objective.py, data in data_loading.py, a batch's
+way into the model in batches.py, checkpoints in checkpoint.py, the console and records in progress.py, evaluation in
+evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/ (applied by parallel/parallelize.py).
 """
 import os
 import time
@@ -19,7 +19,7 @@ from trainer.checkpoint import Checkpointer, TrainState, read_resume, rng_state,
 from trainer.checks import check_same_dtype
 from trainer.config import resolve
 from trainer.config_file import write_run_config
-from trainer.data_loading import epoch_loader, leaf_datasets, load_chat_datasets, load_datasets  # noqa: F401 (stages)
+from trainer.data_loading import epoch_loader
 from trainer.evaluation import evaluate
 from trainer.guard import (
     Preemption,
@@ -50,10 +50,11 @@ from trainer.parallel.tensor import tp_loss_context
 from trainer.progress import NO_BAR, Bar, effective_log_interval, make_tracker, messages_above_bar, step_record
 from trainer.rank_log import open_rank_log
 from trainer.schedule import lr_at, resume_note
+from trainer.stage import Stage
 from trainer.storage import checkpoint_bytes_estimate, room_warning
 from trainer.tracking import StepProfiler
 from trainer.trainer_utils import Logger
-from trainer.weights_file import ensure_final_weights, init_model, save_weights, weights_path
+from trainer.weights_file import ensure_final_weights, init_model, save_weights
 
 
 @dataclass
@@ -78,60 +79,60 @@ class Trainer:
     step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
 
 
-def setup(args, resolve_stage=None):
-    """Phase 1: check the flags into a TrainPlan, start the process group and mesh, seed. Returns (plan, dims).
-
-    resolve_stage: a post-training stage's resolver (see config.resolve)."""
-    plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), resolve_stage)
-    if plan.deterministic:  # read by cuBLAS when CUDA starts
+def setup(args, stage=Stage):
+    """Phase 1: check the flags into a TrainPlan (with the checked plan of `stage`, a trainer/stage.py Stage class),
+    start the process group and mesh, seed. Returns (plan, dims)."""
+    plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), stage)
+    layout, model = plan.layout, plan.model
+    if model.deterministic:  # read by cuBLAS when CUDA starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    init_distributed_mode(plan.device, plan.dist_init_timeout)
-    open_rank_log(plan.log_dir, f"{plan.run_name}, rank {rank()} of {plan.world_size}")
-    enable_tf32(plan.device, strict=not plan.tf32)  # before peak_flops reads the matmul precision
-    dims = ParallelDims.build(plan.world_size, tp=plan.tp, pp=plan.pp, cp=plan.cp,
-                              device_type=torch.device(plan.device).type)
+    init_distributed_mode(layout.device, layout.dist_init_timeout)
+    open_rank_log(plan.io.log_dir, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
+    enable_tf32(layout.device, strict=not model.tf32)  # before peak_flops reads the matmul precision
+    dims = ParallelDims.build(layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                              device_type=torch.device(layout.device).type)
     Logger(dims.summary())
-    if plan.flags.get("dtype") == "auto":
-        check_same_dtype(plan.dtype, plan.device)  # each rank measured (or read) the rates itself
-        Logger(plan.dtype_note)
-    setup_seed(plan.seed, plan.deterministic)  # same seed on every rank: every rank builds the same full model
+    if model.dtype_note:  # --dtype auto
+        check_same_dtype(model.dtype, layout.device)  # each rank measured (or read) the rates itself
+        Logger(model.dtype_note)
+    setup_seed(plan.data.seed, model.deterministic)  # same seed on every rank: every rank builds the same full model
     return plan, dims
 
 
 def build_model(config, plan, model_state=None):
-    """The plain full model on plan.device: --from_weight (or resume) weights, else the seeded init."""
-    model = init_model(config, plan.from_weight)
+    """The plain full model on the plan's device: --from_weight (or resume) weights, else the seeded init."""
+    model = init_model(config, plan.model.from_weight)
     if model_state is not None:
         model.load_state_dict(model_state)
-    return model.to(plan.device)
+    return model.to(plan.layout.device)
 
 
 def build_trainer(plan, dims, steps_per_epoch, objective=None):
     """Phases 3-6: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once.
 
-    objective: what the stage minimises (trainer/objective.py); None: LMObjective (pretraining, SFT)."""
-    config = plan.model_config
+    objective: what the stage minimises (plan.stage.objective(...), trainer/objective.py); None: LMObjective."""
+    config = plan.model.config
     ckpt = read_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
-    if hasattr(plan.stage, "prepare_model"):  # e.g. LoRA: adapters on the plain loaded model, base frozen
-        model = plan.stage.prepare_model(model)
-    estimate = checkpoint_bytes_estimate(model, plan.save_dtype.itemsize)
-    warning = room_warning(plan.checkpoint_dir, estimate)
+    model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
+    estimate = checkpoint_bytes_estimate(model, plan.io.save_dtype.itemsize)
+    warning = room_warning(plan.io.checkpoint_dir, estimate)
     if warning:
         Logger(warning)
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
-    if plan.world_size == 1 and not plan.use_compile:  # a signal then drops a step between blocks of its backward
+    if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
         add_signal_points(model_parts)
     optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (trainer/optim.py), ZeRO-1 sharded or not
-    scaler = torch.amp.GradScaler(torch.device(plan.device).type, enabled=plan.dtype == torch.float16)
+    scaler = torch.amp.GradScaler(torch.device(plan.layout.device).type, enabled=plan.model.dtype == torch.float16)
     progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
-    checkpointer = Checkpointer(plan.run_dir, plan.async_save, plan.keep_checkpoints, parts=dict(
+    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=dict(
         model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
         tied=tied_aliases(pipeline, config), plan=plan, config=config, callbacks=callbacks), estimate=estimate)
-    guard = StepGuard(plan.max_bad_steps, Preemption(plan.grace_seconds, abandon=plan.world_size == 1),
-                      plan.save_every_minutes * 60)
+    guard = StepGuard(plan.guard.max_bad_steps,
+                      Preemption(plan.guard.grace_seconds, abandon=plan.layout.world_size == 1),
+                      plan.schedule.save_every_minutes * 60)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
-                      plan.lr.length(steps_per_epoch, plan.epochs), checkpointer, guard,
+                      plan.lr.length(steps_per_epoch, plan.schedule.epochs), checkpointer, guard,
                       objective=objective, callbacks=callbacks, resumed=ckpt is not None)
     if ckpt is not None:
         checkpointer.load(ckpt)
@@ -148,7 +149,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
 
 def steps_per_epoch(plan, train_ds):
     """Optimizer steps in one pass over `train_ds` (a partial last global batch is dropped)."""
-    return len(train_ds) // plan.global_batch
+    return len(train_ds) // plan.data.global_batch
 
 
 def train(trainer, train_ds, eval_ds=None):
@@ -158,7 +159,7 @@ def train(trainer, train_ds, eval_ds=None):
     the step in progress, several ranks finish it and stop together)."""
     plan, progress = trainer.plan, trainer.progress
     if trainer.resumed and (reached_max_steps(trainer) or stop_reason(trainer)):
-        reason = stop_reason(trainer) or f"--max_steps {plan.max_steps}"
+        reason = stop_reason(trainer) or f"--max_steps {plan.schedule.max_steps}"
         Logger(f"{reason}: the checkpoint is already at step {progress.global_step}; nothing to train"
                + (" (raise --max_steps to train on)" if reason.startswith("--max_steps") else ""))
         ensure_final_weights(trainer)  # a weights save that failed (a full disk) is written before `Done`
@@ -166,14 +167,15 @@ def train(trainer, train_ds, eval_ds=None):
     trainer.callbacks.insert(0, make_tracker(trainer))  # the sinks see each record first
     if is_main_process():
         write_run_config(plan)  # --config of it repeats this run
-    profiler = StepProfiler(plan.profile_steps, os.path.join(plan.save_dir, "profile"), plan.device)
-    timer = StepTimer(peak_flops(plan.device, plan.dtype) * plan.world_size)
-    Logger(f"{trainer.steps_per_epoch} optimizer steps per epoch, global batch {plan.global_batch} x {plan.seq_len} "
-           f"tokens, dtype {plan.dtype}; {plan.optim.name}, {plan.lr.describe(trainer.total_steps)}")
+    profiler = StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
+    timer = StepTimer(peak_flops(plan.layout.device, plan.model.dtype) * plan.layout.world_size)
+    Logger(f"{trainer.steps_per_epoch} optimizer steps per epoch, global batch {plan.data.global_batch} x "
+           f"{plan.data.seq_len} tokens, dtype {plan.model.dtype}; {plan.optim.name}, "
+           f"{plan.lr.describe(trainer.total_steps)}")
     # the bar closes before an error line is printed
     with trainer.guard.preemption, Bar(trainer) as bar, messages_above_bar(), out_of_memory_as_one_line(trainer):
         try:
-            for epoch in range(progress.epoch, plan.epochs):
+            for epoch in range(progress.epoch, plan.schedule.epochs):
                 if progress.step_in_epoch >= trainer.steps_per_epoch:  # saved at the end of this epoch
                     progress.step_in_epoch = 0
                     continue
@@ -201,19 +203,20 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
         start = time.perf_counter()
         trainer.step_rng = rng_state() if preemption.abandon else None  # what a dropped step saves
         with preemption.abandonable():
-            micro_batches = [next(batches) for _ in range(plan.num_microbatches)]
+            micro_batches = [next(batches) for _ in range(plan.data.num_microbatches)]
         metrics = train_step(trainer, micro_batches, bar)
-        trim_heap(plan.device)  # batches of varying target counts fragment the CPU heap
+        trim_heap(plan.layout.device)  # batches of varying target counts fragment the CPU heap
         if not trainer.started:  # start-up (token cache, weights, compile) is over
-            set_collective_timeout(plan.dist_timeout)
+            set_collective_timeout(plan.layout.dist_timeout)
             trainer.started = True
         progress.step_in_epoch += 1
-        rows = plan.micro_batch_shape[0] * plan.num_microbatches * plan.dp  # a DPO sample is two rows
-        timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, plan.seq_len, rows * plan.seq_len,
-                                                                 metrics["num_tokens"], plan.chunked_loss))
+        rows = plan.micro_batch_shape[0] * plan.data.num_microbatches * plan.layout.dp  # a DPO sample is two rows
+        seq_len = plan.data.seq_len
+        timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, seq_len, rows * seq_len,
+                                                                 metrics["num_tokens"], plan.model.chunked_loss))
         bar.step_end(trainer.guard.last_loss, metrics["lr"], metrics["num_tokens"] / (time.perf_counter() - start))
         epoch_end = progress.step_in_epoch == trainer.steps_per_epoch
-        if should_stop(trainer) or (epoch_end and progress.epoch == plan.epochs - 1):
+        if should_stop(trainer) or (epoch_end and progress.epoch == plan.schedule.epochs - 1):
             bar.close()  # the last step: the final bar, then its record below it
         after_step(trainer, eval_ds, metrics, timer, epoch_end)
 
@@ -226,21 +229,21 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
     last = epoch_end or should_stop(trainer)
     logged = step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or step == 1 or last  # a first loss
     callbacks.call("on_step_end", trainer, step_record(trainer, metrics, timer) if logged else None)
-    run_end = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.epochs - 1)
-    if plan.check_replicas and step % plan.check_replicas == 0 and plan.dp * plan.cp > 1:
+    run_end = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.schedule.epochs - 1)
+    if plan.guard.check_replicas and step % plan.guard.check_replicas == 0 and plan.layout.dp * plan.layout.cp > 1:
         check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)
-    scheduled = plan.eval_interval and step % plan.eval_interval == 0
+    scheduled = plan.schedule.eval_interval and step % plan.schedule.eval_interval == 0
     if eval_ds is not None and (scheduled or (run_end and not guard.stop)):
         callbacks.call("on_eval", trainer, evaluate(trainer, eval_ds))
     last = last or should_stop(trainer)  # a callback may have stopped the run (early stopping)
-    if step % plan.save_interval == 0 or last or guard.save_due or callbacks.wants_save(step):
+    if step % plan.schedule.save_interval == 0 or last or guard.save_due or callbacks.wants_save(step):
         trainer.checkpointer.save(step)
         guard.saved(step)
         callbacks.call("on_save", trainer, step)
-    if last or (plan.save_weights_every and step % plan.save_weights_every == 0):
+    if last or (plan.schedule.save_weights_every and step % plan.schedule.save_weights_every == 0):
         save_weights(trainer)
     if guard.stop:
-        Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.checkpoint_dir}; "
+        Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.io.checkpoint_dir}; "
                "continue with --from_resume 1")
     elif stop_reason(trainer):
         Logger(f"stopped: {stop_reason(trainer)}")
@@ -261,14 +264,15 @@ def save_abandoned(trainer):
         guard.saved(step)
         trainer.callbacks.call("on_save", trainer, step)
     save_weights(trainer)  # as a finished or preempted run leaves them
-    Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.checkpoint_dir}; "
+    Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.io.checkpoint_dir}; "
            "continue with --from_resume 1")
 
 
 def finish(trainer):
     """Say where the weights are (only when the run finished) and leave the process group."""
+    plan = trainer.plan
     if not trainer.guard.stop:
-        Logger(f"Done: {trainer.progress.global_step} steps, weights in {weights_path(trainer.plan)}")
+        Logger(f"Done: {trainer.progress.global_step} steps, weights in {plan.stage.weights_path(plan)}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -290,8 +294,8 @@ def train_step(trainer, micro_batches, bar=None):
     with trainer.guard.preemption.abandonable():  # one process: a signal drops these micro-batches at once
         ce, aux, stats, num_items, num_tokens = accumulate_gradients(trainer, micro_batches, bar or NO_BAR)
     scaler.unscale_(trainer.optimizer)
-    grad_norm = clip_gradients(trainer, plan.grad_clip)
-    skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.device,  # agreed by every rank
+    grad_norm = clip_gradients(trainer, plan.optim.grad_clip)
+    skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.layout.device,  # agreed by every rank
                                found_inf=scaler_found_inf(scaler, trainer.optimizer),
                                shown_loss=ce if trainer.dims.counts_loss else 0.0)  # summed: the logged loss
     if not skip:
@@ -300,7 +304,7 @@ def train_step(trainer, micro_batches, bar=None):
     trainer.optimizer.zero_grad(set_to_none=True)
     progress.global_step += 1
     progress.tokens_seen += num_tokens
-    trainer.guard.record(skip, progress, plan.num_microbatches, ce + aux, grad_norm)
+    trainer.guard.record(skip, progress, plan.data.num_microbatches, ce + aux, grad_norm)
     return dict(ce=ce, aux=aux, lr=lr, num_items=num_items, num_tokens=num_tokens, stats=stats, grad_norm=grad_norm)
 
 
@@ -312,13 +316,14 @@ def accumulate_gradients(trainer, micro_batches, bar):
     counts = [objective.count(labels, extra) for _, labels, _, extra in unpacked]  # CPU: no device sync
     local_tokens = sum(counts) if objective.items_are_tokens else sum(
         target_tokens(labels) for _, labels, _, _ in unpacked)  # for tokens/s and MFU
-    num_items, num_tokens = count_sum([sum(counts), local_tokens], plan.tp * plan.pp * plan.cp)  # over dp, on CPU
+    layout, device = plan.layout, plan.layout.device
+    num_items, num_tokens = count_sum([sum(counts), local_tokens], layout.tp * layout.pp * layout.cp)  # over dp, on CPU
     # the loader pins its batches on CUDA, so these copies overlap with compute
     inputs, targets, doc_positions, extras = zip(*[(
-        to_device(x, plan.device), to_device(step_targets(labels), plan.device), to_device(p, plan.device),
-        tuple(to_device(e, plan.device) for e in extra)) for x, labels, p, extra in unpacked])
-    aux_weight = plan.micro_batch / plan.global_batch / plan.cp  # every cp rank adds the (shared) aux
-    grad_factor = grad_reduce_factor(plan.dp, plan.cp)
+        to_device(x, device), to_device(step_targets(labels), device), to_device(p, device),
+        tuple(to_device(e, device) for e in extra)) for x, labels, p, extra in unpacked])
+    aux_weight = plan.data.micro_batch / plan.data.global_batch / layout.cp  # every cp rank adds the (shared) aux
+    grad_factor = grad_reduce_factor(layout.dp, layout.cp)
     if trainer.pipeline is not None:  # the schedule runs every micro-batch, forward and backward
         (x, t), positions = shard_for_context(trainer.dims, [torch.cat(inputs), torch.cat(targets)],
                                               None if doc_positions[0] is None else torch.cat(doc_positions))
@@ -330,14 +335,14 @@ def accumulate_gradients(trainer, micro_batches, bar):
     for i, (x, t, p, extra) in enumerate(zip(inputs, targets, doc_positions, extras)):
         (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
         # DDP and FSDP2 reduce gradients on the last micro-batch only
-        with gradient_sync(trainer.model_parts, i == len(inputs) - 1), tp_loss_context(plan.tp > 1):
+        with gradient_sync(trainer.model_parts, i == len(inputs) - 1), tp_loss_context(layout.tp > 1):
             with autocast(plan):
                 main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
             loss = main_loss + aux_loss * aux_weight
             scaler.scale(loss * grad_factor).backward()
         ce, aux = ce + local_value(main_loss), aux + local_value(aux_loss) * aux_weight
         stats = add_stats(stats, micro_stats)
-        if not plan.device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
+        if not device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
             bar.running_loss(ce, sum(counts[:i + 1]), num_items)
         bar.update(1)  # shows the loss just set
     return ce, aux, stats, num_items, num_tokens
@@ -349,20 +354,21 @@ def clip_gradients(trainer, max_norm):
     if pipeline is not None:
         pipeline.sync_tied_grads()
     params = [p for part in trainer.model_parts for p in part.parameters() if p.grad is not None]
-    pp_group = trainer.dims.group("pp") if trainer.plan.pp > 1 else None
+    pp_group = trainer.dims.group("pp") if trainer.plan.layout.pp > 1 else None
     return clip_grad_norm_(params, max_norm, pp_group=pp_group,
                            exclude=pipeline.duplicate_params() if pipeline is not None else None)
 
 
 def reached_max_steps(trainer):
-    return bool(trainer.plan.max_steps) and trainer.progress.global_step >= trainer.plan.max_steps
+    max_steps = trainer.plan.schedule.max_steps
+    return bool(max_steps) and trainer.progress.global_step >= max_steps
 
 
 def stop_reason(trainer):
     """Why the run ends early after this step: --max_tokens reached, or a callback's reason (early stopping)."""
-    plan, progress = trainer.plan, trainer.progress
-    if plan.max_tokens and progress.tokens_seen >= plan.max_tokens:
-        return f"--max_tokens {plan.max_tokens}: {progress.tokens_seen} target tokens at step {progress.global_step}"
+    max_tokens, progress = trainer.plan.schedule.max_tokens, trainer.progress
+    if max_tokens and progress.tokens_seen >= max_tokens:
+        return f"--max_tokens {max_tokens}: {progress.tokens_seen} target tokens at step {progress.global_step}"
     return trainer.callbacks.stop_reason() if trainer.callbacks is not None else None
 
 
@@ -373,7 +379,7 @@ def should_stop(trainer):
 
 def epoch_batches(trainer, train_ds, epoch):
     """This rank's micro-batches of `epoch`, after the ones a resumed run already trained on."""
-    plan = trainer.plan
-    skip = trainer.progress.step_in_epoch * plan.num_microbatches
-    return iter(epoch_loader(train_ds, epoch, plan.seed, plan.micro_batch, plan.dp, trainer.dims.dp_rank,
-                             plan.num_workers, plan.device.startswith("cuda"), skip))
+    data, layout = trainer.plan.data, trainer.plan.layout
+    skip = trainer.progress.step_in_epoch * data.num_microbatches
+    return iter(epoch_loader(train_ds, epoch, data.seed, data.micro_batch, layout.dp, trainer.dims.dp_rank,
+                             data.num_workers, layout.device.startswith("cuda"), skip))

@@ -8,24 +8,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.flags import add_lora_args, parse_args  # noqa: E402
-from trainer.launch import main_guard  # noqa: E402
-from trainer.lora_stage import resolve_lora  # noqa: E402
-from trainer.train_loop import build_trainer, load_chat_datasets, setup, steps_per_epoch, train  # noqa: E402
-from trainer.trainer_utils import Logger  # noqa: E402
+from trainer.data_loading import load_datasets
+from trainer.flags import parse_args
+from trainer.launch import main_guard
+from trainer.lora_stage import LoraPlan
+from trainer.train_loop import build_trainer, setup, steps_per_epoch, train
+from trainer.trainer_utils import Logger
 
 
 def main():
     # save_weight None: the run (checkpoints, metrics) takes the adapter's name, as MiniMind's lm_checkpoint does
-    args = parse_args("MiniMind LoRA", stage_args=add_lora_args, save_weight=None, from_weight="full_sft",
+    args = parse_args("MiniMind LoRA", LoraPlan, save_weight=None, from_weight="full_sft",
                       learning_rate=1e-4, max_seq_len=340, batch_size=32, accumulation_steps=1, epochs=2, packing=1)
     if args.save_weight is None:
         args.save_weight = args.lora_name
     # 1. set-up: checks -> TrainPlan (+ LoraPlan), process group, mesh, seed
-    plan, dims = setup(args, resolve_stage=resolve_lora)
-    Logger(f"LoRA on --from_weight {plan.from_weight}; adapters to {plan.stage.weights_path}")
+    plan, dims = setup(args, LoraPlan)
+    Logger(f"LoRA on --from_weight {plan.model.from_weight}; adapters to {plan.stage.weights_path(plan)}")
     # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
-    train_ds, eval_ds = load_chat_datasets(plan)
+    train_ds, eval_ds = load_datasets(plan)
     # 3-6. resume state, model (from --from_weight) + adapters, parallel wrap (pp -> tp -> cp -> dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
     # 7. the loop

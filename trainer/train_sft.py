@@ -4,18 +4,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.flags import parse_args  # noqa: E402
-from trainer.launch import main_guard  # noqa: E402
-from trainer.train_loop import build_trainer, load_chat_datasets, setup, steps_per_epoch, train  # noqa: E402
+from trainer.data_loading import load_datasets
+from trainer.flags import parse_args
+from trainer.launch import main_guard
+from trainer.stage import SFTStage
+from trainer.train_loop import build_trainer, setup, steps_per_epoch, train
 
 
 def main():
-    args = parse_args("MiniMind Full SFT", save_weight="full_sft", from_weight="pretrain", learning_rate=1e-5,
+    args = parse_args("MiniMind Full SFT", SFTStage, save_weight="full_sft", from_weight="pretrain", learning_rate=1e-5,
                       max_seq_len=340, batch_size=16, accumulation_steps=1, epochs=2, packing=1)
     # 1. set-up: checks -> TrainPlan, process group, mesh, seed
-    plan, dims = setup(args)
+    plan, dims = setup(args, SFTStage)
     # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
-    train_ds, eval_ds = load_chat_datasets(plan)
+    train_ds, eval_ds = load_datasets(plan)
     # 3-6. resume state, model (from --from_weight), parallel wrap (pp -> tp -> cp -> dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
     # 7. the loop

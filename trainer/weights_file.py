@@ -1,7 +1,7 @@
 """The run's weights file, and any weights a flag names (init_model: MiniMind's model, from --from_weight).
 
-Out: save_weights gathers the full model (a collective) and rank 0 writes MiniMind's plain `.pth` + sidecar
-(model/weights.save_weights_file), or a stage's own files (LoRA: its adapters); ensure_final_weights rewrites them on a
+Out: save_weights gathers the full model (a collective) and rank 0 writes what the stage's weights hooks say
+(trainer/stage.py: MiniMind's plain `.pth` + sidecar, or LoRA's adapters); ensure_final_weights rewrites them on a
 resume that finds the last step's missing. In: read_any_weights / any_weights_record / load_any_weights take what
 --from_weight, --ref_weight, --teacher_path, eval_llm and convert_model name: a checkpoint directory (read by
 trainer/checkpoint.py, its owner), else a .pth, a single-file resume or an HF folder (model/weights.py).
@@ -10,15 +10,13 @@ import os
 
 from model.model_minimind import MiniMindForCausalLM
 from model.weight_shapes import WeightsError, load_checked
-from model.weights import is_checkpoint_dir, read_record, read_weights_and_args, save_weights_file
+from model.weights import is_checkpoint_dir, read_record, read_weights_and_args
 from trainer.checkpoint import latest_checkpoint, read_checkpoint_model, read_checkpoint_record
 from trainer.launch import ConfigError, count_sum, is_main_process
 from trainer.parallel.state_dict import full_model_state_dict
 from trainer.storage import rank0_write
 from trainer.trainer_utils import Logger, file_digest
 from trainer.weight_flags import weights_line
-
-SIDECAR_BYTES = 64 << 10  # room for a weights file's sidecar and torch.save's own headers
 
 
 def init_model(config, from_weight="none", device="cpu"):
@@ -52,39 +50,26 @@ def load_any_weights(model, path):
     return load_checked(model, state_dict, path)
 
 
-def weights_path(plan):
-    """The weights file the run writes: <save_dir>/<run_name>.pth, or a stage's own (LoRA: its adapters)."""
-    return getattr(plan.stage, "weights_path", plan.weights_path)
-
-
 def save_weights(trainer, path=None):
-    """Gather the full model (a collective) and write MiniMind's plain weights file in --save_dtype on rank 0, at
-    `path` (default: the run's weights path), or the stage's own files (plan.stage.save_weights(model_state, config,
-    save_dtype, record)), its sidecar recording the tokenizer and the step. A disk without room stops every rank
-    with one line (DiskFullError)."""
-    plan = trainer.plan
-    pp_group = trainer.dims.group("pp") if plan.pp > 1 else None
+    """Gather the full model (a collective) and write the stage's weights on rank 0 (trainer/stage.py: MiniMind's plain
+    weights file in --save_dtype, or the stage's own files, LoRA's adapters) at `path` (default: the stage's weights
+    path), its sidecar recording the tokenizer and the step. A disk without room stops every rank with one line
+    (DiskFullError)."""
+    plan, stage = trainer.plan, trainer.plan.stage
+    pp_group = trainer.dims.group("pp") if plan.layout.pp > 1 else None
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
-    stage = plan.stage
-    own = hasattr(stage, "save_weights") and path is None  # a stage writing its own files (LoRA: the adapters only)
-    path = path or weights_path(plan)
-    record = dict(tokenizer=plan.tokenizer_record, step=trainer.progress.global_step)
-    weights = {k: v.to(plan.save_dtype) for k, v in model_sd.items()} if is_main_process() and not own else {}
-    needed = (stage.weights_bytes(model_sd, plan.save_dtype, record) if own else
-              sum(v.numel() * v.element_size() for v in weights.values()) + SIDECAR_BYTES) if is_main_process() else 0
-
-    def write():
-        if own:
-            stage.save_weights(model_sd, trainer.config, plan.save_dtype, record)
-        else:
-            save_weights_file(weights, trainer.config, path, record)
-    rank0_write(os.path.dirname(path), needed, path, "--save_dir", write, latest_checkpoint(plan.run_dir))
+    path = path or stage.weights_path(plan)
+    record = dict(tokenizer=plan.data.tokenizer_record, step=trainer.progress.global_step)
+    needed = stage.weights_bytes(model_sd, plan.io.save_dtype, record) if is_main_process() else 0
+    rank0_write(os.path.dirname(path), needed, path, "--save_dir",
+                lambda: stage.save_weights(model_sd, trainer.config, plan.io.save_dtype, record, path),
+                latest_checkpoint(plan.io.run_dir))
 
 
 def ensure_final_weights(trainer):
     """A resume that finds --max_steps reached: the weights file must be this step's (its sidecar says which step it
     holds); a save that failed before (a full disk) is written now. Every rank takes rank 0's decision."""
-    path, step = weights_path(trainer.plan), trainer.progress.global_step
+    path, step = trainer.plan.stage.weights_path(trainer.plan), trainer.progress.global_step
     held = read_record(path).get("step") if os.path.isfile(path) else None
     if count_sum(int(held != step) if is_main_process() else 0):
         now = f"holds step {held}" if held is not None else "records no step" if os.path.isfile(path) else "is missing"

@@ -11,35 +11,36 @@ from trainer.parallel.tensor import apply_tensor_parallel
 
 
 def parallelize(model, dims, plan):
-    """Shard `model` (plain, on plan.device) for this rank; returns (model_parts, pipeline or None).
+    """Shard `model` (plain, on the plan's device) for this rank; returns (model_parts, pipeline or None).
 
     dims: this rank's ParallelDims; plan: the TrainPlan. The parts keep the full model's parameter
     names; under pp they are this rank's stages, else [model].
     """
+    layout, model_plan = plan.layout, plan.model
     pipeline, parts = None, [model]
-    if plan.pp > 1:
-        pipeline = Pipeline(model, dims.group("pp"), plan.pp_schedule, plan.num_microbatches, plan.device,
-                            micro_batch_shape=plan.micro_batch_shape, autocast_dtype=plan.autocast_dtype)
+    if layout.pp > 1:
+        pipeline = Pipeline(model, dims.group("pp"), layout.pp_schedule, plan.data.num_microbatches, layout.device,
+                            micro_batch_shape=plan.micro_batch_shape, autocast_dtype=model_plan.autocast_dtype)
         parts = pipeline.stage_modules
-        if not plan.doc_mask:  # rows are single sequences: no mask, SDPA's causal kernel (cp swaps in its ring)
+        if not plan.data.doc_mask:  # rows are single sequences: no mask, SDPA's causal kernel (cp swaps in its ring)
             for part in parts:
                 part.document_mask = no_document_mask
     for part in parts:
-        if plan.tp > 1:
+        if layout.tp > 1:
             # a pipeline schedule computes the loss itself: gather the last stage's logits there
-            apply_tensor_parallel(part, dims.mesh("tp"), sequence_parallel=plan.sequence_parallel,
-                                  loss_parallel=plan.pp == 1)
-        if plan.cp > 1:
-            apply_context_parallel(part, dims.mesh("cp"), doc_mask=plan.doc_mask)
-        if plan.grad_checkpointing:
-            apply_activation_checkpointing(part, plan.grad_checkpointing)
-        if plan.use_compile:
+            apply_tensor_parallel(part, dims.mesh("tp"), sequence_parallel=layout.sequence_parallel,
+                                  loss_parallel=layout.pp == 1)
+        if layout.cp > 1:
+            apply_context_parallel(part, dims.mesh("cp"), doc_mask=plan.data.doc_mask)
+        if model_plan.grad_checkpointing:
+            apply_activation_checkpointing(part, model_plan.grad_checkpointing)
+        if model_plan.use_compile:
             compile_blocks(part)
-    if plan.dp_mode != "none":
+    if layout.dp_mode != "none":
         # FSDP2 gathers parameters in the autocast dtype and reduces gradients in fp32
-        parts = [apply_data_parallel(part, dims.mesh("dp_cp"), plan.zero_stage, plan.grad_compression,
-                                     powersgd_rank=plan.powersgd_rank, powersgd_start_iter=plan.powersgd_start_step,
-                                     param_dtype=plan.autocast_dtype, cpu_offload=plan.cpu_offload)
+        parts = [apply_data_parallel(part, dims.mesh("dp_cp"), layout.zero_stage, layout.grad_compression,
+                                     powersgd_rank=layout.powersgd_rank, powersgd_start_iter=layout.powersgd_start_step,
+                                     param_dtype=model_plan.autocast_dtype, cpu_offload=layout.cpu_offload)
                  for part in parts]
     if pipeline is not None:
         pipeline.make_schedule(parts)
