@@ -7,6 +7,8 @@ import random
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.launch import demo_slice, forked, read_metrics
+
 EOS = 2
 VOCAB = range(3, 6400)
 
@@ -77,3 +79,26 @@ class RolloutServer:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+# SGD: an update is linear in the gradient, so the layouts' fp32 reduction differences stay at rounding size in the
+# later steps; AdamW's first update is lr * sign(g), which turns the rounding of a near-zero gradient into a whole lr
+LAYOUT_OPTIMIZER = ["--optimizer", "sgd", "--momentum", "0", "--learning_rate", "0.5"]
+LAYOUTS = dict(ddp=[], zero3=["--zero_stage", "3"], tp2=["--tp", "2"], pp2=["--pp", "2"])
+
+
+def metrics_of(argv):
+    return read_metrics(argv[argv.index("--metrics_file") + 1])
+
+
+def served_run(script, run_flags, tmp_path, server, data=None, layout=None):
+    """One run of an RL stage on `server`'s completions: one process, or two under `layout` (a LAYOUTS key);
+    run_flags(tmp_path, name, data, dp, extra) gives its flags. Returns (data, its records)."""
+    data = data or demo_slice(tmp_path, "rlaif", 40)
+    flags = LAYOUTS[layout] if layout else []
+    dp = 1 if flags and flags[0] in ("--tp", "--pp") else 2 if layout else 1
+    argv = run_flags(tmp_path, layout or "single", data, dp=dp, extra=[
+        "--rollout_engine", "vllm", "--rollout_url", server.url, *LAYOUT_OPTIMIZER, *flags])
+    proc = forked(script, argv, nproc=2 if layout else 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return data, metrics_of(argv)

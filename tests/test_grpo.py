@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
-from tests.rollout_server import RolloutServer
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_grpo
 from trainer.batches import step_targets
 from trainer.config import resolve
@@ -186,43 +186,24 @@ def run_flags(tmp_path, name, data, dp=1, extra=()):
             "--cache_dir", f"{out}/c", "--metrics_file", f"{out}/metrics.jsonl", "--log_interval", "1", *extra]
 
 
-def metrics_of(argv):
-    return read_metrics(argv[argv.index("--metrics_file") + 1])
-
-
-# SGD: an update is linear in the gradient, so the layouts' fp32 reduction differences stay at rounding size in the
-# later steps; AdamW's first update is lr * sign(g), which turns the rounding of a near-zero gradient into a whole lr
-LAYOUT_OPTIMIZER = ["--optimizer", "sgd", "--momentum", "0", "--learning_rate", "0.5"]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A local rollout server, the prompts, and the single process's records with its completions."""
-    tmp_path = tmp_path_factory.mktemp("grpo_served")
     server = RolloutServer()
-    data = demo_slice(tmp_path, "rlaif", 40)
-    argv = run_flags(tmp_path, "single", data, extra=["--rollout_engine", "vllm", "--rollout_url", server.url,
-                                                      *LAYOUT_OPTIMIZER])
-    proc = forked(SCRIPT, argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    yield server, data, metrics_of(argv)
+    data, records = served_run(SCRIPT, run_flags, tmp_path_factory.mktemp("grpo_served"), server)
+    yield server, data, records
     server.close()
 
 
-@pytest.mark.parametrize("layout", [[], ["--zero_stage", "3"], ["--tp", "2"], ["--pp", "2"]],
-                         ids=["ddp", "zero3", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_equal_the_single_process(served, tmp_path, layout):
     """The same served completions trained under two processes: the same rewards, losses, KL and clipping as one
     process (the reference and the old-policy forwards run in the layout too)."""
     server, data, records = served
-    dp = 1 if layout and layout[0] in ("--tp", "--pp") else 2
     requests = len(server.requests)
-    argv = run_flags(tmp_path, "layout", data, dp=dp, extra=[
-        "--rollout_engine", "vllm", "--rollout_url", server.url, *LAYOUT_OPTIMIZER, *layout])
-    proc = forked(SCRIPT, argv, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, got = served_run(SCRIPT, run_flags, tmp_path, server, data, layout)
+    dp = 1 if layout in ("tp2", "pp2") else 2
     assert len(server.requests) - requests == 2 * 2 * dp  # 2 rollouts x 2 micro-batches, one request per replica
-    got = metrics_of(argv)
     assert [r["step"] for r in got] == [1, 2, 3]
     assert got[1]["clip_ratio/region_mean"] > 0  # the reused rollout's step clips: the old log-probs are tested
     for a, b in zip(got, records):  # fp32 reductions in other orders; the loss sums ~60 terms of size ~1

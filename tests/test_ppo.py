@@ -11,8 +11,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.weight_shapes import VALUE_HEAD
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
-from tests.rollout_server import RolloutServer
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_ppo
 from trainer.batches import step_targets
 from trainer.config import resolve
@@ -197,42 +197,22 @@ def run_flags(tmp_path, name, data, dp=1, extra=()):
             f"{out}/c", "--metrics_file", f"{out}/metrics.jsonl", "--log_interval", "1", *extra]
 
 
-def metrics_of(argv):
-    return read_metrics(argv[argv.index("--metrics_file") + 1])
-
-
-# SGD: an update is linear in the gradient, so the layouts' fp32 reduction differences stay at rounding size in the
-# later steps; AdamW's first update is lr * sign(g), which turns the rounding of a near-zero gradient into a whole lr
-LAYOUT_OPTIMIZER = ["--optimizer", "sgd", "--momentum", "0", "--learning_rate", "0.5"]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A local rollout server, the prompts, and the single process's records."""
-    tmp_path = tmp_path_factory.mktemp("ppo_served")
     server = RolloutServer()
-    data = demo_slice(tmp_path, "rlaif", 40)
-    argv = run_flags(tmp_path, "single", data, extra=["--rollout_engine", "vllm", "--rollout_url", server.url,
-                                                      *LAYOUT_OPTIMIZER])
-    proc = forked(SCRIPT, argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    yield server, data, metrics_of(argv)
+    data, records = served_run(SCRIPT, run_flags, tmp_path_factory.mktemp("ppo_served"), server)
+    yield server, data, records
     server.close()
 
 
-@pytest.mark.parametrize("layout", [[], ["--zero_stage", "3"], ["--tp", "2"], ["--pp", "2"]],
-                         ids=["ddp", "zero3", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layouts_equal_the_single_process(served, tmp_path, layout):
     """The same served completions trained under two processes: the same losses, value predictions, returns, KL and
     clipping as one process (the value head on the last pipeline stage, replicated under tp, sharded under ZeRO-3;
     the old log-probs, values and the reference in the layout; the advantages whitened over both ranks)."""
     server, data, records = served
-    dp = 1 if layout and layout[0] in ("--tp", "--pp") else 2
-    argv = run_flags(tmp_path, "layout", data, dp=dp, extra=[
-        "--rollout_engine", "vllm", "--rollout_url", server.url, *LAYOUT_OPTIMIZER, *layout])
-    proc = forked(SCRIPT, argv, nproc=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = metrics_of(argv)
+    _, got = served_run(SCRIPT, run_flags, tmp_path, server, data, layout)
     assert [r["step"] for r in got] == [1, 2, 3]
     assert got[1]["ppo/policy/clipfrac"] > 0 and got[1]["ppo/val/clipfrac"] > 0  # the reused rollout's step
     for a, b in zip(got, records):  # fp32 reductions in other orders; the loss sums ~60 terms of size ~1
