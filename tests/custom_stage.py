@@ -2,12 +2,13 @@
 the embeddings train, the weights file holds only them, and a flag of its own that a resume checks."""
 from dataclasses import dataclass
 
+from trainer.build import build_trainer, setup, steps_per_epoch
 from trainer.data_loading import load_datasets
 from trainer.flags import parse_args
 from trainer.launch import main_guard
 from trainer.schema import Flag
 from trainer.stage import SFTStage
-from trainer.train_loop import build_trainer, setup, steps_per_epoch, train
+from trainer.train_loop import train
 
 EMBEDDINGS = "model.embed_tokens.weight"
 

@@ -5,8 +5,8 @@ import os
 import torch
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.build import build_trainer, setup
 from trainer.flags import add_train_args
-from trainer.train_loop import build_trainer, setup
 
 SCRIPT = "trainer/train_pretrain.py"
 FAULT_SCRIPT = "tests/fault_entry.py"  # the same script, with faults injected from the test side

@@ -19,12 +19,13 @@ from torch.func import functional_call
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.build import build_trainer, setup
 from trainer.checkpoint import read_resume
 from trainer.flags import add_train_args
 from trainer.launch import ConfigError
 from trainer.minimind_resume import minimind_parameter_order
 from trainer.stage import Stage
-from trainer.train_loop import build_trainer, setup, train_step
+from trainer.train_loop import train_step
 
 # ----------------------------------------------------------------------------- MiniMind's registration order
 # Each __init__ below registers its children in the order of MiniMind's class of the same name; the forward is ours

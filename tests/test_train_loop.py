@@ -14,11 +14,12 @@ from torch.utils._pytree import tree_flatten
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.build import build_trainer, setup, steps_per_epoch
 from trainer.evaluation import evaluate
 from trainer.flags import add_train_args
 from trainer.metrics import StepTimer
 from trainer.progress import Bar, effective_log_interval, step_record
-from trainer.train_loop import build_trainer, setup, steps_per_epoch, train_step
+from trainer.train_loop import train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

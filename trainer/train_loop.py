@@ -1,5 +1,6 @@
-"""The training loop every stage runs: `setup` (phase 1), `build_trainer` (phases 3-6), `train()` (the loop),
-`train_step()` (one optimizer step). Entry scripts import it; stage modules never do (they sit below it).
+"""The training loop every stage runs: `train()` (phase 7, the loop) and `train_step()` (one optimizer step), on the
+Trainer that trainer/build.py's `setup` and `build_trainer` make. Entry scripts import it; stage modules never do (they
+sit below it).
 
 Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in plan.py
 (resolved by config.py), what a stage gives the loop in stage.py and objective.py, data in data_loading.py, a batch's
@@ -8,148 +9,37 @@ evaluation.py, the callbacks in callbacks.py, the parallel dimensions in paralle
 """
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from trainer.batches import autocast, shard_for_context, step_targets, to_device
-from trainer.callbacks import make_callbacks
-from trainer.checkpoint import Checkpointer, TrainState, read_resume, rng_state, set_rng_state, tied_aliases
-from trainer.checks import check_same_dtype
-from trainer.config import resolve
+from trainer.checkpoint import rng_state, set_rng_state
 from trainer.config_file import write_run_config
 from trainer.data_loading import epoch_loader
 from trainer.evaluation import evaluate
 from trainer.guard import (
-    Preemption,
     StepAbandoned,
-    StepGuard,
-    add_signal_points,
     check_replicas,
     scaler_found_inf,
 )
 from trainer.launch import (
     count_sum,
-    init_distributed_mode,
     is_main_process,
     local_value,
-    rank,
     set_collective_timeout,
-    setup_seed,
 )
-from trainer.metrics import StepTimer, enable_tf32, peak_flops, trim_heap
-from trainer.objective import LMObjective, add_stats, target_tokens
+from trainer.metrics import StepTimer, peak_flops, trim_heap
+from trainer.objective import add_stats, target_tokens
 from trainer.oom import out_of_memory_as_one_line
-from trainer.optim import build_optimizer
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
-from trainer.parallel.mesh import ParallelDims
-from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
 from trainer.progress import NO_BAR, Bar, effective_log_interval, make_tracker, messages_above_bar, step_record
-from trainer.rank_log import open_rank_log
-from trainer.schedule import lr_at, resume_note
-from trainer.stage import Stage
-from trainer.storage import checkpoint_bytes_estimate, room_warning
+from trainer.schedule import lr_at
 from trainer.tracking import StepProfiler
 from trainer.trainer_utils import Logger
-from trainer.weights_file import ensure_final_weights, init_model, save_weights
-
-
-@dataclass
-class Trainer:
-    """What a step needs: the plan, where this rank sits, what it trains, and where training stands."""
-    plan: object  # config.TrainPlan
-    config: object  # MiniMindConfig
-    dims: ParallelDims
-    model_parts: list  # this rank's pipeline stages, or [model]
-    pipeline: object  # parallel.pipeline.Pipeline when pp > 1, else None
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    progress: TrainState
-    steps_per_epoch: int
-    total_steps: int  # of the lr schedule (all epochs, or --max_steps)
-    checkpointer: Checkpointer
-    guard: StepGuard  # non-finite skips and the agreed preemption stop
-    objective: object = None  # what train_step minimises (trainer/objective.py); build_trainer sets LMObjective
-    callbacks: object = None  # callbacks.Callbacks: sinks, early stopping, best checkpoint, a user's
-    resumed: bool = False
-    started: bool = False  # the first step is done: collectives run under the per-step timeout
-    step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
-
-
-def setup(args, stage=Stage):
-    """Phase 1: check the flags into a TrainPlan (with the checked plan of `stage`, a trainer/stage.py Stage class),
-    start the process group and mesh, seed. Returns (plan, dims)."""
-    plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), stage)
-    layout, model = plan.layout, plan.model
-    if model.deterministic:  # read by cuBLAS when CUDA starts
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    init_distributed_mode(layout.device, layout.dist_init_timeout)
-    open_rank_log(plan.io.log_dir, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
-    enable_tf32(layout.device, strict=not model.tf32)  # before peak_flops reads the matmul precision
-    dims = ParallelDims.build(layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                              device_type=torch.device(layout.device).type)
-    Logger(dims.summary())
-    if model.dtype_note:  # --dtype auto
-        check_same_dtype(model.dtype, layout.device)  # each rank measured (or read) the rates itself
-        Logger(model.dtype_note)
-    setup_seed(plan.data.seed, model.deterministic)  # same seed on every rank: every rank builds the same full model
-    return plan, dims
-
-
-def build_model(config, plan, model_state=None):
-    """The plain full model on the plan's device: --from_weight (or resume) weights, else the seeded init."""
-    model = init_model(config, plan.model.from_weight)
-    if model_state is not None:
-        model.load_state_dict(model_state)
-    return model.to(plan.layout.device)
-
-
-def build_trainer(plan, dims, steps_per_epoch, objective=None):
-    """Phases 3-6: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once.
-
-    objective: what the stage minimises (plan.stage.objective(...), trainer/objective.py); None: LMObjective."""
-    config = plan.model.config
-    ckpt = read_resume(config, plan)
-    model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
-    model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
-    estimate = checkpoint_bytes_estimate(model, plan.io.save_dtype.itemsize)
-    warning = room_warning(plan.io.checkpoint_dir, estimate)
-    if warning:
-        Logger(warning)
-    model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
-    if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
-        add_signal_points(model_parts)
-    optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (trainer/optim.py), ZeRO-1 sharded or not
-    scaler = torch.amp.GradScaler(torch.device(plan.layout.device).type, enabled=plan.model.dtype == torch.float16)
-    progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
-    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=dict(
-        model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
-        tied=tied_aliases(pipeline, config), plan=plan, config=config, callbacks=callbacks), estimate=estimate)
-    guard = StepGuard(plan.guard.max_bad_steps,
-                      Preemption(plan.guard.grace_seconds, abandon=plan.layout.world_size == 1),
-                      plan.schedule.save_every_minutes * 60)
-    trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
-                      plan.lr.length(steps_per_epoch, plan.schedule.epochs), checkpointer, guard,
-                      objective=objective, callbacks=callbacks, resumed=ckpt is not None)
-    if ckpt is not None:
-        checkpointer.load(ckpt)
-        trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy
-        # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
-        progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
-        Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
-               f"({ckpt['world_size']} processes when saved)")
-        note = resume_note(ckpt.get("args"), plan.lr, trainer.total_steps, steps_per_epoch)
-        if note:
-            Logger(note)
-    return trainer
-
-
-def steps_per_epoch(plan, train_ds):
-    """Optimizer steps in one pass over `train_ds` (a partial last global batch is dropped)."""
-    return len(train_ds) // plan.data.global_batch
+from trainer.weights_file import ensure_final_weights, save_weights
 
 
 def train(trainer, train_ds, eval_ds=None):

@@ -4,11 +4,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
+from trainer.build import build_trainer, setup, steps_per_epoch
 from trainer.data_loading import load_datasets
 from trainer.flags import parse_args
 from trainer.launch import main_guard
 from trainer.stage import SFTStage
-from trainer.train_loop import build_trainer, setup, steps_per_epoch, train
+from trainer.train_loop import train
 
 
 def main():
