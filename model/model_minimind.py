@@ -466,8 +466,8 @@ class MiniMindModel(nn.Module):
             if bool(attention_mask.all()):  # generation without padding keeps the causal kernel (never in training)
                 attention_mask = None
         elif past_key_values is None and position_ids is not None:
-            # packed rows (the trainer passes position ids only with --doc_mask 1, a static choice): a mask for every
-            # batch alike, so no host sync asks whether it holds several documents and the compiled graph is one
+            # packed rows (the trainer passes position ids only for document-masked rows, a static choice): a mask for
+            # every batch alike, so no host sync asks whether it holds several documents and the compiled graph is one
             attention_mask = self.document_mask(position_ids)
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
