@@ -34,7 +34,7 @@ def run(line, cwd):
         line = line.replace(old, new)
     script, *args = shlex.split(line)
     extra = TRAINER_FLAGS if script.startswith("trainer/") else "--save_dir out --temperature 0 --max_new_tokens 8" \
-        if script.endswith("eval_llm.py") else ""
+        if script.endswith(("eval_llm.py", "eval_toolcall.py")) else ""
     proc = forked(script, args + shlex.split(extra), cwd=cwd, timeout=300)
     assert proc.returncode == 0, (line, proc.stdout[-2000:], proc.stderr[-3000:])
     return proc.stdout
@@ -50,8 +50,9 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     scripts = [line.split()[0] for line in commands]
     assert scripts == ["trainer/train_pretrain.py", "trainer/train_sft.py", "trainer/train_lora.py",
                        "trainer/train_dpo.py", "trainer/train_pretrain.py", "trainer/train_sft.py",
-                       "trainer/train_distillation.py", "scripts/eval_llm.py", "scripts/convert_model.py",
-                       "scripts/plot_metrics.py"], scripts
+                       "trainer/train_distillation.py", "trainer/train_grpo.py", "trainer/train_ppo.py",
+                       "trainer/train_agent.py", "scripts/eval_toolcall.py", "scripts/eval_llm.py",
+                       "scripts/convert_model.py", "scripts/plot_metrics.py"], scripts
     out, digests, outputs = os.path.join(str(tmp_path), "out"), {}, []
     for command in commands:
         outputs.append(run(command, str(tmp_path)))
@@ -60,7 +61,7 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
                             and os.path.join(root, n) not in digests})
     w = {name: os.path.join(out, name) for name in ("pretrain_64.pth", "full_sft_64.pth", "pretrain_64_moe.pth",
                                                      "full_sft_64_moe.pth", "lora/lora_identity_64.pth")}
-    pretrain, sft, lora, dpo, moe, moe_sft, distill, chat, export, plot = outputs
+    pretrain, sft, lora, dpo, moe, moe_sft, distill, grpo, ppo, agent, toolcall, chat, export, plot = outputs
     assert "initialised from --seed" in pretrain and "Done: 2 steps" in pretrain
     assert started_from(sft, w["pretrain_64.pth"], digests)
     assert started_from(lora, w["full_sft_64.pth"], digests) and os.path.isfile(w["lora/lora_identity_64.pth"])
@@ -69,11 +70,16 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     assert "initialised from --seed" in moe and started_from(moe_sft, w["pretrain_64_moe.pth"], digests)
     assert started_from(distill, w["full_sft_64.pth"], digests)  # the student; the teacher by default:
     assert f"teacher {w['full_sft_64_moe.pth']} (sha256 {digests[w['full_sft_64_moe.pth']]})" in distill
+    for stage, weights in ((grpo, "grpo_64.pth"), (ppo, "ppo_actor_64.pth"), (agent, "agent_64.pth")):
+        assert started_from(stage, w["full_sft_64.pth"], digests) and os.path.isfile(os.path.join(out, weights))
+    agent_weights = os.path.join(out, "agent_64.pth")
+    assert f"weights {agent_weights} (sha256 {digests[agent_weights]})" in toolcall  # the agent stage's output
+    assert re.search(r"tool-call eval: \d/9 passed", toolcall)
     assert (f"weights {w['full_sft_64.pth']} (sha256 {digests[w['full_sft_64.pth']]}) + LoRA adapter "
             f"{w['lora/lora_identity_64.pth']} (sha256 {digests[w['lora/lora_identity_64.pth']]})") in chat
     assert "verify: max abs logits diff" in export and os.path.isfile(os.path.join(out, "hf_64", "config.json"))
     assert plot.strip() == f"wrote {os.path.join(out, 'chain.png')}" and os.path.isfile(os.path.join(out, "chain.png"))
-    for stage in (pretrain, sft, lora, dpo, moe, moe_sft, distill):
+    for stage in (pretrain, sft, lora, dpo, moe, moe_sft, distill, grpo, ppo, agent):
         assert "Done: 2 steps" in stage and "preempted" not in stage
     # without the size flags SFT looks for the default model's file and names the one that exists
     missing = forked("trainer/train_sft.py", shlex.split(TRAINER_FLAGS), cwd=str(tmp_path), timeout=120)
