@@ -71,8 +71,8 @@ class Preemption:
                 os._exit(130)
             return
         self.requested = signal.Signals(signum).name
-        what = ("dropping the unfinished optimizer step, saving the last completed one" if self.abandon else
-                "finishing this optimizer step, then saving a checkpoint")
+        what = ("dropping the unfinished optimizer step, saving the last completed one" if self.in_step else
+                "finishing this optimizer step, then saving a checkpoint")  # outside a step's batches: it completes
         say(f"{self.requested}: {what} (--grace_seconds {self.grace_seconds})")
         self.timer = threading.Timer(self.grace_seconds, self._expire)
         self.timer.daemon = True
