@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.test_storage import small_disk  # noqa: F401  (the tmpfs fixture)
+from trainer.storage import DiskFullError
 from trainer.tracking import StepProfiler, Tracker, parse_profile_steps, truncate_metrics
 
 
@@ -301,3 +304,68 @@ def test_tracker_tensorboard_writes_under_the_save_dir(tmp_path):
     for name in ("loss", "grad_norm", "grad_clipped"):
         assert {e.step: e.value for e in events.Scalars(name)} == {r["step"]: float(np.float32(r[name]))
                                                                   for r in records}, name
+
+
+def fill(disk):
+    """Write a file on `disk` until it is full (what a run meets when another process fills its disk)."""
+    with open(os.path.join(disk, "filler"), "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    return os.path.join(disk, "filler")
+
+
+def test_a_full_disk_under_the_metrics_file_or_tensorboard_is_one_line(small_disk, tmp_path, capfd):  # noqa: F811
+    """The JSONL on a full disk: the first record's write is DiskFullError naming the file and the step; TensorBoard's
+    writer on a full disk (its thread dies writing the file header): the same line naming its folder, and no thread
+    traceback printed."""
+    disk = small_disk(1)
+    fill(disk)
+    tracker = Tracker(os.path.join(disk, "m.jsonl"), last_checkpoint=lambda: "/ckpt/step_3")
+    with pytest.raises(DiskFullError) as raised:
+        tracker.log(train_record(4, 8.0))
+    assert str(raised.value) == (f"disk full: cannot write the metrics of step 4 to {disk}/m.jsonl (No space left on "
+                                 "device); the last complete checkpoint is /ckpt/step_3; free space, then resume "
+                                 "with --from_resume 1")
+    tracker.close()
+    with pytest.raises(DiskFullError) as raised:
+        Tracker(tmp_path / "m.jsonl", tensorboard_dir=os.path.join(disk, "tb"), last_checkpoint=lambda: None)
+    assert str(raised.value) == (f"disk full: cannot write the metrics of step 1 to {disk}/tb (No space left on "
+                                 "device); no complete checkpoint yet; free space, then run again")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_disk_filled_mid_run_stops_at_the_metrics_write_and_the_resume_continues_exactly(
+        small_disk, tmp_path):  # noqa: F811
+    """The disk of --metrics_file fills after step 1 (checkpoints elsewhere, every step): the run goes on while the
+    JSONL's page has room, then stops at the first record that needs a new page with one line, exit 3, naming the
+    last checkpoint (the step before). Space freed, --from_resume 1 drops the cut line and logs each step once, with
+    the losses of an uninterrupted run (records are ~340 bytes: the 4 KiB page fills near step 12)."""
+    from tests.fault_entry import STAGE
+    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    disk, data, steps = small_disk(1), demo_slice(tmp_path, "pretrain", 128), 24
+    common = [*TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps",
+              "1", "--log_interval", "1", "--max_steps", str(steps), "--save_dir", str(tmp_path / "out")]
+    whole = forked("trainer/train_pretrain.py", [*common, "--checkpoint_dir", str(tmp_path / "ckpt0")], timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    want = {r["step"]: r["loss"] for r in read_metrics(str(tmp_path / "out" / "pretrain_64_metrics.jsonl"))}
+
+    ckpt, metrics = str(tmp_path / "ckpt"), os.path.join(disk, "m.jsonl")
+    args = [*common, "--checkpoint_dir", ckpt, "--save_interval", "1", "--metrics_file", metrics]
+    failed = forked("tests/fault_entry.py", args, env={STAGE: "train_pretrain",
+                                                       "MINIMIND_TEST_FILL_DISK": f"1:{disk}/filler"}, timeout=300)
+    assert failed.returncode == 3, failed.stdout[-2000:] + failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr and "Exception" not in failed.stderr, failed.stderr[-3000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    match = re.fullmatch(rf"error: disk full: cannot write the metrics of step (\d+) to {re.escape(metrics)} \(No "
+                         rf"space left on device\); the last complete checkpoint is {re.escape(ckpt)}/pretrain_64/"
+                         r"step_(\d+); free space, then resume with --from_resume 1", last)
+    assert match and 1 < int(match[1]) == int(match[2]) + 1, last
+    os.remove(f"{disk}/filler")
+    resumed = forked("trainer/train_pretrain.py", [*args, "--from_resume", "1"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert {r["step"]: r["loss"] for r in records} == want  # exact resume: the same float32 sums, the same order

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
+from trainer.checkpoint import latest_checkpoint
 from trainer.launch import is_main_process, per_rank, world_sum
 from trainer.metrics import peak_mem_gb
 from trainer.tracking import Tracker
@@ -98,7 +99,8 @@ def make_tracker(trainer):
                       use_wandb="swanlab" in plan.io.trackers, wandb="wandb" in plan.io.trackers,
                       wandb_project=plan.io.wandb_project, run_name=plan.io.run_name,
                       resume_id=progress.tracker_id, config=dict(plan.flags),
-                      resume_step=progress.global_step if trainer.resumed else 0)
+                      resume_step=progress.global_step if trainer.resumed else 0,
+                      last_checkpoint=lambda: latest_checkpoint(plan.io.run_dir))
     progress.tracker_id = tracker.run_id
     return tracker
 

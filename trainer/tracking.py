@@ -10,12 +10,15 @@ import importlib.util
 import json
 import os
 import sys
+import threading
+from contextlib import contextmanager
 
 import torch
 from tqdm import tqdm
 
 from trainer.launch import ConfigError, is_main_process
 from trainer.launch import rank as launch_rank
+from trainer.storage import FULL_ERRNOS, DiskFullError
 
 TRACKERS = ("swanlab", "wandb", "tensorboard", "none")
 
@@ -46,6 +49,22 @@ def truncate_metrics(path, step):
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)  # readers see the old file or the new one, never half of it
+
+
+@contextmanager
+def quiet_full_disk_in_threads():
+    """Within: a thread that dies of a full disk (TensorBoard's writer thread) prints nothing; the main thread meets
+    the same error (TensorBoard raises it again there) and says it in one line. Other thread errors print as usual."""
+    previous = threading.excepthook
+
+    def hook(args):
+        if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in FULL_ERRNOS):
+            previous(args)
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
 
 
 def scalars(record):
@@ -114,25 +133,30 @@ class Tracker:
 
     resume_id: the swanlab run id saved in the checkpoint (`.run_id`), so a resumed run continues that run.
     resume_step: the step the run resumes from; later records are dropped from the JSONL and TensorBoard.
+    last_checkpoint: () -> the newest complete checkpoint, named in the line of a full disk.
     """
 
     def __init__(self, metrics_path, *, is_main=True, console=True, tensorboard_dir=None, use_wandb=False,
-                 wandb_project="MiniMind", run_name=None, resume_id=None, config=None, resume_step=None, wandb=False):
-        self.run_id = resume_id
+                 wandb_project="MiniMind", run_name=None, resume_id=None, config=None, resume_step=None, wandb=False,
+                 last_checkpoint=None):
+        self.run_id, self.last_checkpoint = resume_id, last_checkpoint  # () -> the newest complete checkpoint or None
+        self.metrics_path, self.tensorboard_dir = os.path.abspath(metrics_path), tensorboard_dir
         self.is_main = is_main
         self.console = console
         self._file = self._writer = self._swanlab = self._wandb = None
         if not is_main:
             return
-        metrics_path = os.path.abspath(metrics_path)
-        os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
-        if resume_step is not None:
-            truncate_metrics(metrics_path, resume_step)
-        self._file = open(metrics_path, "a")
+        metrics_path, first = self.metrics_path, (resume_step or 0) + 1
+        with self._full_disk_as_one_line(metrics_path, first):
+            os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
+            if resume_step is not None:
+                truncate_metrics(metrics_path, resume_step)
+            self._file = open(metrics_path, "a")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # optional dependency: needs the tensorboard package
             purge_step = None if resume_step is None else resume_step + 1  # TensorBoard hides older events from here on
-            self._writer = SummaryWriter(tensorboard_dir, purge_step=purge_step)
+            with self._full_disk_as_one_line(tensorboard_dir, first), quiet_full_disk_in_threads():
+                self._writer = SummaryWriter(tensorboard_dir, purge_step=purge_step)
         plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
                  for k, v in (config or {}).items()}
         if use_wandb:  # MiniMind's flag name: swanlab
@@ -146,23 +170,55 @@ class Tracker:
             self.run_id = self.run_id or self._wandb.id
 
     def log(self, record):
-        """Write one record (it has "step") to every enabled sink; the JSONL line is flushed before returning."""
+        """Write one record (it has "step") to every enabled sink; the JSONL line is flushed before returning.
+
+        A full disk under the JSONL or TensorBoard files stops the run with one line (DiskFullError, exit 3): the
+        resume drops a line cut short and every record past its checkpoint, so nothing is logged twice or lost."""
         if not self.is_main:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with self._full_disk_as_one_line(self.metrics_path, record["step"]):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self.console:
             tqdm.write(console_line(record))  # keeps a tqdm progress bar intact
             sys.stdout.flush()
         values = scalars(record)
         if self._writer is not None:
-            for name, value in values.items():
-                self._writer.add_scalar(name, value, record["step"])
-            self._writer.flush()
+            with self._full_disk_as_one_line(self.tensorboard_dir, record["step"]), quiet_full_disk_in_threads():
+                for name, value in values.items():
+                    self._writer.add_scalar(name, value, record["step"])
+                self._writer.flush()
         if self._swanlab is not None:
             self._swanlab.log(values, step=record["step"])
         if self._wandb is not None:
             self._wandb.log(values, step=record["step"])
+
+    @contextmanager
+    def _full_disk_as_one_line(self, where, step):
+        """An OSError of a full disk inside the block: the files are dropped and DiskFullError names `where`."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in FULL_ERRNOS:
+                raise
+            self._drop_files()
+            last = self.last_checkpoint() if self.last_checkpoint else None
+            then = (f"the last complete checkpoint is {last}; free space, then resume with --from_resume 1" if last
+                    else "no complete checkpoint yet; free space, then run again")
+            error = DiskFullError(f"disk full: cannot write the metrics of step {step} to {where} ({e.strerror}); "
+                                  f"{then}")
+            error.every_rank = True  # rank 0's alone: it says it, the others stop on the lost peer
+            raise error from None
+
+    def _drop_files(self):
+        """Close the JSONL and TensorBoard files after a failed write, quietly (their buffers cannot be written)."""
+        for sink in (self._file, self._writer):
+            try:
+                if sink is not None:
+                    sink.close()
+            except OSError:
+                pass
+        self._file = self._writer = None
 
     def on_step_end(self, trainer, record):
         """The callback hooks (trainer/callbacks.py): log records, close at the end."""
