@@ -1,6 +1,7 @@
 """The one atomic writer: every file the trainer writes (weights, sidecars, checkpoints' own files, indexes, caches of
 measurements) is either the old one or the new one, never half of it, and a failed write (a full disk) leaves nothing.
 """
+import errno
 import json
 import os
 import shutil
@@ -64,3 +65,54 @@ def atomic_write_text(path, text):
 def atomic_json(obj, path):
     """`obj` as indented JSON at `path`, atomically."""
     atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=True).encode()))
+
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit (RLIMIT_FSIZE)
+FULL_WORDS = ("os error 28", "os error 122", "os error 27")  # the same, as safetensors' Rust writer words them
+
+
+def full_disk_reason(exc):
+    """Why `exc` means a full disk ("No space left on device", ...), or None: an OSError of FULL_ERRNOS in its chain,
+    or safetensors' SafetensorError, which carries the OS error only in its text."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in FULL_ERRNOS:
+            return seen.strerror
+        words = [w for w in FULL_WORDS if w in str(seen)]
+        if words:
+            return os.strerror(int(words[0].split()[-1]))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model")  # an HF folder's weight files and index
+
+
+@contextmanager
+def files_replaced_in(folder, last="config.json"):
+    """Yield a temporary folder beside `folder` to write a model folder's files into; when the block ends they replace
+    the files of the same names in `folder` one by one (each os.replace whole, each file fsynced first), `last`
+    removed first and put in place last: a folder cut off in between has no `last`, so it never loads as a mix of two
+    exports. An earlier export's weight files that this one does not write go; other files of `folder` stay. A block
+    that fails (a full disk) leaves `folder` as it was and no temporary folder."""
+    tmp = f"{os.path.abspath(folder)}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        names = sorted(os.listdir(tmp), key=lambda name: name == last)  # `last` at the end
+        for name in names:
+            if os.path.isfile(os.path.join(tmp, name)):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    os.fsync(f.fileno())
+        os.makedirs(folder, exist_ok=True)
+        stale = [n for n in os.listdir(folder) if n == last or (n.startswith(WEIGHT_FILE_PREFIXES) and n not in names)]
+        for name in sorted(stale, key=lambda n: n != last):  # `last` first: the folder stops loading before it changes
+            os.remove(os.path.join(folder, name))
+        for name in names:
+            target = os.path.join(folder, name)
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            os.replace(os.path.join(tmp, name), target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -29,6 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from model.atomic import files_replaced_in, full_disk_reason  # noqa: E402
 from model.hf_convert import save_hf_folder  # noqa: E402
 from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
@@ -112,17 +113,17 @@ def export(args):
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     if args.lora:
         model = merged_with_lora(model, config, args, save_dtype, tokenizer_dir)
-    os.makedirs(args.out_dir, exist_ok=True)
-    if args.format == "minimind":
-        out_model = MiniMindForCausalLM(config)
-        out_model.load_state_dict(model.state_dict())
-        out_model.config.auto_map = {"AutoConfig": "model_minimind.MiniMindConfig",
-                                     "AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"}
-        out_model.to(save_dtype).save_pretrained(args.out_dir)
-        shutil.copy(os.path.join(ROOT, "model", "model_minimind.py"), args.out_dir)  # the trust_remote_code module
-    else:
-        out_model = save_hf_folder(model.state_dict(), config, args.out_dir, save_dtype)
-    copy_tokenizer(tokenizer_dir, args.out_dir)
+    with files_replaced_in(args.out_dir) as folder:  # config.json last: a cut-off export never loads
+        if args.format == "minimind":
+            out_model = MiniMindForCausalLM(config)
+            out_model.load_state_dict(model.state_dict())
+            out_model.config.auto_map = {"AutoConfig": "model_minimind.MiniMindConfig",
+                                         "AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"}
+            out_model.to(save_dtype).save_pretrained(folder)
+            shutil.copy(os.path.join(ROOT, "model", "model_minimind.py"), folder)  # the trust_remote_code module
+        else:
+            out_model = save_hf_folder(model.state_dict(), config, folder, save_dtype)
+        copy_tokenizer(tokenizer_dir, folder)
     params = sum(p.numel() for p in out_model.parameters()) / 1e6
     print(f"wrote {type(out_model).__name__} ({params:.2f}M params, {save_dtype}) to {args.out_dir}")
     # in this process transformers 5 prefers our registered MiniMind class to the folder's copy of the same file;
@@ -234,7 +235,7 @@ def check_args(args):
 
 
 def main(argv=None):
-    """Run the conversion; returns the exit code (2: bad input, 1: exported logits differ, 0: ok)."""
+    """Run the conversion; returns the exit code (2: bad input, 1: exported logits differ, 3: a full disk, 0: ok)."""
     args = parse_args(argv)
     try:
         check_args(args)
@@ -244,6 +245,15 @@ def main(argv=None):
     except (ConfigError, WeightsError, LoraError, TokenizerMismatch) as e:
         print(f"error: {weights_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # a full disk: an OSError, or safetensors' SafetensorError
+        reason = full_disk_reason(e)
+        if reason is None:
+            raise
+        flag = "--out_dir" if args.to == "hf" else "--weight"
+        target = getattr(args, flag[2:]) + (f" and {args.merged_weight}" if args.lora else "")  # the merged .pth first
+        print(f"error: disk full writing {target} ({reason}); what was there is as it was; free space or choose "
+              f"another {flag}, then run again", file=sys.stderr)
+        return 3
     if diff is not None and not diff <= MAX_LOGIT_DIFF:  # NaN logits fail too
         print(f"error: logits differ by {diff:.3g} > {MAX_LOGIT_DIFF:g}; the converted folder is wrong",
               file=sys.stderr)

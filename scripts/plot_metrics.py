@@ -11,11 +11,15 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import pandas as pd
 from matplotlib.figure import Figure  # a plain Figure renders PNGs through Agg; no pyplot, no display
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from model.atomic import atomic_write, full_disk_reason  # noqa: E402
 
 # (column, panel title, y scale factor, y label)
 PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "validation loss"),
@@ -102,8 +106,15 @@ def main(argv=None):
         parser.exit(2, f"error: {e}; pass a --metrics_file the trainer wrote\n")
     out = os.path.abspath(args.out) if args.out else os.path.join(
         ROOT, "out", os.path.splitext(os.path.basename(args.files[0]))[0] + ".png")  # a default under the repo's out/
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    fig.savefig(out, dpi=args.dpi)
+    fmt = os.path.splitext(out)[1][1:].lower() or "png"
+    try:
+        atomic_write(out, lambda f: fig.savefig(f, dpi=args.dpi, format=fmt))  # the old image or the new one, whole
+    except OSError as e:
+        reason = full_disk_reason(e)
+        if reason is None:
+            raise
+        parser.exit(3, f"error: disk full writing {out} ({reason}); the image there is as it was; free space or "
+                       "choose another --out\n")
     print(f"wrote {out}")
 
 

@@ -15,6 +15,7 @@ from model.lora import apply_lora, save_lora
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.test_storage import fill, small_disk  # noqa: F401  (the tmpfs fixture)
 from tests.test_weights import tiny_qwen3, write_minimind_folder
 
 VOCAB = 6400  # the tokenizers copied are model/'s
@@ -273,3 +274,42 @@ def test_lora_for_another_model_is_one_error_line(tmp_path, capsys):
                              "--out_dir", str(tmp_path / "hf")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and expected in err and "\n" not in err, err
+
+
+def test_an_export_over_an_earlier_one_replaces_it_whole(tmp_path, capsys):
+    """A second export into the same folder: the folder loads as the new model (the source's logits), an earlier
+    export's weight shard that this one does not write is gone, a file of the user's stays, no temporary folder."""
+    first, second = (source_model(tiny(), seed) for seed in (0, 1))
+    out = tmp_path / "hf"
+    assert convert_main(["--weight", str(resume_checkpoint(tmp_path / "a.pth", first, ROOT + "/model")),
+                         "--out_dir", str(out)]) == 0
+    (out / "model-00002-of-00002.safetensors").write_bytes(b"an earlier, sharded export")
+    (out / "NOTES.md").write_text("the user's")
+    assert convert_main(["--weight", str(resume_checkpoint(tmp_path / "b.pth", second, ROOT + "/model")),
+                         "--out_dir", str(out)]) == 0
+    assert logits_diff(second, out) <= TOL and logits_diff(first, out) > 1e-2
+    assert not (out / "model-00002-of-00002.safetensors").exists() and (out / "NOTES.md").read_text() == "the user's"
+    assert sorted(os.listdir(tmp_path)) == ["a.pth", "b.pth", "hf"]
+
+
+@pytest.mark.parametrize("leave", [0, 256 * 1024], ids=["full", "fills_in_the_weights"])
+def test_an_export_that_fills_the_disk_is_one_line_and_the_earlier_export_still_loads(tmp_path, capsys, leave,
+                                                                                         small_disk):  # noqa: F811
+    """The disk is full before the second export (its config.json fails), or fills while the weights are written
+    (256 KiB left: safetensors' own error, no OSError): one line (exit 3) naming the folder, and the folder still
+    loads as the first export (its logits), with no temporary folder left beside it."""
+    first, second = (source_model(tiny(), seed) for seed in (0, 1))
+    disk = small_disk(8)
+    out = os.path.join(disk, "hf")
+    assert convert_main(["--weight", str(resume_checkpoint(tmp_path / "a.pth", first, ROOT + "/model")),
+                         "--out_dir", out]) == 0
+    fill(disk, leave)
+    capsys.readouterr()
+    assert convert_main(["--weight", str(resume_checkpoint(tmp_path / "b.pth", second, ROOT + "/model")),
+                         "--out_dir", out]) == 3
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (  # above it only transformers' "Writing model shards" bar, where it draws one
+        f"error: disk full writing {out} (No space left on device); what was there is as it was; free space or "
+        "choose another --out_dir, then run again") and "Traceback" not in err
+    assert logits_diff(first, out) <= TOL
+    assert sorted(os.listdir(disk)) == ["filler", "hf"]

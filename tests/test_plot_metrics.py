@@ -8,6 +8,7 @@ from matplotlib.image import imread
 
 from scripts.plot_metrics import load_metrics, plot
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.test_storage import fill, small_disk  # noqa: F401  (the tmpfs fixture)
 
 SCRIPT = "scripts/plot_metrics.py"
 
@@ -111,3 +112,17 @@ def test_bad_files_are_one_error_line_and_exit_2(tmp_path, content, extra, needl
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / "p.png")
+
+
+def test_a_full_disk_is_one_line_and_the_earlier_image_stays(runs, small_disk):  # noqa: F811
+    """A PNG is written whole or not at all: on a full disk the script says so in one line (exit 3), the image of the
+    earlier call is still there, byte for byte, and no temporary file is left."""
+    disk = small_disk(1)
+    out = os.path.join(disk, "loss.png")
+    assert forked(SCRIPT, [runs[0], "--out", out, "--dpi", "20"], timeout=120).returncode == 0
+    before = open(out, "rb").read()
+    fill(disk)
+    proc = forked(SCRIPT, [*runs, "--out", out, "--dpi", "60"], timeout=120)
+    assert proc.returncode == 3 and proc.stderr == (f"error: disk full writing {out} (No space left on device); the "
+                                                    "image there is as it was; free space or choose another --out\n")
+    assert open(out, "rb").read() == before and sorted(os.listdir(disk)) == ["filler", "loss.png"]

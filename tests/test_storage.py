@@ -47,6 +47,20 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def fill(disk, leave=0):
+    """Write a file on `disk` until it is full (what a run meets when another process fills its disk), then give
+    back `leave` bytes (tmpfs frees the pages of a truncated file)."""
+    path = os.path.join(disk, "filler")
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
+    os.truncate(path, max(0, os.path.getsize(path) - leave))
+    return path
+
+
 def statvfs_free(path):
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize

@@ -10,7 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.test_storage import small_disk  # noqa: F401  (the tmpfs fixture)
+from tests.test_storage import fill, small_disk  # noqa: F401  (the tmpfs fixture)
 from trainer.storage import DiskFullError
 from trainer.tracking import StepProfiler, Tracker, parse_profile_steps, truncate_metrics
 
@@ -304,17 +304,6 @@ def test_tracker_tensorboard_writes_under_the_save_dir(tmp_path):
     for name in ("loss", "grad_norm", "grad_clipped"):
         assert {e.step: e.value for e in events.Scalars(name)} == {r["step"]: float(np.float32(r[name]))
                                                                   for r in records}, name
-
-
-def fill(disk):
-    """Write a file on `disk` until it is full (what a run meets when another process fills its disk)."""
-    with open(os.path.join(disk, "filler"), "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError:
-            pass
-    return os.path.join(disk, "filler")
 
 
 def test_a_full_disk_under_the_metrics_file_or_tensorboard_is_one_line(small_disk, tmp_path, capfd):  # noqa: F811
