@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
+from trainer.guard import Preemption, StepAbandoned, StepGuard
 
 SCRIPT = "trainer/train_pretrain.py"
 
@@ -175,3 +176,38 @@ def test_grace_period_and_second_sigint_exit_non_zero(tmp_path):
     code, output = finish(proc, log)
     assert code == 130 and "error: second SIGINT: aborted at once" in output, output[-2000:]
     assert "preempted:" not in output
+
+
+@pytest.mark.parametrize("moment,line,dropped", [
+    ("batches", "dropping the unfinished optimizer step", True),  # the step's gradients are incomplete: dropped now
+    ("gradients_done", "finishing this optimizer step", False),  # the check sees it: the step completes and stops
+    ("checked", "dropping the unfinished optimizer step", True),  # the next step is dropped as it begins
+])
+def test_the_first_line_says_what_the_signal_will_do(moment, line, dropped, capsys):
+    """One process, SIGTERM at each moment of a step (the loop's calls in its order: data, gradients, the guard's
+    check, the next step's data): the line printed at once predicts what the loop then does."""
+    preemption = Preemption(60, abandon=True)
+    guard = StepGuard(5, preemption)
+
+    def signal_at(point):
+        if point == moment:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs on this thread before the next line
+    outcome = None
+    with preemption:
+        try:
+            with preemption.abandonable():
+                pass  # the step's data
+            with preemption.abandonable(gradients=True):
+                signal_at("batches")
+            signal_at("gradients_done")
+            guard.check(1.0, 1.0, True, "cpu")
+            if guard.stop:  # the loop saves this step and stops (should_stop)
+                outcome = "stopped"
+            else:
+                signal_at("checked")
+                with preemption.abandonable():
+                    pass  # the next step's data
+        except StepAbandoned:
+            outcome = "dropped"
+    assert outcome == ("dropped" if dropped else "stopped")
+    assert capsys.readouterr().out.startswith(f"SIGTERM: {line}")

@@ -40,7 +40,7 @@ class Preemption:
 
     def __init__(self, grace_seconds, abandon=False):
         self.grace_seconds, self.abandon = grace_seconds, abandon
-        self.requested, self.timer, self.previous, self.in_step = None, None, {}, False
+        self.requested, self.timer, self.previous, self.in_step, self.finishing = None, None, {}, False, False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread only
@@ -54,8 +54,11 @@ class Preemption:
             self.timer.cancel()
 
     @contextmanager
-    def abandonable(self):
-        """Within (one process): a signal, or one that came before, drops the step at once (StepAbandoned)."""
+    def abandonable(self, gradients=False):
+        """Within (one process): a signal, or one that came before, drops the step at once (StepAbandoned).
+
+        gradients: the block computes the step's gradients; once it is through, a signal lets the step finish
+        (StepGuard.check sees it), until the check (`finishing`): the first line says which will happen."""
         if self.abandon and self.requested is not None:
             raise StepAbandoned(self.requested)
         self.in_step = self.abandon
@@ -63,6 +66,7 @@ class Preemption:
             yield
         finally:
             self.in_step = False
+        self.finishing = gradients
 
     def _handle(self, signum, frame):
         if self.requested is not None:
@@ -71,8 +75,10 @@ class Preemption:
                 os._exit(130)
             return
         self.requested = signal.Signals(signum).name
-        what = ("dropping the unfinished optimizer step, saving the last completed one" if self.in_step else
-                "finishing this optimizer step, then saving a checkpoint")  # outside a step's batches: it completes
+        # several ranks always finish the step; one process drops it unless its gradients are complete (then the
+        # guard's check, next, sees the signal); between steps, the next one's first abandonable() drops it
+        what = ("finishing this optimizer step, then saving a checkpoint" if not self.abandon or self.finishing else
+                "dropping the unfinished optimizer step, saving the last completed one")
         say(f"{self.requested}: {what} (--grace_seconds {self.grace_seconds})")
         self.timer = threading.Timer(self.grace_seconds, self._expire)
         self.timer.daemon = True
@@ -128,6 +134,8 @@ class StepGuard:
         if check_norm:  # under the fp16 scaler an inf gradient norm is the scaler's (it skips and lowers the scale)
             bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=device))
         signalled = self.preemption is not None and self.preemption.requested is not None
+        if self.preemption is not None:
+            self.preemption.finishing = False  # a signal from here on drops the next step as it begins
         now = time.monotonic()  # due when the next step would end past --save_every_minutes since the last save
         due = bool(self.save_every_s) and now - self.saved_at + (now - self.checked_at) > self.save_every_s
         self.checked_at = now

@@ -181,7 +181,7 @@ def train_step(trainer, micro_batches, bar=None):
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     micro_batches = trainer.objective.prepare(trainer, micro_batches)  # e.g. GRPO: the prompts -> a rollout's rows
-    with trainer.guard.preemption.abandonable():  # one process: a signal drops these micro-batches at once
+    with trainer.guard.preemption.abandonable(gradients=True):  # one process: a signal drops these micro-batches
         ce, aux, stats, num_items, num_tokens = accumulate_gradients(trainer, micro_batches, bar or NO_BAR)
     scaler.unscale_(trainer.optimizer)
     grad_norm = clip_gradients(trainer, plan.optim.grad_clip)
