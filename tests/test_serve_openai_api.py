@@ -1,9 +1,14 @@
 """scripts/serve_openai_api.py, in-process through FastAPI's TestClient: the greedy answer is eval_llm's, a stream
 concatenates to the non-stream reply, usage counts the tokens, tool calls come back as tool_calls."""
 import json
+import threading
+import time
+from contextlib import contextmanager
 
+import openai
 import pytest
 import torch
+import uvicorn
 from fastapi.testclient import TestClient
 from transformers.generation import LogitsProcessor, LogitsProcessorList
 
@@ -13,6 +18,7 @@ from model.weights import save_weights_file
 from scripts.eval_llm import load_chat_model
 from scripts.eval_llm import main as eval_main
 from scripts.serve_openai_api import create_app, parse_args
+from tests.launch import free_port
 
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 PROMPT = "What is a list comprehension?"
@@ -215,3 +221,69 @@ def test_seeded_sampling_repeats(served):
     streamed = ask_stream(client, seed=7, **request)
     assert joined(streamed, "content") == first["choices"][0]["message"]["content"]
 
+
+
+@contextmanager
+def over_http(app):
+    """`app` served by uvicorn on a free local port (a thread of this process): the base URL of its /v1 API."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_the_openai_client_reads_the_reply_the_stream_and_the_usage(served):
+    """The official `openai` client over real HTTP: its parsed reply is the server's JSON reply (eval_llm's greedy
+    answer, tested above), its stream joins to the same text with the same usage, and it lists the model."""
+    _, args, model, tokenizer, client = served
+    request = dict(messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=24)
+    want = ask(client, **request)
+    with over_http(create_app(model, tokenizer, args)) as base_url:
+        api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        reply = api.chat.completions.create(model="minimind", **request)
+        chunks = list(api.chat.completions.create(model="minimind", stream=True,
+                                                  stream_options={"include_usage": True}, **request))
+        models = [m.id for m in api.models.list()]
+        with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+            api.chat.completions.create(model="minimind", messages=request["messages"], max_tokens=0)
+    message = want["choices"][0]["message"]
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == message["content"]
+    assert reply.choices[0].finish_reason == want["choices"][0]["finish_reason"]
+    assert reply.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == want["usage"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message["content"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == want["usage"]["total_tokens"]
+    assert models == ["minimind"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_openai_client_parses_tool_calls_and_reasoning(served, scripted, stream):
+    """A scripted tool call (with a think block) through the `openai` client: tool_calls parsed into its objects with
+    JSON-text arguments, the reasoning in `reasoning_content` (an extra field it keeps), the text without tags."""
+    model, _ = scripted
+    model.script = "The user wants the weather in Tokyo.\n</think>\n\nLet me check.\n" + CALL
+    with over_http(create_app(model, model.tokenizer, served[1])) as base_url:
+        api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        request = dict(model="minimind", messages=[{"role": "user", "content": "Weather in Tokyo?"}], max_tokens=64,
+                       tools=tool_schemas(["get_current_weather"]), extra_body={"open_thinking": True})
+        if stream:
+            chunks = list(api.chat.completions.create(stream=True, **request))
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            content = "".join(d.content or "" for d in deltas)
+            reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+            [calls] = [d.tool_calls for d in deltas if d.tool_calls]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = api.chat.completions.create(**request).choices[0]
+            content, calls, finish = choice.message.content, choice.message.tool_calls, choice.finish_reason
+            reasoning = choice.message.model_extra["reasoning_content"]
+    assert content == "Let me check." and reasoning == "The user wants the weather in Tokyo."
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0].function.name == "get_current_weather"
+    assert json.loads(calls[0].function.arguments) == {"location": "Tokyo"}
