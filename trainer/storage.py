@@ -9,16 +9,15 @@ RuntimeError "unexpected pos N vs M", which dcp.save wraps in a CheckpointExcept
 each rank's (exception, traceback) in .failures. So a failed save counts as a full disk when ENOSPC / EDQUOT /
 EFBIG appears anywhere in the exception chain or the failures, or when the directory is all but full afterwards.
 """
-import errno
 import os
 import shutil
 from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from model.atomic import full_disk_reason
 from trainer.launch import TrainingHalted
 
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit (RLIMIT_FSIZE)
 NEARLY_FULL_BYTES = 1 << 20  # free space below this after a failed write: the write filled the disk
 FP32_WEIGHT_BYTES, ADAM_MOMENT_BYTES = 4, 8  # per parameter in a resume checkpoint: fp32 weight, exp_avg + exp_avg_sq
 
@@ -149,7 +148,7 @@ def _chain(exc):
 
 def is_disk_full(exc, directory):
     """Whether `exc`, raised while writing under `directory`, comes from a full disk (see the module docstring)."""
-    if any(isinstance(e, OSError) and e.errno in FULL_ERRNOS for e in _chain(exc)):
+    if any(full_disk_reason(e) for e in _chain(exc)):  # an OSError of FULL_ERRNOS, or safetensors' wording of one
         return True
     return not isinstance(exc, (KeyboardInterrupt, SystemExit)) and free_bytes(directory) < NEARLY_FULL_BYTES
 

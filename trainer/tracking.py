@@ -16,9 +16,10 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from model.atomic import FULL_ERRNOS
 from trainer.launch import ConfigError, is_main_process
 from trainer.launch import rank as launch_rank
-from trainer.storage import FULL_ERRNOS, DiskFullError
+from trainer.storage import DiskFullError
 
 TRACKERS = ("swanlab", "wandb", "tensorboard", "none")
 
