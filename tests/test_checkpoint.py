@@ -21,11 +21,10 @@ from trainer.checkpoint import (
     latest_checkpoint,
     read_checkpoint_model,
     read_resume,
-    rng_state,
-    set_rng_state,
 )
 from trainer.launch import ConfigError
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
+from trainer.rank_files import rng_state, set_rng_state
 
 
 def tiny_config(**kw):

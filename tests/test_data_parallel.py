@@ -6,6 +6,7 @@ the reference. The same job checks full-state gathering across pipeline stages.
 """
 import copy
 import math
+import os
 
 import pytest
 import torch
@@ -584,6 +585,77 @@ def test_fp16_scaler_skips_on_every_rank_when_one_overflows(tmp_path):
     assert scale0 == scale1 == 2.0 ** 9
 
 
+class _OutOfOrder(nn.Module):
+    """Linear layers used in another order than registered: DDP's second bucket layout (the order gradients became
+    ready) differs from its first (registration order reversed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(128, 128) for _ in range(6))
+
+    def forward(self, x):
+        for i in (2, 0, 5, 3, 1, 4):
+            x = torch.tanh(self.layers[i](x))
+        return x
+
+
+def _powersgd_resume_worker(rank, world_size, out_path):
+    """Six steps of DDP + PowerSGD (start at 2, 64 KiB buckets: several, laid out anew after the first backward); the
+    same six steps as three, then a new DDP and hook that load the model and the hook's state_dict(), then three;
+    and the three without the hook's state. Each step's reduced gradients, per run."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer.parallel.powersgd import ResumablePowerSGD
+
+    def build(weights=None, hook_state=None):
+        torch.manual_seed(0)
+        model = _OutOfOrder()
+        if weights is not None:
+            model.load_state_dict(weights)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1 / 16)
+        hook = ResumablePowerSGD(None, 2, 2, {id(p): n for n, p in model.named_parameters()})
+        if hook_state is not None:
+            hook.load_state_dict(hook_state)
+        ddp.register_comm_hook(hook.state, hook.hook)
+        return ddp, hook
+
+    def train(ddp, steps):
+        grads = []
+        for step in steps:
+            x = torch.randn(8, 128, generator=torch.Generator().manual_seed(100 * step + rank))
+            ddp.zero_grad(set_to_none=True)
+            ddp(x).square().mean().backward()
+            grads.append([p.grad.clone() for p in ddp.parameters()])
+            with torch.no_grad():
+                for p in ddp.parameters():
+                    p -= 0.5 * p.grad
+        return grads
+
+    whole = train(build()[0], range(1, 7))
+    first, hook = build()
+    split = train(first, range(1, 4))
+    weights, saved = first.module.state_dict(), hook.state_dict()
+    buckets = len(hook.layouts)
+    split += train(build(weights, saved)[0], range(4, 7))
+    fresh = train(build(weights)[0], range(4, 7))
+    same = all(torch.equal(a, b) for s, t in zip(whole, split) for a, b in zip(s, t))
+    differs = any(not torch.equal(a, b) for s, t in zip(whole[3:], fresh) for a, b in zip(s, t))
+    results = [None] * world_size
+    dist.all_gather_object(results, (same, differs, buckets, sorted(saved["pieces"]) == sorted(
+        n for n, _ in first.module.named_parameters()), saved["iter"]))
+    if rank == 0:
+        torch.save(results, out_path)
+
+
+def test_powersgd_state_resumes_across_bucket_layouts(tmp_path):
+    """torch's PowerSGD keys its residuals and Qs by bucket index, and DDP's buckets hold other parameters in a new
+    process and again after its first backward: the saved state, per parameter, continues bitwise (every step's
+    reduced gradients equal the uninterrupted run's); without it the resumed steps differ."""
+    spawn(_powersgd_resume_worker, 2, str(tmp_path / "r.pt"), timeout=120, start_method="fork")
+    for same, differs, buckets, every_parameter, steps in torch.load(tmp_path / "r.pt"):
+        assert same and differs and buckets > 1 and every_parameter and steps == 3
+
+
 def test_powersgd_flags_reach_the_hook(tmp_path):
     """The real trainer, dp 2: --powersgd_start_step 2 all-reduces steps 1-2 exactly (the plain DDP run's gradient
     norms), compresses from step 3 on; --powersgd_rank 1 and 2 compress differently."""
@@ -604,3 +676,30 @@ def test_powersgd_flags_reach_the_hook(tmp_path):
         assert norms[name][:2] == pytest.approx(norms["plain"][:2], rel=1e-6)  # the warm-up: exact all-reduce
         assert abs(norms[name][2] - norms["plain"][2]) > 1e-3 * norms["plain"][2]  # compressed
     assert abs(norms["rank1"][2] - norms["rank2"][2]) > 1e-3 * norms["plain"][2]  # another approximation rank
+
+
+def test_powersgd_resumes_exactly_after_a_kill(tmp_path):
+    """The real trainer, dp 2, --powersgd_start_step 2: killed after step 4 (checkpoints every 2 steps), resumed from
+    step 4 in new processes, whose DDP lays its buckets out anew and again after their first backward. Steps 5-8
+    (compressed, with the residuals and Qs of step 4) equal the uninterrupted run's, loss and gradient norm, bitwise;
+    a resume without the saved state (torch's hook alone: zero residuals, new random Qs) differs."""
+    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    data = demo_slice(tmp_path, "pretrain", 64)
+
+    def args(name):
+        out = tmp_path / name
+        return [*TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "2", "--accumulation_steps",
+                "2", "--max_steps", "8", "--log_interval", "1", "--learning_rate", "1e-2", "--save_interval", "2",
+                "--grad_compression", "powersgd", "--powersgd_start_step", "2", "--save_dir", str(out),
+                "--checkpoint_dir", str(out / "ckpt"), "--metrics_file", str(out / "m.jsonl")]
+    whole = forked("trainer/train_pretrain.py", args("whole"), nproc=2, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = forked("tests/fault_entry.py", args("split"), nproc=2, timeout=300,
+                    env={"MINIMIND_TEST_KILL_AT_STEP": "5", "MINIMIND_TEST_KILL_RANK": "1"})
+    assert killed.returncode != 0 and "SIGKILL rank 1 at step 5" in killed.stdout + killed.stderr
+    assert sorted(os.listdir(tmp_path / "split" / "ckpt" / "pretrain_64")) == ["step_2", "step_4"]
+    resumed = forked("trainer/train_pretrain.py", [*args("split"), "--from_resume", "1"], nproc=2, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = (read_metrics(str(tmp_path / name / "m.jsonl")) for name in ("whole", "split"))
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [(r["loss"], r["grad_norm"]) for r in got] == [(r["loss"], r["grad_norm"]) for r in want]

@@ -28,7 +28,7 @@ from trainer.parallel.parallelize import parallelize
 from trainer.rank_log import open_rank_log
 from trainer.schedule import resume_note
 from trainer.stage import Stage
-from trainer.storage import checkpoint_bytes_estimate, room_warning
+from trainer.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.trainer_utils import Logger
 from trainer.weights_file import init_model
 
@@ -92,6 +92,8 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
     model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
     estimate = checkpoint_bytes_estimate(model, plan.io.save_dtype.itemsize)
+    if plan.layout.grad_compression == "powersgd" and plan.layout.dp > 1:  # each rank's fp32 residuals beside it
+        estimate += plan.layout.dp * FP32_WEIGHT_BYTES * sum(p.numel() for p in model.parameters() if p.requires_grad)
     warning = room_warning(plan.io.checkpoint_dir, estimate)
     if warning:
         Logger(warning)

@@ -5,8 +5,9 @@ directory named as weights).
       __*.distcp, .metadata   model + optimizer (sharded_state_dict: FQN-keyed, DTensor shards stay shards)
       train_state.pt          rank 0: format_version, train_state (TrainState), scaler, world_size, global_batch,
                               layout, args (the flags as typed), config
-      rng_<rank>.pt           each rank's RNG states
-      objective_<rank>.pt     each rank's objective state, where it has one (GRPO: a rollout being reused)
+      rng_<rank>.pt           each rank's own files (trainer/rank_files.py): RNG states; the objective's state,
+      objective_<rank>.pt       where it has one (GRPO: a rollout being reused); PowerSGD's residuals and Qs
+      powersgd_<rank>.pt        (--grad_compression powersgd)
       complete.json           written last, by rank 0, once every rank's shards are written: only then it counts
 DCP reshards on load, so a run may resume under another layout. The weights file: trainer/weights_file.py.
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
@@ -14,7 +15,6 @@ MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when 
 """
 import json
 import os
-import random
 import re
 import shutil
 import threading
@@ -22,7 +22,6 @@ import warnings
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -38,6 +37,7 @@ from trainer.parallel.state_dict import (
     load_sharded_state,
     sharded_state_dict,
 )
+from trainer.rank_files import load_rank_files, save_rank_files
 from trainer.resume_fields import check_resume_fields, resume_fields
 from trainer.storage import check_room, disk_full_as_one_line, tree_bytes
 from trainer.trainer_utils import Logger
@@ -67,26 +67,6 @@ class TrainState:
     def load_state_dict(self, state):
         for key, value in state.items():
             setattr(self, key, value)
-
-
-def rng_state():
-    """This rank's RNG states; CUDA's of its current device only, so a run resumes on fewer visible GPUs."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if cuda is not None and torch.cuda.is_available():
-        if isinstance(cuda, (list, tuple)):  # earlier checkpoints held every visible GPU's (get_rng_state_all)
-            device = torch.cuda.current_device()
-            cuda = cuda[device] if device < len(cuda) else cuda[0]
-        torch.cuda.set_rng_state(cuda)  # the current device: init_distributed_mode set it to the local rank
 
 
 def check_config(saved, config, path):
@@ -213,20 +193,6 @@ def tied_aliases(pipeline, config):
     return TIED_EMBEDDING if pipeline is not None and config.tie_word_embeddings else None
 
 
-def objective_file(path, rank_):
-    return os.path.join(path, f"objective_{rank_}.pt")
-
-
-def restore_objective(objective, path, same_world):
-    """An objective's saved state (e.g. GRPO's rollout in reuse); it is this rank's data, so only in the same world."""
-    file = objective_file(path, rank())
-    if os.path.isfile(file) and not same_world:
-        raise ConfigError(f"{path} holds per-rank objective state (a rollout being reused) saved with another number "
-                          "of processes; resume with the same number, or from a step where no rollout is reused")
-    if os.path.isfile(file):
-        objective.load_state_dict(torch.load(file, weights_only=False))
-
-
 class Checkpointer:
     """Writes resume checkpoints of its stateful parts, one DCP directory per save; keeps the newest `keep` complete
     ones (0: all). `parts`: model_parts, optimizer, scaler, progress (TrainState), objective (its per-rank
@@ -260,19 +226,15 @@ class Checkpointer:
         """Restore the parts from read_resume's `ckpt`: model and optimizer from the DCP shards, resharded into this
         layout (MiniMind's file: its optimizer; its model was loaded before parallelizing), scaler, RNG (the same
         rank's file when the world size matches, else rank 0's), objective, TrainState and callbacks."""
-        parts, rng = self.parts, None  # MiniMind's resume file saves no RNG state
+        parts = self.parts
         if "dcp_path" in ckpt:
             load_sharded_state(parts["model_parts"], parts["optimizer"], ckpt["dcp_path"], tied_aliases=parts["tied"])
             same_world = ckpt["world_size"] == parts["plan"].layout.world_size  # else every rank takes rank 0's
-            rng_file = os.path.join(ckpt["dcp_path"], f"rng_{rank() if same_world else 0}.pt")
-            rng = torch.load(rng_file, weights_only=False)
-            restore_objective(parts["objective"], ckpt["dcp_path"], same_world)
-        else:
+            load_rank_files(ckpt["dcp_path"], parts["objective"], parts["model_parts"], same_world)
+        else:  # MiniMind's resume file: no RNG state
             load_full_state(parts["model_parts"], [parts["optimizer"]], None, ckpt["optimizer"],
                             tied_aliases=parts["tied"])
         parts["scaler"].load_state_dict(ckpt["scaler"])
-        if rng is not None:
-            set_rng_state(rng)
         parts["progress"].load_state_dict(ckpt["train_state"])
         parts["callbacks"].load_state_dict(ckpt.get("callbacks", {}))  # early stopping, best checkpoint, a user's
 
@@ -285,10 +247,7 @@ class Checkpointer:
         parts = self.parts
         if rank() == 0:
             atomic_save(self.train_state(), os.path.join(path, "train_state.pt"))
-        atomic_save(rng_state(), os.path.join(path, f"rng_{rank()}.pt"))
-        objective_state = parts["objective"].state_dict()
-        if objective_state:
-            atomic_save(objective_state, objective_file(path, rank()))
+        save_rank_files(path, parts["objective"], parts["model_parts"])
         state = sharded_state_dict(parts["model_parts"], parts["optimizer"], parts["tied"])
         if not self.async_save:
             self.write(state, path)

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from trainer.batches import autocast, shard_for_context, step_targets, to_device
-from trainer.checkpoint import rng_state, set_rng_state
 from trainer.config_file import write_run_config
 from trainer.data_loading import epoch_loader
 from trainer.evaluation import evaluate
@@ -36,6 +35,7 @@ from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
 from trainer.parallel.tensor import tp_loss_context
 from trainer.progress import NO_BAR, Bar, effective_log_interval, make_tracker, messages_above_bar, step_record
+from trainer.rank_files import rng_state, set_rng_state
 from trainer.schedule import lr_at
 from trainer.tracking import StepProfiler
 from trainer.trainer_utils import Logger

@@ -10,12 +10,13 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.parallel.perf import decoder_blocks
+from trainer.parallel.powersgd import ResumablePowerSGD
 
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_COMPRESSIONS = ("none", "bf16", "powersgd")
@@ -57,9 +58,10 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
         ddp_model.register_comm_hook(group, default_hooks.bf16_compress_hook if nccl else _bf16_compress_hook)
     elif grad_compression == "powersgd":
         # Until start_powerSGD_iter the hook does a plain (exact) all-reduce: the warm-up phase.
-        state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=powersgd_start_iter)
-        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = ResumablePowerSGD(group, powersgd_rank, powersgd_start_iter,
+                                 {id(p): name for name, p in ddp_model.module.named_parameters()})
+        ddp_model.register_comm_hook(hook.state, hook.hook)
+        ddp_model.comm_hook = hook  # its state goes into resume checkpoints (trainer/checkpoint.py)
 
 
 def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,
