@@ -74,8 +74,9 @@ FULL_WORDS = ("os error 28", "os error 122", "os error 27")  # the same, as safe
 def full_disk_reason(exc):
     """Why `exc` means a full disk ("No space left on device", ...), or None: an OSError of FULL_ERRNOS in its chain,
     or safetensors' SafetensorError, which carries the OS error only in its text."""
-    seen = exc
-    while seen is not None:
+    seen, visited = exc, set()
+    while seen is not None and id(seen) not in visited:  # `raise a from b` can close a loop
+        visited.add(id(seen))
         if isinstance(seen, OSError) and seen.errno in FULL_ERRNOS:
             return seen.strerror
         words = [w for w in FULL_WORDS if w in str(seen)]

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from model.atomic import FULL_ERRNOS
+from model.atomic import full_disk_reason
 from trainer.launch import ConfigError, is_main_process
 from trainer.launch import rank as launch_rank
 from trainer.storage import DiskFullError
@@ -59,7 +59,7 @@ def quiet_full_disk_in_threads():
     previous = threading.excepthook
 
     def hook(args):
-        if not (isinstance(args.exc_value, OSError) and args.exc_value.errno in FULL_ERRNOS):
+        if full_disk_reason(args.exc_value) is None:
             previous(args)
     threading.excepthook = hook
     try:
@@ -200,13 +200,14 @@ class Tracker:
         try:
             yield
         except OSError as e:
-            if e.errno not in FULL_ERRNOS:
+            reason = full_disk_reason(e)
+            if reason is None:
                 raise
             self._drop_files()
             last = self.last_checkpoint() if self.last_checkpoint else None
             then = (f"the last complete checkpoint is {last}; free space, then resume with --from_resume 1" if last
                     else "no complete checkpoint yet; free space, then run again")
-            error = DiskFullError(f"disk full: cannot write the metrics of step {step} to {where} ({e.strerror}); "
+            error = DiskFullError(f"disk full: cannot write the metrics of step {step} to {where} ({reason}); "
                                   f"{then}")
             error.every_rank = True  # rank 0's alone: it says it, the others stop on the lost peer
             raise error from None
