@@ -211,3 +211,38 @@ def test_the_first_line_says_what_the_signal_will_do(moment, line, dropped, caps
             outcome = "dropped"
     assert outcome == ("dropped" if dropped else "stopped")
     assert capsys.readouterr().out.startswith(f"SIGTERM: {line}")
+
+
+REENTRANT_WRITE = """
+import io, os, signal, sys
+sys.path.insert(0, {root!r})
+from trainer.guard import Preemption
+
+class Raw(io.RawIOBase):  # stderr's file descriptor, and the signal arriving inside the buffered writer's write
+    def __init__(self, signal_first):
+        self.signal_first = signal_first
+    def writable(self):
+        return True
+    def fileno(self):
+        return 2
+    def write(self, data):
+        arrive, self.signal_first = self.signal_first, None
+        if arrive:
+            arrive()
+        return os.write(2, data)
+
+preemption = Preemption(60, abandon=True)
+preemption.requested = "SIGINT"  # the first SIGINT came before
+sys.stderr = io.TextIOWrapper(io.BufferedWriter(Raw(lambda: preemption._handle(signal.SIGINT, None))))
+print("a warning printed during the save", file=sys.stderr, flush=True)
+"""
+
+
+def test_a_signal_inside_a_write_to_the_same_stream_still_says_its_line():
+    """A second SIGINT whose handler runs while the main thread is inside a write to stderr (CI: a warning printed by
+    the save of the dropped step): the buffered writer refuses the handler's reentrant write, so the line goes to the
+    file descriptor, and the exit code is the abort's, 130, not a traceback's 1."""
+    proc = subprocess.run([sys.executable, "-c", REENTRANT_WRITE.format(root=ROOT)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert proc.stderr.strip() == "error: second SIGINT: aborted at once, without a checkpoint of this step"

@@ -71,7 +71,7 @@ class Preemption:
     def _handle(self, signum, frame):
         if self.requested is not None:
             if signum == signal.SIGINT:
-                say("error: second SIGINT: aborted at once, without a checkpoint of this step", sys.stderr)
+                say_from_handler("error: second SIGINT: aborted at once, without a checkpoint of this step", sys.stderr)
                 os._exit(130)
             return
         self.requested = signal.Signals(signum).name
@@ -79,7 +79,7 @@ class Preemption:
         # guard's check, next, sees the signal); between steps, the next one's first abandonable() drops it
         what = ("finishing this optimizer step, then saving a checkpoint" if not self.abandon or self.finishing else
                 "dropping the unfinished optimizer step, saving the last completed one")
-        say(f"{self.requested}: {what} (--grace_seconds {self.grace_seconds})")
+        say_from_handler(f"{self.requested}: {what} (--grace_seconds {self.grace_seconds})")
         self.timer = threading.Timer(self.grace_seconds, self._expire)
         self.timer.daemon = True
         self.timer.start()
@@ -90,6 +90,18 @@ class Preemption:
         print(f"\nerror: {self.requested}: the step and its checkpoint did not finish within --grace_seconds "
               f"{self.grace_seconds}; exiting without them", file=sys.stderr, flush=True)
         os._exit(124)
+
+
+def say_from_handler(text, file=None):
+    """say() from a signal handler. It runs on the main thread between two of its bytecodes, which may be inside a
+    write to the same stream (a log line, a warning printed during a save), and a buffered writer refuses the second,
+    reentrant write (RuntimeError): the line then goes straight to the stream's file descriptor."""
+    try:
+        say(text, file)
+    except RuntimeError as e:
+        if "reentrant" not in str(e):
+            raise
+        os.write((file or sys.stdout).fileno(), f"\n{text}\n".encode())
 
 
 def add_signal_points(model_parts):
