@@ -129,7 +129,8 @@ class Engine:
             sampling.update(min_new_tokens=generation.min_tokens)
         started = time.time()
         for index in range(generation.n):
-            if not (job.cancelled.is_set() or self.closing.is_set() or time.time() - started > self.time_limit):
+            late = index > 0 and time.time() - started > self.time_limit  # the first choice gets one token at least
+            if not (job.cancelled.is_set() or self.closing.is_set() or late):
                 criteria = StoppingCriteriaList([_Flags(job.cancelled, self.closing),
                                                  MaxTimeCriteria(self.time_limit, started)])
                 if generation.stop:  # built here: generate(tokenizer=...) reaches the model's forward on some versions
