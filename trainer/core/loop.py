@@ -1,4 +1,4 @@
-"""The training loop every stage runs: `train()` (phase 7, the loop) and `train_step()` (one optimizer step), on the
+"""The training loop every stage runs: `train()` (phase 8, the loop) and `train_step()` (one optimizer step), on the
 Trainer that trainer/core/build.py's `setup` and `build_trainer` make. Entry scripts import it; stage modules never do
 (they sit below it).
 
