@@ -4,6 +4,7 @@ same."""
 import json
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer
 from model.hf_convert import save_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from scripts.eval_bench import MINIMIND_TASKS, main
+from scripts.eval_bench import INSTALL, MINIMIND_TASKS, main
 from tests.launch import ROOT
 
 lm_eval = pytest.importorskip("lm_eval")  # requirements.txt installs it; a bare environment skips, naming it
@@ -154,3 +155,12 @@ def test_minimind_tasks_are_lm_eval_names():
     manager = TaskManager()
     known = set(manager.all_tasks) | set(manager.all_groups)
     assert set(MINIMIND_TASKS) <= known, set(MINIMIND_TASKS) - known
+
+
+def test_missing_lm_eval_is_one_line_naming_the_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import lm_eval` meets where it is not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tasks", "piqa"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 3 and err.startswith("error: lm-eval is not installed") and "\n" not in err
+    assert err.endswith(INSTALL) and INSTALL.startswith("pip install 'lm-eval")
