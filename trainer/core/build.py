@@ -65,8 +65,7 @@ def setup(args, stage=Stage):
     init_distributed_mode(layout.device, layout.dist_init_timeout)
     open_rank_log(plan.io.log_dir, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
     enable_tf32(layout.device, strict=not model.tf32)  # before peak_flops reads the matmul precision
-    dims = ParallelDims.build(layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                              device_type=torch.device(layout.device).type)
+    dims = ParallelDims.build(layout.world_size, device_type=torch.device(layout.device).type, **layout.model_sizes)
     Logger(dims.summary())
     if model.dtype_note:  # --dtype auto
         check_same_dtype(model.dtype, layout.device)  # each rank measured (or read) the rates itself
