@@ -4,6 +4,7 @@
     python scripts/eval_llm.py --load_from out/hf_model --interactive 1        # any HF folder: ours, MiniMind's, Qwen3
     python scripts/eval_llm.py --load_from ./minimind-3 --open_thinking 1 --prompt "Why is the sky blue?"
     python scripts/eval_llm.py --weight full_sft --lora lora_identity   # base + adapter (out/lora/<name>_<hidden>.pth)
+    python scripts/eval_llm.py --weight full_sft --inference_rope_scaling 1   # MiniMind-3's YaRN for long prompts
 
 --interactive 1 reads turns from stdin and keeps the conversation history (an empty line or EOF ends it).
 Typed relative paths resolve against the current directory, the defaults against the repository root.
@@ -152,6 +153,11 @@ def load_chat_model(args):
     (LOAD_ERRORS) name what to change."""
     check_args(args)
     model, weights = load_model(args)
+    if args.inference_rope_scaling:  # MiniMind-3's YaRN at inference: the rotary reads the config at every call
+        if not isinstance(model, MiniMindForCausalLM):
+            raise ConfigError(f"--inference_rope_scaling applies to MiniMind weights; {weights} is a "
+                              f"{type(model).__name__} (its config.json's rope_scaling decides)")
+        model.config.inference_rope_scaling = True
     adapter = lora_path(args, model.config) if args.lora else None
     if adapter:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
         apply_lora_file(model, adapter)
@@ -281,6 +287,8 @@ def add_model_args(parser, weight="pretrain"):
     parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
     parser.add_argument("--num_experts", type=int, default=4)
     parser.add_argument("--num_experts_per_tok", type=int, default=1)
+    parser.add_argument("--inference_rope_scaling", type=int, nargs="?", const=1, default=0, choices=[0, 1],
+                        help="1 (or the bare flag, as in MiniMind): YaRN RoPE scaling, factor 16 over 2048 positions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
