@@ -28,7 +28,7 @@ from trainer.plan.flags import add_train_args  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
-from trainer.runtime.metrics import model_flops_per_token, peak_flops, step_flops  # noqa: E402
+from trainer.runtime.metrics import model_flops_per_token, peak_and_status, step_flops  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
 
 # the benchmark's default model: MiniMind's small config
@@ -203,10 +203,11 @@ def main(argv=None):
         return
     os.makedirs(os.path.dirname(args.results_path), exist_ok=True)
     device = flags.get("device", "cpu")
-    peaks = {"float32": args.peak_fp32 or peak_flops(device, torch.float32),
-             "bfloat16": peak_flops(device, torch.bfloat16)}
+    (fp32, provisional), (bf16, _) = (peak_and_status(device, dtype) for dtype in (torch.float32, torch.bfloat16))
+    peaks = {"float32": args.peak_fp32 or fp32, "bfloat16": bf16}
     print(f"machine: {machine_description(device)} | torch {torch.__version__} | measured matmul peak: "
-          f"fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s", flush=True)
+          f"fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s"
+          + (" (provisional: measured on busy cores, so MFU reads high)" if provisional else ""), flush=True)
     pairs = []
     for repeat in range(args.repeats):  # alternate baseline and config: both see the same machine load
         suffix = f"-r{repeat + 1}" if args.repeats > 1 else ""

@@ -7,8 +7,10 @@ import time
 import pytest
 import torch
 
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.plan.checks import resolve_dtype
 from trainer.runtime import metrics
+from trainer.runtime.tracking import console_line
 
 NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -72,18 +74,58 @@ def test_peak_is_not_below_any_matmul_measured_here(fresh_rates):
             assert rate <= 1.25 * peak, (dtype, (m, k, n), rate / 1e9, peak / 1e9)
 
 
-def test_rates_are_cached_and_a_busy_measurement_is_taken_again(fresh_rates, monkeypatch):
-    """One measurement per CPU model, torch version and thread count; one taken while other processes held the cores
-    is replaced by the next run's, the best rate kept (so a busy start can only make the peak rise later)."""
+def test_a_busy_measurement_is_never_the_peak_and_the_mfu_line_says_provisional(fresh_rates, monkeypatch):
+    """A measurement on busy cores (injected: measure_cpu_rates is the test entry point) is used for nothing but a
+    provisional MFU: it is not written to the cache, --dtype auto does not decide from it, and the console line says
+    so; a later quiet measurement (the retry at a log step) becomes the cached peak and the line loses the word."""
     key = metrics.cpu_rates_key()
     fresh_rates.write_text(json.dumps({key: {"float32": 1.0, "bfloat16": 1.0, "bfloat16_autocast": 1.0,
-                                             "busy": True}, "other cpu": {"float32": 5.0, "busy": False}}))
-    monkeypatch.setattr(metrics, "cpu_busy", lambda: False)
-    rates = metrics.cpu_matmul_rates()
-    saved = json.loads(fresh_rates.read_text())
-    assert saved["other cpu"] == {"float32": 5.0, "busy": False} and saved[key] == rates
-    assert rates["busy"] is False and rates["float32"] > 1e8  # measured again: a real rate, not the busy 1 FLOP/s
-    saved[key]["float32"] = 7.0  # a quiet entry is read, not measured again
-    fresh_rates.write_text(json.dumps(saved))
-    monkeypatch.setattr(metrics, "_PEAK_CACHE", {})
-    assert metrics.cpu_matmul_rates()["float32"] == 7.0 == metrics.peak_flops("cpu", torch.float32)
+                                             "busy": False}}))  # an entry of the version that trusted load averages
+    busy = dict(float32=4e10, bfloat16=8e10, bfloat16_autocast=3e10, quiet=False)  # bf16 looks no faster under load
+    quiet = dict(float32=2e11, bfloat16=1e12, bfloat16_autocast=8e11, quiet=True)
+    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda: dict(busy))
+    monkeypatch.setattr(metrics, "cpu_bf16_native", lambda: True)
+    clock = iter(float(t) for t in range(100)).__next__
+    timer = metrics.step_timer("cpu", torch.float32, world_size=1, clock=clock)
+    assert (timer.peak, timer.provisional) == (4e10, True)
+    assert json.loads(fresh_rates.read_text())[key]["busy"] is False  # untouched: the busy rates were not cached
+    dtype, note = resolve_dtype("auto", "cpu")  # bf16 for the native bf16 unit, not fp32 from the busy ratio
+    assert dtype == torch.bfloat16 and "were busy" in note and "decides nothing" in note
+    timer.add(100, 4e10)
+    line = console_line(dict(step=1, mfu=timer.rates()[1], mfu_provisional=timer.mfu_provisional or None))
+    assert "mfu 100.0% | mfu peak provisional (CPU measured on busy cores)" in line
+    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda: dict(quiet))
+    monkeypatch.setattr(metrics, "cores_free_of_others", lambda: True)
+    for entry in metrics._PEAK_CACHE.values():
+        entry["retry_at"] = 0.0  # RETRY_S have passed
+    timer.add(100, 4e10)
+    assert timer.rates()[1] == 1.0 and timer.mfu_provisional  # that window was against the busy peak; then the retry
+    assert (timer.peak, timer.provisional) == (2e11, False)
+    assert json.loads(fresh_rates.read_text())[key] == quiet
+    timer.add(100, 4e10)
+    line = console_line(dict(step=2, mfu=timer.rates()[1], mfu_provisional=timer.mfu_provisional or None))
+    assert line == "step 2 | mfu 20.0%"
+    monkeypatch.setattr(metrics, "_PEAK_CACHE", {})  # a new process reads the quiet entry, measures nothing
+    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda: pytest.fail("measured again"))
+    assert metrics.peak_and_status("cpu", torch.bfloat16) == (1e12, False)
+    assert resolve_dtype("auto", "cpu")[0] == torch.bfloat16
+
+
+def test_mfu_is_model_flops_over_time_over_the_quiet_peak(fresh_rates, monkeypatch):
+    """The MFU the trainer prints, by hand: 6 x the real model's matmul weights + causal attention, per token, x the
+    window's tokens / its seconds (a test clock) / the quiet bf16 peak."""
+    quiet = dict(float32=2.5e11, bfloat16=1.1e12, bfloat16_autocast=9e11, quiet=True)
+    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda: dict(quiet))
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = MiniMindForCausalLM(config)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # lm_head once (tied)
+    seq_len, tokens, seconds = 32, 8 * 32, 3.0
+    q = config.num_attention_heads * config.head_dim
+    per_token = 6 * weights + 3 * 2 * 2 * q * seq_len / 2 * config.num_hidden_layers  # fwd+bwd, QK and AV, causal
+    times = iter([0.0, 0.0, seconds, seconds]).__next__  # start, window start, window end, next window
+    timer = metrics.step_timer("cpu", torch.bfloat16, world_size=1, clock=times)
+    timer.add(tokens, metrics.step_flops(config, seq_len, tokens, tokens, head_on_targets_only=True))
+    tokens_per_sec, mfu, _ = timer.rates()
+    hand = per_token * tokens / seconds / 1.1e12
+    assert tokens_per_sec == tokens / seconds and mfu == pytest.approx(hand, rel=1e-12)
+    assert console_line(dict(step=1, mfu=mfu)) == f"step 1 | mfu {hand:.1%}"

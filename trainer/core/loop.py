@@ -36,7 +36,7 @@ from trainer.runtime.launch import (
     local_value,
     set_collective_timeout,
 )
-from trainer.runtime.metrics import StepTimer, peak_flops, trim_heap
+from trainer.runtime.metrics import step_timer, trim_heap
 from trainer.runtime.oom import out_of_memory_as_one_line
 from trainer.runtime.schedule import lr_at
 from trainer.runtime.tracking import StepProfiler
@@ -59,7 +59,7 @@ def train(trainer, train_ds, eval_ds=None):
     if is_main_process():
         write_run_config(plan)  # --config of it repeats this run
     profiler = StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
-    timer = StepTimer(peak_flops(plan.layout.device, plan.model.dtype) * plan.layout.world_size)
+    timer = step_timer(plan.layout.device, plan.model.dtype, plan.layout.world_size)
     Logger(f"{trainer.steps_per_epoch} optimizer steps per epoch, global batch {plan.data.global_batch} x "
            f"{plan.data.seq_len} tokens, dtype {plan.model.dtype}; {plan.optim.name}, "
            f"{plan.lr.describe(trainer.total_steps)}")

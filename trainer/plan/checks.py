@@ -47,10 +47,14 @@ def auto_dtype(device, bf16_ok):
         return torch.float32, f"dtype auto: float32 (no native bf16 matmul on {cpu_name()})"
     rates = cpu_matmul_rates()
     bf16, fp32 = rates["bfloat16_autocast"], rates["float32"]
+    measured = f"bf16 matmul {bf16 / 1e9:.0f} GFLOP/s vs fp32 {fp32 / 1e9:.0f} on {cpu_name()}, " \
+               f"{torch.get_num_threads()} threads"
+    if rates["provisional"]:  # busy cores slow the two unequally: no decision from them; native bf16 is the likely win
+        return torch.bfloat16, (f"dtype auto: bfloat16 (native bf16 on {cpu_name()}; the cores were busy, so the "
+                                f"measurement, {measured}, decides nothing: a run on quiet cores measures again and "
+                                f"caches it in {metrics.RATES_FILE})")
     dtype = torch.bfloat16 if bf16 > BF16_MARGIN * fp32 else torch.float32
-    again = "; the cores were busy, so the next run measures again" if rates["busy"] else ""
-    return dtype, (f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16 / 1e9:.0f} GFLOP/s vs fp32 {fp32 / 1e9:.0f} on "
-                   f"{cpu_name()}, {torch.get_num_threads()} threads; cached in {metrics.RATES_FILE}{again})")
+    return dtype, f"dtype auto: {str(dtype)[6:]} ({measured}, measured on quiet cores; cached in {metrics.RATES_FILE})"
 
 
 def check_same_dtype(dtype, device):

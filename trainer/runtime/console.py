@@ -119,4 +119,5 @@ def step_record(trainer, metrics, timer):
                 grad_norm=grad_norm, grad_clipped=grad_norm + 1e-6 > trainer.plan.optim.grad_clip,
                 tokens=progress.tokens_seen, tokens_per_sec=tokens_per_sec, mfu=mfu, peak_mem_gb=max(memory),
                 peak_mem_gb_per_rank=[round(m, 4) for m in memory], elapsed_s=elapsed,
-                skipped_steps=trainer.guard.skipped_steps, **extra)
+                skipped_steps=trainer.guard.skipped_steps, **extra,
+                **({"mfu_provisional": True} if timer.mfu_provisional else {}))  # the CPU peak from busy cores

@@ -113,16 +113,22 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
+QUIET_SHARE = 0.85  # a measurement is quiet when its threads held the cores this share of its wall time
+RETRY_S = 300  # a provisional peak is measured again at a log step this long after the last try, at the earliest
+
+
 def measure_cpu_rates():
     """{name: FLOP/s} with this process's threads at TRAINING_SHAPE: fp32, and where native bf16 and
-    "bfloat16_autocast" (bf16 with its inputs cast from fp32 first, as autocast runs it)."""
-    device = torch.device("cpu")
+    "bfloat16_autocast" (bf16 with its inputs cast from fp32 first, as autocast runs it); "quiet": this process's
+    threads got the cores (CPU time >= QUIET_SHARE x wall time x threads): other work slowed no trial down."""
+    device, wall, cpu = torch.device("cpu"), time.perf_counter(), time.process_time()
     rates = {"float32": matmul_rate(device, torch.float32, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)}
     if cpu_bf16_native():
         rates["bfloat16"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)
         rates["bfloat16_autocast"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS,
                                                  cast_from=torch.float32, seconds=WINDOW_S)
-    return rates
+    share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
+    return dict(rates, quiet=share >= QUIET_SHARE)
 
 
 def cpu_rates_key():
@@ -130,26 +136,34 @@ def cpu_rates_key():
     return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
-def cpu_busy():
-    """Other processes keep the cores this process's threads need busy (1-minute load average): a measurement now
-    would come out low."""
+def cores_free_of_others():
+    """The 1-minute load average leaves room beyond this machine's cores (this process's own threads count in it):
+    worth a try at a quiet measurement."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return os.getloadavg()[0] > cores - torch.get_num_threads() + 0.5
+    return os.getloadavg()[0] <= cores + 0.5
 
 
-def cpu_matmul_rates():
-    """This machine's matmul rates (measure_cpu_rates), cached in RATES_FILE per cpu_rates_key. A measurement taken
-    while the machine was busy is used, and taken again by the next run, the cache keeping the best rate seen."""
-    key, path = cpu_rates_key(), RATES_FILE
-    if key not in _PEAK_CACHE:
-        entry = _read_json(path).get(key)
-        _PEAK_CACHE[key] = entry if entry is not None and not entry["busy"] else _measure_locked(path, key, entry)
+def cpu_matmul_rates(retry=False):
+    """This machine's matmul rates (measure_cpu_rates) and "provisional": a quiet measurement is cached in RATES_FILE
+    per cpu_rates_key and is the peak; without one, a measurement now, kept in this process only and provisional
+    (a busy machine's rates are low, so an MFU against them is high). retry: measure a provisional one again when
+    RETRY_S have passed and the cores look free."""
+    key = cpu_rates_key()
+    entry = _PEAK_CACHE.get(key)
+    if entry is None or (retry and entry["provisional"] and time.monotonic() >= entry["retry_at"]
+                         and cores_free_of_others()):
+        saved = _read_json(RATES_FILE).get(key)
+        _PEAK_CACHE[key] = dict(saved, provisional=False) if _is_quiet(saved) else _measure_locked(RATES_FILE, key)
     return _PEAK_CACHE[key]
 
 
-def _measure_locked(path, key, before):
-    """Measure and merge into the cache, one process at a time (a lock file): a process that waited for the lock
-    takes the entry the other wrote, so the ranks of a node read the same numbers."""
+def _is_quiet(entry):
+    return isinstance(entry, dict) and entry.get("quiet") is True  # entries of older versions are measured again
+
+
+def _measure_locked(path, key):
+    """Measure, and cache a quiet measurement, one process at a time (a lock file): a process that waited for the lock
+    takes a quiet entry the other wrote, so the ranks of a node read the same numbers."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     lock, deadline = path + ".lock", time.time() + LOCK_WAIT_S
     while True:
@@ -162,13 +176,14 @@ def _measure_locked(path, key, before):
             time.sleep(0.2)
     try:
         entry = _read_json(path).get(key)
-        if entry is not None and entry != before:  # measured by the process that held the lock
-            return entry
-        busy, fresh = cpu_busy(), measure_cpu_rates()
-        entry = dict({name: max(rate, (before or {}).get(name, 0.0)) for name, rate in fresh.items()}, busy=busy)
+        if _is_quiet(entry):  # measured by the process that held the lock
+            return dict(entry, provisional=False)
+        entry = measure_cpu_rates()
+        if not entry["quiet"]:
+            return dict(entry, provisional=True, retry_at=time.monotonic() + RETRY_S)
         rates = dict(_read_json(path), **{key: entry})
         atomic_write(path, lambda f: f.write(json.dumps(rates, indent=1, sort_keys=True).encode()))
-        return entry
+        return dict(entry, provisional=False)
     finally:
         _remove(lock)
 
@@ -190,17 +205,24 @@ def _read_json(path):
 
 def peak_flops(device, dtype):
     """Device peak FLOP/s for `dtype`: a listed CUDA device from CUDA_PEAKS (fp32 counts TF32 when matmuls use
-    it); a CPU's best measured matmul rate (cpu_matmul_rates); an unlisted GPU measured once by a matmul."""
+    it); a CPU's matmul rate measured on quiet cores (cpu_matmul_rates; provisional until one was); an unlisted GPU
+    measured once by a matmul."""
+    return peak_and_status(device, dtype)[0]
+
+
+def peak_and_status(device, dtype, retry=False):
+    """(peak FLOP/s, provisional): provisional where a CPU's cores were busy at every measurement so far; retry: give
+    a provisional CPU peak another measurement when one is due (cpu_matmul_rates)."""
     device = torch.device(device)
     if device.type == "cpu":
-        rates = cpu_matmul_rates()
-        return rates["bfloat16" if dtype == torch.bfloat16 and "bfloat16" in rates else "float32"]
+        rates = cpu_matmul_rates(retry)
+        return rates["bfloat16" if dtype == torch.bfloat16 and "bfloat16" in rates else "float32"], rates["provisional"]
     tf32 = torch.get_float32_matmul_precision() != "highest"
     key = (str(device), dtype, tf32)
     if key not in _PEAK_CACHE:
         peak = cuda_table_peak(torch.cuda.get_device_name(device), dtype, tf32)
         _PEAK_CACHE[key] = peak or matmul_rate(device, dtype, (4096, 4096, 4096), trials=5)
-    return _PEAK_CACHE[key]
+    return _PEAK_CACHE[key], False
 
 
 def enable_tf32(device, strict):
@@ -235,23 +257,40 @@ def peak_mem_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
-class StepTimer:
-    """Tokens and FLOPs since the last logged step, for tokens/s and MFU over that window."""
+def step_timer(device, dtype, world_size, clock=time.time):
+    """The loop's StepTimer: MFU against the device's peak x world_size; a provisional CPU peak is measured again at
+    log steps (peak_and_status retry) until a quiet measurement replaces it. clock: as StepTimer's."""
+    def peak_total():
+        peak, provisional = peak_and_status(device, dtype, retry=True)
+        return peak * world_size, provisional
+    return StepTimer(*peak_total(), remeasure=peak_total, clock=clock)
 
-    def __init__(self, peak_flops_total):
-        self.peak, self.start_time = peak_flops_total, time.time()
+
+class StepTimer:
+    """Tokens and FLOPs since the last logged step, for tokens/s and MFU over that window. provisional: the peak came
+    from busy cores (the MFU reads high); remeasure() -> (peak, provisional) runs after each window while it is.
+    clock: the time source (a test passes its own)."""
+
+    def __init__(self, peak_flops_total, provisional=False, remeasure=None, clock=time.time):
+        self.peak, self.provisional, self.remeasure, self.clock = peak_flops_total, provisional, remeasure, clock
+        self.start_time, self.mfu_provisional = clock(), provisional
         self.reset()
 
     def reset(self):
-        self.window_start, self.tokens, self.flops = time.time(), 0, 0.0
+        self.window_start, self.tokens, self.flops = self.clock(), 0, 0.0
 
     def add(self, tokens, flops):
         self.tokens += tokens
         self.flops += flops
 
     def rates(self):
-        """(tokens/s, MFU, seconds since the run started) of the window; starts the next window."""
-        elapsed = max(time.time() - self.window_start, 1e-9)
-        rates = self.tokens / elapsed, self.flops / elapsed / self.peak, time.time() - self.start_time
+        """(tokens/s, MFU, seconds since the run started) of the window; starts the next window (after a due
+        measurement of a provisional peak, so its time counts in no window); mfu_provisional: that MFU's peak was."""
+        now = self.clock()
+        elapsed = max(now - self.window_start, 1e-9)
+        rates = self.tokens / elapsed, self.flops / elapsed / self.peak, now - self.start_time
+        self.mfu_provisional = self.provisional
+        if self.provisional and self.remeasure is not None:
+            self.peak, self.provisional = self.remeasure()
         self.reset()
         return rates

@@ -27,6 +27,7 @@ TRACKERS = ("swanlab", "wandb", "tensorboard", "none")
 CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", "aux_loss {:.6f}"),
                    ("lr", "lr {:.3e}"), ("grad_norm", "grad_norm {:.3f}"), ("grad_clipped", "clipped"),
                    ("tokens_per_sec", "tokens/s {:.0f}"), ("mfu", "mfu {:.1%}"),
+                   ("mfu_provisional", "mfu peak provisional (CPU measured on busy cores)"),
                    ("peak_mem_gb", "mem {:.2f}GB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}"),
                    ("ce", "ce {:.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:.4f}"),
                    ("rewards/accuracies", "acc {:.2f}"), ("reward", "reward {:.4f}"),
