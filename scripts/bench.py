@@ -4,6 +4,7 @@
     python scripts/bench.py --packing 1 --baseline_flags doc_mask=0 --repeats 3  # one flag's cost, side by side
     python scripts/bench.py --nproc 2 --tp 2 --steps 5                         # under torchrun
     python scripts/bench.py --plan --nproc 64 --tp 4 --pp 4 --hidden_size 2048 --num_hidden_layers 32
+    python scripts/bench.py --profile --dtype bfloat16 --steps 3     # + where the step's time goes (step_profile.py)
 
 A run launches trainer/train_pretrain.py (scripts/run_helper.py; `torchrun --nproc_per_node K` when K > 1)
 for warmup + steps optimizer steps with --log_interval 1 and a temporary --metrics_file, then computes
@@ -11,6 +12,7 @@ statistics over the post-warm-up step records. Flags the bench does not know go 
 One JSON line per run is appended to --results (default out/bench.jsonl).
 """
 import argparse
+import glob
 import json
 import os
 import platform
@@ -24,6 +26,7 @@ import torch  # noqa: E402
 
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
 from scripts.run_helper import run_trainer, trainer_command  # noqa: E402
+from scripts.step_profile import shares_line, step_shares  # noqa: E402
 from trainer.plan.flags import add_train_args  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
@@ -93,8 +96,15 @@ def bench_one(label, flags, args, peaks, world):
     start = time.time()
     run_flags = dict(flags, max_steps=args.warmup + args.steps, log_interval=1, save_interval=10 ** 9,
                      epochs=flags.get("epochs", 1000))
+    profile_dir = os.path.join(os.path.dirname(args.results_path), f"profile_{label}")
+    if args.profile:  # the measured steps traced; the trace is kept beside the results
+        run_flags.update(profile_steps=f"{args.warmup + 1}:{args.warmup + args.steps}", save_dir=profile_dir)
     records = run_trainer(run_flags, log_path, args.nproc)
     stats = step_stats(records, args.warmup)
+    if args.profile:
+        trace = sorted(glob.glob(os.path.join(profile_dir, "profile", "rank0.*.pt.trace.json")))[-1]
+        stats["profile"], _, seconds = step_shares(trace)
+        print(f"[{label}] profile ({seconds:.3f} s per traced step, {trace}): {shares_line(stats['profile'])}")
     run = trainer_args(flags)
     config, plan = build_config(run), resolve(run, world)
     flops = model_flops_per_token(config, plan.data.seq_len)
@@ -183,6 +193,8 @@ def parse_args(argv=None):
     a("--plan_table", action="store_true", help="print docs/scaling.md's tables (plan for 3 models x layouts)")
     a("--results", default=None, help="JSONL file the results are appended to (default: out/bench.jsonl in the repo)")
     a("--label", default="run")
+    a("--profile", action="store_true", help="trace the measured steps (torch.profiler) and print the shares of "
+      "matmuls, casts, elementwise, attention, chunked loss, optimizer, loader (scripts/step_profile.py)")
     a("--repeats", type=int, default=1, help="alternate baseline/config runs this many times (median ratio)")
     a("--peak_fp32", type=float, default=None,
       help="fp32 peak FLOP/s for MFU (default: measured now, noisy on a busy machine)")
