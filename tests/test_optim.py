@@ -132,6 +132,31 @@ def test_muon_steps_the_blocks_matrices_and_adamw_the_rest_as_torch_does():
         assert torch.equal(p, q), name
 
 
+def adamw_by_hand(lr, b1, b2, eps, wd):
+    """Loshchilov & Hutter 2019 (torch's AdamW) in Python floats: w decays by lr wd, then the bias-corrected step."""
+    weights, moments = [W0, B0], [None, None]
+    for step, grads in enumerate(GRADS, 1):
+        for i, (w, g) in enumerate(zip(weights, grads)):
+            m, v = moments[i] or (elementwise(lambda _: 0.0, w), elementwise(lambda _: 0.0, w))
+            m = elementwise(lambda m, g: b1 * m + (1 - b1) * g, m, g)
+            v = elementwise(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
+            weights[i] = elementwise(lambda w, m, v: w * (1 - lr * wd) - lr * (m / (1 - b1 ** step)) / (
+                math.sqrt(v / (1 - b2 ** step)) + eps), w, m, v)
+            moments[i] = (m, v)
+    return weights
+
+
+def test_cpu_adamw_is_torchs_fused_kernel_and_takes_the_papers_update():
+    """On CPU the trainer's AdamW is torch's fused kernel (faster than the per-tensor loop), and its two steps are
+    AdamW's by hand within float32 rounding (weights of order 1: 1e-6)."""
+    plan = plan_for("--learning_rate", "0.01", "--weight_decay", "0.1")
+    optimizer = build_optimizer([tiny_model()], plan, ParallelDims.build(1))
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["fused"] is True
+    got = run_optimizer(lambda params: build_optimizer([torch.nn.ParameterList(params)], plan, ParallelDims.build(1)))
+    for g, w in zip(got, adamw_by_hand(0.01, 0.9, 0.999, 1e-8, 0.1)):
+        torch.testing.assert_close(g, torch.tensor(w, dtype=torch.float64), rtol=0, atol=1e-6)
+
+
 def test_bad_optimizer_values_are_one_line():
     for argv, needle in ((["--beta2", "1.0"], "--beta2 must be in [0, 1)"), (["--eps", "0"], "--eps must be positive"),
                          (["--optimizer", "sgd", "--momentum", "1.5"], "--momentum must be in [0, 1)")):

@@ -86,7 +86,9 @@ def build_optimizer(model_parts, plan, dims):
         rest = [p for p in params if all(p is not h for h in hidden)]
         params = [dict(params=hidden, muon=True), dict(params=rest, muon=False)]
     layout = plan.layout
-    fused = (layout.device.startswith("cuda") and not layout.has_dtensor) if plan.optim.name == "adamw" else None
+    # torch's fused AdamW kernel, CUDA and CPU (CPU, bench model: 3-5x faster than the default per-tensor loop); not
+    # for DTensor parameters
+    fused = not layout.has_dtensor if plan.optim.name == "adamw" else None
     optimizer_class, kwargs = plan.optim.kwargs(fused)
     return data_parallel_optimizer(params, plan.lr.peak, plan.layout.zero_stage, dims.group("dp_cp"),
                                    optimizer_class=optimizer_class, **kwargs)
