@@ -4,8 +4,8 @@
 
 Each operator's self time (its duration less its children's) on the step's thread goes to one share: a region when
 the operator runs inside one (optimizer, data loader, chunked loss, attention kernels: the outermost region wins),
-else the kind of the nearest operator that has one (matmul, cast), else elementwise/other; the step's time no
-operator covers is the framework's (Python, the autograd engine, the profiler itself).
+else the kind of the nearest operator that has one (matmul; cast/copy: dtype casts and layout copies), else
+elementwise/other; the step's time no operator covers is the framework's (Python, the autograd engine, the profiler).
 """
 import json
 import sys
@@ -15,8 +15,8 @@ REGIONS = (("optimizer", ("optimizer.",)), ("loader", ("dataloader",)), ("chunke
            ("attention", ("scaled_dot_product", "flash_attention", "flex_attention")))
 # operator kinds by exact name
 KINDS = {"matmul": {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"},
-         "cast": {"aten::_to_copy", "aten::to", "aten::copy_"}}
-SHARES = ("matmul", "cast", "elementwise/other", "attention", "chunked loss", "optimizer", "loader", "framework")
+         "cast/copy": {"aten::_to_copy", "aten::to", "aten::copy_"}}
+SHARES = ("matmul", "cast/copy", "elementwise/other", "attention", "chunked loss", "optimizer", "loader", "framework")
 
 
 def _region(name):
