@@ -155,6 +155,26 @@ def test_compile_blocks_keeps_fqns_and_values():
     assert_same(out, grads, ref_out, ref_grads, tol=1e-4)
 
 
+def test_compiled_blocks_under_bf16_autocast_keep_the_eager_loss():
+    """The laptop path (--dtype bfloat16 --use_compile 1): inductor fuses the blocks' casts and elementwise work, so
+    it rounds to bf16 in other places than eager autocast; the loss stays within bf16's rounding of eager's (2^-8
+    relative: one rounding of the loss itself), over two optimizer steps. Tiny model, chunked loss."""
+    losses = []
+    for model in (tiny_model(), compile_blocks(tiny_model())):
+        model.config.loss_chunk_size = 16
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for seed in (1, 2):
+            x, targets = batch(seed)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x, shift_labels=targets, num_items_in_batch=int((targets != -100).sum()))
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(out.loss.item())
+    eager, compiled = losses[:2], losses[2:]
+    assert compiled == pytest.approx(eager, rel=2 ** -8), (eager, compiled)
+
+
 # ---------------------------------------------------------------------------------------------- pretokenized
 @pytest.fixture(scope="module")
 def tokenizer():
