@@ -79,7 +79,7 @@ class RewardPlan(Stage):
         check_pairs_layout(plan, "the reward model")
         if plan.layout.pp > 1:
             raise ConfigError("the reward model does not run with --pp > 1 (its score head reads the last stage's "
-                              "hidden states in the loss); use --tp or --data_parallel fsdp for a large model")
+                              "hidden states in the loss); use --tp or --zero_stage 3 for a large model")
         return cls(seed=plan.data.seed)
 
     def dataset(self, plan, tokenizer, path):
