@@ -1,5 +1,5 @@
-"""KTO (Ethayarajh et al. 2024; TRL's KTOTrainer): unpaired rows, each answer labelled desirable or not, against a
-frozen reference model.
+"""KTO (TRL's KTOTrainer, arXiv 2402.01306): unpaired rows, each answer labelled desirable or not, against a frozen
+reference model.
 
 With r = log pi(y|x) - log ref(y|x) (summed over the answer's tokens, SFT's labels) and z0 the KL baseline:
   desirable rows    w_d (1 - sigmoid(beta (r - z0)))
