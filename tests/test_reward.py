@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, Qwen3ForCausalLM, Qwen3ForSequenceClassification
 
+from dataset.chat import chat_messages
 from dataset.preference_data import RewardPairs
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from scripts.eval_reward import pair_accuracy
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_ppo, train_reward
 from trainer.core.batches import step_targets
@@ -124,8 +126,9 @@ def single_run(tmp_path_factory):
 
 def test_the_run_learns_and_its_export_scores_as_the_model(single_run, tokenizer):
     """ln 2 at step 1 up to the head's small initial scores; the HF folder loads through GRPO/PPO's RewardModel and
-    scores a chat as the .pth's trunk and head do (by hand, through transformers' classifier)."""
-    argv, records, _ = single_run
+    scores a chat as the .pth's trunk and head do (by hand, through transformers' classifier), and so do
+    scripts/eval_reward.py's pair accuracy and gap."""
+    argv, records, data = single_run
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=0.02)
     assert records[-1]["loss"] < records[0]["loss"] and set(METRICS) <= set(records[-1])
@@ -140,8 +143,22 @@ def test_the_run_learns_and_its_export_scores_as_the_model(single_run, tokenizer
     ids = torch.tensor([tokenizer(tokenizer.apply_chat_template(chat, tokenize=False))["input_ids"]])
     with torch.no_grad():
         expected = hf(input_ids=ids).logits[0, 0].item()
-    got = RewardModel(hf_folder(weights), "cpu")([chat[:1]], [[chat[1]]])
+    reward_model = RewardModel(hf_folder(weights), "cpu")
+    got = reward_model([chat[:1]], [[chat[1]]])
     assert got[0] == pytest.approx(expected, abs=1e-5)
+    # scripts/eval_reward.py: the pairs' accuracy and mean gap, by hand through the classifier built here (pairs whose
+    # gap is clear of 0: the two models' attention kernels round differently)
+    rows, gaps = [json.loads(line) for line in open(data)][:8], []
+    for row in rows:
+        texts = [tokenizer.apply_chat_template(*chat_messages(row[side]), tokenize=False)  # (messages, tools)
+                 for side in ("chosen", "rejected")]
+        sides = [torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]]) for text in texts]
+        with torch.no_grad():
+            gaps.append(hf(input_ids=sides[0]).logits[0, 0].item() - hf(input_ids=sides[1]).logits[0, 0].item())
+    clear = [k for k, g in enumerate(gaps) if abs(g) > 1e-3]
+    accuracy, gap = pair_accuracy(reward_model, [rows[k] for k in clear], 4096)
+    assert len(clear) >= 4 and accuracy == sum(gaps[k] > 0 for k in clear) / len(clear)
+    assert gap == pytest.approx(sum(gaps[k] for k in clear) / len(clear), abs=1e-5)
 
 
 @pytest.mark.parametrize("layout", [["--zero_stage", "0"], ["--zero_stage", "3"], ["--tp", "2"]],
