@@ -1,4 +1,4 @@
-"""On-policy distillation (trainer/stages/gkd.py, trainer/train_gkd.py): the generalized JSD against a float64 hand
+"""On-policy distillation (trainer/rl/gkd.py, trainer/train_gkd.py): the generalized JSD against a float64 hand
 computation, the on-policy rows (the prompt cut at the first answer, the student's completion as targets), one process
 against DDP on a served rollout, exact resume after a kill, bad input, and the reverse KL going down on a toy run."""
 import dataclasses
@@ -17,8 +17,8 @@ from tests.test_distillation import sft_batch
 from trainer import train_gkd
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches
+from trainer.rl.gkd import GKDObjective, GKDPlan, on_policy_step
 from trainer.runtime.launch import main_guard
-from trainer.stages.gkd import GKDObjective, GKDPlan, on_policy_step
 
 SCRIPT = "trainer/train_gkd.py"
 STUDENT = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -1,6 +1,6 @@
 """On-policy distillation (GKD, TRL's GKDTrainer): the student completes the chat prompts itself on a share --lmbda of
 the steps (the data's answers on the others), and learns the teacher's whole next-token distribution on those tokens
-through the generalized JSD (--beta: 0 forward KL, 1 reverse KL); trainer/stages/gkd.py. Same loop, checkpoints and
+through the generalized JSD (--beta: 0 forward KL, 1 reverse KL); trainer/rl/gkd.py. Same loop, checkpoints and
 sinks as the other stages; the teacher is loaded as train_distillation.py loads it."""
 import os
 import sys
@@ -11,8 +11,8 @@ from trainer.core.build import build_trainer, setup, steps_per_epoch
 from trainer.core.data_loading import load_datasets
 from trainer.core.loop import train
 from trainer.plan.flags import parse_args
+from trainer.rl.gkd import GKDPlan
 from trainer.runtime.launch import main_guard
-from trainer.stages.gkd import GKDPlan
 
 
 def build(args):
