@@ -19,9 +19,9 @@ from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer import train_agent
 from trainer.core.batches import step_targets
 from trainer.plan.resolve import resolve
-from trainer.rl.agent import AgentObjective, AgentPlan, Episode, agent_reward, episode_rows, rule_agent
+from trainer.rl.agent import AgentObjective, AgentPlan, Episode, agent_reward, rule_agent
 from trainer.rl.rewards import repetition_penalty
-from trainer.rl.rows import scoring_log_probs
+from trainer.rl.rows import scoring_log_probs, training_rows
 from trainer.runtime.launch import ConfigError
 
 TEMPERATURE = 0.8
@@ -101,7 +101,7 @@ def test_tool_answers_carry_no_loss_no_gradient_and_no_old_log_prob(monkeypatch,
     played = Episode(episodes[0].prompt, row["prompt"], row["tools"], open_thinking=False)
     objective.take_turn(played, call, [0.0] * len(call), cut=False, last=False)
     assert played.tokens == episodes[0].tokens[:len(played.tokens)] and not played.done
-    input_ids, labels = episode_rows(episodes, tokenizer.pad_token_id)
+    input_ids, labels = training_rows([e.sequence for e in episodes], tokenizer.pad_token_id)
     targets = step_targets(labels)
     for i, episode in enumerate(episodes):  # labels: the sampled tokens where they stand, -100 elsewhere
         sampled = torch.tensor([False] * len(episode.prompt) + episode.sampled)

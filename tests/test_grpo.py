@@ -15,7 +15,7 @@ from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
 from trainer.plan.resolve import resolve
 from trainer.rl.grpo import GRPOPlan
-from trainer.rl.rows import group_advantages
+from trainer.rl.policy_loss import group_advantages
 from trainer.runtime.launch import ConfigError, main_guard
 
 REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
@@ -274,7 +274,7 @@ def run_in_process(monkeypatch, capsys, argv):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--num_generations", "0"], "--num_generations must be at least 1 (got 0)"),
+    (["--num_generations", "1"], "--num_generations must be at least 2 (got 1): the advantages compare"),
     (["--reward_fn", "missing.py:f"], "--reward_fn missing.py:f: missing.py does not exist"),
     (["--reward_weights", "1,2"], "--reward_weights has 2 values for 1 reward functions"),
     (["--rollout_engine", "vllm"], "--rollout_engine vllm needs --rollout_url"),

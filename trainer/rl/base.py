@@ -20,9 +20,10 @@ from trainer.core.batches import autocast
 from trainer.core.objective import LMObjective
 from trainer.core.stage import Stage
 from trainer.plan.schema import Flag
+from trainer.rl.policy_loss import group_advantages
 from trainer.rl.rewards import RULES, RewardModel, load_reward_fn, reward_name
 from trainer.rl.rollout import ENGINES, make_engine, rollout_seed
-from trainer.rl.rows import decode_completions, score_completions, training_rows
+from trainer.rl.rows import decode_completions, rollout_sequences, score_completions, training_rows
 from trainer.runtime.launch import ConfigError, TrainingHalted
 from trainer.stages.dpo_reference import load_reference
 from trainer.trainer_utils import Logger
@@ -221,6 +222,7 @@ class RolloutObjective(LMObjective):
         self.buffer, self.trained_positions, self.reused_next = None, 0, False  # the rollout's micro-batches
         self.rollout_seconds = self.rollout_tokens = 0.0
         self.window_start = None
+        self.advantages_of = group_advantages  # the loss variant's advantage estimator (GRPO's: per group)
 
     def unpack(self, batch):
         input_ids, labels, extra = batch
@@ -239,7 +241,8 @@ class RolloutObjective(LMObjective):
                                 rollout_seed(self.plan.data.seed, step, self.dims.dp_rank, index))
         advantages, row_stats = self.score(decode_completions(self.tokenizer, rollout), rollout.completion_lengths,
                                            rollout.truncated, data_rows, step)
-        return training_rows(rollout, self.tokenizer.pad_token_id, self.pipeline_row_length), advantages, row_stats
+        rows = training_rows(rollout_sequences(rollout), self.tokenizer.pad_token_id, self.pipeline_row_length)
+        return rows, advantages, row_stats
 
     @property
     def pipeline_row_length(self):
@@ -260,7 +263,7 @@ class RolloutObjective(LMObjective):
         """(group advantages, row stats) of scored completions; a failing reward function stops the run in one line."""
         try:
             return score_completions(completions, lengths, truncated, data_rows, self.functions, self.weights,
-                                     self.stage.num_generations)
+                                     self.stage.num_generations, self.advantages_of)
         except Exception as e:  # a user's reward function or reward model failed: name it, stop the run
             raise TrainingHalted(f"a reward function failed at step {step + 1}: {type(e).__name__}: {e}") from e
 
