@@ -236,8 +236,10 @@ def test_the_demo_command_runs_offline_and_resumes_bitwise_after_a_kill(tmp_path
     assert saved == {"step_1", "step_3"}  # the rollout the next step trains on again
     resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from epoch 0, step 3" in resumed.stdout  # a resume that trained nothing would not say so
     got, expected = (read_metrics(argv[argv.index("--metrics_file") + 1]) for argv in (run, straight))
     assert [r["step"] for r in expected] == [1, 2, 3, 4] and "rewards/rule_agent/mean" in expected[0]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]  # zip below compares every step, none left out
     for a, b in zip(got, expected):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
 
