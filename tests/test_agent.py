@@ -244,6 +244,24 @@ def test_the_demo_command_runs_offline_and_resumes_bitwise_after_a_kill(tmp_path
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
 
 
+def test_rows_offering_a_tool_the_mocks_lack_are_counted_in_one_line(monkeypatch, tmp_path, capsys):
+    """A row whose tools include one dataset/tools.py cannot answer (search_web): the agent stage says how many rows
+    offer such tools and names them before training."""
+    rows = agent_rows()
+    tools = json.loads(rows[0]["conversations"][0]["tools"])
+    tools.append({"type": "function", "function": {"name": "search_web", "description": "Search the web.",
+                                                   "parameters": {"type": "object", "properties": {}}}})
+    rows[0]["conversations"][0]["tools"] = json.dumps(tools, ensure_ascii=False)
+    data = str(tmp_path / "agent.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    monkeypatch.setattr(sys, "argv", ["train_agent.py", *agent_flags(tmp_path, data)])
+    train_agent.build(train_agent.agent_args())
+    out = capsys.readouterr().out
+    assert (f"1 of 9 prompts of {data} offer tools the mock tools (dataset/tools.py) do not have (search_web): a call "
+            "to one is answered with an error") in out, out
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--max_turns", "0"], "--max_turns must be at least 1 (got 0)"),
     (["--max_total_len", "400"], "--max_total_len 400 must exceed --max_seq_len 448"),

@@ -374,6 +374,37 @@ def run_in_process(monkeypatch, capsys, argv):
     return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
 
 
+@pytest.mark.parametrize("function,count", [("nan_for_some", 2), ("infinite", 1)])
+def test_non_finite_rewards_stop_the_run_naming_the_function(tmp_path, monkeypatch, capsys, function, count):
+    """A reward function returning NaN (which counted as 0) or an infinity (which made reward_std Infinity): exit 3
+    and one line naming the function, the step and the count, before any update."""
+    data = demo_slice(tmp_path, "rlaif", 10)
+    argv = [*run_flags(tmp_path, "bad", data), "--reward_fn", f"{REWARD_FNS}:{function}"]
+    code, err = run_in_process(monkeypatch, capsys, argv)
+    assert code == 3, err
+    assert err[-1] == (f"error: step 1: reward function {function} returned {count} non-finite values (NaN or "
+                       "infinite) of 4: return finite numbers, or None for no reward; no checkpoint saved yet")
+
+
+def test_a_reward_function_that_raises_is_named_and_the_last_step_saved(tmp_path, monkeypatch, capsys):
+    """Raising at step 3: exit 3, one line naming the function, its error and the step; steps 1-2 are kept (step 2's
+    checkpoint, as a preempted run saves it), and a resume with a working function goes on from step 2."""
+    data = demo_slice(tmp_path, "rlaif", 40)
+    flags = [*run_flags(tmp_path, "raises", data, extra=["--num_iterations", "1", "--save_interval", "100",
+                                                          "--max_steps", "4"])]
+    failing = [a.replace(":distinct_chars", ":fails_at_step_3") for a in flags]
+    code, err = run_in_process(monkeypatch, capsys, failing)
+    assert code == 3, err
+    checkpoint_dir = flags[flags.index("--checkpoint_dir") + 1]
+    assert err[-1] == ("error: step 3: reward function fails_at_step_3 raised KeyError: 'score_service'; step 2 saved "
+                       f"in {checkpoint_dir}; continue with --from_resume 1"), err
+    saved = glob.glob(os.path.join(checkpoint_dir, "*", "step_*"))
+    assert [os.path.basename(path) for path in saved] == ["step_2"]
+    code, _ = run_in_process(monkeypatch, capsys, [*flags, "--from_resume", "1"])
+    assert code in (0, None)
+    assert [r["step"] for r in metrics_of(flags)] == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--num_generations", "1"], "--num_generations must be at least 2 (got 1): the advantages compare"),
     (["--reward_fn", "missing.py:f"], "--reward_fn missing.py:f: missing.py does not exist"),

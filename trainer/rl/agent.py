@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dataset.tools import gt_matches, parse_assistant, tool_message, valid_call
+from dataset.tools import MOCKS, gt_matches, parse_assistant, tool_message, valid_call
 from trainer.plan.schema import Flag
 from trainer.rl.base import check_positions, resolve_rollout
 from trainer.rl.grpo import GRPOObjective, GRPOPlan, describe, resolve_group
@@ -80,6 +80,7 @@ class AgentPlan(GRPOPlan):
     name = "the agent stage"
     demo_kind = "agent"
     reward_rules = AGENT_RULES
+    mock_tools = tuple(MOCKS)
     FLAGS = GRPOPlan.FLAGS + (  # MiniMind's defaults
         Flag("max_turns", int, 3, "model turns per episode (a turn that calls a tool gets the mock tool's answer and a "
              "next turn)"),
@@ -184,7 +185,7 @@ class AgentObjective(GRPOObjective):
         """One micro-batch's prompts played out num_generations times as episodes, scored, laid out as rows."""
         episodes = self.episodes(trainer, index, prompt_ids, prompt_lengths, data_rows, step)
         advantages, row_stats = self.score(
-            [e.completion for e in episodes], torch.tensor([sum(e.sampled) for e in episodes]),
+            trainer, [e.completion for e in episodes], torch.tensor([sum(e.sampled) for e in episodes]),
             torch.tensor([e.truncated for e in episodes]), data_rows, step)
         counts = torch.tensor([[sum(m["role"] == role for m in e.completion) for role in ("assistant", "tool")]
                                for e in episodes], dtype=torch.float32)
