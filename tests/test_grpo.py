@@ -149,8 +149,9 @@ def hand_loss(logits, prepared, old, reference, loss_type, epsilon, epsilon_high
     token (gspo: exp of the token mean of log r per completion; rloo: exp of its sum), the clipped surrogate
     -min(r A, clip(r, 1 - eps, 1 + eps_high) A) (cispo: -sg(min(r, eps_high)) A log pi), plus beta (e^d - d - 1),
     d = ref - log pi, under the loss type's normaliser; A recomputed from the logged rewards (rloo: minus the mean of
-    the group's others)."""
-    terms, tokens, rows = [], 0, 0
+    the group's others). Also the clipped counts (low: r < 1 - eps with A < 0; high: r > 1 + eps_high with A > 0) over
+    tokens, or over completions for a sequence ratio."""
+    terms, tokens, rows, low, high = [], 0, 0, 0, 0
     for (ids, labels, extra), z, o, ref in zip(prepared, logits, old, reference):
         rewards = extra.row_stats[:, 0].view(-1, 4).double()
         if loss_type == "rloo":
@@ -167,6 +168,9 @@ def hand_loss(logits, prepared, old, reference, loss_type, epsilon, epsilon_high
         elif loss_type == "rloo":
             log_ratio = log_ratio.sum(1, keepdim=True)
         ratio = torch.exp(log_ratio)
+        unit = mask if ratio.shape[1] > 1 else 1.0
+        low += float((((ratio < 1 - epsilon) & (advantages < 0)) * unit).sum())
+        high += float((((ratio > 1 + epsilon_high) & (advantages > 0)) * unit).sum())
         if loss_type == "cispo":
             term = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * log_probs
         else:
@@ -175,12 +179,14 @@ def hand_loss(logits, prepared, old, reference, loss_type, epsilon, epsilon_high
         terms.append(((term + beta * (torch.exp(d) - d - 1)) * mask, mask))
         tokens, rows = tokens + mask.sum(), rows + ids.shape[0]
     if loss_type in ("grpo", "gspo", "rloo"):
-        return sum(((t.sum(1) / m.sum(1)).sum() for t, m in terms)) / rows
-    if loss_type == "bnpo":
-        return sum(t.sum() / m.sum() for t, m in terms) / len(terms)
-    if loss_type == "dr_grpo":
-        return sum(t.sum() for t, _ in terms) / (rows * max_gen_len)
-    return sum(t.sum() for t, _ in terms) / tokens  # dapo, cispo
+        loss = sum(((t.sum(1) / m.sum(1)).sum() for t, m in terms)) / rows
+    elif loss_type == "bnpo":
+        loss = sum(t.sum() / m.sum() for t, m in terms) / len(terms)
+    elif loss_type == "dr_grpo":
+        loss = sum(t.sum() for t, _ in terms) / (rows * max_gen_len)
+    else:  # dapo, cispo
+        loss = sum(t.sum() for t, _ in terms) / tokens
+    return loss, low, high, (rows if loss_type in ("gspo", "rloo") else float(tokens))
 
 
 @pytest.mark.parametrize("loss_type,epsilon,epsilon_high", [
@@ -208,23 +214,26 @@ def test_the_loss_away_from_ratio_one_against_the_reference_by_hand(monkeypatch,
         moved.append((ids, labels, extra._replace(old_log_probs=old[-1], reference=reference[-1])))
     unpacked = [objective.unpack(batch) for batch in moved]
     num_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)
-    loss, clips = 0.0, {}
+    loss, totals = 0.0, {}
     for z, (_, labels, _, extra) in zip(logits, unpacked):
         part, stats = objective.policy_loss(z, step_targets(labels), extra, num_items)
         loss = loss + part
-        clips = {k: clips.get(k, 0.0) + float(v) for k, v in stats.items() if "clip" in k}
+        totals = {k: totals.get(k, 0.0) + float(v) for k, v in stats.items()}
     grads = torch.autograd.grad(loss, logits)
     leaves = [z.detach().double().requires_grad_() for z in logits]
-    expected = hand_loss(leaves, moved, old, reference, loss_type, epsilon, epsilon_high, 0.1, 10)
+    expected, low, high, units = hand_loss(leaves, moved, old, reference, loss_type, epsilon, epsilon_high, 0.1, 10)
     expected_grads = torch.autograd.grad(expected, leaves)
     # fp32 log-softmax over 6400 logits is ~1e-6 off per token; cispo's terms hold log pi itself (|log pi| ~ 9), whose
     # errors do not cancel as the advantages' signs do (as test_first_update_is_the_reinforce_gradient)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=2e-5 if loss_type == "cispo" else 1e-6)
     for g, e in zip(grads, expected_grads):  # each logit's gradient is ~p / tokens: fp32 rounding of that
         assert (g.double() - e).abs().max().item() <= 1e-7 + 1e-4 * e.abs().max().item()
-    if loss_type != "cispo":
-        assert clips["clip_low_sum"] > 0 and clips["clip_high_sum"] > 0  # both sides of the clip were exercised
-        assert clips["clip_region_sum"] == clips["clip_low_sum"] + clips["clip_high_sum"]
+    record = objective.record(totals, num_items)
+    if loss_type != "cispo":  # TRL's clip_ratio/*: the share of tokens (gspo, rloo: of completions) clipped
+        assert low > 0 and high > 0  # both sides of the clip were exercised
+        assert (totals["clip_low_sum"], totals["clip_high_sum"], totals["clip_region_sum"]) == (low, high, low + high)
+        assert record["clip_ratio/low_mean"] == pytest.approx(low / units, abs=1e-12)
+        assert record["clip_ratio/region_mean"] == pytest.approx((low + high) / units, abs=1e-12)
 
 
 def test_prompt_padding_and_tokens_after_eos_change_neither_loss_nor_gradient(monkeypatch, tmp_path):
