@@ -1,6 +1,7 @@
-"""GRPO (trainer/rl/grpo.py, rl_batch.py, train_grpo.py): advantages and every loss type's gradient against a
-REINFORCE surrogate written out here, what must not count (prompt, padding, after EOS), rollout reuse, the layouts
-against one process on a real local rollout server, exact resume after a kill, a toy task learnt, bad input."""
+"""GRPO (trainer/rl/grpo.py, policy_loss.py, rows.py, train_grpo.py): advantages and every loss type's gradient
+against a REINFORCE surrogate and, away from ratio 1, a float64 hand computation written out here; what must not
+count (prompt, padding, after EOS), rollout reuse, the layouts against one process on a real local rollout server,
+exact resume after a kill, a toy task learnt, bad input and failing reward functions."""
 import glob
 import math
 import os
@@ -262,11 +263,12 @@ def test_prompt_padding_and_tokens_after_eos_change_neither_loss_nor_gradient(mo
         assert (g - g2).abs().max().item() <= 1e-7
 
 
-def test_a_reused_rollout_starts_at_ratio_one_and_then_clips(monkeypatch, tmp_path):
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "rloo"])
+def test_a_reused_rollout_starts_at_ratio_one_and_then_clips(monkeypatch, tmp_path, loss_type):
     """--num_iterations 2: the first step on a rollout loses exactly what --num_iterations 1 loses (its old log-probs,
     a forward before the update, equal the policy's: ratio 1); the second trains on the same rollout with moved
-    weights, so the ratio leaves [1 - epsilon, 1 + epsilon] for some tokens."""
-    flags = ("--loss_type", "grpo", "--beta", "0", "--learning_rate", "3e-2")
+    weights, so the ratio leaves [1 - epsilon, 1 + epsilon] for some tokens (gspo, rloo: completions)."""
+    flags = ("--loss_type", loss_type, "--beta", "0", "--learning_rate", "3e-2")
     first = {}
     for iterations in ("1", "2"):
         trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path / iterations, *flags, "--num_iterations",

@@ -109,8 +109,9 @@ def resolve_rollout(args, plan, stage_name, rules=RULES):
     """The checked RolloutPlan fields (a dict) of the shared flags; ConfigError (one line) on bad input."""
     if args.max_gen_len < 1:
         raise ConfigError(f"--max_gen_len must be at least 1 (got {args.max_gen_len})")
-    for name in ("temperature", "rollout_timeout"):
-        check_positive(args, name)
+    for name in ("temperature", "rollout_timeout"):  # plain checks, as trainer/plan/checks.py check_numbers
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top_p must lie in (0, 1] (got {args.top_p})")
     if not 0 <= args.thinking_ratio <= 1:
@@ -124,13 +125,6 @@ def resolve_rollout(args, plan, stage_name, rules=RULES):
         reward_fns=tuple(args.reward_fn or ()), reward_weights=reward_weights(args),
         rollout_engine=args.rollout_engine, rollout_url=args.rollout_url, rollout_timeout=float(args.rollout_timeout),
         ref_weight=plan.model.from_weight)
-
-
-def check_positive(args, name, zero=False):
-    """--name is a finite number above 0 (zero=True: at least 0)."""
-    value = getattr(args, name)
-    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-        raise ConfigError(f"--{name} must be a {'non-negative' if zero else 'positive'} number (got {value})")
 
 
 def check_positions(length, plan, flags):

@@ -34,7 +34,6 @@ from trainer.rl.base import (
     RolloutObjective,
     RolloutPlan,
     check_positions,
-    check_positive,
     engine_line,
     resolve_rollout,
     rewards_line,
@@ -110,10 +109,12 @@ def resolve_ppo(args, plan):
     """Check PPO's flags against the TrainPlan; ConfigError (one line) on bad input."""
     if args.ppo_update_iters < 1:
         raise ConfigError(f"--ppo_update_iters must be at least 1 (got {args.ppo_update_iters})")
-    for name in ("clip_epsilon", "cliprange_value"):
-        check_positive(args, name)
+    for name in ("clip_epsilon", "cliprange_value"):  # plain checks, as trainer/plan/checks.py check_numbers
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")
     for name in ("vf_coef", "kl_coef", "early_stop_kl"):
-        check_positive(args, name, zero=True)
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            raise ConfigError(f"--{name} must be a non-negative number (got {getattr(args, name)})")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"--{name} must lie in [0, 1] (got {getattr(args, name)})")
