@@ -32,13 +32,9 @@ class GroupExtras(NamedTuple):
     reference: Optional[torch.Tensor] = None  # (N, L) the reference's log-probs (beta > 0)
     old_log_probs: Optional[torch.Tensor] = None  # (N, L) the generating policy's log-probs (num_iterations > 1)
 
-    def tensors(self):
-        """The present tensors, in field order (what a pipeline schedule can carry: no None)."""
-        return tuple(t for t in self if t is not None)
-
     @classmethod
     def of(cls, tensors, fields):
-        """Back from `tensors()` given the names of the fields that were present."""
+        """Back from the present tensors (what a pipeline schedule carries: no None) given their field names."""
         return tensors if isinstance(tensors, cls) else cls(**dict(zip(fields, tensors)))
 
 
