@@ -3,12 +3,14 @@ the model is built, Checkpointer.load once it is wrapped; read_checkpoint_model 
 directory named as weights).
   <checkpoint_dir>/<weight>_<hidden>[_moe]/step_<N>/
       __*.distcp, .metadata   model + optimizer (sharded_state_dict: FQN-keyed, DTensor shards stay shards)
-      train_state.pt          rank 0: format_version, train_state (TrainState), scaler, world_size, global_batch,
-                              layout, args (the flags as typed), config
+      train_state.pt          rank 0: the rank-0 parts (train_state: TrainState, scaler, callbacks) and the record:
+                              format_version, parts, world_size, global_batch, layout, args (the flags as typed),
+                              config, tokenizer, resume_fields
       rng_<rank>.pt           each rank's own files (trainer/ckpt/rank_files.py): RNG states; the objective's state,
       objective_<rank>.pt       where it has one (GRPO: a rollout being reused); PowerSGD's residuals and Qs
       powersgd_<rank>.pt        (--grad_compression powersgd)
-      complete.json           written last, by rank 0, once every rank's shards are written: only then it counts
+      complete.json           written last, by rank 0, once every rank's files are there: only then it counts
+The parts are a registry (trainer/ckpt/parts.py): each registers once with its scope, save and load walk it.
 DCP reshards on load, so a run may resume under another layout. The weights file: trainer/ckpt/weights_file.py.
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
 (trainer/ckpt/minimind_resume.py).
@@ -30,21 +32,22 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 from model.atomic import atomic_json, atomic_save
 from model.weight_shapes import WeightsError, clean_state_dict, config_fields
 from trainer.ckpt.minimind_resume import minimind_resume_path, read_minimind_resume
-from trainer.ckpt.rank_files import load_rank_files, save_rank_files
+from trainer.ckpt.parts import LEGACY_PARTS, PER_RANK, RANK0, SHARDED, missing_parts_line, note_unused_parts
+from trainer.ckpt.rank_files import read_rank_state, save_rank_state
 from trainer.ckpt.resume_fields import check_resume_fields, resume_fields
 from trainer.ckpt.storage import check_room, disk_full_as_one_line, tree_bytes
-from trainer.parallel.state_dict import (
-    TIED_EMBEDDING,
-    load_full_state,
-    load_sharded_state,
-    sharded_state_dict,
-)
+from trainer.parallel.state_dict import TIED_EMBEDDING
 from trainer.runtime.launch import ConfigError, rank
 from trainer.trainer_utils import Logger
 
-# 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save
+# 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save. Parts are versioned by key
+# (train_state.pt "parts"), so a new part does not change it
 FORMAT_VERSION = 3
 MANIFEST = "complete.json"
+TRAIN_STATE = "train_state.pt"
+RECORD_KEYS = ("format_version", "parts", "world_size", "global_batch", "layout", "args", "config", "tokenizer",
+               "resume_fields")  # train_state.pt's own keys beside the rank-0 parts
+MINIMIND_PARTS = ("model", "scaler", "train_state")  # what MiniMind's resume file restores; the rest starts fresh
 BEST_INDEX = "best.json"  # --save_best: the step whose checkpoint is kept whatever --keep_checkpoints says
 # one process saves and loads without a process group, as intended: DCP warns about it on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -105,17 +108,22 @@ def latest_checkpoint(run_dir):
     return complete[-1] if complete else None
 
 
+def load_train_state(path):
+    """train_state.pt of step directory `path`, its one reader. It holds plain data (numbers, strings, lists, dicts,
+    tensors), so it loads weights_only; the callers say what an unreadable one means to them."""
+    return torch.load(os.path.join(path, TRAIN_STATE), map_location="cpu", weights_only=True)
+
+
 def _read_train_state(path, config):
     """train_state.pt of a complete DCP checkpoint, checked against this run's model (ConfigError if unusable)."""
-    file = os.path.join(path, "train_state.pt")
     try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=False)
+        ckpt = load_train_state(path)
         saved, version = ckpt["config"], ckpt["format_version"]
     except Exception as e:
-        raise ConfigError(f"{file} is not a readable checkpoint ({type(e).__name__}); "
+        raise ConfigError(f"{os.path.join(path, TRAIN_STATE)} is not a readable checkpoint ({type(e).__name__}); "
                           f"delete {path} or pass --from_resume 0")
-    if version != FORMAT_VERSION:
-        raise ConfigError(f"{path} has checkpoint format {version}, this trainer reads {FORMAT_VERSION}; "
+    if version > FORMAT_VERSION:  # a newer directory layout; older ones (1, 2) were single files
+        raise ConfigError(f"{path} has checkpoint format {version}, this trainer reads up to {FORMAT_VERSION}; "
                           "update the code or pass --from_resume 0")
     check_config(saved, config, path)
     return dict(ckpt, dcp_path=path)
@@ -125,8 +133,7 @@ def saved_resume_fields(plan):
     """(path, resume fields) of the checkpoint --from_resume would load; (None, None) without one."""
     path = latest_checkpoint(plan.io.run_dir) if plan.io.from_resume != "0" else None
     try:
-        return path, torch.load(os.path.join(path, "train_state.pt"), map_location="cpu",
-                                weights_only=False).get("resume_fields") if path else None
+        return path, load_train_state(path).get("resume_fields") if path else None
     except Exception:
         return path, None  # read_resume names the unreadable file
 
@@ -169,7 +176,7 @@ def read_checkpoint_model(path):
                  for key, meta in reader.read_metadata().state_dict_metadata.items()
                  if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
         dcp.load({"model": model}, storage_reader=reader, no_dist=True)
-        saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
+        saved = load_train_state(path)
     except Exception as e:
         raise WeightsError(f"{path} is not a readable resume checkpoint ({type(e).__name__}); pass a complete "
                            "step_<N> directory, a .pth or an HF folder") from None
@@ -180,7 +187,7 @@ def read_checkpoint_record(path):
     """What a step directory records besides the model: {"tokenizer": {"path", "sha256"} (older ones: the typed
     --tokenizer_path only), "step": N}; {} when train_state.pt is unreadable (read_checkpoint_model names it)."""
     try:
-        saved = torch.load(os.path.join(path, "train_state.pt"), map_location="cpu", weights_only=True)
+        saved = load_train_state(path)
     except Exception:
         return {}
     tokenizer = saved.get("tokenizer") or {"path": (saved.get("args") or {}).get("tokenizer_path"), "sha256": None}
@@ -194,20 +201,33 @@ def tied_aliases(pipeline, config):
 
 
 class Checkpointer:
-    """Writes resume checkpoints of its stateful parts, one DCP directory per save; keeps the newest `keep` complete
-    ones (0: all). `parts`: model_parts, optimizer, scaler, progress (TrainState), objective (its per-rank
-    state_dict), tied (aliases or None), and the plan and config recorded beside them.
+    """Writes resume checkpoints of its registered parts (trainer/ckpt/parts.py), one DCP directory per save; keeps
+    the newest `keep` complete ones (0: all). `plan` and `config` are recorded beside the parts.
 
     With async_save, dcp.async_save writes in a thread over its own gloo group while training goes on; the next
     save, and the end of the run (wait), wait for it. A save counts once rank 0 has written its manifest.
     """
 
-    def __init__(self, run_dir, async_save=False, keep=3, parts=None, estimate=0):
-        self.run_dir, self.async_save, self.keep, self.parts = run_dir, async_save, keep, parts
+    def __init__(self, run_dir, async_save=False, keep=3, parts=(), plan=None, config=None, estimate=0):
+        self.run_dir, self.async_save, self.keep, self.plan, self.config = run_dir, async_save, keep, plan, config
+        self.parts, self.resumed = {}, None  # name -> Part, in registration order; read_resume's dict once loaded
+        for part in parts:
+            self.register(part)
         self.pending = None  # (future, manifest-written event) of the async save in flight
         self.needed, self.last = estimate, None  # bytes a save takes (the last one's, else the estimate); last one
         # a separate group, so the writer thread's collectives never interleave with training's (a collective)
         self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+
+    def register(self, part):
+        """Add a stateful part, once by name; one registered after the resume was loaded is restored at once."""
+        if part.name in self.parts or part.name in RECORD_KEYS:
+            raise ValueError(f"a checkpoint part named {part.name!r} exists already")
+        self.parts[part.name] = part
+        if self.resumed is not None:
+            self.load_parts(self.resumed, [part])
+
+    def of_scope(self, scope, parts=None):
+        return [part for part in (self.parts.values() if parts is None else parts) if part.scope == scope]
 
     def save(self, step):
         """Write step `step`'s checkpoint (a collective); returns once it is written, or staged under async_save.
@@ -223,32 +243,51 @@ class Checkpointer:
             self.save_files(path)
 
     def load(self, ckpt):
-        """Restore the parts from read_resume's `ckpt`: model and optimizer from the DCP shards, resharded into this
-        layout (MiniMind's file: its optimizer; its model was loaded before parallelizing), scaler, RNG (the same
-        rank's file when the world size matches, else rank 0's), objective, TrainState and callbacks."""
-        parts = self.parts
+        """Restore every part from read_resume's `ckpt` (a DCP step directory's train_state.pt, or MiniMind's resume
+        file, which restores model + optimizer, scaler and progress): a part the checkpoint lacks starts from its
+        start value (a note), or the checkpoint is refused when it has none."""
+        self.resumed = ckpt
         if "dcp_path" in ckpt:
-            load_sharded_state(parts["model_parts"], parts["optimizer"], ckpt["dcp_path"], tied_aliases=parts["tied"])
-            same_world = ckpt["world_size"] == parts["plan"].layout.world_size  # else every rank takes rank 0's
-            load_rank_files(ckpt["dcp_path"], parts["objective"], parts["model_parts"], same_world)
-        else:  # MiniMind's resume file: no RNG state
-            load_full_state(parts["model_parts"], [parts["optimizer"]], None, ckpt["optimizer"],
-                            tied_aliases=parts["tied"])
-        parts["scaler"].load_state_dict(ckpt["scaler"])
-        parts["progress"].load_state_dict(ckpt["train_state"])
-        parts["callbacks"].load_state_dict(ckpt.get("callbacks", {}))  # early stopping, best checkpoint, a user's
+            note_unused_parts(ckpt["dcp_path"], ckpt.get("parts") or LEGACY_PARTS, self.parts.values())
+        self.load_parts(ckpt, list(self.parts.values()))
+
+    def load_parts(self, ckpt, parts):
+        """Restore `parts` from `ckpt`: sharded ones (DCP reshards into this layout), then per-rank ones (this rank's
+        file under the same world size, else rank 0's), then rank 0's (keys of train_state.pt)."""
+        if "dcp_path" in ckpt:
+            saved = ckpt.get("parts") or LEGACY_PARTS
+            line = missing_parts_line(ckpt["dcp_path"], saved, parts)
+            if line:
+                raise ConfigError(line)
+        else:
+            saved = MINIMIND_PARTS
+        parts = [part for part in parts if part.name in saved]
+        same_world = ckpt["world_size"] == self.plan.layout.world_size
+        for part in self.of_scope(SHARDED, parts):
+            part.load(ckpt)
+        for part in self.of_scope(PER_RANK, parts) if "dcp_path" in ckpt else []:
+            state = read_rank_state(ckpt["dcp_path"], part.name, same_world)
+            if state is not None:  # else the part had nothing to save (an objective without state)
+                part.load(state, same_world)
+        for part in self.of_scope(RANK0, parts):
+            if part.name in ckpt:
+                part.load(ckpt[part.name])
 
     def save_files(self, path):
-        """train_state.pt (rank 0), this rank's RNG file and its DCP shards into `path`."""
+        """train_state.pt (rank 0), this rank's per-rank files and its DCP shards into `path`."""
         if rank() == 0 and os.path.exists(os.path.join(path, MANIFEST)):
             os.remove(os.path.join(path, MANIFEST))  # rewriting a step: it is incomplete until written again
         if dist.is_initialized():
             dist.barrier()
-        parts = self.parts
         if rank() == 0:
-            atomic_save(self.train_state(), os.path.join(path, "train_state.pt"))
-        save_rank_files(path, parts["objective"], parts["model_parts"])
-        state = sharded_state_dict(parts["model_parts"], parts["optimizer"], parts["tied"])
+            atomic_save(self.train_state(), os.path.join(path, TRAIN_STATE))
+        for part in self.of_scope(PER_RANK):
+            state = part.state()
+            if state is not None:
+                save_rank_state(path, part.name, state)
+        state = {}
+        for part in self.of_scope(SHARDED):
+            state.update(part.state())
         if not self.async_save:
             self.write(state, path)
             return
@@ -275,15 +314,16 @@ class Checkpointer:
             self.mark_complete(path)
 
     def train_state(self):
-        """What rank 0 writes beside the shards: progress, scaler, layout, the typed flags and the model config."""
-        parts, plan = self.parts, self.parts["plan"]
+        """What rank 0 writes beside the shards: the rank-0 parts, the parts list, the layout, the typed flags and
+        the model config."""
+        plan = self.plan
         layout = plan.layout
-        return dict(train_state=parts["progress"].state_dict(), scaler=parts["scaler"].state_dict(),
-                    world_size=layout.world_size, global_batch=plan.data.global_batch,
-                    layout=dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage),
-                    args=dict(plan.flags), config=parts["config"].to_dict(), format_version=FORMAT_VERSION,
-                    tokenizer=plan.data.tokenizer_record, resume_fields=resume_fields(plan),
-                    callbacks=parts["callbacks"].state_dict())
+        record = dict(world_size=layout.world_size, global_batch=plan.data.global_batch,
+                      layout=dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage),
+                      args=dict(plan.flags), config=self.config.to_dict(), format_version=FORMAT_VERSION,
+                      tokenizer=plan.data.tokenizer_record, resume_fields=resume_fields(plan),
+                      parts={part.name: part.scope for part in self.parts.values()})
+        return dict(record, **{part.name: part.state() for part in self.of_scope(RANK0)})
 
     def wait(self):
         """Wait for the pending async save (its manifest included); re-raises its error."""

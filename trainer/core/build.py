@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.ckpt.checkpoint import Checkpointer, TrainState, read_resume, tied_aliases
+from trainer.ckpt.parts import standard_parts
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import init_model
 from trainer.core.objective import LMObjective
@@ -103,9 +104,10 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optim.py), ZeRO-1 sharded or not
     scaler = torch.amp.GradScaler(torch.device(plan.layout.device).type, enabled=plan.model.dtype == torch.float16)
     progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
-    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=dict(
-        model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
-        tied=tied_aliases(pipeline, config), plan=plan, config=config, callbacks=callbacks), estimate=estimate)
+    parts = standard_parts(model_parts, optimizer, tied_aliases(pipeline, config), scaler, progress, objective,
+                           callbacks)  # a stage's own part: trainer.checkpointer.register(Part(...))
+    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=parts, plan=plan,
+                                config=config, estimate=estimate)
     guard = StepGuard(plan.guard.max_bad_steps,
                       Preemption(plan.guard.grace_seconds, abandon=plan.layout.world_size == 1),
                       plan.schedule.save_every_minutes * 60)
