@@ -8,6 +8,7 @@ import torch
 
 from trainer.ckpt.checkpoint import Checkpointer, TrainState, read_resume, tied_aliases
 from trainer.ckpt.parts import standard_parts
+from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import init_model
 from trainer.core.objective import LMObjective
@@ -89,6 +90,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
 
     objective: what the stage minimises (plan.stage.objective(...), trainer/core/objective.py); None: LMObjective."""
     config = plan.model.config
+    claim_run(plan)  # one run per checkpoint directory; an earlier run's results are not replaced unasked
     ckpt = read_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
     model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen

@@ -153,6 +153,8 @@ class IOPlan:
                             "there is none (for torchrun --max-restarts); or a step_<N> directory: continue from that "
                             "checkpoint (later ones of this run are dropped at its first save)")  # "0", "1" or "auto"
     resume_path: Optional[str]  # --from_resume <step dir>: that checkpoint instead of the newest
+    overwrite: bool = flag(0, "1: start over although this run name has checkpoints or weights from an earlier run (its "
+                           "checkpoints are removed, its weights replaced); without it such a run is refused")
     keep_checkpoints: int = flag(3, "complete resume checkpoints kept; older ones are deleted (0: all)")
     async_save: bool = flag(0, "write resume checkpoints in the background (dcp.async_save)")
     metrics_file: str = flag(None, "JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
