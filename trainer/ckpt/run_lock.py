@@ -21,16 +21,24 @@ from trainer.trainer_utils import Logger
 LOCK = "run.lock"
 
 
-def earlier_output(plan):
-    """What a fresh start of this run would replace: its step directories and its weights file (a list of phrases)."""
+def _replaced_weights(plan):
+    """The weights file a fresh start would replace, or None; a run that starts from that very file (--from_weight
+    of its own name: DPO's second round) takes it as its input."""
+    weights = plan.stage.weights_path(plan)
+    starts_from = plan.model.from_weight != "none" and os.path.abspath(plan.model.from_weight) == \
+        os.path.abspath(weights)
+    return weights if os.path.isfile(weights) and not starts_from else None
+
+
+def earlier_output(plan, with_checkpoints=True):
+    """What a fresh start of this run would replace: its complete checkpoints and its weights (phrases)."""
     found = []
-    steps = [step for step, _, complete in checkpoints(plan.io.run_dir) if complete]  # a partial save holds nothing
+    steps = [step for step, _, done in checkpoints(plan.io.run_dir) if done] if with_checkpoints else []
     if steps:
         found.append(f"checkpoints of steps {steps[0]}..{steps[-1]} in {plan.io.run_dir}" if len(steps) > 1 else
                      f"the checkpoint of step {steps[0]} in {plan.io.run_dir}")
-    weights = plan.stage.weights_path(plan)
-    if os.path.isfile(weights):
-        found.append(f"weights {weights}")
+    if _replaced_weights(plan):
+        found.append(f"weights {_replaced_weights(plan)}")
     return found
 
 
@@ -43,8 +51,7 @@ def overwrite_line(plan):
     resumable = latest_checkpoint(io.run_dir) or os.path.isfile(minimind_resume_path(io.checkpoint_dir, io.run_name))
     if io.from_resume == "1" or (io.from_resume == "auto" and resumable):
         return None  # it continues them (read_resume refuses --from_resume 1 without a checkpoint)
-    found = earlier_output(plan) if io.from_resume == "0" else \
-        [f"weights {plan.stage.weights_path(plan)}"] if os.path.isfile(plan.stage.weights_path(plan)) else []
+    found = earlier_output(plan, with_checkpoints=io.from_resume == "0")
     if not found:
         return None
     return (f"run {io.run_name} exists: {' and '.join(found)}; pass --from_resume 1 to continue it, or --overwrite 1 "

@@ -65,7 +65,7 @@ def setup(args, stage=Stage):
     if model.deterministic:  # read by cuBLAS when CUDA starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     init_distributed_mode(layout.device, layout.dist_init_timeout)
-    open_rank_log(plan.io.log_dir, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
+    open_rank_log(plan.io.log_dir, plan.io.run_name, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
     enable_tf32(layout.device, strict=not model.tf32)  # before peak_flops reads the matmul precision
     dims = ParallelDims.build(layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                               device_type=torch.device(layout.device).type)
