@@ -15,9 +15,7 @@ DCP reshards on load, so a run may resume under another layout. The weights file
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
 (trainer/ckpt/minimind_resume.py).
 """
-import json
 import os
-import re
 import shutil
 import threading
 import warnings
@@ -35,7 +33,17 @@ from trainer.ckpt.minimind_resume import minimind_resume_path, read_minimind_res
 from trainer.ckpt.parts import LEGACY_PARTS, PER_RANK, RANK0, SHARDED, missing_parts_line, note_unused_parts
 from trainer.ckpt.rank_files import read_rank_state, save_rank_state
 from trainer.ckpt.resume_fields import check_resume_fields, resume_fields
-from trainer.ckpt.storage import check_room, disk_full_as_one_line, tree_bytes
+from trainer.ckpt.step_dirs import (
+    MANIFEST,
+    TRAIN_STATE,
+    agreed_checkpoint,
+    best_checkpoint_step,
+    checkpoints,
+    incomplete_line,
+    latest_checkpoint,
+    load_train_state,
+)
+from trainer.ckpt.storage import check_room, disk_full_as_one_line, from_rank0, tree_bytes
 from trainer.parallel.state_dict import TIED_EMBEDDING
 from trainer.runtime.launch import ConfigError, rank
 from trainer.trainer_utils import Logger
@@ -43,12 +51,9 @@ from trainer.trainer_utils import Logger
 # 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save. Parts are versioned by key
 # (train_state.pt "parts"), so a new part does not change it
 FORMAT_VERSION = 3
-MANIFEST = "complete.json"
-TRAIN_STATE = "train_state.pt"
 RECORD_KEYS = ("format_version", "parts", "world_size", "global_batch", "layout", "args", "config", "tokenizer",
                "resume_fields")  # train_state.pt's own keys beside the rank-0 parts
 MINIMIND_PARTS = ("model", "scaler", "train_state")  # what MiniMind's resume file restores; the rest starts fresh
-BEST_INDEX = "best.json"  # --save_best: the step whose checkpoint is kept whatever --keep_checkpoints says
 # one process saves and loads without a process group, as intended: DCP warns about it on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 CHECK_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "num_attention_heads",
@@ -78,40 +83,6 @@ def check_config(saved, config, path):
         if saved.get(key) != getattr(config, key):
             raise ConfigError(f"{path} was saved with {key}={saved.get(key)} but this run has "
                               f"{key}={getattr(config, key)}; match the flags or pass --from_resume 0")
-
-
-
-
-def checkpoints(run_dir):
-    """[(step, directory, complete)] of a run's step_<N> directories, oldest first."""
-    found = []
-    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
-        match = re.fullmatch(r"step_(\d+)", name)
-        if match:
-            path = os.path.join(run_dir, name)
-            found.append((int(match.group(1)), path, os.path.isfile(os.path.join(path, MANIFEST))))
-    return sorted(found)
-
-
-def best_checkpoint_step(run_dir):
-    """The step best.json names (--save_best), or None."""
-    try:
-        with open(os.path.join(run_dir, BEST_INDEX)) as f:
-            return json.load(f)["step"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def latest_checkpoint(run_dir):
-    """The newest complete step directory of `run_dir`, or None."""
-    complete = [path for _, path, done in checkpoints(run_dir) if done]
-    return complete[-1] if complete else None
-
-
-def load_train_state(path):
-    """train_state.pt of step directory `path`, its one reader. It holds plain data (numbers, strings, lists, dicts,
-    tensors), so it loads weights_only; the callers say what an unreadable one means to them."""
-    return torch.load(os.path.join(path, TRAIN_STATE), map_location="cpu", weights_only=True)
 
 
 def _read_train_state(path, config):
@@ -148,7 +119,7 @@ def read_resume(config, plan):
     """
     if plan.io.from_resume == "0":
         return None
-    path = plan.io.resume_path or latest_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
+    path = plan.io.resume_path or agreed_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
     minimind_path = minimind_resume_path(plan.io.checkpoint_dir, os.path.basename(plan.io.run_dir))
     ckpt = _read_train_state(path, config) if path else \
         read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None
@@ -195,6 +166,15 @@ def read_checkpoint_record(path):
             "step": (saved.get("train_state") or {}).get("global_step")}
 
 
+def keep_line(run_dir, keep, estimate):
+    """The start-up line on what the checkpoints will hold on disk (`estimate`: bytes of one)."""
+    size = f"{estimate / 2**20:.1f} MB"
+    if not keep:
+        return f"checkpoints: every complete one kept in {run_dir} (--keep_checkpoints 0), ~{size} each"
+    return (f"checkpoints: the last {keep} kept in {run_dir} (--keep_checkpoints), ~{keep} x {size} = "
+            f"{keep * estimate / 2**20:.1f} MB")
+
+
 def tied_aliases(pipeline, config):
     """Under pp the tied embedding has a copy on the last stage; its optimizer state is saved once."""
     return TIED_EMBEDDING if pipeline is not None and config.tie_word_embeddings else None
@@ -213,10 +193,13 @@ class Checkpointer:
         self.parts, self.resumed = {}, None  # name -> Part, in registration order; read_resume's dict once loaded
         for part in parts:
             self.register(part)
-        self.pending = None  # (future, manifest-written event) of the async save in flight
+        self.pending, self.incomplete = None, None  # (future, manifest-written event) of the async save in flight;
+        # rank 0: the line of an async save it could not mark complete, told to every rank at the next wait
         self.needed, self.last = estimate, None  # bytes a save takes (the last one's, else the estimate); last one
         # a separate group, so the writer thread's collectives never interleave with training's (a collective)
         self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        if plan is not None:
+            Logger(keep_line(run_dir, keep, estimate))
 
     def register(self, part):
         """Add a stateful part, once by name; one registered after the resume was loaded is restored at once."""
@@ -275,8 +258,8 @@ class Checkpointer:
 
     def save_files(self, path):
         """train_state.pt (rank 0), this rank's per-rank files and its DCP shards into `path`."""
-        if rank() == 0 and os.path.exists(os.path.join(path, MANIFEST)):
-            os.remove(os.path.join(path, MANIFEST))  # rewriting a step: it is incomplete until written again
+        if rank() == 0 and os.path.exists(path):  # rewriting a step: an earlier save's files must not count for this one
+            shutil.rmtree(path)
         if dist.is_initialized():
             dist.barrier()
         if rank() == 0:
@@ -299,7 +282,7 @@ class Checkpointer:
             def on_done(f):  # rank 0's save finishes only once every rank's write result reached it
                 try:
                     if f.exception() is None:
-                        self.mark_complete(path)
+                        self.incomplete = self.mark_complete(path)
                 finally:
                     marked.set()
             future.add_done_callback(on_done)
@@ -310,8 +293,10 @@ class Checkpointer:
         dcp.save(state, checkpoint_id=path)
         if dist.is_initialized():
             dist.barrier()  # every rank's shards and RNG file are on disk
-        if rank() == 0:
-            self.mark_complete(path)
+        line = self.mark_complete(path) if rank() == 0 else None
+        line = from_rank0(line)  # every rank stops together on a step that cannot be complete
+        if line:
+            raise ConfigError(line)
 
     def train_state(self):
         """What rank 0 writes beside the shards: the rank-0 parts, the parts list, the layout, the typed flags and
@@ -335,12 +320,20 @@ class Checkpointer:
             future.result()
         if rank() == 0:
             marked.wait()
+        line, self.incomplete = from_rank0(self.incomplete), None  # a collective: every rank waits here
+        if line:
+            raise ConfigError(line)
 
     def mark_complete(self, path):
-        """Rank 0, once every rank's files are written: the manifest, last; then prune."""
+        """Rank 0, once every rank's files are written: the manifest, last, and a prune; the refusal line instead
+        when some rank's files are not there as this rank sees them (nodes that do not share the directory)."""
+        line = incomplete_line(path, dist.get_world_size() if dist.is_initialized() else 1)
+        if line:
+            return line
         step = int(path.rsplit("_", 1)[1])
         atomic_json(dict(step=step, format_version=FORMAT_VERSION), os.path.join(path, MANIFEST))
         self.prune(step)
+        return None
 
     def prune(self, step):
         """Drop steps after `step` (an abandoned timeline), partial saves before it, complete ones past `keep`."""
