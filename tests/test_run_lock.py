@@ -3,13 +3,14 @@ complete only when every rank's files are there, and every rank resuming from th
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import time
 
 import pytest
 
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, start_forked
+from tests.launch import TINY_MODEL, demo_slice, forked, forked_nodes, read_metrics, start_forked
 
 SCRIPT = "trainer/train_pretrain.py"
 
@@ -99,3 +100,46 @@ def test_a_second_run_on_a_directory_is_refused_and_a_dead_runs_lock_taken_over(
     assert (f"note: taking over {lock} of run pid {first.pid} on {socket.gethostname()}, which is no longer running"
             in third.stdout)
     assert [r["step"] for r in read_metrics(os.path.join(where, "m.jsonl"))] == [1, 2] and not os.path.exists(lock)
+
+
+def node_args(data, where, *extra):
+    return run_args(data, where, "--save_interval", "1", "--keep_checkpoints", "0", "--dist_timeout", "60", *extra)
+
+
+def test_nodes_without_a_shared_checkpoint_directory(data, tmp_path):
+    """Two ranks ('nodes'), each with a --checkpoint_dir of its own. A save is never marked complete: rank 0 lacks rank
+    1's files, and every rank stops in one line naming the directory. --from_resume 1 takes the newest step both
+    have (node 1 lost step 2: step 1), whose step 2 repeats the shared run's loss exactly; with none in common every
+    rank's console says so in one line."""
+    fresh = [node_args(data, str(tmp_path / f"node{n}"), "--max_steps", "2") for n in (0, 1)]
+    code, outs, errs = forked_nodes(SCRIPT, fresh)
+    step_1 = tmp_path / "node0" / "ckpt" / "pretrain_64" / "step_1"
+    assert code == 2 and errs[0].strip().splitlines()[-1] == (
+        f"error: {step_1} lacks files other ranks wrote (rng_1.pt, __1_0.distcp): its checkpoint cannot be marked "
+        "complete; every node must see one --checkpoint_dir (a shared filesystem), or train on one node"), errs
+    assert not any((tmp_path / f"node{n}" / "ckpt" / "pretrain_64" / "step_1" / "complete.json").exists()
+                   for n in (0, 1))
+
+    shared = str(tmp_path / "shared")
+    proc = forked(SCRIPT, node_args(data, shared, "--max_steps", "2"), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for n in (0, 1):
+        shutil.rmtree(tmp_path / f"node{n}")
+        shutil.copytree(shared, tmp_path / f"node{n}")
+    shutil.rmtree(tmp_path / "node1" / "ckpt" / "pretrain_64" / "step_2")
+    resumed = [node_args(data, str(tmp_path / f"node{n}"), "--max_steps", "2", "--from_resume", "1") for n in (0, 1)]
+    code, outs, errs = forked_nodes(SCRIPT, resumed)
+    node0_run = tmp_path / "node0" / "ckpt" / "pretrain_64"
+    assert f"Resuming from {node0_run / 'step_1'}" in outs[0], outs[0][-2000:]
+    assert "note: not every rank has step 2; resuming from step 1, the newest all have" in outs[0]
+    assert losses(str(tmp_path / "node0" / "m.jsonl")) == losses(os.path.join(shared, "m.jsonl"))
+    assert code == 2 and errs[0].strip().splitlines()[-1].startswith(f"error: {node0_run / 'step_2'} lacks files")
+
+    shutil.rmtree(tmp_path / "node1" / "ckpt" / "pretrain_64")
+    code, outs, errs = forked_nodes(SCRIPT, resumed)
+    assert code == 2
+    for n in (0, 1):  # each rank's own view, on each console
+        run_dir = tmp_path / f"node{n}" / "ckpt" / "pretrain_64"
+        assert errs[n].strip().splitlines()[-1] == (
+            f"error: the ranks hold no complete checkpoint in common in {run_dir} (steps rank 0: 1; rank 1: none): "
+            "every node must see one --checkpoint_dir (a shared filesystem); or --from_resume 0 --overwrite 1"), errs[n]
