@@ -244,6 +244,7 @@ class Checkpointer:
                 raise ConfigError(line)
         else:
             saved = MINIMIND_PARTS
+        missing = [part for part in parts if part.name not in saved]
         parts = [part for part in parts if part.name in saved]
         same_world = ckpt["world_size"] == self.plan.layout.world_size
         for part in self.of_scope(SHARDED, parts):
@@ -255,10 +256,13 @@ class Checkpointer:
         for part in self.of_scope(RANK0, parts):
             if part.name in ckpt:
                 part.load(ckpt[part.name])
+        for part in missing:  # their start values, which may follow the restored parts (EMA: the restored weights)
+            if part.begin is not None:
+                part.begin()
 
     def save_files(self, path):
         """train_state.pt (rank 0), this rank's per-rank files and its DCP shards into `path`."""
-        if rank() == 0 and os.path.exists(path):  # rewriting a step: an earlier save's files must not count for this one
+        if rank() == 0 and os.path.exists(path):  # rewriting a step: no earlier save's file may count for this one
             shutil.rmtree(path)
         if dist.is_initialized():
             dist.barrier()

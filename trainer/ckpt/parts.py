@@ -30,12 +30,14 @@ class Part:
     """One stateful part of the resume checkpoint (see the module docstring for state/load by scope).
 
     start: what the part starts from when a checkpoint lacks it (the one-line note); None: such a checkpoint cannot
-    be continued exactly and is refused."""
+    be continued exactly and is refused. begin: sets that start value, once the saved parts are restored (None: the
+    part keeps the value it has)."""
     name: str
     scope: str
     state: Callable
     load: Callable
     start: Optional[str] = None
+    begin: Optional[Callable] = None
 
 
 def missing_parts_line(path, saved, registered):
