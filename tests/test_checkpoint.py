@@ -14,16 +14,11 @@ import torch.distributed.checkpoint as dcp
 from model.atomic import atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
-from trainer.ckpt.checkpoint import (
-    MANIFEST,
-    Checkpointer,
-    TrainState,
-    latest_checkpoint,
-    read_checkpoint_model,
-    read_resume,
-)
+from trainer.ckpt.checkpoint import TrainState, read_checkpoint_model, read_resume
+from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import SHARDED, Part, standard_parts
 from trainer.ckpt.rank_files import rng_state, set_rng_state
+from trainer.ckpt.step_dirs import MANIFEST, latest_checkpoint
 from trainer.core.objective import LMObjective
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 from trainer.runtime.callbacks import Callbacks

@@ -16,6 +16,9 @@ from trainer.runtime import launch
 from trainer.runtime.launch import ConfigError
 from trainer.trainer_utils import Logger
 
+# 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save. It names the layout only:
+# the parts are versioned by key (train_state.pt "parts", trainer/ckpt/parts.py), so a new part does not change it
+FORMAT_VERSION = 3
 MANIFEST = "complete.json"
 TRAIN_STATE = "train_state.pt"
 BEST_INDEX = "best.json"  # --save_best: the step whose checkpoint is kept whatever --keep_checkpoints says

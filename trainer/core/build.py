@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.ckpt.checkpoint import Checkpointer, TrainState, read_resume, tied_aliases
+from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
+from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import standard_parts
 from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
