@@ -87,12 +87,12 @@ def test_loss_and_gradient_equal_the_jsd_by_hand(files, beta):
         teacher_logits = teacher(input_ids).logits[:, :-1][mask]
     want, want_reverse = jsd_by_hand(logits, teacher_logits, beta, temperature)
     want_grads = torch.autograd.grad(want, list(student.parameters()))
-    assert num_items == int(mask.sum()) and want > 0.1  # the teacher is another model: the divergence is not 0
+    assert num_items == int(mask.sum()) and want.item() > 0.1  # the teacher is another model: the divergence is not 0
     # fp32 log-probs are off by a few ulp of their size; a P-weighted sum of such errors is no larger than the largest
     largest = float(torch.log_softmax(logits.detach() / temperature, -1).abs().max())
     bound = 4 * torch.finfo(torch.float32).eps * largest
-    assert float(loss.detach()) == pytest.approx(float(want), abs=bound)
-    assert float(stats["reverse_kl_sum"]) / num_items == pytest.approx(float(want_reverse), abs=bound)
+    assert float(loss.detach()) == pytest.approx(want.item(), abs=bound)
+    assert float(stats["reverse_kl_sum"]) / num_items == pytest.approx(want_reverse.item(), abs=bound)
     for (name, _), g, w in zip(student.named_parameters(), grads, want_grads):
         # fp32 sums over the vocabulary and the tokens in another order: a few hundred ulp of the largest element
         assert float((g - w.float()).abs().max()) <= 256 * torch.finfo(torch.float32).eps * float(w.abs().max()), name

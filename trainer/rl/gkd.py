@@ -27,9 +27,9 @@ from trainer.core.batches import autocast
 from trainer.core.objective import LMObjective
 from trainer.core.stage import SFTStage
 from trainer.plan.schema import Flag
-from trainer.rl.base import RolloutObjective, RolloutPlan, check_layout, check_positions, check_positive, engine_line
+from trainer.rl.base import RolloutObjective, RolloutPlan, check_layout, check_positions, engine_line
 from trainer.rl.rollout import make_engine, rollout_seed
-from trainer.rl.rows import training_rows
+from trainer.rl.rows import rollout_sequences, training_rows
 from trainer.runtime.launch import ConfigError
 from trainer.runtime.metrics import step_flops
 from trainer.stages.distillation import DistillationPlan, build_teacher, teacher_fields, teacher_path
@@ -105,8 +105,9 @@ def resolve_gkd(args, plan):
             raise ConfigError(f"--{name} must lie in [0, 1] (got {value})")
     if args.max_gen_len < 1:
         raise ConfigError(f"--max_gen_len must be at least 1 (got {args.max_gen_len})")
-    check_positive(args, "temperature")
-    check_positive(args, "rollout_timeout")
+    for name in ("temperature", "rollout_timeout"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top_p must lie in (0, 1] (got {args.top_p})")
     check_layout(args, plan, "GKD")
@@ -193,7 +194,8 @@ class GKDObjective(RolloutObjective):
         for index, batch in enumerate(micro_batches):
             prompt_ids, prompt_lengths = prompts_of(batch[0], batch[1], pad_id)
             seed = rollout_seed(self.plan.data.seed, step, self.dims.rank("dp"), index)
-            rows.append(training_rows(self.generate(trainer, prompt_ids, prompt_lengths, 1, seed), pad_id))
+            rollout = self.generate(trainer, prompt_ids, prompt_lengths, 1, seed)
+            rows.append(training_rows(rollout_sequences(rollout), pad_id))
         self.trained_positions = sum(ids.numel() for ids, _ in rows)
         return rows
 
