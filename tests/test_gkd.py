@@ -165,6 +165,22 @@ def test_ddp_equals_the_single_process_on_served_completions(files):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])
 
 
+def test_in_process_rollouts_under_zero3_equal_ddp(files):
+    """The in-process engine on FSDP2-sharded weights (gathered for the rollout) samples what DDP's whole model
+    samples, with the teacher beside the sharded student: the same completions, so the same tokens and losses."""
+    runs = {}
+    for name, layout in (("ddp_torch", []), ("zero3_torch", ["--zero_stage", "3"])):
+        argv = run_flags(files, name, [*LAYOUT_OPTIMIZER, "--max_steps", "4", *layout], dp=2)
+        proc = forked(SCRIPT, argv, nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = metrics_of(argv)
+    assert 1.0 in {r["on_policy"] for r in runs["ddp_torch"]}
+    for a, b in zip(runs["zero3_torch"], runs["ddp_torch"]):
+        assert a["tokens"] == b["tokens"] and a["on_policy"] == b["on_policy"]
+        for key in ("loss", "reverse_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])
+
+
 def test_resume_after_a_kill_repeats_the_steps_exactly(files):
     """Killed after step 3 (the checkpoint is step 2's): the resumed run draws the same step kinds and rollouts, so
     every record equals the uninterrupted run's."""
