@@ -201,6 +201,20 @@ def test_resume_after_a_kill_repeats_the_steps_exactly(files):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
 
 
+@pytest.mark.parametrize("flag,value,was", [("--lmbda", "0.9", "0.5"), ("--beta", "1", "0.5")])
+def test_a_resume_with_another_lmbda_or_beta_is_one_line(files, monkeypatch, capsys, flag, value, was):
+    """A finished run's last checkpoint continued with a flag that shaped its steps changed: one line naming the
+    flag and both values, exit 2."""
+    argv = run_flags(files, "changed_" + flag.strip("-"), ["--max_steps", "2", "--save_interval", "1"])
+    assert forked(SCRIPT, argv).returncode == 0
+    monkeypatch.setattr(sys, "argv", [SCRIPT, *argv, "--from_resume", "1", "--max_steps", "3", flag, value])
+    with pytest.raises(SystemExit) as caught:
+        main_guard(train_gkd.main)
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err.startswith("error: ") and "\n" not in err, err
+    assert f"was saved with {flag} {was}, this run has {flag} {float(value)}" in err, err
+
+
 def test_reverse_kl_on_the_students_samples_goes_down(files):
     """All steps on-policy with the reverse KL as the loss (beta 1): over 40 steps the student's KL to the teacher on
     its own samples falls to well under its start (the mean of the last 5 steps below 0.7 x the first 5's)."""
