@@ -1,0 +1,100 @@
+"""trainer/expert_load.py: per-expert loads read from a real MoE model, their record fields against a hand
+computation, DeepSeek-V3's bias rule, the empty-expert warning, and the bias equal on every data-parallel rank."""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from launch import spawn
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from trainer.expert_load import ExpertLoad, load_fields, moe_layers, take_loads, update_expert_bias
+
+TINY_MOE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
+
+
+def tiny_moe(seed=0):
+    torch.manual_seed(seed)
+    return MiniMindForCausalLM(MiniMindConfig(**TINY_MOE))
+
+
+def routed_counts_f64(model, input_ids):
+    """(layers, experts) tokens per expert, from each layer's router input captured by a hook, in float64."""
+    inputs = []
+    hooks = [moe.gate.register_forward_hook(lambda m, args, out: inputs.append((m, args[0].detach())))
+             for _, moe in moe_layers([model])]
+    was_training = model.training
+    model.eval()  # a training forward would count these tokens too
+    with torch.no_grad():
+        model(input_ids)
+    model.train(was_training)
+    for hook in hooks:
+        hook.remove()
+    counts = []
+    for gate, x in inputs:
+        probs = F.softmax(x.double() @ gate.weight.double().T, dim=-1)
+        counts.append(torch.bincount(probs.topk(2, dim=-1).indices.reshape(-1), minlength=4))
+    return torch.stack(counts).double()
+
+
+def test_loads_of_a_step_are_the_routed_tokens_of_its_micro_batches():
+    model = tiny_moe()
+    batches = [torch.randint(0, 64, (2, 9)) for _ in range(2)]
+    expected = sum(routed_counts_f64(model, ids) for ids in batches)
+    model.train()
+    for ids in batches:
+        model(ids)
+    loads = take_loads(moe_layers([model]))
+    assert torch.equal(loads.double(), expected)
+    assert torch.equal(take_loads(moe_layers([model])), torch.zeros(2, 4))  # reset after reading
+
+
+def test_load_fields_min_max_and_cv_by_hand():
+    fields = load_fields(["model.layers.0.mlp", "model.layers.1.mlp"], torch.tensor([[4.0, 0, 2, 2], [3, 3, 3, 3]]))
+    assert fields["expert_tokens_min/layer0"] == 0 and fields["expert_tokens_max/layer0"] == 4
+    assert math.isclose(fields["expert_load_cv/layer0"], math.sqrt((4 + 4 + 0 + 0) / 4) / 2, rel_tol=1e-12)
+    assert fields["expert_load_cv/layer1"] == 0.0
+
+
+def test_bias_rule_moves_each_expert_toward_the_mean():
+    model = tiny_moe()
+    balance = ExpertLoad([model], None, balance="bias", bias_rate=0.125)
+    update_expert_bias(balance.layers, torch.tensor([[4.0, 0, 2, 2], [1, 2, 3, 6]]), 0.125)
+    assert torch.equal(balance.layers[0][1].expert_bias, torch.tensor([-0.125, 0.125, 0, 0]))
+    assert torch.equal(balance.layers[1][1].expert_bias, torch.tensor([0.125, 0.125, 0, -0.125]))  # mean 3
+    assert "model.layers.0.mlp.expert_bias" in model.state_dict()  # saved and resumed with the model
+
+
+def test_an_expert_without_tokens_is_reported_once_after_n_logged_steps(capsys):
+    model = tiny_moe()
+    for _, moe in moe_layers([model]):
+        moe.expert_bias = torch.tensor([0.0, 0.0, 0.0, -10.0])  # expert 3 never chosen (a fixed bias: no update)
+    balance = ExpertLoad([model], None, balance="aux", dead_after=3)
+    model.train()
+    for step in range(1, 5):
+        model(torch.randint(0, 64, (1, 8)))
+        balance.step_end(step, {})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "warning: MoE" in line]
+    assert len(lines) == 2 and all("expert 3" in line and "(step 3)" in line for line in lines), lines
+
+
+def _bias_over_ranks(rank, world_size, batches, out_path):
+    model = tiny_moe()
+    balance = ExpertLoad([model], dist.group.WORLD, balance="both", bias_rate=0.01)
+    model.train()
+    model(batches[rank])
+    balance.step_end(1, None)
+    torch.save(torch.stack([moe.expert_bias for _, moe in balance.layers]), f"{out_path}.{rank}")
+
+
+def test_bias_is_the_same_on_every_rank_and_equals_one_process(tmp_path):
+    torch.manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 8)) for _ in range(2)]
+    spawn(_bias_over_ranks, 2, batches, str(tmp_path / "bias"), start_method="fork")
+    ranks = [torch.load(tmp_path / f"bias.{r}") for r in range(2)]
+    model = tiny_moe()
+    loads = routed_counts_f64(model, batches[0]) + routed_counts_f64(model, batches[1])  # one process, both halves
+    expected = 0.01 * torch.sign(loads.mean(dim=1, keepdim=True) - loads)
+    assert torch.equal(ranks[0], ranks[1])
+    assert torch.equal(ranks[0], expected.float())  # +-rate from zero: exact in fp32
