@@ -1,14 +1,22 @@
 """trainer/expert_load.py: per-expert loads read from a real MoE model, their record fields against a hand
 computation, DeepSeek-V3's bias rule, the empty-expert warning, and the bias equal on every data-parallel rank."""
 import math
+import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from launch import spawn
+from launch import TINY_MODEL, forked, read_metrics, spawn
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from trainer.expert_load import ExpertLoad, load_fields, moe_layers, take_loads, update_expert_bias
+from trainer.runtime.expert_load import (
+    ExpertLoad,
+    enable_expert_bias,
+    load_fields,
+    moe_layers,
+    take_loads,
+    update_expert_bias,
+)
 
 TINY_MOE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
                 use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48)
@@ -59,6 +67,7 @@ def test_load_fields_min_max_and_cv_by_hand():
 
 def test_bias_rule_moves_each_expert_toward_the_mean():
     model = tiny_moe()
+    enable_expert_bias([model])
     balance = ExpertLoad([model], None, balance="bias", bias_rate=0.125)
     update_expert_bias(balance.layers, torch.tensor([[4.0, 0, 2, 2], [1, 2, 3, 6]]), 0.125)
     assert torch.equal(balance.layers[0][1].expert_bias, torch.tensor([-0.125, 0.125, 0, 0]))
@@ -81,6 +90,7 @@ def test_an_expert_without_tokens_is_reported_once_after_n_logged_steps(capsys):
 
 def _bias_over_ranks(rank, world_size, batches, out_path):
     model = tiny_moe()
+    enable_expert_bias([model])
     balance = ExpertLoad([model], dist.group.WORLD, balance="both", bias_rate=0.01)
     model.train()
     model(batches[rank])
@@ -98,3 +108,36 @@ def test_bias_is_the_same_on_every_rank_and_equals_one_process(tmp_path):
     expected = 0.01 * torch.sign(loads.mean(dim=1, keepdim=True) - loads)
     assert torch.equal(ranks[0], ranks[1])
     assert torch.equal(ranks[0], expected.float())  # +-rate from zero: exact in fp32
+
+
+def _pretrain(tmp_path, run, *extra):
+    out = os.path.join(str(tmp_path), run)
+    args = [*TINY_MODEL, "--use_moe", "1", "--num_experts", "4", "--num_experts_per_tok", "2", "--max_seq_len", "32",
+            "--batch_size", "4", "--accumulation_steps", "2", "--learning_rate", "3e-3", "--log_interval", "1",
+            "--save_dir", out, "--checkpoint_dir", out, "--metrics_file", os.path.join(out, "m.jsonl"), *extra]
+    return forked("trainer/train_pretrain.py", args, timeout=300), os.path.join(out, "m.jsonl")
+
+
+def test_a_bias_run_records_loads_and_resumes_exactly(tmp_path):
+    balance = ["--router_balance", "both", "--router_bias_rate", "0.01", "--save_interval", "2"]
+    proc, whole = _pretrain(tmp_path, "a", *balance, "--max_steps", "4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "MoE experts: torch's grouped matmul" in proc.stdout or "MoE experts: a loop" in proc.stdout
+    records = read_metrics(whole)
+    for record in records:  # every position routed to 2 experts: 2 micro-batches x 4 rows x 32 positions x 2
+        for layer in (0, 1):
+            low, high = record[f"expert_tokens_min/layer{layer}"], record[f"expert_tokens_max/layer{layer}"]
+            assert 0 <= low <= 2 * 4 * 32 * 2 / 4 <= high <= 2 * 4 * 32
+    stop_at_2 = ["--max_steps", "4", "--max_tokens", str(records[1]["tokens"])]  # the lr schedule's length kept
+    proc, part = _pretrain(tmp_path, "b", *balance, *stop_at_2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = _pretrain(tmp_path, "b", "--max_steps", "4", "--from_resume", "1")  # the aux-only default
+    assert proc.returncode == 2 and "--router_balance both" in proc.stderr + proc.stdout
+    proc, part = _pretrain(tmp_path, "b", *balance, "--max_steps", "4", "--from_resume", "1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    resumed = read_metrics(part)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in ("expert_tokens_min/layer0", "expert_tokens_max/layer0", "expert_tokens_max/layer1"):
+        assert [r[key] for r in resumed] == [r[key] for r in records], key  # the bias came back: the same routing
+    for a, b in zip(records, resumed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a, b)  # test_train_pretrain's resume bound

@@ -118,7 +118,10 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
     plan, step, guard, callbacks = trainer.plan, trainer.progress.global_step, trainer.guard, trainer.callbacks
     last = epoch_end or should_stop(trainer)
     logged = step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or step == 1 or last  # a first loss
-    callbacks.call("on_step_end", trainer, step_record(trainer, metrics, timer) if logged else None)
+    record = step_record(trainer, metrics, timer) if logged else None
+    if trainer.expert_load is not None:  # the bias update, and the loads into the record before the sinks see it
+        trainer.expert_load.step_end(step, record)
+    callbacks.call("on_step_end", trainer, record)
     run_end = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.schedule.epochs - 1)
     if plan.guard.check_replicas and step % plan.guard.check_replicas == 0 and plan.layout.dp * plan.layout.cp > 1:
         check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)

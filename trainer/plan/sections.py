@@ -60,6 +60,11 @@ class ModelPlan:
         "attention or mlp only that sub-layer of each block; 0/none: off", type=str,
         choices=("0", "1", "none", "full", "attention", "mlp"))  # the mode: None, "full", "attention" or "mlp"
     use_compile: bool = flag(0, "torch.compile each decoder block")
+    router_balance: str = flag("aux", "MoE load balancing: aux (MiniMind's aux loss), bias (DeepSeek-V3's "
+                               "aux-loss-free routing bias, moved toward equal load after each step; no aux loss) "
+                               "or both",
+                               choices=("aux", "bias", "both"))
+    router_bias_rate: float = flag(1e-3, "--router_balance bias/both: how far each step moves an expert's bias")
     tf32: bool = flag(1, "CUDA: fp32 matmuls in TF32 (0: strict fp32)")
     deterministic: bool = flag(0, "torch.use_deterministic_algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG, no cuDNN "
                                "autotuning); an op without a deterministic kernel then raises")

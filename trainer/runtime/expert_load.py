@@ -8,7 +8,7 @@ metrics read them on log steps only."""
 import torch
 import torch.distributed as dist
 
-from model.model_minimind import MOEFeedForward
+from model.model_minimind import MOEFeedForward, expert_compute_for
 from trainer.trainer_utils import Logger
 
 BALANCE_MODES = ("aux", "bias", "both")  # MiniMind's aux loss; the routing bias; both
@@ -22,9 +22,25 @@ def moe_layers(model_parts):
 
 
 def enable_expert_bias(model_parts):
-    """Give every MoE layer a zero routing bias (fp32, a buffer: saved and resumed with the model)."""
+    """Give every MoE layer without one a zero routing bias (fp32, a buffer: saved and resumed with the model)."""
     for _, moe in moe_layers(model_parts):
-        moe.expert_bias = torch.zeros(moe.config.num_experts, dtype=torch.float32, device=moe.gate.weight.device)
+        if moe.expert_bias is None:  # weights trained with a bias keep theirs
+            moe.expert_bias = torch.zeros(moe.config.num_experts, dtype=torch.float32, device=moe.gate.weight.device)
+
+
+def choose_expert_compute(model_parts, device, dtype):
+    """Fix how every MoE layer runs its experts for this run (model_minimind.expert_compute_for, probed once) and
+    return the line that says it; None without MoE layers. Tensor parallel has set its layers to the loop."""
+    layers = moe_layers(model_parts)
+    if not layers:
+        return None
+    config = layers[0][1].config
+    choice = expert_compute_for(device, dtype, config.hidden_size, config.moe_intermediate_size)
+    for _, moe in layers:
+        moe.expert_compute = moe.expert_compute or choice
+    chosen = {moe.expert_compute for _, moe in layers}
+    how = {"grouped": "torch's grouped matmul, no host sync", "loop": "a loop over experts, one host sync per layer"}
+    return "MoE experts: " + "; ".join(f"{how[c]} ({c})" for c in sorted(chosen)) + f", {str(dtype).split('.')[-1]}"
 
 
 def take_loads(layers, group=None):
@@ -70,8 +86,6 @@ class ExpertLoad:
         self.layers, self.group = moe_layers(model_parts), group
         self.bias_on, self.bias_rate, self.dead_after = balance in ("bias", "both"), bias_rate, dead_after
         self.empty_logs = None  # (layers, experts) logged steps in a row without tokens
-        if self.bias_on:
-            enable_expert_bias(model_parts)
 
     def step_end(self, step, record):
         """Update the bias (every step, when on) and add the load fields to `record` (a log step's, else None)."""
