@@ -415,6 +415,7 @@ class MOEFeedForward(nn.Module):
                 [FeedForward(config, config.moe_intermediate_size) for _ in range(config.n_shared_experts)])
         self.seq_len_scale = 1  # context parallel sets its group size: local L * scale = full sequence length
         self.expert_compute = None  # "grouped" | "loop"; None: expert_compute_for at the first forward
+        self.experts_fn = None  # (rows sorted by expert, counts) -> their outputs; None: run_experts (expert parallel)
         self.register_buffer("expert_bias", None)
         self.routed_tokens = None
         self.aux_loss = torch.zeros(())
@@ -429,43 +430,50 @@ class MOEFeedForward(nn.Module):
         return t
 
     def dispatch(self, x_flat, topk_idx, topk_weight):
-        """sum_k weight_k * expert_k(x) per token: the token slots sorted by expert, then each expert on its rows."""
+        """sum_k weight_k * expert_k(x) per token: the token slots sorted by expert, then `experts_fn` on their rows."""
         top_k = topk_idx.shape[-1]
         flat_idx = topk_idx.reshape(-1)
         order = flat_idx.argsort(stable=True)  # stable: a token's slots stay in expert order, as the old loop
         token_idx = order // top_k
-        rows = x_flat[token_idx]
-        if self.expert_compute is None:
-            dtype = torch.get_autocast_dtype(x_flat.device.type) if torch.is_autocast_enabled(
-                x_flat.device.type) else x_flat.dtype
-            self.expert_compute = expert_compute_for(x_flat.device, dtype, x_flat.shape[-1],
-                                                     self.config.moe_intermediate_size)
-        if self.expert_compute == "grouped":
-            out = self.grouped_experts(rows, flat_idx)
-        else:
-            sizes = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()  # the layer's one host sync
-            # every expert runs, even on zero rows, so DDP/FSDP see no unused parameters
-            out = torch.cat([expert(part) for expert, part in zip(self.experts, rows.split(sizes))])
+        counts = torch.zeros(self.config.num_experts, dtype=torch.int32, device=x_flat.device).index_add_(
+            0, flat_idx, torch.ones_like(flat_idx, dtype=torch.int32))  # on the device: no host sync
+        out = (self.experts_fn or self.run_experts)(x_flat[token_idx], counts)
         out = out * topk_weight.reshape(-1)[order, None]
         return torch.zeros_like(x_flat).index_add_(0, token_idx, out.to(x_flat.dtype))
 
-    def grouped_experts(self, rows, flat_idx):
-        """Every expert's SwiGLU on its rows (sorted by expert) as three grouped GEMMs; the offsets stay on the device.
+    def local_experts(self):
+        """The experts this module holds, in order (all of them; under expert parallel this rank's share)."""
+        return list(self.experts.values()) if isinstance(self.experts, nn.ModuleDict) else list(self.experts)
+
+    def run_experts(self, rows, counts):
+        """The held experts on `rows` sorted by expert, counts[i] rows each: grouped GEMMs or the loop, per
+        `expert_compute` (chosen at the first call where nobody set it)."""
+        if self.expert_compute is None:
+            device_type = rows.device.type
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
+            self.expert_compute = expert_compute_for(rows.device, dtype, rows.shape[-1],
+                                                     self.config.moe_intermediate_size)
+        if self.expert_compute == "grouped":
+            return self.grouped_experts(rows, counts)
+        # every expert runs, even on zero rows, so DDP/FSDP see no unused parameters
+        parts = rows.split(counts.tolist())  # the layer's one host sync
+        return torch.cat([expert(part) for expert, part in zip(self.local_experts(), parts)])
+
+    def grouped_experts(self, rows, counts):
+        """The held experts' SwiGLU on their rows as three grouped GEMMs; the offsets stay on the device.
 
         The experts' weights are stacked per call (E x 3 weight copies, small next to the GEMMs), so the state dict
         keeps MiniMind's per-expert names. Under autocast the matmuls run in its dtype, as nn.Linear's do."""
-        op, device_type = grouped_mm_op(), rows.device.type
+        op, device_type, experts = grouped_mm_op(), rows.device.type, self.local_experts()
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
-        counts = torch.zeros(len(self.experts), dtype=torch.int32, device=rows.device)
-        offs = torch.cumsum(counts.index_add_(0, flat_idx, torch.ones_like(flat_idx, dtype=torch.int32)), 0,
-                            dtype=torch.int32)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
 
         def stacked(name):  # (E, out, in) -> (E, in, out): rows @ weight.T per expert
-            return torch.stack([getattr(e, name).weight for e in self.experts]).to(dtype).transpose(1, 2)
+            return torch.stack([getattr(e, name).weight for e in experts]).to(dtype).transpose(1, 2)
         with torch.autocast(device_type, enabled=False):  # the inputs are cast already; grouped_mm has no autocast rule
             rows = rows.to(dtype)
             gate, up = op(rows, stacked("gate_proj"), offs=offs), op(rows, stacked("up_proj"), offs=offs)
-            return op(self.experts[0].act_fn(gate) * up, stacked("down_proj"), offs=offs)
+            return op(experts[0].act_fn(gate) * up, stacked("down_proj"), offs=offs)
 
     def forward(self, x):
         bsz, seq_len, hidden = x.shape
