@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from launch import spawn
+from launch import forked, spawn
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.numerics import FP32_EPS, GRAD_ULPS
+from tests.test_layouts import SCRIPT, STEPS, assert_same_run, data, reference, run_args, run_layout  # noqa: F401
 from trainer.parallel.expert import apply_expert_parallel, ep_validate
 
 BATCH, SEQ, VOCAB = 4, 12, 96
@@ -63,8 +64,8 @@ def assert_grad_close(grad, ref, name):
 @pytest.mark.parametrize("top_k,shared", [(1, 0), (2, 0), (1, 1), (2, 1)])
 def test_ep2_equals_one_process(top_k, shared, tmp_path):
     spawn(_ep_worker, 2, top_k, shared, str(tmp_path), start_method="fork")
-    reference = tiny_moe(top_k, shared)
-    ce, aux = step_loss(reference, batch(), BATCH * SEQ, BATCH)
+    single = tiny_moe(top_k, shared)
+    ce, aux = step_loss(single, batch(), BATCH * SEQ, BATCH)
     (ce + aux).backward()
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for part in ranks:
@@ -75,7 +76,7 @@ def test_ep2_equals_one_process(top_k, shared, tmp_path):
         experts = {name for name in part["grads"] if ".experts." in name}
         assert all(int(name.split(".experts.")[1].split(".")[0]) // 2 == rank for name in experts)  # its own share
         held.update(part["grads"])
-    reference_grads = dict(reference.named_parameters())
+    reference_grads = dict(single.named_parameters())
     assert sorted(held) == sorted(reference_grads)  # every parameter on some rank
     for name, param in reference_grads.items():
         assert_grad_close(held[name], param.grad, name)
@@ -94,3 +95,21 @@ def test_ep_validate_lines():
     assert ep_validate(moe, 1) is None and ep_validate(moe, 4) is None
     assert "num_experts=4" in ep_validate(moe, 3)
     assert "--use_moe 1" in ep_validate(MiniMindConfig(), 2)
+
+
+def test_ep2_training_run_equals_one_process(data, reference, tmp_path):  # noqa: F811 (test_layouts' fixtures)
+    """`--ep 2` on 2 processes (DDP for the rest): every step's loss, aux loss and tokens equal the single process's,
+    its gathered weights are its checkpoint's, and one process resumed from its step-9 checkpoint (written by the
+    two ranks, each with its experts) takes the layout's last step (tests/test_layouts.assert_same_run)."""
+    workdir = run_layout(tmp_path, data, "moe", 2, ["--ep", "2"], ["--max_steps", str(STEPS)])
+    assert_same_run(workdir, data, "moe", reference["moe"])
+
+
+@pytest.mark.parametrize("flags,needle", [(["--ep", "2", "--use_moe", "0"], "--use_moe 1"),
+                                          (["--ep", "3"], "num_experts=4"),
+                                          (["--ep", "2", "--zero_stage", "3"], "composes with DDP only")])
+def test_bad_ep_is_one_line(flags, needle, data, tmp_path):  # noqa: F811
+    args = [*run_args(str(tmp_path), data, "moe", 2), *flags]
+    proc = forked(SCRIPT, args, 2, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]

@@ -29,9 +29,15 @@ def ep_validate(config, ep_size):
     return None
 
 
-def apply_expert_parallel(model, ep_group):
+def expert_params(model):
+    """[(name, parameter)] of the routed experts (under expert parallel, this rank's own: no replica to reduce with)."""
+    return [(name, param) for name, param in model.named_parameters() if ".experts." in name]
+
+
+def apply_expert_parallel(model, ep_group, grad_divide=1):
     """Shard every MoE layer of `model` (a plain MiniMindForCausalLM, or a pipeline stage) over `ep_group` in place;
-    return it."""
+    return it. grad_divide: the experts' gradients are divided by it (the trainer scales the loss by the dp size for
+    data parallel's average, which the experts, reduced by their all-to-all instead, do not go through)."""
     ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for module in model.modules():
         if not isinstance(module, MOEFeedForward):
@@ -40,6 +46,9 @@ def apply_expert_parallel(model, ep_group):
         held = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
         module.experts = nn.ModuleDict({str(i): module.experts[i] for i in held})  # global names: experts.<i>.*
         module.experts_fn = partial(dispatch_to_experts, module, ep_group)
+    if grad_divide != 1:
+        for _, param in expert_params(model):
+            param.register_hook(partial(torch.div, other=grad_divide))
     return model
 
 

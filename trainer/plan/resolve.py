@@ -18,6 +18,7 @@ from trainer.core.stage import Stage
 from trainer.plan.checks import (
     check_combinations,
     check_device,
+    check_expert_parallel,
     check_metrics_file,
     check_model_args,
     check_numbers,
@@ -96,6 +97,7 @@ def resolve_layout(args, world_size, local_rank, config):
     dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.tp, args.pp, args.cp, args.zero_stage,
                                                  args.grad_compression)
     check_parallel_args(args, config)
+    check_expert_parallel(args, config, dp, zero_stage)
     check_combinations(args)
     check_replica_layout(args.check_replicas, dp_mode)
     check_offload(args, dp_mode)
