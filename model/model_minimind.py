@@ -2,7 +2,8 @@
 
 Numerically follows transformers' Qwen3 / Qwen3-MoE (model/hf_convert.py maps weights both ways).
 No distributed code: parallelism is applied from outside through the hooks documented in docs/design.md
-(`Attention.attn_fn`, `MOEFeedForward.reduce_router_stats` / `seq_len_scale`, shape-derived head counts).
+(`Attention.attn_fn`, `MOEFeedForward.reduce_router_stats` / `seq_len_scale` / `experts_fn` /
+`expert_compute`, shape-derived head counts).
 """
 import math
 
