@@ -5,7 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model.model_minimind import MiniMindConfig, MOEFeedForward, expert_compute_for, grouped_mm_op
+from model.hf_convert import minimind_to_hf
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward, expert_compute_for, grouped_mm_op
+from model.weight_shapes import load_checked
+from model.weights import WeightsError
 
 HIDDEN, INTER = 64, 96
 
@@ -126,6 +129,24 @@ def test_the_bias_is_saved_and_loads_into_a_plain_model():
     fresh = make_moe(1, 0, seed=1)
     fresh.load_state_dict(moe.state_dict())
     assert torch.equal(fresh.expert_bias, moe.expert_bias)
+
+
+def test_weights_with_a_routing_bias_load_checked_into_a_fresh_model():
+    config = MiniMindConfig(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            use_moe=True, moe_intermediate_size=INTER)
+    trained = MiniMindForCausalLM(config)
+    trained.model.layers[0].mlp.expert_bias = torch.tensor([0.5, -0.5, 0.0, 0.25])
+    fresh = load_checked(MiniMindForCausalLM(config), trained.state_dict(), "w.pth")
+    assert torch.equal(fresh.model.layers[0].mlp.expert_bias, torch.tensor([0.5, -0.5, 0.0, 0.25]))
+
+
+def test_a_model_with_a_routing_bias_is_not_exported_as_qwen3_moe():
+    config = MiniMindConfig(hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            use_moe=True, moe_intermediate_size=INTER)
+    model = MiniMindForCausalLM(config)
+    model.model.layers[0].mlp.expert_bias = torch.zeros(4)
+    with pytest.raises(WeightsError, match="routing bias"):
+        minimind_to_hf(model.state_dict(), config)
 
 
 def test_routed_tokens_count_training_forwards_once_even_when_recomputed():
