@@ -44,7 +44,7 @@ def parallelize(model, dims, plan):
         parts = [apply_data_parallel(part, dims.mesh("dp_cp"), layout.zero_stage, layout.grad_compression,
                                      powersgd_rank=layout.powersgd_rank, powersgd_start_iter=layout.powersgd_start_step,
                                      param_dtype=model_plan.autocast_dtype, cpu_offload=layout.cpu_offload,
-                                     ignored=[name for name, _ in expert_params(part)])
+                                     ignored=[name for name, _ in expert_params(part)] if layout.ep > 1 else ())
                  for part in parts]
     if pipeline is not None:
         pipeline.make_schedule(parts)
