@@ -109,6 +109,9 @@ def minimind_to_hf(state_dict, config):
     if config.n_shared_experts > 0:
         raise WeightsError(f"n_shared_experts={config.n_shared_experts}: Qwen3-MoE has no shared experts",
                            fix=("minimind_format", None))
+    if any(key.endswith(".mlp.expert_bias") for key in state_dict):
+        raise WeightsError("a routing bias (trained with --router_balance bias or both): Qwen3-MoE routes without one",
+                           fix=("minimind_format", None))
     hf_config = Qwen3MoeConfig(
         num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
         moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
