@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers import __version__ as transformers_version
 
+from model.gguf import read_gguf
 from model.lora import apply_lora, save_lora
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
@@ -313,3 +314,33 @@ def test_an_export_that_fills_the_disk_is_one_line_and_the_earlier_export_still_
         "choose another --out_dir, then run again") and "Traceback" not in err
     assert logits_diff(first, out) <= TOL
     assert sorted(os.listdir(disk)) == ["filler", "hf"]
+
+
+@pytest.mark.parametrize("fields, expected", [(dict(n_shared_experts=1), "qwen3moe has no shared experts"),
+                                              (dict(norm_topk_prob=False), "always renormalizes the top-k")])
+def test_gguf_refuses_what_llama_cpp_cannot_hold_in_one_line(tmp_path, capsys, fields, expected):
+    model = source_model(tiny(use_moe=True, num_experts_per_tok=2, **fields))
+    ckpt = resume_checkpoint(tmp_path / "r.pth", model, os.path.join(ROOT, "model"))
+    assert convert_main(["--to", "gguf", "--weight", str(ckpt), "--out_dir", str(tmp_path / "gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and expected in err and "\n" not in err, err
+    assert not (tmp_path / "gguf").exists()
+
+
+def test_gguf_export_merges_lora_and_writes_the_modelfile_beside_it(tmp_path, capsys):
+    config = tiny()
+    torch.save(source_model(config).state_dict(), tmp_path / "full_sft_64.pth")
+    adapter = lora_adapter(tmp_path, config)
+    out = tmp_path / "gguf"
+    assert convert_main(["--to", "gguf", "--weight", str(tmp_path / "full_sft_64.pth"), "--lora", str(adapter),
+                         "--out_dir", str(out), "--gguf_type", "f32"]) == 0
+    assert "within 0 of their f32 rounding bound" in capsys.readouterr().out
+    state_dict, fields = read_gguf(str(out / "minimind-f32.gguf"))
+    assert fields["general.architecture"] == "qwen3" and fields["qwen3.block_count"] == 2
+    reference = hand_folded(tmp_path / "full_sft_64.pth", adapter, config)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state_dict[name], value), name
+    assert (out / "Modelfile").read_text().startswith("FROM ./minimind-f32.gguf\n")
+    assert convert_main(["--to", "gguf", "--weight", str(tmp_path / "merge_medical_64.pth"), "--out_dir", str(out),
+                         "--gguf_type", "q8_0"]) == 0  # a second export: the Modelfile names the new file
+    assert (out / "Modelfile").read_text().startswith("FROM ./minimind-q8_0.gguf\n")
