@@ -255,7 +255,7 @@ class DPODataset(Dataset):
 
     Each side is rendered and labelled as an SFT conversation (assistant tokens only, tools and reasoning
     included), from a token cache per side. An item is one pair, chosen first: (input_ids (2, L), labels (2, L)),
-    plus the reference model's summed log-probs (2,) once set_reference() gave them (trainer/dpo.py), so a
+    plus the reference model's summed log-probs (2,) once set_reference() gave them (trainer/stages/dpo.py), so a
     pair always travels in one sample. Rows bad on either side are skipped with --skip_bad_lines, else reported.
     """
 

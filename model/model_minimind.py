@@ -499,7 +499,7 @@ class _ChunkedHead(torch.autograd.Function):
     its sums and returns d(total)/d(logits) in fp32. Only one chunk's logits exist at a time, and backward just scales
     the stored gradients, so no logits are kept or recomputed (the idea of Liger-Kernel's fused linear
     cross-entropy). Under autocast the matmuls run in the autocast dtype, as the unchunked `lm_head` would. Serves
-    the model's CE (CrossEntropyChunks) and distillation's KL + CE (trainer/distillation.py).
+    the model's CE (CrossEntropyChunks) and distillation's KL + CE (trainer/stages/distillation.py).
     """
 
     @staticmethod

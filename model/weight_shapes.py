@@ -2,7 +2,7 @@
 whether it fits a model (shape_mismatch), in the model's own terms.
 
 A WeightsError names what is wrong; where one setting would make the weights usable it carries that setting as `fix`
-(a MiniMindConfig field and the weights' value of it, or a word below), which trainer/weight_flags.py words as the
+(a MiniMindConfig field and the weights' value of it, or a word below), which trainer/ckpt/weight_flags.py words as the
 flag to pass: model/ knows no command line.
 """
 import inspect
@@ -12,7 +12,7 @@ import torch
 from model.model_minimind import MiniMindConfig
 
 CONFIG_FIELDS = tuple(p for p in inspect.signature(MiniMindConfig.__init__).parameters if p not in ("self", "kwargs"))
-VALUE_HEAD = "model.norm.value_head."  # PPO's critic on the trunk's final norm (trainer/ppo.py), in its checkpoints
+VALUE_HEAD = "model.norm.value_head."  # PPO's critic on the trunk's final norm (trainer/rl/ppo.py), in its checkpoints
 # fix words besides config fields: the tokenizer decides vocab_size; LoRA adapters given as a model; every model field;
 # a MoE layout question; an export that needs MiniMind's own folder format
 FIXES = ("tokenizer", "lora_adapters", "model_fields", "moe_layout", "minimind_format")

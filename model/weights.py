@@ -2,9 +2,10 @@
 reader (read_weights, read_sidecar, read_record), which also reads the other weights a user may name.
 
 read_weights takes a MiniMind `.pth` state dict (ours, with its sidecar, or MiniMind-3's bare one), a torch file whose
-"model" entry is the state dict (MiniMind's `*_resume.pth`, read as weights; trainer/minimind_resume.py reads it as a
-resume) and a Hugging Face folder (model/hf_convert.py). The trainer's checkpoint directories (`step_<N>/`) are read
-by trainer/checkpoint.py, their owner. Shapes and names: model/weight_shapes.py; atomic writes: model/atomic.py.
+"model" entry is the state dict (MiniMind's `*_resume.pth`, read as weights; trainer/ckpt/minimind_resume.py reads it
+as a resume) and a Hugging Face folder (model/hf_convert.py). The trainer's checkpoint directories (`step_<N>/`) are
+read by trainer/ckpt/checkpoint.py, their owner. Shapes and names: model/weight_shapes.py; atomic writes:
+model/atomic.py.
 """
 import json
 import os
@@ -18,7 +19,7 @@ from model.hf_convert import read_hf_folder
 from model.provenance import tokenizer_record, tokenizer_sha256
 from model.weight_shapes import CONFIG_FIELDS, WeightsError, clean_state_dict, config_fields, load_checked
 
-CHECKPOINT_MARK = ".metadata"  # what a DCP step directory holds (trainer/checkpoint.py reads those)
+CHECKPOINT_MARK = ".metadata"  # what a DCP step directory holds (trainer/ckpt/checkpoint.py reads those)
 
 
 def sidecar_path(path):
@@ -36,7 +37,7 @@ def save_weights_file(state_dict, config, path, record=None):
 
 
 def is_checkpoint_dir(path):
-    """Whether `path` is a DCP directory (the trainer's step_<N>), which trainer/checkpoint.py reads."""
+    """Whether `path` is a DCP directory (the trainer's step_<N>), which trainer/ckpt/checkpoint.py reads."""
     return os.path.isfile(os.path.join(path, CHECKPOINT_MARK))
 
 
@@ -49,7 +50,7 @@ def read_weights(path):
 def read_weights_and_args(path):
     """read_weights plus the saved training args of a single-file resume (None for the others)."""
     if is_checkpoint_dir(path):
-        raise WeightsError(f"{path} is a training checkpoint directory; read it with trainer/checkpoint.py "
+        raise WeightsError(f"{path} is a training checkpoint directory; read it with trainer/ckpt/checkpoint.py "
                            "(read_any_weights)")
     if os.path.isdir(path):
         state_dict, config = read_hf_folder(path)

@@ -24,11 +24,11 @@ import torch  # noqa: E402
 
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
 from scripts.run_helper import run_trainer, trainer_command  # noqa: E402
-from trainer.config import resolve  # noqa: E402
-from trainer.flags import add_train_args  # noqa: E402
-from trainer.launch import ConfigError  # noqa: E402
-from trainer.metrics import model_flops_per_token, peak_flops, step_flops  # noqa: E402
-from trainer.model_config import build_config  # noqa: E402
+from trainer.plan.flags import add_train_args  # noqa: E402
+from trainer.plan.model_config import build_config  # noqa: E402
+from trainer.plan.resolve import resolve  # noqa: E402
+from trainer.runtime.launch import ConfigError  # noqa: E402
+from trainer.runtime.metrics import model_flops_per_token, peak_flops, step_flops  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
 
 # the benchmark's default model: MiniMind's small config

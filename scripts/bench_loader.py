@@ -4,13 +4,13 @@
     python scripts/bench_loader.py --cases packed2048 sft512 --workers 0 2 --batches 100
     python scripts/bench_loader.py --step_tokens_per_s 1100            # also compare with a measured trainer rate
 
-The loader is the trainer's own (trainer/train_loop.py:epoch_loader: DistributedSampler + SkipBatchSampler)
+The loader is the trainer's own (trainer/core/loop.py:epoch_loader: DistributedSampler + SkipBatchSampler)
 over the real PretrainDataset / SFTDataset and the repo tokenizer, on the demo corpus repeated --repeat_corpus
 times (written once under --corpus_dir). Per case and worker count: the start-up (iter() to the first batch,
 worker processes included), then --warmup batches, then --batches timed batches; then the same paced by a sleep
 as long as the step on each batch, timing the wait in next(). The step it is compared with is an estimate,
 not a measurement: the trainer's default model at --step_mfu of --peak_flops (an H100's dense bf16 peak by default),
-tokens/s = peak * mfu / (6N + attention FLOPs per token) (trainer/metrics.py).
+tokens/s = peak * mfu / (6N + attention FLOPs per token) (trainer/runtime/metrics.py).
 One JSON line per case and worker count is appended to --results (default out/bench_loader.jsonl).
 """
 import argparse
@@ -27,11 +27,11 @@ from transformers import AutoTokenizer  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
 from scripts.bench import machine_description  # noqa: E402
-from trainer.flags import add_train_args  # noqa: E402
-from trainer.launch import ConfigError, main_guard  # noqa: E402
-from trainer.metrics import model_flops_per_token  # noqa: E402
-from trainer.model_config import build_config  # noqa: E402
-from trainer.train_loop import epoch_loader  # noqa: E402
+from trainer.core.loop import epoch_loader  # noqa: E402
+from trainer.plan.flags import add_train_args  # noqa: E402
+from trainer.plan.model_config import build_config  # noqa: E402
+from trainer.runtime.launch import ConfigError, main_guard  # noqa: E402
+from trainer.runtime.metrics import model_flops_per_token  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
 
 # name -> (demo corpus, tokens per sample, packing)

@@ -1,5 +1,5 @@
-"""Rollout speed: the rollout engine's sampling loop (trainer/rollout.py) against transformers' `generate` on the same
-model, prompts and sampling settings; tokens generated per second, best of --repeats (interleaved).
+"""Rollout speed: the rollout engine's sampling loop (trainer/rl/rollout.py) against transformers' `generate` on the
+same model, prompts and sampling settings; tokens generated per second, best of --repeats (interleaved).
 
   python scripts/bench_rollout.py --hidden_size 768 --num_hidden_layers 8 --rows 12 --new_tokens 128
 Both run every row to --new_tokens (no EOS), so they generate the same number of tokens.
@@ -15,7 +15,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.rollout import sample  # noqa: E402
+from trainer.rl.rollout import sample  # noqa: E402
 
 
 def timed(fns, repeats):

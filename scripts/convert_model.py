@@ -42,11 +42,11 @@ from model.provenance import copy_tokenizer as copy_files  # noqa: E402
 from model.provenance import tokenizer_record  # noqa: E402
 from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
 from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
-from trainer.checks import check_writable  # noqa: E402
-from trainer.launch import ConfigError  # noqa: E402
-from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
-from trainer.weight_flags import flag_conflicts, weights_line  # noqa: E402
-from trainer.weights_file import any_weights_record, read_any_weights  # noqa: E402
+from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
+from trainer.ckpt.weight_flags import flag_conflicts, weights_line  # noqa: E402
+from trainer.ckpt.weights_file import any_weights_record, read_any_weights  # noqa: E402
+from trainer.plan.checks import check_writable  # noqa: E402
+from trainer.runtime.launch import ConfigError  # noqa: E402
 
 MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

@@ -27,13 +27,13 @@ from model.lora import LoraError, apply_lora_file  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.weight_shapes import WeightsError, weight_fields  # noqa: E402
 from model.weights import load_weights, read_weights  # noqa: E402
-from trainer.checks import check_device, check_tokenizer  # noqa: E402
-from trainer.config import weight_path  # noqa: E402
-from trainer.launch import ConfigError  # noqa: E402
-from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
+from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
+from trainer.ckpt.weight_flags import weights_line  # noqa: E402
+from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights  # noqa: E402
+from trainer.plan.checks import check_device, check_tokenizer  # noqa: E402
+from trainer.plan.resolve import weight_path  # noqa: E402
+from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.trainer_utils import file_digest, typed_or_default  # noqa: E402
-from trainer.weight_flags import weights_line  # noqa: E402
-from trainer.weights_file import any_weights_record, load_any_weights, read_any_weights  # noqa: E402
 
 
 def load_folder(folder):

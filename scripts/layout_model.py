@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
 from model.model_minimind import MiniMindConfig  # noqa: E402
-from trainer.checks import data_parallel_mode  # noqa: E402
+from trainer.plan.checks import data_parallel_mode  # noqa: E402
 
 
 def layer_params(config):

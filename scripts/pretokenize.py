@@ -24,8 +24,8 @@ from transformers import AutoTokenizer  # noqa: E402
 from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
 from dataset.shards import shard_files, tokenizer_fingerprint  # noqa: E402
 from dataset.token_cache import default_num_proc  # noqa: E402
-from trainer.checks import check_tokenizer, check_writable  # noqa: E402
-from trainer.launch import ConfigError  # noqa: E402
+from trainer.plan.checks import check_tokenizer, check_writable  # noqa: E402
+from trainer.runtime.launch import ConfigError  # noqa: E402
 
 
 def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_lines=False, num_proc=None):

@@ -27,7 +27,7 @@ from scripts.eval_llm import (  # noqa: E402
     render_prompt,
     stream_ids,
 )
-from trainer.weight_flags import weights_line  # noqa: E402
+from trainer.ckpt.weight_flags import weights_line  # noqa: E402
 
 
 def parse_args(argv):

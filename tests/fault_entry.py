@@ -23,9 +23,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from trainer import train_loop  # noqa: E402
-from trainer.launch import main_guard, rank  # noqa: E402
-from trainer.objective import LMObjective  # noqa: E402
+from trainer.core import loop as train_loop  # noqa: E402
+from trainer.core.objective import LMObjective  # noqa: E402
+from trainer.runtime.launch import main_guard, rank  # noqa: E402
 
 STAGE = "MINIMIND_TEST_STAGE"
 KILL_AT_STEP = "MINIMIND_TEST_KILL_AT_STEP"

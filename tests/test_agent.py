@@ -1,5 +1,5 @@
-"""The agent stage (trainer/agent.py, train_agent.py): the reward against gt by hand, tool answers that carry no loss,
-no gradient and no old log-prob (a hand-built episode), multi-turn sampling log-probs against one forward over the
+"""The agent stage (trainer/rl/agent.py, train_agent.py): the reward against gt by hand, tool answers that carry no
+loss, no gradient and no old log-prob (a hand-built episode), multi-turn sampling log-probs against one forward over the
 whole episode, the demo command offline, exact resume after a kill, bad input."""
 import glob
 import json
@@ -17,12 +17,12 @@ from dataset.tools import TOOL_CASES, agent_rows, tool_schemas
 from model.model_minimind import MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer import train_agent
-from trainer.agent import AgentObjective, AgentPlan, Episode, agent_reward, episode_rows, rule_agent
-from trainer.batches import step_targets
-from trainer.config import resolve
-from trainer.launch import ConfigError
-from trainer.rewards import repetition_penalty
-from trainer.rl_batch import scoring_log_probs
+from trainer.core.batches import step_targets
+from trainer.plan.resolve import resolve
+from trainer.rl.agent import AgentObjective, AgentPlan, Episode, agent_reward, episode_rows, rule_agent
+from trainer.rl.rewards import repetition_penalty
+from trainer.rl.rows import scoring_log_probs
+from trainer.runtime.launch import ConfigError
 
 TEMPERATURE = 0.8
 CALL = '<tool_call>\n{"name": "calculate_math", "arguments": {"expression": "256*37"}}\n</tool_call>'
@@ -174,7 +174,7 @@ def _zero3_episodes_worker(rank, world_size, out_dir, argv):
 
     from trainer.parallel.data import apply_data_parallel
     from trainer.parallel.mesh import ParallelDims
-    from trainer.rollout import make_engine
+    from trainer.rl.rollout import make_engine
     sys.argv = argv
     plan = resolve(train_agent.agent_args(), world_size, rank, AgentPlan)
     tokenizer = AutoTokenizer.from_pretrained(plan.data.tokenizer_path)

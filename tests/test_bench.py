@@ -11,7 +11,7 @@ from scripts.bench import parse_args, plan_for, print_plan, step_stats
 from scripts.layout_model import plan_layout
 from scripts.run_helper import run_trainer, trainer_command
 from tests.launch import forked_argv
-from trainer.metrics import step_flops
+from trainer.runtime.metrics import step_flops
 
 
 def test_step_stats_by_hand():

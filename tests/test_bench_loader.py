@@ -1,4 +1,4 @@
-"""scripts/bench_loader.py and the loader it times (trainer/train_loop.py:epoch_loader): the batches are the
+"""scripts/bench_loader.py and the loader it times (trainer/core/loop.py:epoch_loader): the batches are the
 sampler's rows of the real datasets, the counts are the batches' shapes, the order does not depend on
 num_workers, the step estimate is 6N + attention of the real default model, bad input is one line."""
 import argparse
@@ -14,9 +14,9 @@ from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.model_minimind import MiniMindForCausalLM
 from scripts.bench_loader import main, step_tokens_per_s, time_loader
 from tests.launch import forked
-from trainer.flags import add_train_args
-from trainer.model_config import build_config
-from trainer.train_loop import epoch_loader
+from trainer.core.loop import epoch_loader
+from trainer.plan.flags import add_train_args
+from trainer.plan.model_config import build_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ = 64

@@ -1,5 +1,5 @@
-"""trainer/callbacks.py in real runs: the best checkpoint is the argmin of the eval losses the run recorded, early
-stopping stops at the eval the rule (written out here) picks, both survive a resume, and a user's --callbacks
+"""trainer/runtime/callbacks.py in real runs: the best checkpoint is the argmin of the eval losses the run recorded,
+early stopping stops at the eval the rule (written out here) picks, both survive a resume, and a user's --callbacks
 object sees the records the metrics file holds, stops the run and keeps its state across a resume."""
 import json
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.checkpoint import read_checkpoint_model
+from trainer.ckpt.checkpoint import read_checkpoint_model
 
 SCRIPT = "trainer/train_pretrain.py"
 STEPS = 12

@@ -1,5 +1,5 @@
-"""trainer/checkpoint.py: DCP resume directories (round trip, manifest, pruning), a damaged MiniMind resume file, the
-retired formats 1/2, TrainState, atomic saves (MiniMind's resume file itself: tests/test_minimind_resume.py)."""
+"""trainer/ckpt/checkpoint.py: DCP resume directories (round trip, manifest, pruning), a damaged MiniMind resume file,
+the retired formats 1/2, TrainState, atomic saves (MiniMind's resume file itself: tests/test_minimind_resume.py)."""
 import json
 import os
 import subprocess
@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from model.atomic import atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
-from trainer.checkpoint import (
+from trainer.ckpt.checkpoint import (
     MANIFEST,
     Checkpointer,
     TrainState,
@@ -22,9 +22,9 @@ from trainer.checkpoint import (
     read_checkpoint_model,
     read_resume,
 )
-from trainer.launch import ConfigError
+from trainer.ckpt.rank_files import rng_state, set_rng_state
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
-from trainer.rank_files import rng_state, set_rng_state
+from trainer.runtime.launch import ConfigError
 
 
 def tiny_config(**kw):

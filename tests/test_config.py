@@ -1,4 +1,4 @@
-"""trainer/config.py: the resolved TrainPlan (layout rule, paths, batch) and the flags' help."""
+"""trainer/plan/resolve.py: the resolved TrainPlan (layout rule, paths, batch) and the flags' help."""
 import argparse
 import dataclasses
 import os
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
-from trainer.checks import AT_LEAST, data_parallel_mode
-from trainer.config import TrainPlan, resolve
-from trainer.flags import add_train_args
-from trainer.launch import ConfigError
-from trainer.model_config import build_config
+from trainer.plan.checks import AT_LEAST, data_parallel_mode
+from trainer.plan.flags import add_train_args
+from trainer.plan.model_config import build_config
+from trainer.plan.resolve import TrainPlan, resolve
+from trainer.runtime.launch import ConfigError
 from trainer.trainer_utils import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # a folder: no tokenizer, no weights, not a data file

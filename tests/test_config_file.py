@@ -1,5 +1,6 @@
-"""trainer/config_file.py: --config YAML holds flags by their names, the command line wins, bad entries are argparse's
-one usage line; a real run from a YAML file equals the same flags typed, and the YAML the run writes repeats it."""
+"""trainer/plan/config_file.py: --config YAML holds flags by their names, the command line wins, bad entries are
+argparse's one usage line; a real run from a YAML file equals the same flags typed, and the YAML the run writes repeats
+it."""
 import argparse
 import os
 
@@ -7,10 +8,10 @@ import pytest
 import yaml
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.config_file import config_argv, run_config_text
-from trainer.dpo import DPOPlan
-from trainer.flags import add_train_args
-from trainer.stage import Stage
+from trainer.core.stage import Stage
+from trainer.plan.config_file import config_argv, run_config_text
+from trainer.plan.flags import add_train_args
+from trainer.stages.dpo import DPOPlan
 
 SCRIPT = "trainer/train_pretrain.py"
 

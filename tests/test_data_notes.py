@@ -11,7 +11,7 @@ from dataset.data_notes import dataset_notes, identical_pairs
 from dataset.lm_dataset import DPODataset, SFTDataset
 from tests.launch import ROOT, TINY_MODEL
 from trainer import train_dpo
-from trainer.launch import main_guard
+from trainer.runtime.launch import main_guard
 
 
 @pytest.fixture(scope="module")

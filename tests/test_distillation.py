@@ -1,5 +1,5 @@
-"""Distillation (trainer/distillation.py, trainer/train_distillation.py): the loss against the formula by hand, the
-chunked KL against the full logits, layouts against the single process, exact resume after a kill, bad input."""
+"""Distillation (trainer/stages/distillation.py, trainer/train_distillation.py): the loss against the formula by hand,
+the chunked KL against the full logits, layouts against the single process, exact resume after a kill, bad input."""
 import argparse
 import copy
 import json
@@ -18,11 +18,11 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_distillation
-from trainer.batches import step_targets
-from trainer.config import resolve
-from trainer.distillation import DistillationObjective, DistillationPlan
-from trainer.flags import add_train_args
-from trainer.launch import ConfigError, main_guard
+from trainer.core.batches import step_targets
+from trainer.plan.flags import add_train_args
+from trainer.plan.resolve import resolve
+from trainer.runtime.launch import ConfigError, main_guard
+from trainer.stages.distillation import DistillationObjective, DistillationPlan
 
 SCRIPT = "trainer/train_distillation.py"
 STUDENT = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -187,8 +187,9 @@ def test_layouts_equal_the_single_process(files, single, layout):
 
 KILL_AT = """import os, signal, sys
 sys.path.insert(0, {root!r})
-from trainer import train_distillation, train_loop
-from trainer.launch import main_guard, rank
+from trainer import train_distillation
+from trainer.core import loop as train_loop
+from trainer.runtime.launch import main_guard, rank
 real_after_step = train_loop.after_step
 def after_step(trainer, *args, **kwargs):
     real_after_step(trainer, *args, **kwargs)

@@ -1,5 +1,5 @@
-"""DPO (trainer/dpo.py, trainer/train_dpo.py, DPODataset): the loss and its gradient against transformers' Qwen3 and
-the formula by hand, ln 2 at step 1, the layouts against one process, exact resume, bad input."""
+"""DPO (trainer/stages/dpo.py, trainer/train_dpo.py, DPODataset): the loss and its gradient against transformers' Qwen3
+and the formula by hand, ln 2 at step 1, the layouts against one process, exact resume, bad input."""
 import glob
 import hashlib
 import json
@@ -18,10 +18,10 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_dpo
-from trainer.batches import step_targets
-from trainer.dpo import DPOObjective, sequence_log_probs
-from trainer.launch import main_guard, setup_seed
+from trainer.core.batches import step_targets
 from trainer.parallel.pipeline import PipelineLoss
+from trainer.runtime.launch import main_guard, setup_seed
+from trainer.stages.dpo import DPOObjective, sequence_log_probs
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 BETA = 0.15

@@ -12,7 +12,7 @@ from scripts.eval_llm import check_args, parse_args, render_prompt
 from scripts.eval_llm import main as eval_main
 from tests.launch import ROOT, forked
 from tests.test_convert_model import hand_folded, lora_adapter
-from trainer.launch import ConfigError
+from trainer.runtime.launch import ConfigError
 
 
 def test_eval_llm_streams_the_greedy_continuation(tmp_path):

@@ -1,4 +1,4 @@
-"""trainer/evaluation.py: validation under a pipeline (the schedule's forward-only pass) gives the single process's
+"""trainer/core/evaluation.py: validation under a pipeline (the schedule's forward-only pass) gives the single process's
 eval loss, with --eval_batches not a multiple of the micro-batches a pass takes."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""GRPO (trainer/grpo.py, rl_batch.py, train_grpo.py): advantages and every loss type's gradient against a
+"""GRPO (trainer/rl/grpo.py, rl_batch.py, train_grpo.py): advantages and every loss type's gradient against a
 REINFORCE surrogate written out here, what must not count (prompt, padding, after EOS), rollout reuse, the layouts
 against one process on a real local rollout server, exact resume after a kill, a toy task learnt, bad input."""
 import glob
@@ -11,12 +11,12 @@ import torch
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_grpo
-from trainer.batches import step_targets
-from trainer.config import resolve
-from trainer.grpo import GRPOPlan
-from trainer.launch import ConfigError, main_guard
-from trainer.rl_batch import group_advantages
-from trainer.train_loop import epoch_batches, train_step
+from trainer.core.batches import step_targets
+from trainer.core.loop import epoch_batches, train_step
+from trainer.plan.resolve import resolve
+from trainer.rl.grpo import GRPOPlan
+from trainer.rl.rows import group_advantages
+from trainer.runtime.launch import ConfigError, main_guard
 
 REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
 TEMPERATURE = 0.8

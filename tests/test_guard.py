@@ -1,12 +1,12 @@
-"""trainer/guard.py: non-finite steps are skipped on every rank and counted; diverged replicas are named."""
+"""trainer/runtime/guard.py: non-finite steps are skipped on every rank and counted; diverged replicas are named."""
 import argparse
 import os
 
 import torch
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.build import build_trainer, setup
-from trainer.flags import add_train_args
+from trainer.core.build import build_trainer, setup
+from trainer.plan.flags import add_train_args
 
 SCRIPT = "trainer/train_pretrain.py"
 FAULT_SCRIPT = "tests/fault_entry.py"  # the same script, with faults injected from the test side

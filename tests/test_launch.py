@@ -1,8 +1,8 @@
-"""trainer/launch.py: the backend follows the plan's device; token counts are summed on the CPU."""
+"""trainer/runtime/launch.py: the backend follows the plan's device; token counts are summed on the CPU."""
 import pytest
 
 from tests.launch import spawn
-from trainer.launch import backend_for, count_sum
+from trainer.runtime.launch import backend_for, count_sum
 
 
 @pytest.mark.parametrize("device,backend", [("cpu", "gloo"), ("cuda", "nccl"), ("cuda:1", "nccl")])

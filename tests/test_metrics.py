@@ -1,14 +1,14 @@
-"""trainer/metrics.py's CPU matmul rates: --dtype auto picks the dtype a training matmul runs faster in, and the MFU
-peak is not below any matmul rate measured here. The timings in this file are written out apart from metrics.py's
-(nn.Linear forward and backward under torch.autocast, plain matmuls of other shapes)."""
+"""trainer/runtime/metrics.py's CPU matmul rates: --dtype auto picks the dtype a training matmul runs faster in, and
+the MFU peak is not below any matmul rate measured here. The timings in this file are written out apart from
+metrics.py's (nn.Linear forward and backward under torch.autocast, plain matmuls of other shapes)."""
 import json
 import time
 
 import pytest
 import torch
 
-from trainer import metrics
-from trainer.checks import resolve_dtype
+from trainer.plan.checks import resolve_dtype
+from trainer.runtime import metrics
 
 NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 

@@ -1,4 +1,4 @@
-"""trainer/minimind_resume.py: MiniMind's own resume file continues here.
+"""trainer/ckpt/minimind_resume.py: MiniMind's own resume file continues here.
 
 The file is written the way MiniMind's lm_checkpoint writes it (trainer/trainer_utils.py of jingyaogong/minimind), from
 a model whose modules register their parameters in MiniMind's order (the test-side tree below, written from
@@ -19,13 +19,13 @@ from torch.func import functional_call
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.build import build_trainer, setup
-from trainer.checkpoint import read_resume
-from trainer.flags import add_train_args
-from trainer.launch import ConfigError
-from trainer.minimind_resume import minimind_parameter_order
-from trainer.stage import Stage
-from trainer.train_loop import train_step
+from trainer.ckpt.checkpoint import read_resume
+from trainer.ckpt.minimind_resume import minimind_parameter_order
+from trainer.core.build import build_trainer, setup
+from trainer.core.loop import train_step
+from trainer.core.stage import Stage
+from trainer.plan.flags import add_train_args
+from trainer.runtime.launch import ConfigError
 
 # ----------------------------------------------------------------------------- MiniMind's registration order
 # Each __init__ below registers its children in the order of MiniMind's class of the same name; the forward is ours

@@ -1,4 +1,4 @@
-"""PPO (trainer/ppo.py, train_ppo.py): GAE and the value loss against hand-computed values, the first update on a
+"""PPO (trainer/rl/ppo.py, train_ppo.py): GAE and the value loss against hand-computed values, the first update on a
 rollout against a surrogate written out here, what must not count (prompt, padding, after EOS), the early stop, the
 layouts against one process on a real local rollout server, exact resume after a kill (actor and value head), bad
 input."""
@@ -14,12 +14,12 @@ from model.weight_shapes import VALUE_HEAD
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_ppo
-from trainer.batches import step_targets
-from trainer.config import resolve
-from trainer.launch import ConfigError
-from trainer.policy_loss import gae, value_loss
-from trainer.ppo import PPOPlan
-from trainer.train_loop import epoch_batches, train_step
+from trainer.core.batches import step_targets
+from trainer.core.loop import epoch_batches, train_step
+from trainer.plan.resolve import resolve
+from trainer.rl.policy_loss import gae, value_loss
+from trainer.rl.ppo import PPOPlan
+from trainer.runtime.launch import ConfigError
 
 REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
 TEMPERATURE = 0.8

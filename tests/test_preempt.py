@@ -1,5 +1,5 @@
-"""Preemption (trainer/guard.py Preemption + the loop): SIGTERM/SIGINT leave a checkpoint of the last completed step
-(one process drops the step in progress at once; several ranks finish it and stop at the same step); resuming
+"""Preemption (trainer/runtime/guard.py Preemption + the loop): SIGTERM/SIGINT leave a checkpoint of the last completed
+step (one process drops the step in progress at once; several ranks finish it and stop at the same step); resuming
 reproduces the uninterrupted run's losses and weights."""
 import os
 import re
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
-from trainer.guard import Preemption, StepAbandoned, StepGuard
+from trainer.runtime.guard import Preemption, StepAbandoned, StepGuard
 
 SCRIPT = "trainer/train_pretrain.py"
 
@@ -216,7 +216,7 @@ def test_the_first_line_says_what_the_signal_will_do(moment, line, dropped, caps
 REENTRANT_WRITE = """
 import io, os, signal, sys
 sys.path.insert(0, {root!r})
-from trainer.guard import Preemption
+from trainer.runtime.guard import Preemption
 
 class Raw(io.RawIOBase):  # stderr's file descriptor, and the signal arriving inside the buffered writer's write
     def __init__(self, signal_first):

@@ -15,10 +15,10 @@ from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args as eval_args
 from scripts.eval_llm import tokenizer_folder
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
-from trainer.config import resolve
-from trainer.flags import add_train_args
-from trainer.launch import ConfigError
-from trainer.tokenizer_choice import TokenizerMismatch, tokenizer_for
+from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for
+from trainer.plan.flags import add_train_args
+from trainer.plan.resolve import resolve
+from trainer.runtime.launch import ConfigError
 
 MODEL_DIR = os.path.join(ROOT, "model")
 

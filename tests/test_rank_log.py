@@ -1,5 +1,5 @@
-"""trainer/rank_log.py: every rank writes its own timestamped log; the lines rank 0 alone prints are there on every
-rank, each logged step carries this rank's own values, and a resumed run appends to the same file."""
+"""trainer/runtime/rank_log.py: every rank writes its own timestamped log; the lines rank 0 alone prints are there on
+every rank, each logged step carries this rank's own values, and a resumed run appends to the same file."""
 import json
 import os
 import re

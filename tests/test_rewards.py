@@ -1,4 +1,4 @@
-"""Reward functions (trainer/rewards.py): MiniMind's rule terms on texts worked by hand, the weighted sum, a reward
+"""Reward functions (trainer/rl/rewards.py): MiniMind's rule terms on texts worked by hand, the weighted sum, a reward
 model against its own forward, user functions by FILE.py:NAME."""
 import os
 
@@ -7,8 +7,8 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
 from tests.launch import ROOT
-from trainer.launch import ConfigError
-from trainer.rewards import RewardModel, load_reward_fn, rule_length, rule_repetition, rule_think, score
+from trainer.rl.rewards import RewardModel, load_reward_fn, rule_length, rule_repetition, rule_think, score
+from trainer.runtime.launch import ConfigError
 
 
 def as_completions(*texts):

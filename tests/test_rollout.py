@@ -1,4 +1,4 @@
-"""The rollout engine (trainer/rollout.py): sampled log-probs against a full forward at the sampling temperature,
+"""The rollout engine (trainer/rl/rollout.py): sampled log-probs against a full forward at the sampling temperature,
 EOS and padding, seeding, nucleus sampling, and the HTTP backend against a real local server."""
 import os
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import ROOT, spawn
 from tests.rollout_server import EOS, RolloutServer, fixed_completion
 from trainer.parallel.mesh import ParallelDims
-from trainer.rollout import HttpEngine, repeat_prompts, rollout_seed, sample, sample_tokens, whole_model
+from trainer.rl.rollout import HttpEngine, repeat_prompts, rollout_seed, sample, sample_tokens, whole_model
 
 CONFIG = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 EOS_BIAS = 3.0  # at temperature 0.7 about one step in 70 ends a completion: rows stop at different steps

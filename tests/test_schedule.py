@@ -1,5 +1,5 @@
-"""trainer/schedule.py: each --lr_schedule against its formula written out here, MiniMind's default bit for bit, the
-large-batch scaling rules, the length that follows --max_steps, and the lr column of a real run."""
+"""trainer/runtime/schedule.py: each --lr_schedule against its formula written out here, MiniMind's default bit for
+bit, the large-batch scaling rules, the length that follows --max_steps, and the lr column of a real run."""
 import argparse
 import math
 import os
@@ -7,10 +7,10 @@ import os
 import pytest
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.config import resolve
-from trainer.flags import add_train_args
-from trainer.launch import ConfigError
-from trainer.schedule import lr_at, resume_note
+from trainer.plan.flags import add_train_args
+from trainer.plan.resolve import resolve
+from trainer.runtime.launch import ConfigError
+from trainer.runtime.schedule import lr_at, resume_note
 from trainer.trainer_utils import get_lr
 
 

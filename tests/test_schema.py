@@ -1,17 +1,17 @@
-"""trainer/schema.py: a flag declared once, in its section, gives the parser's argument and the plan's field."""
+"""trainer/plan/schema.py: a flag declared once, in its section, gives the parser's argument and the plan's field."""
 import argparse
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 
-from trainer.plan import SECTIONS
-from trainer.schema import Flag, fill, flag, section_flags
+from trainer.plan.schema import Flag, fill, flag, section_flags
+from trainer.plan.sections import SECTIONS
 
 
 @dataclass(frozen=True)
 class Section:
-    """A section as trainer/plan.py writes them."""
+    """A section as trainer/plan/sections.py writes them."""
     steps: int = flag(3, "a copied int")
     switch: bool = flag(0, "a 0/1 switch, a bool in the plan")
     note: Optional[str] = flag(None, "unset by default")

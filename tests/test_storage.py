@@ -1,4 +1,5 @@
-"""trainer/storage.py on a real small filesystem (a tmpfs mounted for the test; skipped where mount is not allowed)."""
+"""trainer/ckpt/storage.py on a real small filesystem (a tmpfs mounted for the test; skipped where mount is not
+allowed)."""
 import errno
 import os
 import subprocess
@@ -10,8 +11,7 @@ import torch.distributed.checkpoint as dcp
 from model.atomic import atomic_folder, atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import spawn
-from trainer.parallel.state_dict import sharded_state_dict
-from trainer.storage import (
+from trainer.ckpt.storage import (
     DiskFullError,
     check_room,
     checkpoint_bytes_estimate,
@@ -21,6 +21,7 @@ from trainer.storage import (
     room_warning,
     tree_bytes,
 )
+from trainer.parallel.state_dict import sharded_state_dict
 
 MiB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs counts space in pages

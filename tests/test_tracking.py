@@ -11,8 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.test_storage import fill, small_disk  # noqa: F401  (the tmpfs fixture)
-from trainer.storage import DiskFullError
-from trainer.tracking import StepProfiler, Tracker, parse_profile_steps, truncate_metrics
+from trainer.ckpt.storage import DiskFullError
+from trainer.runtime.tracking import StepProfiler, Tracker, parse_profile_steps, truncate_metrics
 
 
 def train_record(step, loss):
@@ -269,9 +269,9 @@ def test_grad_norm_on_the_console_and_clipped_only_when_it_was(capsys, tmp_path)
 def test_tracker_flag_and_minimind_aliases(tmp_path):
     import argparse
 
-    from trainer.flags import add_train_args
-    from trainer.launch import ConfigError
-    from trainer.tracking import resolve_trackers
+    from trainer.plan.flags import add_train_args
+    from trainer.runtime.launch import ConfigError
+    from trainer.runtime.tracking import resolve_trackers
 
     def trackers(*argv):
         return resolve_trackers(add_train_args(argparse.ArgumentParser()).parse_args(list(argv)), str(tmp_path))

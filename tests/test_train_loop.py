@@ -1,4 +1,4 @@
-"""trainer/train_loop.py in one process: the effective log interval, steps per epoch, the host reads of a step."""
+"""trainer/core/loop.py in one process: the effective log interval, steps per epoch, the host reads of a step."""
 import argparse
 import copy
 import os
@@ -14,12 +14,12 @@ from torch.utils._pytree import tree_flatten
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.build import build_trainer, setup, steps_per_epoch
-from trainer.evaluation import evaluate
-from trainer.flags import add_train_args
-from trainer.metrics import StepTimer
-from trainer.progress import Bar, effective_log_interval, step_record
-from trainer.train_loop import train_step
+from trainer.core.build import build_trainer, setup, steps_per_epoch
+from trainer.core.evaluation import evaluate
+from trainer.core.loop import train_step
+from trainer.plan.flags import add_train_args
+from trainer.runtime.console import Bar, effective_log_interval, step_record
+from trainer.runtime.metrics import StepTimer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

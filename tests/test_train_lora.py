@@ -25,10 +25,10 @@ from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from tests.test_storage import small_disk  # noqa: F401  (the tmpfs fixture)
 from trainer import train_lora
-from trainer.config import resolve
-from trainer.flags import parse_args
-from trainer.launch import ConfigError, main_guard
-from trainer.lora_stage import LoraPlan
+from trainer.plan.flags import parse_args
+from trainer.plan.resolve import resolve
+from trainer.runtime.launch import ConfigError, main_guard
+from trainer.stages.lora import LoraPlan
 
 SCRIPT = "trainer/train_lora.py"
 STEPS = 4

@@ -1,0 +1,5 @@
+"""The trainer: entry scripts `train_<stage>.py` (MiniMind's names and flags, numbered phases) and trainer_utils.py
+(MiniMind's helpers by their names) at this level; the rest in folders by concern:
+core/ (the loop and the step), plan/ (flags -> one frozen TrainPlan), ckpt/ (checkpoints and weights files),
+runtime/ (launch, guard, logs, optimizers, schedules, metrics), stages/ (post-training stages), rl/ (the RL stages),
+parallel/ (one module per parallel dimension). Nothing imports an entry script."""

@@ -1,18 +1,18 @@
 """Agent RL (MiniMind-3's train_agent.py): each step the policy plays every prompt num_generations times as a
 multi-turn episode with MiniMind-3's mock tools (a tool call gets the tool's answer and a next turn), a rule rewards
 each episode against the row's ground truth, and GRPO's loss trains the model's own tokens, never the tools' answers
-(trainer/agent.py); same loop, layouts, checkpoints and sinks as the other stages."""
+(trainer/rl/agent.py); same loop, layouts, checkpoints and sinks as the other stages."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.agent import AgentPlan
-from trainer.build import build_trainer, setup, steps_per_epoch
-from trainer.data_loading import load_datasets
-from trainer.flags import parse_args
-from trainer.launch import main_guard
-from trainer.train_loop import train
+from trainer.core.build import build_trainer, setup, steps_per_epoch
+from trainer.core.data_loading import load_datasets
+from trainer.core.loop import train
+from trainer.plan.flags import parse_args
+from trainer.rl.agent import AgentPlan
+from trainer.runtime.launch import main_guard
 
 
 def build(args):

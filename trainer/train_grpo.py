@@ -1,17 +1,17 @@
 """Group Relative Policy Optimization (MiniMind's train_grpo.py): each step the policy completes every prompt
 num_generations times, rewards score the completions, and the policy moves toward the better ones of each group
-(trainer/grpo.py); same loop, layouts, checkpoints and sinks as the other stages."""
+(trainer/rl/grpo.py); same loop, layouts, checkpoints and sinks as the other stages."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.build import build_trainer, setup, steps_per_epoch
-from trainer.data_loading import load_datasets
-from trainer.flags import parse_args
-from trainer.grpo import GRPOPlan
-from trainer.launch import main_guard
-from trainer.train_loop import train
+from trainer.core.build import build_trainer, setup, steps_per_epoch
+from trainer.core.data_loading import load_datasets
+from trainer.core.loop import train
+from trainer.plan.flags import parse_args
+from trainer.rl.grpo import GRPOPlan
+from trainer.runtime.launch import main_guard
 
 
 def build(args):

@@ -1,17 +1,18 @@
 """Proximal Policy Optimization (MiniMind's train_ppo.py): each step the policy completes every prompt once, rewards
 score the completions, a value head on the policy's trunk gives the baseline, GAE the advantages, and the clipped
-policy and value losses train both (trainer/ppo.py); same loop, layouts, checkpoints and sinks as the other stages."""
+policy and value losses train both (trainer/rl/ppo.py); same loop, layouts, checkpoints and sinks as the other
+stages."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.build import build_trainer, setup, steps_per_epoch
-from trainer.data_loading import load_datasets
-from trainer.flags import parse_args
-from trainer.launch import main_guard
-from trainer.ppo import PPOPlan
-from trainer.train_loop import train
+from trainer.core.build import build_trainer, setup, steps_per_epoch
+from trainer.core.data_loading import load_datasets
+from trainer.core.loop import train
+from trainer.plan.flags import parse_args
+from trainer.rl.ppo import PPOPlan
+from trainer.runtime.launch import main_guard
 
 
 def build(args):

@@ -1,5 +1,5 @@
 """MiniMind's small helpers: paths, logging, lr schedule, weight names, the resume sampler (init_model, MiniMind's
-model init, is in trainer/weights_file.py with the other weights readers)."""
+model init, is in trainer/ckpt/weights_file.py with the other weights readers)."""
 import hashlib
 import os
 import sys
@@ -7,9 +7,9 @@ import sys
 from torch.utils.data import Sampler
 from tqdm import tqdm
 
-from trainer import rank_log
-from trainer.launch import is_main_process
-from trainer.schedule import MINIMIND_FLOOR, LRSchedule, lr_at
+from trainer.runtime import rank_log
+from trainer.runtime.launch import is_main_process
+from trainer.runtime.schedule import MINIMIND_FLOOR, LRSchedule, lr_at
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +27,8 @@ def typed_or_default(typed, default):
 
 
 def Logger(content):
-    """MiniMind's logger: print on the main process; every rank also writes it to its own log (trainer/rank_log.py)."""
+    """MiniMind's logger: print on the main process; every rank also writes it to its own log
+    (trainer/runtime/rank_log.py)."""
     rank_log.write(content)
     if is_main_process():
         say(content)

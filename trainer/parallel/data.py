@@ -61,7 +61,7 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
         hook = ResumablePowerSGD(group, powersgd_rank, powersgd_start_iter,
                                  {id(p): name for name, p in ddp_model.module.named_parameters()})
         ddp_model.register_comm_hook(hook.state, hook.hook)
-        ddp_model.comm_hook = hook  # its state goes into resume checkpoints (trainer/checkpoint.py)
+        ddp_model.comm_hook = hook  # its state goes into resume checkpoints (trainer/ckpt/checkpoint.py)
 
 
 def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from model.model_minimind import packed_document_mask
-from trainer.objective import LMObjective, add_stats
+from trainer.core.objective import LMObjective, add_stats
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
@@ -127,7 +127,7 @@ class PipelineLoss:
     """Last-stage loss_fn(output, targets) for the schedule: `(main + aux * aux_weight) * grad_scale`, then scaled by
     `scaler` (a torch.amp.GradScaler, fp16) as the non-pipeline path's scaler.scale(loss) does.
 
-    main: the objective's share of the step's mean (trainer/objective.py; LM: ce_sum / num_items, num_items the
+    main: the objective's share of the step's mean (trainer/core/objective.py; LM: ce_sum / num_items, num_items the
     step's target tokens over all dp ranks); aux_weight: micro-batch samples / global samples; grad_scale: the dp*cp
     factor when gradients are averaged. Update the attributes before each step. Records each micro-batch's main
     loss, weighted aux and stats for logging; read them with `pop_step`. The objective's extra tensors (one entry
@@ -268,8 +268,8 @@ class Pipeline:
         stacked along the batch (already sharded for context parallel). `position_ids`: (samples or 1, tokens),
         this rank's context-parallel positions or packed rows' per-document ones; None means 0..L-1.
         scaler: the step's GradScaler (fp16), which then unscales gradients the scaled loss made.
-        objective: the stage's (trainer/objective.py), None: LMObjective; extras: its per-micro-batch extra tensors.
-        Returns (main loss, aux, stats) summed over the micro-batches (zeros and {} off the last stage)."""
+        objective: the stage's (trainer/core/objective.py), None: LMObjective; extras: its per-micro-batch extra
+        tensors. Returns (main loss, aux, stats) summed over the micro-batches (zeros and {} off the last stage)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         positions = position_ids.float().expand(input_ids.shape).contiguous()  # chunked per micro-batch with the ids

@@ -1,0 +1,77 @@
+"""The run's weights file, and any weights a flag names (init_model: MiniMind's model, from --from_weight).
+
+Out: save_weights gathers the full model (a collective) and rank 0 writes what the stage's weights hooks say
+(trainer/core/stage.py: MiniMind's plain `.pth` + sidecar, or LoRA's adapters); ensure_final_weights rewrites them on a
+resume that finds the last step's missing. In: read_any_weights / any_weights_record / load_any_weights take what
+--from_weight, --ref_weight, --teacher_path, eval_llm and convert_model name: a checkpoint directory (read by
+trainer/ckpt/checkpoint.py, its owner), else a .pth, a single-file resume or an HF folder (model/weights.py).
+"""
+import os
+
+from model.model_minimind import MiniMindForCausalLM
+from model.weight_shapes import WeightsError, load_checked
+from model.weights import is_checkpoint_dir, read_record, read_weights_and_args
+from trainer.ckpt.checkpoint import latest_checkpoint, read_checkpoint_model, read_checkpoint_record
+from trainer.ckpt.storage import rank0_write
+from trainer.ckpt.weight_flags import weights_line
+from trainer.parallel.state_dict import full_model_state_dict
+from trainer.runtime.launch import ConfigError, count_sum, is_main_process
+from trainer.trainer_utils import Logger, file_digest
+
+
+def init_model(config, from_weight="none", device="cpu"):
+    """MiniMind's model; loads `from_weight` (a .pth, a step directory or an HF folder, resolved by config.resolve)
+    unless 'none'."""
+    model = MiniMindForCausalLM(config)
+    if from_weight != "none":
+        try:
+            load_any_weights(model, from_weight)  # strict; a mismatch names the file, tensor, both shapes and the flag
+        except WeightsError as e:
+            raise ConfigError(weights_line(e)) from None
+    source = f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else "initialised from --seed"
+    Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
+    return model.to(device)
+
+
+def read_any_weights(path):
+    """(state_dict, config fields or None, saved training args or None) of `path`; WeightsError in one line."""
+    return read_checkpoint_model(path) if is_checkpoint_dir(path) else read_weights_and_args(path)
+
+
+def any_weights_record(path):
+    """What the weights at `path` record besides the model ({"tokenizer", "step", ...}, as far as known)."""
+    return read_checkpoint_record(path) if is_checkpoint_dir(path) else read_record(path)
+
+
+def load_any_weights(model, path):
+    """Read `path`, check it against `model` and load it strict (fp32 copy); WeightsError (with its fix) if it does not
+    fit (trainer/weight_flags.weights_line words it)."""
+    state_dict, _, _ = read_any_weights(path)
+    return load_checked(model, state_dict, path)
+
+
+def save_weights(trainer, path=None):
+    """Gather the full model (a collective) and write the stage's weights on rank 0 (trainer/core/stage.py: MiniMind's
+    plain weights file in --save_dtype, or the stage's own files, LoRA's adapters) at `path` (default: the stage's
+    weights path), its sidecar recording the tokenizer and the step. A disk without room stops every rank with one line
+    (DiskFullError)."""
+    plan, stage = trainer.plan, trainer.plan.stage
+    pp_group = trainer.dims.group("pp") if plan.layout.pp > 1 else None
+    model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
+    path = path or stage.weights_path(plan)
+    record = dict(tokenizer=plan.data.tokenizer_record, step=trainer.progress.global_step)
+    needed = stage.weights_bytes(model_sd, plan.io.save_dtype, record) if is_main_process() else 0
+    rank0_write(os.path.dirname(path), needed, path, "--save_dir",
+                lambda: stage.save_weights(model_sd, trainer.config, plan.io.save_dtype, record, path),
+                latest_checkpoint(plan.io.run_dir))
+
+
+def ensure_final_weights(trainer):
+    """A resume that finds --max_steps reached: the weights file must be this step's (its sidecar says which step it
+    holds); a save that failed before (a full disk) is written now. Every rank takes rank 0's decision."""
+    path, step = trainer.plan.stage.weights_path(trainer.plan), trainer.progress.global_step
+    held = read_record(path).get("step") if os.path.isfile(path) else None
+    if count_sum(int(held != step) if is_main_process() else 0):
+        now = f"holds step {held}" if held is not None else "records no step" if os.path.isfile(path) else "is missing"
+        Logger(f"{path} {now}, not the final step {step}: writing them")
+        save_weights(trainer)

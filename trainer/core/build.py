@@ -1,0 +1,130 @@
+"""Phases 1 and 3-6 of every stage: `setup` (the flags checked into the plan, the process group, the mesh, the seed)
+and `build_trainer` (resume state, model, parallel wrap, optimizer, restore) into the `Trainer` the loop runs
+(trainer/core/loop.py)."""
+import os
+from dataclasses import dataclass
+
+import torch
+
+from trainer.ckpt.checkpoint import Checkpointer, TrainState, read_resume, tied_aliases
+from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
+from trainer.ckpt.weights_file import init_model
+from trainer.core.objective import LMObjective
+from trainer.core.stage import Stage
+from trainer.parallel.mesh import ParallelDims
+from trainer.parallel.parallelize import parallelize
+from trainer.plan.checks import check_same_dtype
+from trainer.plan.resolve import resolve
+from trainer.runtime.callbacks import make_callbacks
+from trainer.runtime.guard import (
+    Preemption,
+    StepGuard,
+    add_signal_points,
+)
+from trainer.runtime.launch import (
+    init_distributed_mode,
+    rank,
+    setup_seed,
+)
+from trainer.runtime.metrics import enable_tf32
+from trainer.runtime.optim import build_optimizer
+from trainer.runtime.rank_log import open_rank_log
+from trainer.runtime.schedule import resume_note
+from trainer.trainer_utils import Logger
+
+
+@dataclass
+class Trainer:
+    """What a step needs: the plan, where this rank sits, what it trains, and where training stands."""
+    plan: object  # config.TrainPlan
+    config: object  # MiniMindConfig
+    dims: ParallelDims
+    model_parts: list  # this rank's pipeline stages, or [model]
+    pipeline: object  # parallel.pipeline.Pipeline when pp > 1, else None
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    progress: TrainState
+    steps_per_epoch: int
+    total_steps: int  # of the lr schedule (all epochs, or --max_steps)
+    checkpointer: Checkpointer
+    guard: StepGuard  # non-finite skips and the agreed preemption stop
+    objective: object = None  # what train_step minimises (trainer/core/objective.py); build_trainer sets LMObjective
+    callbacks: object = None  # callbacks.Callbacks: sinks, early stopping, best checkpoint, a user's
+    resumed: bool = False
+    started: bool = False  # the first step is done: collectives run under the per-step timeout
+    step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
+
+
+def setup(args, stage=Stage):
+    """Phase 1: check the flags into a TrainPlan (with the checked plan of `stage`, a trainer/core/stage.py Stage
+    class), start the process group and mesh, seed. Returns (plan, dims)."""
+    plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), stage)
+    layout, model = plan.layout, plan.model
+    if model.deterministic:  # read by cuBLAS when CUDA starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    init_distributed_mode(layout.device, layout.dist_init_timeout)
+    open_rank_log(plan.io.log_dir, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
+    enable_tf32(layout.device, strict=not model.tf32)  # before peak_flops reads the matmul precision
+    dims = ParallelDims.build(layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                              device_type=torch.device(layout.device).type)
+    Logger(dims.summary())
+    if model.dtype_note:  # --dtype auto
+        check_same_dtype(model.dtype, layout.device)  # each rank measured (or read) the rates itself
+        Logger(model.dtype_note)
+    setup_seed(plan.data.seed, model.deterministic)  # same seed on every rank: every rank builds the same full model
+    return plan, dims
+
+
+def build_model(config, plan, model_state=None):
+    """The plain full model on the plan's device: --from_weight (or resume) weights, else the seeded init."""
+    model = init_model(config, plan.model.from_weight)
+    if model_state is not None:
+        model.load_state_dict(model_state)
+    return model.to(plan.layout.device)
+
+
+def build_trainer(plan, dims, steps_per_epoch, objective=None):
+    """Phases 3-6: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once.
+
+    objective: what the stage minimises (plan.stage.objective(...), trainer/core/objective.py); None: LMObjective."""
+    config = plan.model.config
+    ckpt = read_resume(config, plan)
+    model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
+    model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
+    estimate = checkpoint_bytes_estimate(model, plan.io.save_dtype.itemsize)
+    if plan.layout.grad_compression == "powersgd" and plan.layout.dp > 1:  # each rank's fp32 residuals beside it
+        estimate += plan.layout.dp * FP32_WEIGHT_BYTES * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    warning = room_warning(plan.io.checkpoint_dir, estimate)
+    if warning:
+        Logger(warning)
+    model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
+    if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
+        add_signal_points(model_parts)
+    optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optim.py), ZeRO-1 sharded or not
+    scaler = torch.amp.GradScaler(torch.device(plan.layout.device).type, enabled=plan.model.dtype == torch.float16)
+    progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
+    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=dict(
+        model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
+        tied=tied_aliases(pipeline, config), plan=plan, config=config, callbacks=callbacks), estimate=estimate)
+    guard = StepGuard(plan.guard.max_bad_steps,
+                      Preemption(plan.guard.grace_seconds, abandon=plan.layout.world_size == 1),
+                      plan.schedule.save_every_minutes * 60)
+    trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
+                      plan.lr.length(steps_per_epoch, plan.schedule.epochs), checkpointer, guard,
+                      objective=objective, callbacks=callbacks, resumed=ckpt is not None)
+    if ckpt is not None:
+        checkpointer.load(ckpt)
+        trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy
+        # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
+        progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
+        Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
+               f"({ckpt['world_size']} processes when saved)")
+        note = resume_note(ckpt.get("args"), plan.lr, trainer.total_steps, steps_per_epoch)
+        if note:
+            Logger(note)
+    return trainer
+
+
+def steps_per_epoch(plan, train_ds):
+    """Optimizer steps in one pass over `train_ds` (a partial last global batch is dropped)."""
+    return len(train_ds) // plan.data.global_batch

@@ -1,0 +1,63 @@
+"""Phase 2 of every stage, the data: the datasets of --data_path (or the embedded demo corpus), checked, and the
+DataLoader of one data-parallel rank's micro-batches of an epoch."""
+from torch.utils.data import DataLoader, DistributedSampler
+from transformers import AutoTokenizer
+
+from dataset.data_notes import dataset_notes
+from dataset.demo_data import ensure_demo_data
+from dataset.mixture import describe_mixture, load_data_spec
+from trainer.runtime.launch import ConfigError
+from trainer.trainer_utils import Logger, SkipBatchSampler
+
+
+def load_datasets(plan):
+    """Phase 2: the stage's train/eval datasets (Stage.dataset of each file; its demo data when no --data_path), with
+    the run's tokenizer; data errors become ConfigErrors.
+
+    A --data_path of several sources is concatenated, or mixed by its weights (dataset/mixture.py)."""
+    stage, tokenizer = plan.stage, AutoTokenizer.from_pretrained(plan.data.tokenizer_path)
+    data_path = plan.data.data_path or ensure_demo_data(stage.demo_kind)  # the embedded corpus, built on first use
+
+    def make_dataset(path):
+        return stage.dataset(plan, tokenizer, path)
+    try:
+        train_ds = load_data_spec(data_path, make_dataset, seed=plan.data.seed)
+        eval_path = plan.data.eval_data_path
+        eval_ds = load_data_spec(eval_path, make_dataset, seed=plan.data.seed) if eval_path else None
+    except (ValueError, FileNotFoundError, TimeoutError) as e:
+        raise ConfigError(str(e))
+    for path, ds in ((data_path, train_ds), (plan.data.eval_data_path, eval_ds)):
+        skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
+        if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
+            Logger(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
+    try:  # rows without targets, conversations cut at --max_seq_len, DPO pairs with chosen == rejected
+        notes = [line for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds) for line in dataset_notes(ds)]
+    except ValueError as e:
+        raise ConfigError(str(e))
+    for line in notes:
+        Logger(line)
+    Logger(f"Data: {data_path} ({len(train_ds)} rows), tokenizer {plan.data.tokenizer_path}")
+    if describe_mixture(train_ds, data_path):
+        Logger(describe_mixture(train_ds, data_path))
+    if len(train_ds) < plan.data.global_batch:
+        raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
+                          f"({plan.data.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
+    return train_ds, eval_ds
+
+
+def leaf_datasets(ds):
+    """The per-file datasets under a ConcatDataset (.datasets) or a MixtureDataset (.sources); [] for None."""
+    if ds is None:
+        return []
+    children = getattr(ds, "datasets", None) or getattr(ds, "sources", None)
+    return [leaf for child in children for leaf in leaf_datasets(child)] if children else [ds]
+
+
+def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_workers=0, pin_memory=False, skip_batches=0):
+    """The DataLoader of one dp rank's micro-batches of `epoch` (scripts/bench_loader.py times it alone)."""
+    sampler = DistributedSampler(train_ds, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)  # data order is a pure function of (seed, epoch)
+    if hasattr(train_ds, "set_epoch"):  # a weighted mixture draws its rows per epoch, from (seed, epoch) too
+        train_ds.set_epoch(epoch)
+    return DataLoader(train_ds, batch_sampler=SkipBatchSampler(sampler, micro_batch, skip_batches),
+                      num_workers=num_workers, pin_memory=pin_memory)

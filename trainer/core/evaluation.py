@@ -1,0 +1,67 @@
+"""Validation through the stage's objective: its held-out loss (LM: the mean next-token cross-entropy over the target
+tokens) of --eval_batches micro-batches, the same number under every layout. Under a pipeline the micro-batches go
+through the schedule's forward-only pass (schedule.eval) in groups of --accumulation_steps, the last group filled up
+with rows without targets."""
+import itertools
+import math
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from trainer.core.batches import pipeline_forward_only, shard_for_context, step_targets
+from trainer.parallel.tensor import tp_loss_context
+from trainer.runtime.launch import local_value, world_sum
+
+
+def evaluate(trainer, eval_ds):
+    """{"step", "eval_loss", "eval_ppl"} of up to --eval_batches held-out micro-batches (a collective): the objective's
+    summed eval loss over its count of items (LM: target tokens)."""
+    plan, dims = trainer.plan, trainer.dims
+    sampler = DistributedSampler(eval_ds, num_replicas=plan.layout.dp, rank=dims.dp_rank, shuffle=False, drop_last=True)
+    loader = DataLoader(eval_ds, batch_size=plan.data.micro_batch, sampler=sampler, drop_last=True)
+    batches = [trainer.objective.unpack(batch) for batch in itertools.islice(loader, plan.data.eval_batches)]
+    for part in trainer.model_parts:
+        part.eval()
+    with torch.no_grad():
+        if trainer.pipeline is None:
+            loss_sum, count = plain_eval(trainer, batches)
+        else:
+            loss_sum, count = pipeline_eval(trainer, batches)
+    for part in trainer.model_parts:
+        part.train()
+    loss_sum, count = world_sum([loss_sum, count], plan.layout.device)
+    loss = loss_sum / max(count, 1.0)
+    return dict(step=trainer.progress.global_step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50)))
+
+
+def plain_eval(trainer, batches):
+    """(loss sum, item count) of this rank's share, one micro-batch at a time."""
+    plan, dims, model, objective = trainer.plan, trainer.dims, trainer.model_parts[0], trainer.objective
+    loss_sum = count = 0.0
+    for input_ids, labels, positions, extra in batches:
+        targets = step_targets(labels)
+        (x, t), positions = shard_for_context(dims, [input_ids.to(plan.layout.device), targets.to(plan.layout.device)],
+                                              None if positions is None else positions.to(plan.layout.device))
+        with tp_loss_context(plan.layout.tp > 1):
+            loss = objective.eval_loss(model, x, t, positions, tuple(e.to(plan.layout.device) for e in extra))
+        loss_sum += float(local_value(loss)) if dims.counts_loss else 0.0
+        count += float(objective.count(labels, extra)) if dims.counts_items else 0.0
+    return loss_sum, count
+
+
+def pipeline_eval(trainer, batches):
+    """(loss sum, item count) through the pipeline, --accumulation_steps micro-batches per forward-only pass."""
+    plan, dims, pipeline, objective = trainer.plan, trainer.dims, trainer.pipeline, trainer.objective
+    device, loss_sum, count = plan.layout.device, 0.0, 0.0
+    for start in range(0, len(batches), plan.data.num_microbatches):
+        group = batches[start:start + plan.data.num_microbatches]
+        count += float(sum(objective.count(labels, extra) for _, labels, _, extra in group)) \
+            if dims.counts_items else 0.0
+        filler = (group[0][0], torch.full_like(group[0][1], -100), *group[0][2:])  # no targets: counts nothing
+        group += [filler] * (plan.data.num_microbatches - len(group))  # the schedule runs whole groups
+        inputs, targets = torch.cat([b[0] for b in group]), torch.cat([step_targets(b[1]) for b in group])
+        doc_positions = None if group[0][2] is None else torch.cat([b[2] for b in group]).to(device)
+        (x, t), positions = shard_for_context(dims, [inputs.to(device), targets.to(device)], doc_positions)
+        values = pipeline_forward_only(pipeline, x, t, objective.eval_pipeline_loss, positions)
+        loss_sum += float(values.sum()) if values is not None and dims.counts_loss else 0.0
+    return loss_sum, count

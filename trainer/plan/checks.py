@@ -1,0 +1,233 @@
+"""The checks resolve() runs: each raises a ConfigError with one line saying what to change."""
+import math
+import os
+import re
+import tempfile
+
+import torch
+
+from dataset.mixture import resolve_data_spec
+from trainer.parallel.data import validate_data_parallel
+from trainer.parallel.mesh import validate_layout
+from trainer.parallel.pipeline import pp_validate
+from trainer.parallel.tensor import tp_validate
+from trainer.runtime import metrics
+from trainer.runtime.launch import ConfigError, per_rank
+from trainer.runtime.metrics import cpu_bf16_native, cpu_matmul_rates, cpu_name
+
+# bf16 is picked only this much faster than fp32 on the matmul: autocast also casts outside it (gradients, norms)
+BF16_MARGIN = 1.1
+
+
+def resolve_dtype(name, device):
+    """(dtype, note): 'auto' -> the faster of bf16 and fp32 on this device (CPU: measured matmuls, cached per CPU
+    model; CUDA: bf16 where supported) and a line saying why; bf16/fp16 rejected where unsupported."""
+    dev = torch.device(device).type
+    bf16_ok = torch.cuda.is_bf16_supported() if dev == "cuda" else cpu_bf16_native()
+    if name == "auto":
+        return auto_dtype(device, bf16_ok)
+    table = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if name not in table:
+        raise ConfigError(f"--dtype {name} is unknown; use auto, bfloat16, float16 or float32")
+    if name == "bfloat16" and not bf16_ok:
+        raise ConfigError(f"--dtype bfloat16 is not supported natively on this {dev} device; "
+                          "use --dtype float32 (or auto)")
+    if name == "float16" and dev == "cpu":
+        raise ConfigError("--dtype float16 is not supported for training on CPU; use --dtype float32 (or auto)")
+    return table[name], f"dtype {name}"
+
+
+def auto_dtype(device, bf16_ok):
+    """--dtype auto: (dtype, the reason in one line)."""
+    if torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name(torch.device(device))
+        return (torch.bfloat16, f"dtype auto: bfloat16 (supported by {name})") if bf16_ok else \
+            (torch.float32, f"dtype auto: float32 ({name} has no bf16)")
+    if not bf16_ok:
+        return torch.float32, f"dtype auto: float32 (no native bf16 matmul on {cpu_name()})"
+    rates = cpu_matmul_rates()
+    bf16, fp32 = rates["bfloat16_autocast"], rates["float32"]
+    dtype = torch.bfloat16 if bf16 > BF16_MARGIN * fp32 else torch.float32
+    again = "; the cores were busy, so the next run measures again" if rates["busy"] else ""
+    return dtype, (f"dtype auto: {str(dtype)[6:]} (bf16 matmul {bf16 / 1e9:.0f} GFLOP/s vs fp32 {fp32 / 1e9:.0f} on "
+                   f"{cpu_name()}, {torch.get_num_threads()} threads; cached in {metrics.RATES_FILE}{again})")
+
+
+def check_same_dtype(dtype, device):
+    """Under torchrun, every rank's --dtype auto chose the same dtype (ranks on different CPU kinds may not)."""
+    chosen = per_rank(float(dtype == torch.bfloat16), device)
+    if len(set(chosen)) > 1:
+        raise ConfigError(f"--dtype auto chose bfloat16 on ranks {[r for r, c in enumerate(chosen) if c]} and float32 "
+                          "on the others (their CPUs differ); pass --dtype float32 or --dtype bfloat16")
+
+
+def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compression="none"):
+    """(dp, zero stage used, dp mode) of a layout; raises ConfigError naming what to change."""
+    dp, message = validate_layout(world_size, tp=tp, pp=pp, cp=cp)
+    if message:
+        raise ConfigError(message)
+    if (tp > 1 or pp > 1) and dp * cp > 1 and zero_stage == 0 and grad_compression == "none":
+        # DDP handles neither DTensor (tp) parameters nor a pipeline schedule's backward; FSDP2 does both
+        zero_stage = 2
+    message = validate_data_parallel(zero_stage, grad_compression, dp=dp * cp, tp=tp, pp=pp)
+    if message:
+        raise ConfigError(message)
+    mode = "none" if dp * cp == 1 else {0: "ddp", 1: "zero1"}.get(zero_stage, "fsdp2")
+    return dp, zero_stage, mode
+
+
+# the smallest value each integer flag takes (None: the flag's "use the default rule" value, always allowed)
+AT_LEAST = dict(max_seq_len=2, batch_size=1, accumulation_steps=1, epochs=1, log_interval=1, save_interval=1,
+                hidden_size=1, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, intermediate_size=1,
+                moe_intermediate_size=1, head_dim=1, num_experts=1, num_experts_per_tok=1, eval_batches=1,
+                max_bad_steps=1, dist_timeout=1, dist_init_timeout=1, warmup_steps=0, num_workers=0, eval_interval=0,
+                max_steps=0, loss_chunk_size=0, check_replicas=0, seed=0, keep_checkpoints=0, save_weights_every=0,
+                num_proc=1, max_tokens=0, base_batch=1, early_stop_patience=0, powersgd_rank=1, powersgd_start_step=2)
+HINTS = dict(max_steps="0 runs all epochs", keep_checkpoints="0 keeps all",
+             save_weights_every="0 saves at the end only",
+             num_proc="leave it unset for the cores available", eval_interval="0 evaluates at the end only",
+             check_replicas="0 is off",
+             loss_chunk_size="0 is off", seed="numpy takes 0 to 2**32-1", max_tokens="0 is no token budget",
+             early_stop_patience="0 is off", powersgd_start_step="torch's PowerSGD runs 2 exact steps first")
+
+
+def check_numbers(args):
+    """Every numeric flag in its range: one line naming the flag, its value and what it takes."""
+    for name, low in AT_LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            hint = f"; {HINTS[name]}" if name in HINTS else ""
+            raise ConfigError(f"--{name} must be at least {low} (got {value}{hint})")
+    if args.seed >= 2 ** 32:
+        raise ConfigError(f"--seed must be below 2**32 (got {args.seed})")
+    for name in ("grad_clip", "grace_seconds"):  # inf is allowed only for --grad_clip (no clipping)
+        value = getattr(args, name)
+        if not value > 0 or (math.isinf(value) and name != "grad_clip"):
+            raise ConfigError(f"--{name} must be a positive number (got {value})")
+    for name in ("learning_rate", "weight_decay", "save_every_minutes"):  # lr 0 is meant: a run that only evaluates
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"--{name} must be a finite number, 0 or more (got {value})")
+    if not 0 <= args.dropout < 1:
+        raise ConfigError(f"--dropout must be in [0, 1) (got {args.dropout})")
+
+
+def check_device(device):
+    """--device names a cpu or cuda device (available)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device} is not a device this trainer runs on; use cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device} but no CUDA device is available; use --device cpu")
+
+
+def check_model_args(args, config):
+    """Model and batch flags: one line saying what to change."""
+    if args.head_dim is None and config.hidden_size % config.num_attention_heads:
+        raise ConfigError(f"--hidden_size {config.hidden_size} is not divisible by --num_attention_heads "
+                          f"{config.num_attention_heads}; pick sizes that divide or pass --head_dim")
+    message = config.validate()
+    if message:
+        raise ConfigError(message)
+
+
+def check_parallel_args(args, config):
+    """Per-dimension layout checks (the sizes themselves are checked in data_parallel_mode)."""
+    if args.tp > 1:
+        message = tp_validate(config, args.tp, seq_len=args.max_seq_len // args.cp if args.sequence_parallel else None)
+        if message:
+            raise ConfigError(message)
+    if args.cp > 1 and args.max_seq_len % (2 * args.cp):
+        raise ConfigError(f"--max_seq_len {args.max_seq_len} must be divisible by 2*cp = {2 * args.cp} "
+                          "(each rank holds a head and a tail chunk); change --max_seq_len or --cp")
+    if args.pp > 1:
+        message = pp_validate(config.num_hidden_layers, args.pp, args.pp_schedule, args.accumulation_steps)
+        if message:
+            raise ConfigError(message)
+
+
+def check_combinations(args):
+    """Features that do not compose (yet)."""
+    if args.sequence_parallel and args.tp == 1:
+        raise ConfigError("--sequence_parallel 1 needs --tp > 1")
+    if args.sequence_parallel and args.pp > 1:
+        raise ConfigError("--sequence_parallel 1 with --pp > 1 is not supported yet; drop one of them")
+    if args.pp > 1 and args.use_compile:
+        raise ConfigError("--use_compile 1 with --pp > 1 is not supported; drop one of them")
+
+
+def check_replica_layout(check_replicas, dp_mode):
+    if check_replicas and dp_mode == "fsdp2":
+        raise ConfigError("--check_replicas compares replicated parameters, but FSDP2 (--zero_stage >= 2, or tp/pp "
+                          "with data parallel) shards them; use --zero_stage 0 or 1, or --check_replicas 0")
+
+
+def check_writable(directory, flag):
+    """`directory` could be made and written: its nearest existing ancestor takes a file (no folder is created)."""
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{flag} {directory}: {existing} is a file, not a folder; choose another directory")
+    try:  # os.access says yes to root everywhere; a probe file (gone at once) also catches /proc and read-only mounts
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ConfigError(f"{flag} {directory} is not writable ({e.strerror} in {existing}); choose another directory")
+
+
+def check_paths(save_dir, from_weight, data_paths, others=()):
+    """Output directories writable, input files present and non-empty; `others`: (directory, flag) to probe."""
+    check_writable(save_dir, "--save_dir")
+    for directory, flag in others:
+        check_writable(directory, flag)
+    if from_weight != "none" and not os.path.exists(from_weight):
+        raise ConfigError(f"--from_weight: {from_weight} does not exist; {other_sizes(from_weight, '--from_weight')}"
+                          "train it first (the stage before, with the same size flags) or pass --from_weight none")
+    for flag, spec in data_paths:
+        if spec is None:
+            continue
+        try:
+            files = [f for group, _ in resolve_data_spec(spec) for f in group]
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"{flag}: {e}") from None
+        for path in files:
+            if os.path.getsize(path) == 0:
+                raise ConfigError(f"data file {path} is empty; check {flag}")
+
+
+def other_sizes(path, flag):
+    """For a missing MiniMind weight <prefix>_<hidden>[_moe].pth, the files of the same prefix and other sizes beside
+    it and how to use them ("<folder> has x_256.pth (--hidden_size 256): pass its size flags or <flag> <file>; "),
+    else ""."""
+    match = re.fullmatch(r"(.+)_\d+(_moe)?\.pth", os.path.basename(path))
+    folder = os.path.dirname(path)
+    if not match or not os.path.isdir(folder):
+        return ""
+    pattern = re.escape(match.group(1)) + r"_(\d+)(_moe)?\.pth"
+    found = [re.fullmatch(pattern, name) for name in sorted(os.listdir(folder))]
+    found = [(m.group(0), f"--hidden_size {m.group(1)}{' --use_moe 1' if m.group(2) else ''}") for m in found if m]
+    if not found:
+        return ""
+    files = ", ".join(f"{name} ({flags})" for name, flags in found)
+    return f"{folder} has {files}: pass its size flags or {flag} {os.path.join(folder, found[0][0])}; "
+
+
+def check_tokenizer(path):
+    """A Hugging Face tokenizer folder: a directory with tokenizer.json or tokenizer_config.json."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"--tokenizer_path {path} is not a directory; pass the folder with tokenizer.json "
+                          "(default: model/ in the repo)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"--tokenizer_path {path} has no tokenizer.json or tokenizer_config.json; "
+                          "pass a Hugging Face tokenizer folder")
+
+
+def check_metrics_file(path):
+    if os.path.isdir(path):
+        raise ConfigError(f"--metrics_file {path} is a directory; pass a file path")
+    check_writable(os.path.dirname(path) or ".", "--metrics_file folder")

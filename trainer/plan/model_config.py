@@ -1,0 +1,41 @@
+"""The MiniMindConfig the flags describe, with the shapes of a --from_weight file taking precedence."""
+from model.model_minimind import MiniMindConfig
+from model.weight_shapes import WeightsError, infer_config
+from trainer.ckpt.weight_flags import flag_conflicts, weights_line
+from trainer.ckpt.weights_file import read_any_weights
+from trainer.plan.flags import MODEL_FLAGS
+from trainer.runtime.launch import ConfigError
+from trainer.trainer_utils import Logger
+
+
+def build_config(args, weight_fields=None):
+    """The MiniMindConfig the flags describe (None sizes keep the model's own rule); `weight_fields`, the shapes
+    of the --from_weight file (see weight_shapes), take precedence over the flags."""
+    fields = {name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name, None) is not None}
+    fields["use_moe"] = bool(fields["use_moe"])
+    fields.update(weight_fields or {})
+    return MiniMindConfig(max_position_embeddings=max(32768, args.max_seq_len), loss_chunk_size=args.loss_chunk_size,
+                          dropout=getattr(args, "dropout", 0.0), **fields)
+
+
+def weight_shapes(args, path):
+    """The model fields a --from_weight file fixes (from its tensors, and top-k from its saved config); one line
+    says which flags they override, so a MiniMind-3 .pth or an older run's weights load without size flags."""
+    try:
+        state_dict, saved_config, _ = read_any_weights(path)
+        fields = infer_config(state_dict)
+    except WeightsError as e:
+        raise ConfigError(flag_error("--from_weight", path, e)) from None
+    if saved_config and "num_experts_per_tok" in saved_config and fields["use_moe"]:
+        fields["num_experts_per_tok"] = saved_config["num_experts_per_tok"]
+    flags = {name: getattr(args, name) for name in MODEL_FLAGS if name != "use_moe"}
+    conflicts = flag_conflicts(fields, dict(flags, use_moe=bool(args.use_moe)))
+    if conflicts:
+        Logger(f"--from_weight {path}: the model takes the weights' shapes, not the flags: {'; '.join(conflicts)}")
+    return fields
+
+
+def flag_error(flag, path, error):
+    """One line naming the weights flag and its file: `error` prefixed by them (the file once, where it names it)."""
+    message = weights_line(error)  # with the flag that fixes it, where one does
+    return f"{flag}: {message}" if message.startswith(path) else f"{flag} {path}: {message}"

@@ -1,0 +1,213 @@
+"""The plan: one frozen TrainPlan of frozen sections, and every flag of the training scripts declared once in its
+section (trainer/plan/schema.py says how); trainer/plan/flags.py builds the parser from these,
+trainer/plan/resolve.py's resolve fills them. The engine's sections live beside their code: `optim`
+(trainer/runtime/optim.py), `lr` (trainer/runtime/schedule.py), `callbacks` (trainer/runtime/callbacks.py); a stage's
+plan (trainer/core/stage.py) is `stage`, its flags in its own FLAGS.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from model.model_minimind import MiniMindConfig
+from trainer.core.stage import Stage
+from trainer.plan.schema import Flag, flag
+from trainer.runtime.callbacks import CallbackPlan
+from trainer.runtime.optim import OptimizerPlan
+from trainer.runtime.schedule import LRSchedule
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The processes, their device and the parallel layout (trainer/parallel/)."""
+    world_size: int
+    dp: int
+    tp: int = flag(1, "tensor-parallel degree")
+    pp: int = flag(1, "pipeline-parallel degree (micro-batches = --accumulation_steps)")
+    cp: int = flag(1, "context-parallel (ring attention) degree")
+    zero_stage: int = flag(0, "0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")  # the one used
+    dp_mode: str  # "none" (no data-parallel group), "ddp", "zero1" or "fsdp2"
+    grad_compression: str = flag("none", "none|bf16|powersgd (DDP communication hook)")
+    powersgd_rank: int = flag(1, "--grad_compression powersgd: rank of the low-rank approximation")
+    powersgd_start_step: int = flag(1000, "--grad_compression powersgd: optimizer steps of exact all-reduce before "
+                                    "compression starts (warm-up; a resumed run warms up again)")
+    pp_schedule: str = flag("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
+    sequence_parallel: bool = flag(0, "shard norms along the sequence (tp > 1)")
+    cpu_offload: bool = flag(0, "FSDP2 (--zero_stage 2/3): keep sharded parameters, gradients and optimizer state in "
+                             "CPU memory (CUDA only; the optimizer step runs on the CPU)")
+    device: str = flag("cuda:0" if torch.cuda.is_available() else "cpu", "cpu or cuda[:N]")  # cuda:<local rank>
+    dist_timeout: int = flag(600, "seconds a collective may hang once training runs (from step 2)")
+    dist_init_timeout: int = flag(1800, "seconds for start-up to the end of the first step (rendezvous, token cache, "
+                                  "loading weights, compile) before a hung collective fails")
+    FLAGS = ()
+
+    @property
+    def has_dtensor(self):
+        """Parameters are DTensors (tensor parallel or FSDP2): no fused AdamW, losses may be DTensors."""
+        return self.tp > 1 or self.dp_mode == "fsdp2"
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model the flags (and the --from_weight file) describe, where it starts from, and how it computes."""
+    config: MiniMindConfig
+    from_weight: str = flag("none", "weight prefix in save_dir, a .pth path, or none")  # "none" or a path
+    dtype: torch.dtype = flag("auto", "auto|bfloat16|float16|float32 (auto: bf16 where the device has it)", type=str)
+    dtype_note: str  # --dtype auto: how it chose (the measured rates), said once at start; "" for a typed dtype
+    chunked_loss: bool  # lm_head + CE on target tokens only (off under tp and pp)
+    grad_checkpointing: Optional[str] = flag(
+        "0", "recompute activations in backward: full (1) each decoder block (least memory, ~1/3 more compute), "
+        "attention or mlp only that sub-layer of each block; 0/none: off", type=str,
+        choices=("0", "1", "none", "full", "attention", "mlp"))  # the mode: None, "full", "attention" or "mlp"
+    use_compile: bool = flag(0, "torch.compile each decoder block")
+    tf32: bool = flag(1, "CUDA: fp32 matmuls in TF32 (0: strict fp32)")
+    deterministic: bool = flag(0, "torch.use_deterministic_algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG, no cuDNN "
+                               "autotuning); an op without a deterministic kernel then raises")
+    SHAPE_FLAGS = (  # MiniMindConfig's fields (model_config.build_config; a --from_weight file's shapes win)
+        Flag("hidden_size", int, 768, "model width"),
+        Flag("num_hidden_layers", int, 8, "decoder blocks"),
+        Flag("num_attention_heads", int, 8, "query heads"),
+        Flag("num_key_value_heads", int, 4, "key/value heads (GQA)"),
+        Flag("intermediate_size", int, None, "dense MLP width (default: the model's rule)"),
+        Flag("moe_intermediate_size", int, None, "expert MLP width (default: the model's rule)"),
+        Flag("head_dim", int, None, "attention head size (default: hidden_size / heads)"),
+        Flag("use_moe", bool, 0, "mixture-of-experts MLPs"),
+        Flag("num_experts", int, 4, "experts per MoE layer"),
+        Flag("num_experts_per_tok", int, 1, "experts each token is routed to"),
+    )
+    FLAGS = SHAPE_FLAGS + (
+        Flag("dropout", float, 0.0, "dropout on the embeddings and each attention output (MiniMind's config.dropout; "
+             "draws from each rank's RNG, so layouts differ from one process when > 0)"),
+        Flag("loss_chunk_size", int, 1024, "lm_head + cross-entropy over chunks of this many tokens, never the full "
+             "logits (0: off)"),
+    )
+
+    @property
+    def autocast_dtype(self):
+        return None if self.dtype == torch.float32 else self.dtype
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What a step reads: the data, the batch shape, the tokenizer and the token cache; the seed of the data order."""
+    data_path: Optional[str] = flag(None, "JSONL, parquet or token shard; a directory, a glob, or a comma list with "
+                                    "optional weights, e.g. a.jsonl:0.7,shards/*.parquet:0.3 (default: the embedded "
+                                    "demo corpus)")  # a spec for dataset.mixture.resolve_data_spec
+    eval_data_path: Optional[str] = flag(None, "held-out data for eval_loss / eval_ppl, same forms (default: none)")
+    seq_len: int  # tokens per row (--max_seq_len; a stage's own: prompt + completion)
+    micro_batch: int  # samples per micro-batch per dp rank
+    num_microbatches: int
+    global_batch: int  # samples per optimizer step over all dp ranks
+    packing: bool = flag(0, "fill whole rows (max_seq_len tokens): pretraining joins documents; SFT packs whole "
+                         "conversations, on by default there (chat rows are mostly far shorter)")
+    doc_mask: bool = flag(1, "with --packing 1: a token attends only to earlier tokens of its own document and "
+                          "position ids restart at each document (0: the whole row is one sequence)")
+    skip_bad_lines: bool = flag(0, "skip malformed data lines instead of stopping")
+    num_workers: int = flag(0, "DataLoader worker processes")
+    num_proc: Optional[int] = flag(None, "tokenizer worker processes per rank while building the token cache "
+                                   "(default: the cores available / local ranks)")
+    cache_dir: str = flag(None, "token cache of the datasets (default: dataset/.cache in the repo)")
+    tokenizer_path: str = flag(None, "Hugging Face tokenizer folder (default: the one the starting weights were "
+                               "trained with, as their sidecar records; else model/ in the repo)")
+    tokenizer_record: dict  # {"path", "sha256" of its tokenizer.json}: written beside the weights and checkpoints
+    seed: int = flag(42, "model init and data order (a pure function of seed and epoch)")
+    eval_batches: int = flag(50, "batches per validation run")
+    FLAGS = (
+        Flag("max_seq_len", int, 340, "tokens per sample"),
+        Flag("batch_size", int, 32, "samples per micro-batch per data-parallel rank"),
+        Flag("accumulation_steps", int, 8, "micro-batches per optimizer step (pipeline: micro-batches)"),
+        Flag("force_tokenizer", bool, 0, "1: use the tokenizer folder given even where its tokenizer.json differs from "
+             "the one the starting weights were trained with"),
+    )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long the run goes, and when it logs, evaluates and saves."""
+    epochs: int = flag(1, "passes over the training data")
+    max_steps: int = flag(0, "stop after this many optimizer steps, the lr schedule's length (0: run all epochs)")
+    max_tokens: int = flag(0, "stop after the optimizer step that reaches this many target tokens (all ranks; 0: no "
+                           "token budget); the lr schedule keeps its length")
+    log_interval: Optional[int] = flag(None, "optimizer steps between metrics records (default: 100, or fewer so "
+                                       "that an epoch has at least ten)")
+    eval_interval: int = flag(0, "optimizer steps between validation runs (0: only at the end)")
+    save_interval: int = flag(100, "optimizer steps between weights + resume checkpoints")
+    save_weights_every: int = flag(0, "also write the <save_weight>.pth weights every N steps (0: at the end only)")
+    save_every_minutes: float = flag(10, "also save a resume checkpoint at the step after which the next would end "
+                                     "more than this many minutes after the last save, so that a slow run loses "
+                                     "little (0: off)")
+    FLAGS = ()
+
+
+@dataclass(frozen=True)
+class IOPlan:
+    """Where the run writes (weights, checkpoints, metrics, logs, traces) and where it resumes from."""
+    save_dir: str = flag(None, "where weights and metrics go (default: out/ in the repo)")
+    checkpoint_dir: str = flag(None, "where resume checkpoints go (default: checkpoints/ in the repo)")
+    run_name: str  # MiniMind's weight stem <save_weight>_<hidden>[_moe]
+    weights_path: str  # <save_dir>/<run_name>.pth
+    run_dir: str  # <checkpoint_dir>/<run_name>: this run's resume checkpoints
+    save_dtype: torch.dtype = flag("float16", "dtype of the saved weights", type=str,
+                                   choices=("float16", "bfloat16", "float32"))
+    from_resume: str = flag("0", "1: continue from the newest complete checkpoint; auto: that, or start fresh if "
+                            "there is none (for torchrun --max-restarts); or a step_<N> directory: continue from that "
+                            "checkpoint (later ones of this run are dropped at its first save)")  # "0", "1" or "auto"
+    resume_path: Optional[str]  # --from_resume <step dir>: that checkpoint instead of the newest
+    keep_checkpoints: int = flag(3, "complete resume checkpoints kept; older ones are deleted (0: all)")
+    async_save: bool = flag(0, "write resume checkpoints in the background (dcp.async_save)")
+    metrics_file: str = flag(None, "JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
+    tensorboard_dir: Optional[str] = flag(None, "also write TensorBoard scalars here (default: off)")
+    trackers: tuple  # dashboards besides the metrics JSONL: swanlab, wandb, tensorboard
+    use_wandb: bool = flag(False, "MiniMind's flag: --tracker swanlab (offline when not logged in)",
+                           action="store_true")
+    wandb_project: str = flag("MiniMind", "swanlab / wandb project name")
+    log_dir: Optional[str] = flag(None, "each rank's timestamped log, rank_<N>.log (default: <save_dir>/logs; none: "
+                                  "off)")  # None: off
+    profile_steps: Optional[tuple] = flag(None, "A:B: torch.profiler trace of optimizer steps A to B under "
+                                          "<save_dir>/profile (default: off)", type=str)
+    FLAGS = (
+        Flag("save_weight", str, "pretrain", "weight file prefix: <save_dir>/<save_weight>_<hidden>[_moe].pth"),
+        Flag("tracker", str, None, "comma list of swanlab, wandb (offline unless WANDB_MODE=online), tensorboard "
+             "(--tensorboard_dir, default <save_dir>/tensorboard), none (default: from --use_wandb and "
+             "--tensorboard_dir); the metrics JSONL is always written"),
+        Flag("config", str, None, "a YAML file of flags (the same names, e.g. learning_rate: 1.0e-3); the command line "
+             "overrides it; each run writes its flags to <checkpoint_dir>/<save_weight>_<hidden>[_moe]_config.yaml, "
+             "which repeats it"),
+    )
+
+
+@dataclass(frozen=True)
+class GuardPlan:
+    """Preemption, the non-finite step guard and the replica check (trainer/runtime/guard.py)."""
+    grace_seconds: float = flag(60, "after SIGTERM/SIGINT: seconds to finish the step and save before exiting "
+                                "non-zero")
+    max_bad_steps: int = flag(5, "stop after this many non-finite (skipped) optimizer steps in a row")
+    check_replicas: int = flag(0, "every N steps compare parameter checksums across data-parallel replicas (0: off)")
+    FLAGS = ()
+
+
+# the sections in the order --help lists their flags
+SECTIONS = (IOPlan, Schedule, DataPlan, ModelPlan, OptimizerPlan, LRSchedule, Layout, GuardPlan, CallbackPlan)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """Everything derived from the flags, once, in sections; `flags`: the flags as typed, saved in checkpoints and the
+    tracker's config, never read by the trainer."""
+    layout: Layout
+    model: ModelPlan
+    data: DataPlan
+    schedule: Schedule
+    optim: OptimizerPlan  # trainer/runtime/optim.py
+    lr: LRSchedule  # trainer/runtime/schedule.py
+    io: IOPlan
+    guard: GuardPlan
+    callbacks: CallbackPlan  # trainer/runtime/callbacks.py: best checkpoint, early stopping, the user's
+    flags: dict
+    stage: Stage = Stage()  # the stage's own checked plan (trainer/core/stage.py): its hooks, objective and datasets
+
+    @property
+    def micro_batch_shape(self):
+        """(rows, tokens) of one micro-batch on one rank (tokens after context parallel's split); a stage may put
+        several rows in one sample (DPO: a chosen/rejected pair), its plan says how many (rows_per_sample)."""
+        return self.data.micro_batch * self.stage.rows_per_sample, self.data.seq_len // self.layout.cp

@@ -1,0 +1,100 @@
+"""From a rollout to the training rows of an RL step: rewards, group advantages, rows, and the scoring forwards
+(reference and old-policy log-probs at the sampling temperature) in the training layout.
+
+A training row is one completion: its prompt's tokens, then the completion's (EOS included), then padding, so
+positions run 0.. from the prompt's first token as in generation and the plain causal forward serves every layout.
+Labels are the completion's tokens at their positions (-100 elsewhere): the prompt, the padding and anything after
+EOS are never scored. Under pipeline parallelism every row is padded to the plan's row length (the stages' fixed
+shapes); otherwise to the longest row of its micro-batch.
+"""
+import json
+
+import torch
+
+from trainer.core.batches import autocast, pipeline_forward_only, step_targets
+from trainer.core.log_probs import token_log_probs
+from trainer.parallel.tensor import tp_loss_context
+from trainer.rl.rewards import score
+
+
+def group_advantages(rewards, num_generations):
+    """(advantages, group std per row): (r - group mean) / (group std + 1e-4), std over the group's G rewards
+    (population std, MiniMind's: 0 for G = 1, where TRL's sample std would be undefined)."""
+    groups = rewards.view(-1, num_generations)
+    std = groups.std(dim=1, unbiased=False)
+    advantages = (groups - groups.mean(dim=1, keepdim=True)) / (std[:, None] + 1e-4)
+    return advantages.reshape(-1), std.repeat_interleave(num_generations)
+
+
+def training_rows(rollout, pad_id, length=None):
+    """(input_ids, labels) (N, length): each completion after its prompt's tokens, right-padded; labels are the
+    completion tokens (EOS included) where they stand, -100 elsewhere. length None: the longest row."""
+    prompt_lengths, completion_lengths = rollout.prompt_lengths.tolist(), rollout.completion_lengths.tolist()
+    width = rollout.prompt_ids.shape[1]
+    length = length or max(p + c for p, c in zip(prompt_lengths, completion_lengths))
+    input_ids = torch.full((len(prompt_lengths), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(prompt_lengths), length), -100, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        input_ids[i, :p] = rollout.prompt_ids[i, width - p:]
+        input_ids[i, p:p + c] = rollout.completion_ids[i, :c]
+        labels[i, p:p + c] = rollout.completion_ids[i, :c]
+    return input_ids, labels
+
+
+def decode_completions(tokenizer, rollout):
+    """Each completion's text (special tokens dropped, as MiniMind), in TRL's conversational form."""
+    texts = tokenizer.batch_decode([ids[:n] for ids, n in zip(rollout.completion_ids.tolist(),
+                                                              rollout.completion_lengths.tolist())],
+                                   skip_special_tokens=True)
+    return [[{"role": "assistant", "content": text}] for text in texts]
+
+
+def reward_columns(rows, num_generations):
+    """(prompts, columns) for the reward functions from the dataset rows (JSON), each repeated per completion."""
+    parsed = [json.loads(row) for row in rows for _ in range(num_generations)]
+    prompts = [row.pop("prompt") for row in parsed]
+    names = sorted({name for row in parsed for name in row})
+    return prompts, {name: [row.get(name) for row in parsed] for name in names}
+
+
+def score_completions(completions, lengths, truncated, rows, functions, weights, num_generations):
+    """(advantages (N,), row stats (N, 5 + F)) of scored completions (TRL's conversational form, a prompt's
+    num_generations adjacent): per row reward, group std, zero-std flag, length, truncated flag, then each reward
+    function's value (the record's reward, reward_std, frac_reward_zero_std, completions/*, rewards/<fn>/mean)."""
+    prompts, columns = reward_columns(rows, num_generations)
+    rewards, per_function = score(functions, weights, prompts, completions, columns)
+    advantages, std = group_advantages(rewards, num_generations)
+    stats = torch.stack([rewards, std, (std == 0).float(), lengths.float(), truncated.float()], dim=1)
+    return advantages, torch.cat([stats, per_function], dim=1)
+
+
+def tempered_log_probs(logits, targets, temperature):
+    """(N, L) log-probs of the targets under softmax(logits / temperature), 0 where there is none."""
+    return token_log_probs(logits / temperature, targets)
+
+
+def scoring_log_probs(model_parts, pipeline, micro_batches, plan, temperature):
+    """Per micro-batch (N, L) target log-probs at `temperature` under a model in the training layout (the reference,
+    or the policy before its update)."""
+    return scoring_forward(model_parts, pipeline, micro_batches, plan,
+                           lambda logits, targets: tempered_log_probs(logits, targets, temperature))
+
+
+@torch.no_grad()
+def scoring_forward(model_parts, pipeline, micro_batches, plan, score, columns=1):
+    """Per micro-batch `score(logits, targets)` (N, L), or (N, L, columns), of a no-grad forward in the training
+    layout: one forward per micro-batch, or the pipeline's forward-only schedule over all of them (zeros off its last
+    stage, whose values are never read)."""
+    targets = [step_targets(labels) for _, labels in micro_batches]
+    if pipeline is None:
+        model, out = model_parts[0], []
+        for (input_ids, _), t in zip(micro_batches, targets):
+            with tp_loss_context(plan.layout.tp > 1), autocast(plan):  # vocab-sharded logits under tensor parallel
+                logits = model(input_ids.to(plan.layout.device)).logits
+                out.append(score(logits, t.to(plan.layout.device)).cpu())
+        return out
+    input_ids = torch.cat([ids for ids, _ in micro_batches]).to(plan.layout.device)
+    values = pipeline_forward_only(pipeline, input_ids, torch.cat(targets).to(plan.layout.device), score)
+    if values is None:
+        return [torch.zeros(t.shape + ((columns,) if columns > 1 else ())) for t in targets]
+    return list(values.cpu().split([t.shape[0] for t in targets]))

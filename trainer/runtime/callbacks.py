@@ -1,0 +1,211 @@
+"""Callbacks: the short list of hooks the loop calls (trainer/core/loop.py), for what a run does besides a step.
+
+Every hook is optional; an object with any of them is a callback (`--callbacks FILE.py:NAME` adds one):
+  on_step_end(trainer, record)  after every optimizer step; `record` is the logged record (a dict) on log steps,
+                                else None (reading trainer.guard.last_loss costs nothing: the guard synced it)
+  on_eval(trainer, record)      after each validation run: {"step", "eval_loss", "eval_ppl"}
+  on_save(trainer, step)        after the resume checkpoint of `step` is written (staged, under --async_save)
+  on_train_end(trainer)         once, when the loop is done (not after an error)
+Every rank calls every hook at the same point, so a hook may run collectives (all ranks see the same records).
+A callback stops the run after this step by setting `self.stop_reason` (a line the run prints), and asks for a
+checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
+travel in every checkpoint, so a resumed run continues with the same state.
+Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog.
+"""
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+from model.atomic import atomic_write_text
+from model.weights import save_weights_file
+from trainer.ckpt.checkpoint import BEST_INDEX, MANIFEST, best_checkpoint_step, read_checkpoint_model
+from trainer.ckpt.weights_file import save_weights
+from trainer.plan.schema import Flag, fill, flag
+from trainer.runtime.launch import ConfigError, is_main_process
+from trainer.runtime.rank_log import RankLog
+from trainer.trainer_utils import Logger
+
+HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
+
+
+@dataclass(frozen=True)
+class CallbackPlan:
+    """Best checkpoint, early stopping and a user's callbacks (trainer/runtime/callbacks.py)."""
+    save_best: bool = flag(0, "keep the checkpoint with the lowest eval_loss (never pruned, in "
+                           "<checkpoint_dir>/<run>/best.json) and its weights as <save_weight>_<hidden>[_moe]_best.pth")
+    early_stop_patience: int = flag(0, "stop after this many --eval_interval evals without an eval_loss below the best "
+                                    "by more than --early_stop_min_delta (0: off)")
+    early_stop_min_delta: float = flag(0.0, "the improvement early stopping asks for")
+    user: tuple  # ((file, name), ...) of --callbacks
+    FLAGS = (
+        Flag("callbacks", str, None, "comma list of FILE.py:NAME, a class (made with no arguments) or object with any "
+             "of on_step_end, on_eval, on_save, on_train_end (trainer/runtime/callbacks.py)"),
+    )
+
+
+def resolve_callbacks(args, has_eval):
+    """The CallbackPlan; ConfigError for a flag that cannot work (no eval data, a missing file)."""
+    if (args.save_best or args.early_stop_patience) and not has_eval:
+        flag = "--save_best 1" if args.save_best else "--early_stop_patience"
+        raise ConfigError(f"{flag} follows the eval loss: give --eval_data_path (and --eval_interval)")
+    if args.early_stop_patience and not args.eval_interval:
+        raise ConfigError("--early_stop_patience counts evals every --eval_interval steps: set --eval_interval")
+    if not args.early_stop_min_delta >= 0:
+        raise ConfigError(f"--early_stop_min_delta must be 0 or more (got {args.early_stop_min_delta})")
+    user = []
+    for spec in filter(None, (args.callbacks or "").split(",")):
+        path, _, name = spec.strip().rpartition(":")
+        if not path.endswith(".py") or not name:
+            raise ConfigError(f"--callbacks {spec}: write FILE.py:NAME (a class or object in that file)")
+        if not os.path.isfile(path):
+            raise ConfigError(f"--callbacks {spec}: {path} does not exist")
+        user.append((os.path.abspath(path), name))
+    return fill(CallbackPlan, args, user=tuple(user))
+
+
+class Callbacks(list):
+    """The callbacks of a run, called in order; also what the loop asks them (stop? save this step?)."""
+
+    def call(self, hook, trainer, *args):
+        for callback in self:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                method(trainer, *args)
+
+    def stop_reason(self):
+        """The first callback's reason to stop after this step, or None."""
+        return next((cb.stop_reason for cb in self if getattr(cb, "stop_reason", None)), None)
+
+    def wants_save(self, step):
+        return any(getattr(cb, "save_step", None) == step for cb in self)
+
+    def state_dict(self):
+        return {name: cb.state_dict() for name, cb in self.named() if hasattr(cb, "state_dict")}
+
+    def load_state_dict(self, state):
+        for name, callback in self.named():
+            if name in state and hasattr(callback, "load_state_dict"):
+                callback.load_state_dict(state[name])
+
+    def named(self):
+        """(name, callback): the class name, numbered when a class comes twice."""
+        names = [type(cb).__name__ for cb in self]
+        return [(n if names.count(n) == 1 else f"{n}_{names[:i].count(n)}", cb) for i, (n, cb) in
+                enumerate(zip(names, self))]
+
+
+class EarlyStopping:
+    """--early_stop_patience N: stop once N evals in a row (of those every --eval_interval steps; a run's extra
+    eval at its end does not count) brought no eval_loss below the best so far minus --early_stop_min_delta."""
+
+    def __init__(self, patience, min_delta, eval_interval):
+        self.patience, self.min_delta, self.eval_interval = patience, min_delta, eval_interval
+        self.best = self.best_step = self.stop_reason = None
+        self.evals_without_improvement = 0
+
+    def on_eval(self, trainer, record):
+        step, loss = record["step"], record["eval_loss"]
+        if step % self.eval_interval:
+            return
+        if self.best is None or loss < self.best - self.min_delta:
+            self.best, self.best_step, self.evals_without_improvement = loss, step, 0
+            return
+        self.evals_without_improvement += 1
+        if self.evals_without_improvement >= self.patience:
+            self.stop_reason = (f"early stopping at step {step}: {self.patience} evals without an eval_loss below "
+                                f"{self.best:.6f} - {self.min_delta:g} (the best, at step {self.best_step})")
+
+    def state_dict(self):
+        return dict(best=self.best, best_step=self.best_step, stop_reason=self.stop_reason,
+                    evals_without_improvement=self.evals_without_improvement)
+
+    def load_state_dict(self, state):
+        self.best, self.best_step = state["best"], state["best_step"]
+        self.evals_without_improvement, self.stop_reason = state["evals_without_improvement"], state["stop_reason"]
+
+
+class BestCheckpoint:
+    """--save_best 1: the resume checkpoint of the lowest eval_loss is saved (also off --save_interval), kept when
+    older ones are pruned, and named in <run_dir>/best.json; its weights go to <save_weight>_..._best.pth (a stage
+    that writes its own weight files, LoRA, keeps the checkpoint only)."""
+
+    def __init__(self, run_dir, weights_path):
+        self.index = os.path.join(run_dir, BEST_INDEX)
+        self.weights_path = weights_path  # None: a stage whose weights are not the whole model (LoRA's adapters)
+        self.best = self.best_step = self.save_step = None
+
+    def on_eval(self, trainer, record):
+        if self.best is None or record["eval_loss"] < self.best:
+            self.best, self.best_step = record["eval_loss"], record["step"]
+            self.save_step = record["step"]  # the loop checkpoints this step
+
+    def on_save(self, trainer, step):
+        if step != self.save_step:
+            return
+        self.save_step = None
+        trainer.checkpointer.wait()  # best.json names a complete checkpoint only
+        if self.weights_path:
+            save_weights(trainer, self.weights_path)  # a collective: every rank gathers
+        if is_main_process():
+            self.write_index(os.path.join(os.path.dirname(self.index), f"step_{step}"))
+            Logger(f"best eval_loss {self.best:.6f} at step {step}: checkpoint kept in {self.index}")
+
+    def write_index(self, checkpoint):
+        atomic_write_text(self.index, json.dumps(dict(step=self.best_step, eval_loss=self.best,
+                                                      checkpoint=checkpoint, weights=self.weights_path)) + "\n")
+
+    def state_dict(self):
+        return dict(best=self.best, best_step=self.best_step)
+
+    def load_state_dict(self, state):
+        """Resume: the best of the resumed timeline; best.json (and the weights) follow it when they name another
+        step (a run resumed from an earlier checkpoint, or killed between its save and the index)."""
+        self.best, self.best_step = state["best"], state["best_step"]
+        if not is_main_process() or self.best_step is None or best_checkpoint_step(
+                os.path.dirname(self.index)) == self.best_step:
+            return
+        checkpoint = os.path.join(os.path.dirname(self.index), f"step_{self.best_step}")
+        if not os.path.isfile(os.path.join(checkpoint, MANIFEST)):  # resumed from another run's checkpoint
+            Logger(f"--save_best: the resumed best (step {self.best_step}) has no checkpoint in {checkpoint}; "
+                   "best.json follows from the next better eval")
+            return
+        if self.weights_path:
+            model_state, config, _ = read_checkpoint_model(checkpoint)
+            save_weights_file(model_state, config, self.weights_path)
+        self.write_index(checkpoint)
+
+
+def load_user_callbacks(specs):
+    """The objects --callbacks names: FILE.py:NAME, a class made with no arguments, or an object."""
+    callbacks = []
+    for i, (path, name) in enumerate(specs):
+        try:
+            spec = importlib.util.spec_from_file_location(f"minimind_user_callbacks_{i}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except Exception as e:  # the user's file: its own error, in one line
+            raise ConfigError(f"--callbacks {path}:{name}: the file raised {type(e).__name__}: {e}") from None
+        if not hasattr(module, name):
+            raise ConfigError(f"--callbacks {path}:{name}: the file defines no {name}")
+        callback = getattr(module, name)
+        callback = callback() if isinstance(callback, type) else callback
+        if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+            raise ConfigError(f"--callbacks {path}:{name} has none of {', '.join(HOOKS)}")
+        callbacks.append(callback)
+    return callbacks
+
+
+def make_callbacks(plan):
+    """The run's callbacks besides the sinks (the loop puts its Tracker first): early stopping, the best
+    checkpoint, the per-rank log, then the user's."""
+    callbacks, settings = Callbacks(), plan.callbacks
+    if settings.early_stop_patience:
+        callbacks.append(EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta,
+                                       plan.schedule.eval_interval))
+    if settings.save_best:
+        callbacks.append(BestCheckpoint(plan.io.run_dir, plan.stage.best_weights_path(plan)))
+    if plan.io.log_dir:
+        callbacks.append(RankLog())
+    callbacks.extend(load_user_callbacks(settings.user))
+    return callbacks

@@ -1,0 +1,122 @@
+"""What the console shows of a run: one progress bar over the whole run, the records the loop logs, and every other
+message on a line of its own.
+
+The bar's loss is the log line's: in one process a running mean over the step's micro-batches so far (exact at the
+step's end), and at every step's end the step loss summed over ranks by the guard's one all-reduce, so no
+micro-batch adds a collective.
+"""
+import sys
+import warnings
+from contextlib import contextmanager
+
+from tqdm import tqdm
+
+from trainer.ckpt.checkpoint import latest_checkpoint
+from trainer.runtime.launch import is_main_process, per_rank, world_sum
+from trainer.runtime.metrics import peak_mem_gb
+from trainer.runtime.tracking import Tracker
+from trainer.trainer_utils import say
+
+DEFAULT_LOG_INTERVAL = 100  # MiniMind's
+
+
+def effective_log_interval(plan, steps_per_epoch):
+    """--log_interval as typed; unset, MiniMind's 100 or fewer, so that an epoch has at least ten records."""
+    return plan.schedule.log_interval or min(DEFAULT_LOG_INTERVAL, max(1, steps_per_epoch // 10))
+
+
+class Bar:
+    """One tqdm bar over the micro-batches of the whole run (all epochs, or up to --max_steps): its ETA is the run's.
+
+    `running_loss` (one process: free) and `step_end` (the agreed step loss) set the loss it shows."""
+
+    def __init__(self, trainer):
+        plan, progress, schedule = trainer.plan, trainer.progress, trainer.plan.schedule
+        steps = min(trainer.total_steps, schedule.max_steps) if schedule.max_steps else trainer.total_steps
+        self.single = plan.layout.world_size == 1
+        micro = plan.data.num_microbatches
+        self.tqdm = tqdm(total=steps * micro, initial=progress.global_step * micro,
+                         desc=f"{schedule.epochs} epoch{'s' * (schedule.epochs > 1)} x {trainer.steps_per_epoch} steps",
+                         unit="mb", disable=not is_main_process(), dynamic_ncols=True, mininterval=1.0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()  # before an error line is printed
+
+    def update(self, n=1):
+        self.tqdm.update(n)
+
+    def running_loss(self, loss_share, items_so_far, num_items):
+        """One process: the mean loss over the micro-batches run so far (their share of the step's mean, rescaled to
+        the items seen), shown with the next update. With several ranks the share is this rank's only: not shown."""
+        if self.single and items_so_far:
+            self.tqdm.set_postfix(loss=f"{float(loss_share) * num_items / items_so_far:.4f}", refresh=False)
+
+    def step_end(self, loss, lr, tokens_per_sec):
+        self.tqdm.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_sec:.0f}", refresh=False)
+
+    def close(self):
+        """The final bar, once (tqdm's close draws it; later messages go below it)."""
+        self.tqdm.close()
+
+
+class NoBar:
+    """The bar train_step advances when it is called without one."""
+
+    def update(self, n=1):
+        pass
+
+    def running_loss(self, loss_share, items_so_far, num_items):
+        pass
+
+
+NO_BAR = NoBar()
+
+
+@contextmanager
+def messages_above_bar():
+    """Within: Python warnings are written above the progress bar instead of onto its line."""
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        say(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"), file or sys.stderr)
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous
+
+
+def make_tracker(trainer):
+    """The sinks every record goes through (a callback): metrics JSONL, console, TensorBoard, swanlab, wandb.
+
+    A resumed run keeps the records up to its checkpoint's step and continues the same swanlab run; a fresh run
+    starts the metrics file anew (kept to step 0)."""
+    plan, progress = trainer.plan, trainer.progress
+    tracker = Tracker(plan.io.metrics_file, is_main=is_main_process(), tensorboard_dir=plan.io.tensorboard_dir,
+                      use_wandb="swanlab" in plan.io.trackers, wandb="wandb" in plan.io.trackers,
+                      wandb_project=plan.io.wandb_project, run_name=plan.io.run_name,
+                      resume_id=progress.tracker_id, config=dict(plan.flags),
+                      resume_step=progress.global_step if trainer.resumed else 0,
+                      last_checkpoint=lambda: latest_checkpoint(plan.io.run_dir))
+    progress.tracker_id = tracker.run_id
+    return tracker
+
+
+def step_record(trainer, metrics, timer):
+    """A step's record: loss summed over ranks, the window's rates, peak memory per rank (collective)."""
+    device, counts, progress = trainer.plan.layout.device, trainer.dims.counts_loss, trainer.progress
+    names = trainer.objective.stat_names  # the same on every rank, whether or not it computed the loss
+    loss, aux_loss, *stat_sums = world_sum([float(v) if counts else 0.0 for v in (
+        metrics["ce"], metrics["aux"], *(metrics["stats"].get(n, 0.0) for n in names))], device)
+    extra = trainer.objective.record(dict(zip(names, stat_sums)), metrics["num_items"])
+    tokens_per_sec, mfu, elapsed = timer.rates()
+    memory = per_rank(peak_mem_gb(device), device)
+    grad_norm = float(metrics["grad_norm"])  # before clipping; the log step's read (clip: max_norm / (norm + 1e-6))
+    return dict(step=progress.global_step, epoch=progress.epoch, loss=loss, aux_loss=aux_loss, lr=metrics["lr"],
+                grad_norm=grad_norm, grad_clipped=grad_norm + 1e-6 > trainer.plan.optim.grad_clip,
+                tokens=progress.tokens_seen, tokens_per_sec=tokens_per_sec, mfu=mfu, peak_mem_gb=max(memory),
+                peak_mem_gb_per_rank=[round(m, 4) for m in memory], elapsed_s=elapsed,
+                skipped_steps=trainer.guard.skipped_steps, **extra)

@@ -1,0 +1,3 @@
+"""Post-training stages on the stage contract (core/stage.py): LoRA, DPO and its reference pass, distillation.
+May import core/ (below the loop: stage, objective, batches, log-probs), plan/, ckpt/, runtime/, parallel/;
+never core/loop.py, rl/ or an entry script."""
