@@ -2,6 +2,7 @@
 package llama.cpp publishes. Dense models map to llama.cpp's `qwen3` architecture, MoE to `qwen3moe`; the tokenizer
 is written so that stock llama.cpp loads it: its pre-tokenizer named by the regex our tokenizer.json splits with.
 """
+import errno
 import json
 import os
 
@@ -163,15 +164,21 @@ def write_gguf(state_dict, config, tokenizer_dir, path, out_type):
     if refusal:
         raise WeightsError(refusal)
     writer = GGUFWriter(path, "qwen3moe" if config.use_moe else "qwen3")
-    add_model_fields(writer, config, out_type)
-    add_tokenizer(writer, tokenizer_dir, config.vocab_size)
-    for name, array in gguf_tensors(state_dict, config).items():
-        data, qtype = stored(array, out_type)
-        writer.add_tensor(name, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    try:
+        add_model_fields(writer, config, out_type)
+        add_tokenizer(writer, tokenizer_dir, config.vocab_size)
+        for name, array in gguf_tensors(state_dict, config).items():
+            data, qtype = stored(array, out_type)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    except OSError as e:
+        if e.errno is None and "requested and" in str(e):  # numpy's tofile: a short write to a file is a full disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) from e
+        raise
+    finally:
+        writer.close()
 
 
 def rounding_bound(array, qtype):

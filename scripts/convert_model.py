@@ -267,7 +267,8 @@ def check_args(args):
 
 
 def main(argv=None):
-    """Run the conversion; returns the exit code (2: bad input, 1: exported logits differ, 3: a full disk, 0: ok)."""
+    """Run the conversion; returns the exit code (2: bad input, 1: exported logits or GGUF tensors differ, 3: a full
+    disk or no gguf package, 0: ok)."""
     args = parse_args(argv)
     try:
         check_args(args)
@@ -284,6 +285,12 @@ def main(argv=None):
     except (ConfigError, WeightsError, LoraError, TokenizerMismatch) as e:
         print(f"error: {weights_line(e)}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if e.name != "gguf":
+            raise
+        print("error: --to gguf needs the gguf package (llama.cpp's writer): pip install -r requirements.txt",
+              file=sys.stderr)
+        return 3
     except Exception as e:  # a full disk: an OSError, or safetensors' SafetensorError
         reason = full_disk_reason(e)
         if reason is None:

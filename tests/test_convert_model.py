@@ -393,3 +393,24 @@ def test_exported_folder_has_what_vllm_and_sglang_qwen3_loaders_read(tmp_path, u
     vocab = {t["content"]: t["id"] for t in added}
     assert generation["eos_token_id"] == vocab[tokenizer["eos_token"]] == vocab["<|im_end|>"]
     assert generation["bos_token_id"] == config.bos_token_id and "chat_template" in tokenizer
+
+
+def test_a_gguf_export_that_fills_the_disk_is_one_line_and_keeps_the_earlier_one(tmp_path, capsys,
+                                                                                 small_disk):  # noqa: F811
+    """The disk fills while the GGUF is written (256 KiB left, the file is ~1.2 MiB): one line (exit 3) naming the
+    folder; the earlier GGUF and its Modelfile are as they were, no temporary folder is left beside them."""
+    first, second = (source_model(tiny(), seed) for seed in (0, 1))
+    disk = small_disk(8)
+    out = os.path.join(disk, "gguf")
+    weight = resume_checkpoint(tmp_path / "a.pth", first, ROOT + "/model")
+    assert convert_main(["--to", "gguf", "--weight", str(weight), "--out_dir", out]) == 0
+    before = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+    fill(disk, 256 * 1024)
+    capsys.readouterr()
+    weight = resume_checkpoint(tmp_path / "b.pth", second, ROOT + "/model")
+    assert convert_main(["--to", "gguf", "--weight", str(weight), "--out_dir", out]) == 3
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: disk full writing {out} (No space left on device); what was there is as it was; "
+                           "free space or choose another --out_dir, then run again")
+    assert {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)} == before
+    assert sorted(os.listdir(disk)) == ["filler", "gguf"]
