@@ -18,7 +18,7 @@ QWEN2_REGEX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZERS = {GPT2_REGEX: "gpt2", QWEN2_REGEX: "qwen2", LLAMA3_REGEX: "llama-bpe"}
+PRE_TOKENIZERS = {GPT2_REGEX: "gpt-2", QWEN2_REGEX: "qwen2", LLAMA3_REGEX: "llama-bpe"}
 # one name per MiniMind tensor inside a layer (experts are stacked into one 3-D tensor per projection)
 LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -90,13 +90,14 @@ def gguf_tensors(state_dict, config):
     return out
 
 
-def stored(array, out_type):
-    """(data, raw type) of one tensor in `out_type`: norms stay f32 (llama.cpp's converter does the same), q8_0
-    falls back to f16 where a row is not a whole number of 32-value blocks."""
+def stored(name, array, out_type):
+    """(data, raw type) of one tensor in `out_type`: norms and the MoE router stay f32 (as llama.cpp's converter
+    keeps them: a rounded router flips near-tied expert choices), q8_0 falls back to f16 where a row is not a whole
+    number of 32-value blocks."""
     from gguf import GGMLQuantizationType, quants  # optional dependency (requirements.txt)
     qtype = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16, "bf16": GGMLQuantizationType.BF16,
              "q8_0": GGMLQuantizationType.Q8_0}[out_type]
-    if array.ndim == 1:
+    if array.ndim == 1 or name.endswith("ffn_gate_inp.weight"):
         qtype = GGMLQuantizationType.F32
     elif qtype == GGMLQuantizationType.Q8_0 and array.shape[-1] % 32:
         qtype = GGMLQuantizationType.F16
@@ -168,7 +169,7 @@ def write_gguf(state_dict, config, tokenizer_dir, path, out_type):
         add_model_fields(writer, config, out_type)
         add_tokenizer(writer, tokenizer_dir, config.vocab_size)
         for name, array in gguf_tensors(state_dict, config).items():
-            data, qtype = stored(array, out_type)
+            data, qtype = stored(name, array, out_type)
             writer.add_tensor(name, data, raw_dtype=qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
