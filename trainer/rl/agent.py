@@ -217,7 +217,7 @@ class AgentObjective(GRPOObjective):
             # collective), so a rank whose episodes are over joins with a throwaway row
             if not count_sum(len(active)):
                 break
-            seed = rollout_seed(self.plan.data.seed, step, self.dims.dp_rank, f"{index}:{turn}")
+            seed = rollout_seed(self.plan.data.seed, step, self.dims.rank("dp"), f"{index}:{turn}")
             if turn == 0:
                 rollout = self.generate(trainer, prompt_ids, prompt_lengths, stage.num_generations, seed)
             else:

@@ -236,7 +236,7 @@ class RolloutObjective(LMObjective):
     def micro_batch_rows(self, trainer, index, prompt_ids, prompt_lengths, data_rows, step):
         """One micro-batch's prompts completed num_generations times, scored, laid out as rows."""
         rollout = self.generate(trainer, prompt_ids, prompt_lengths, self.stage.num_generations,
-                                rollout_seed(self.plan.data.seed, step, self.dims.dp_rank, index))
+                                rollout_seed(self.plan.data.seed, step, self.dims.rank("dp"), index))
         advantages, row_stats = self.score(decode_completions(self.tokenizer, rollout), rollout.completion_lengths,
                                            rollout.truncated, data_rows, step)
         return training_rows(rollout, self.tokenizer.pad_token_id, self.pipeline_row_length), advantages, row_stats
