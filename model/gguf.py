@@ -42,7 +42,8 @@ def gguf_refusal(config):
     if config.hidden_act != "silu":
         return f"hidden_act={config.hidden_act!r}: llama.cpp's qwen3 runs SiLU (SwiGLU) only"
     if getattr(config, "inference_rope_scaling", False):
-        return "inference_rope_scaling (YaRN) is not written to GGUF here; export without it"
+        return ("inference_rope_scaling (YaRN) is not written to GGUF here; export a Hugging Face folder (--to hf) "
+                "or the weights without YaRN")
     return None
 
 

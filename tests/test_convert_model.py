@@ -318,7 +318,8 @@ def test_an_export_that_fills_the_disk_is_one_line_and_the_earlier_export_still_
 
 
 @pytest.mark.parametrize("fields, expected", [(dict(n_shared_experts=1), "qwen3moe has no shared experts"),
-                                              (dict(norm_topk_prob=False), "always renormalizes the top-k")])
+                                              (dict(norm_topk_prob=False), "always renormalizes the top-k"),
+                                              (dict(inference_rope_scaling=True), "(YaRN) is not written to GGUF")])
 def test_gguf_refuses_what_llama_cpp_cannot_hold_in_one_line(tmp_path, capsys, fields, expected):
     model = source_model(tiny(use_moe=True, num_experts_per_tok=2, **fields))
     ckpt = resume_checkpoint(tmp_path / "r.pth", model, os.path.join(ROOT, "model"))
