@@ -8,7 +8,10 @@ from typing import Optional
 import torch
 
 from model.model_minimind import MiniMindConfig
-from trainer.ckpt.checkpoint import Checkpointer, TrainState, read_resume, tied_aliases
+from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
+from trainer.ckpt.checkpointer import Checkpointer
+from trainer.ckpt.parts import standard_parts
+from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import init_model
 from trainer.core.objective import LMObjective
@@ -20,6 +23,7 @@ from trainer.plan.checks import check_same_dtype
 from trainer.plan.resolve import resolve
 from trainer.plan.sections import TrainPlan
 from trainer.runtime.callbacks import Callbacks, make_callbacks
+from trainer.runtime.expert_load import ExpertLoad, choose_expert_compute, enable_expert_bias
 from trainer.runtime.guard import (
     Preemption,
     StepGuard,
@@ -55,6 +59,7 @@ class Trainer:
     objective: Optional[LMObjective] = None  # what train_step minimises (a stage's subclass); build_trainer sets it
     callbacks: Optional[Callbacks] = None  # sinks, early stopping, best checkpoint, a user's
     resumed: bool = False
+    expert_load: Optional[ExpertLoad] = None  # a MoE model's per-expert loads and routing bias (runtime/expert_load.py)
     started: bool = False  # the first step is done: collectives run under the per-step timeout
     step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
 
@@ -67,7 +72,7 @@ def setup(args, stage=Stage):
     if model.deterministic:  # read by cuBLAS when CUDA starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     init_distributed_mode(layout.device, layout.dist_init_timeout)
-    open_rank_log(plan.io.log_dir, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
+    open_rank_log(plan.io.log_dir, plan.io.run_name, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
     enable_tf32(layout.device, strict=not model.tf32)  # before peak_flops reads the matmul precision
     dims = ParallelDims.build(layout.world_size, device_type=torch.device(layout.device).type, **layout.model_sizes)
     Logger(dims.summary())
@@ -91,6 +96,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
 
     objective: what the stage minimises (plan.stage.objective(...), trainer/core/objective.py); None: LMObjective."""
     config = plan.model.config
+    claim_run(plan)  # one run per checkpoint directory; an earlier run's results are not replaced unasked
     ckpt = read_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
     model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
@@ -100,21 +106,29 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     warning = room_warning(plan.io.checkpoint_dir, estimate)
     if warning:
         Logger(warning)
+    if plan.model.router_balance != "aux":
+        enable_expert_bias([model])  # model state: there before the wrap and the resume
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
+    compute_line = choose_expert_compute(model_parts, plan.layout.device, plan.model.autocast_dtype or torch.float32)
+    if compute_line:
+        Logger(compute_line)
     if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
         add_signal_points(model_parts)
     optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optim.py), ZeRO-1 sharded or not
     scaler = torch.amp.GradScaler(torch.device(plan.layout.device).type, enabled=plan.model.dtype == torch.float16)
     progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
-    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=dict(
-        model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
-        tied=tied_aliases(pipeline, config), plan=plan, config=config, callbacks=callbacks), estimate=estimate)
+    parts = standard_parts(model_parts, optimizer, tied_aliases(pipeline, config), scaler, progress, objective,
+                           callbacks)  # a stage's own part: trainer.checkpointer.register(Part(...))
+    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=parts, plan=plan,
+                                config=config, estimate=estimate)
     guard = StepGuard(plan.guard.max_bad_steps,
                       Preemption(plan.guard.grace_seconds, abandon=plan.layout.world_size == 1),
                       plan.schedule.save_every_minutes * 60)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
                       plan.lr.length(steps_per_epoch, plan.schedule.epochs), checkpointer, guard,
-                      objective=objective, callbacks=callbacks, resumed=ckpt is not None)
+                      objective=objective, callbacks=callbacks, resumed=ckpt is not None,
+                      expert_load=ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance,
+                                             plan.model.router_bias_rate) if config.use_moe else None)
     if ckpt is not None:
         checkpointer.load(ckpt)
         trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy

@@ -8,6 +8,7 @@ import torch
 
 from dataset.mixture import resolve_data_spec
 from trainer.parallel.data import validate_data_parallel
+from trainer.parallel.expert import ep_validate
 from trainer.parallel.mesh import validate_layout
 from trainer.parallel.pipeline import pp_validate
 from trainer.parallel.tensor import tp_validate
@@ -86,7 +87,8 @@ AT_LEAST = dict(max_seq_len=2, batch_size=1, accumulation_steps=1, epochs=1, log
                 moe_intermediate_size=1, head_dim=1, num_experts=1, num_experts_per_tok=1, eval_batches=1,
                 max_bad_steps=1, dist_timeout=1, dist_init_timeout=1, warmup_steps=0, num_workers=0, eval_interval=0,
                 max_steps=0, loss_chunk_size=0, check_replicas=0, seed=0, keep_checkpoints=0, save_weights_every=0,
-                num_proc=1, max_tokens=0, base_batch=1, early_stop_patience=0, powersgd_rank=1, powersgd_start_step=2)
+                num_proc=1, max_tokens=0, base_batch=1, early_stop_patience=0, powersgd_rank=1, powersgd_start_step=2,
+                ep=1)
 HINTS = dict(max_steps="0 runs all epochs", keep_checkpoints="0 keeps all",
              save_weights_every="0 saves at the end only",
              num_proc="leave it unset for the cores available", eval_interval="0 evaluates at the end only",
@@ -151,6 +153,23 @@ def check_parallel_args(args, config):
         message = pp_validate(config.num_hidden_layers, args.pp, args.pp_schedule, args.accumulation_steps)
         if message:
             raise ConfigError(message)
+
+
+def check_expert_parallel(args, config, dp, zero_stage):
+    """--ep: a MoE model whose experts divide over ep; the layouts expert parallel composes with so far."""
+    message = ep_validate(config, args.ep)  # ep >= 1: check_numbers
+    if message:
+        raise ConfigError(message)
+    if args.ep == 1:
+        return
+    if args.ep != dp:
+        raise ConfigError(f"--ep {args.ep} must equal the data-parallel size ({dp}) for now: launch {args.ep} "
+                          "processes per tp*pp*cp group, or change --ep")
+    if zero_stage != 0 or args.tp > 1 or args.pp > 1 or args.cp > 1:
+        raise ConfigError(f"--ep {args.ep} composes with DDP only so far: drop --zero_stage/--tp/--pp/--cp")
+    if args.check_replicas:
+        raise ConfigError("--check_replicas compares whole replicas; under --ep each rank holds other experts: "
+                          "leave it out")
 
 
 def check_combinations(args):

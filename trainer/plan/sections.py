@@ -26,6 +26,8 @@ class Layout:
     tp: int = flag(1, "tensor-parallel degree")
     pp: int = flag(1, "pipeline-parallel degree (micro-batches = --accumulation_steps)")
     cp: int = flag(1, "context-parallel (ring attention) degree")
+    ep: int = flag(1, "expert-parallel degree: each MoE layer's experts sharded over this many data-parallel ranks, "
+                   "tokens sent to them by all-to-all (so far: = the dp size, with DDP and no tp/pp/cp)")
     zero_stage: int = flag(0, "0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")  # the one used
     dp_mode: str  # "none" (no data-parallel group), "ddp", "zero1" or "fsdp2"
     grad_compression: str = flag("none", "none|bf16|powersgd (DDP communication hook)")
@@ -71,6 +73,11 @@ class ModelPlan:
         "attention or mlp only that sub-layer of each block; 0/none: off", type=str,
         choices=("0", "1", "none", "full", "attention", "mlp"))  # the mode: None, "full", "attention" or "mlp"
     use_compile: bool = flag(0, "torch.compile each decoder block")
+    router_balance: str = flag("aux", "MoE load balancing: aux (MiniMind's aux loss), bias (DeepSeek-V3's "
+                               "aux-loss-free routing bias, moved toward equal load after each step; no aux loss) "
+                               "or both",
+                               choices=("aux", "bias", "both"))
+    router_bias_rate: float = flag(1e-3, "--router_balance bias/both: how far each step moves an expert's bias")
     tf32: bool = flag(1, "CUDA: fp32 matmuls in TF32 (0: strict fp32)")
     deterministic: bool = flag(0, "torch.use_deterministic_algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG, no cuDNN "
                                "autotuning); an op without a deterministic kernel then raises")
@@ -164,6 +171,8 @@ class IOPlan:
                             "there is none (for torchrun --max-restarts); or a step_<N> directory: continue from that "
                             "checkpoint (later ones of this run are dropped at its first save)")  # "0", "1" or "auto"
     resume_path: Optional[str]  # --from_resume <step dir>: that checkpoint instead of the newest
+    overwrite: bool = flag(0, "1: start over although this run name has checkpoints or weights from an earlier run "
+                           "(its checkpoints are removed, its weights replaced); without it such a run is refused")
     keep_checkpoints: int = flag(3, "complete resume checkpoints kept; older ones are deleted (0: all)")
     async_save: bool = flag(0, "write resume checkpoints in the background (dcp.async_save)")
     metrics_file: str = flag(None, "JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
@@ -172,8 +181,8 @@ class IOPlan:
     use_wandb: bool = flag(False, "MiniMind's flag: --tracker swanlab (offline when not logged in)",
                            action="store_true")
     wandb_project: str = flag("MiniMind", "swanlab / wandb project name")
-    log_dir: Optional[str] = flag(None, "each rank's timestamped log, rank_<N>.log (default: <save_dir>/logs; none: "
-                                  "off)")  # None: off
+    log_dir: Optional[str] = flag(None, "each rank's timestamped log, <save_weight>_<hidden>[_moe]_rank_<N>.log "
+                                  "(default: <save_dir>/logs; none: off)")  # None: off
     profile_steps: Optional[tuple] = flag(None, "A:B: torch.profiler trace of optimizer steps A to B under "
                                           "<save_dir>/profile (default: off)", type=str)
     FLAGS = (
