@@ -129,3 +129,10 @@ def test_mfu_is_model_flops_over_time_over_the_quiet_peak(fresh_rates, monkeypat
     hand = per_token * tokens / seconds / 1.1e12
     assert tokens_per_sec == tokens / seconds and mfu == pytest.approx(hand, rel=1e-12)
     assert console_line(dict(step=1, mfu=mfu)) == f"step 1 | mfu {hand:.1%}"
+
+
+def test_a_measurement_with_other_work_in_the_load_average_is_busy(monkeypatch):
+    """Work on an SMT sibling slows the matmul without taking this process's CPU time: the load average vetoes."""
+    monkeypatch.setattr(metrics, "cores_free_of_others", lambda: False)
+    rates = metrics.measure_cpu_rates()
+    assert rates["quiet"] is False and rates["float32"] > 0

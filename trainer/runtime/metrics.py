@@ -120,7 +120,8 @@ RETRY_S = 300  # a provisional peak is measured again at a log step this long af
 def measure_cpu_rates():
     """{name: FLOP/s} with this process's threads at TRAINING_SHAPE: fp32, and where native bf16 and
     "bfloat16_autocast" (bf16 with its inputs cast from fp32 first, as autocast runs it); "quiet": this process's
-    threads got the cores (CPU time >= QUIET_SHARE x wall time x threads): other work slowed no trial down."""
+    threads got the cores (CPU time >= QUIET_SHARE x wall time x threads) and the load average shows no other work
+    (work on a core's SMT sibling slows a matmul without taking its CPU time)."""
     device, wall, cpu = torch.device("cpu"), time.perf_counter(), time.process_time()
     rates = {"float32": matmul_rate(device, torch.float32, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)}
     if cpu_bf16_native():
@@ -128,7 +129,7 @@ def measure_cpu_rates():
         rates["bfloat16_autocast"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS,
                                                  cast_from=torch.float32, seconds=WINDOW_S)
     share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
-    return dict(rates, quiet=share >= QUIET_SHARE)
+    return dict(rates, quiet=share >= QUIET_SHARE and cores_free_of_others())
 
 
 def cpu_rates_key():
@@ -137,8 +138,8 @@ def cpu_rates_key():
 
 
 def cores_free_of_others():
-    """The 1-minute load average leaves room beyond this machine's cores (this process's own threads count in it):
-    worth a try at a quiet measurement."""
+    """The 1-minute load average leaves no room for other work beside this process's threads (which may count in it,
+    training until now): cores + 0.5."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return os.getloadavg()[0] <= cores + 0.5
 
