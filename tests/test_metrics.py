@@ -83,7 +83,7 @@ def test_a_busy_measurement_is_never_the_peak_and_the_mfu_line_says_provisional(
                                              "busy": False}}))  # an entry of the version that trusted load averages
     busy = dict(float32=4e10, bfloat16=8e10, bfloat16_autocast=3e10, quiet=False)  # bf16 looks no faster under load
     quiet = dict(float32=2e11, bfloat16=1e12, bfloat16_autocast=8e11, quiet=True)
-    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda: dict(busy))
+    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda own_threads: dict(busy))
     monkeypatch.setattr(metrics, "cpu_bf16_native", lambda: True)
     clock = iter(float(t) for t in range(100)).__next__
     timer = metrics.step_timer("cpu", torch.float32, world_size=1, clock=clock)
@@ -94,8 +94,8 @@ def test_a_busy_measurement_is_never_the_peak_and_the_mfu_line_says_provisional(
     timer.add(100, 4e10)
     line = console_line(dict(step=1, mfu=timer.rates()[1], mfu_provisional=timer.mfu_provisional or None))
     assert "mfu 100.0% | mfu peak provisional (CPU measured on busy cores)" in line
-    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda: dict(quiet))
-    monkeypatch.setattr(metrics, "cores_free_of_others", lambda: True)
+    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda own_threads: dict(quiet))
+    monkeypatch.setattr(metrics, "cores_free_of_others", lambda own_threads: own_threads == torch.get_num_threads())
     for entry in metrics._PEAK_CACHE.values():
         entry["retry_at"] = 0.0  # RETRY_S have passed
     timer.add(100, 4e10)
@@ -106,7 +106,7 @@ def test_a_busy_measurement_is_never_the_peak_and_the_mfu_line_says_provisional(
     line = console_line(dict(step=2, mfu=timer.rates()[1], mfu_provisional=timer.mfu_provisional or None))
     assert line == "step 2 | mfu 20.0%"
     monkeypatch.setattr(metrics, "_PEAK_CACHE", {})  # a new process reads the quiet entry, measures nothing
-    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda: pytest.fail("measured again"))
+    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda own_threads: pytest.fail("measured again"))
     assert metrics.peak_and_status("cpu", torch.bfloat16) == (1e12, False)
     assert resolve_dtype("auto", "cpu")[0] == torch.bfloat16
 
@@ -115,7 +115,7 @@ def test_mfu_is_model_flops_over_time_over_the_quiet_peak(fresh_rates, monkeypat
     """The MFU the trainer prints, by hand: 6 x the real model's matmul weights + causal attention, per token, x the
     window's tokens / its seconds (a test clock) / the quiet bf16 peak."""
     quiet = dict(float32=2.5e11, bfloat16=1.1e12, bfloat16_autocast=9e11, quiet=True)
-    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda: dict(quiet))
+    monkeypatch.setattr(metrics, "measure_cpu_rates", lambda own_threads: dict(quiet))
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     model = MiniMindForCausalLM(config)
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # lm_head once (tied)
@@ -133,6 +133,6 @@ def test_mfu_is_model_flops_over_time_over_the_quiet_peak(fresh_rates, monkeypat
 
 def test_a_measurement_with_other_work_in_the_load_average_is_busy(monkeypatch):
     """Work on an SMT sibling slows the matmul without taking this process's CPU time: the load average vetoes."""
-    monkeypatch.setattr(metrics, "cores_free_of_others", lambda: False)
+    monkeypatch.setattr(metrics, "cores_free_of_others", lambda own_threads=0: False)
     rates = metrics.measure_cpu_rates()
     assert rates["quiet"] is False and rates["float32"] > 0

@@ -96,8 +96,9 @@ def matmul_rate(device, dtype, shape, trials=3, cast_from=None, seconds=0.0):
 # on 2 cores; larger squares and the lm_head's shape run no faster on the CPUs measured (1 thread, EPYC: 110-117 fp32)
 TRAINING_SHAPE = (2048, 768, 2432)
 TRIALS, WINDOW_S = 5, 0.3  # at least 5 trials over 0.3 s, the best counts: slowed-down trials are dropped
+# quiet measurements only (cpu_matmul_rates.json held busy ones too, in a format this version does not trust)
 RATES_FILE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "minimind4d",
-                          "cpu_matmul_rates.json")
+                          "cpu_matmul_quiet_rates.json")
 LOCK_WAIT_S = 60  # a process measuring the rates holds a lock this long at most; others wait for its result
 
 
@@ -117,11 +118,11 @@ QUIET_SHARE = 0.85  # a measurement is quiet when its threads held the cores thi
 RETRY_S = 300  # a provisional peak is measured again at a log step this long after the last try, at the earliest
 
 
-def measure_cpu_rates():
+def measure_cpu_rates(own_threads=0):
     """{name: FLOP/s} with this process's threads at TRAINING_SHAPE: fp32, and where native bf16 and
     "bfloat16_autocast" (bf16 with its inputs cast from fp32 first, as autocast runs it); "quiet": this process's
     threads got the cores (CPU time >= QUIET_SHARE x wall time x threads) and the load average shows no other work
-    (work on a core's SMT sibling slows a matmul without taking its CPU time)."""
+    (cores_free_of_others: work on a core's SMT sibling slows a matmul without taking its CPU time)."""
     device, wall, cpu = torch.device("cpu"), time.perf_counter(), time.process_time()
     rates = {"float32": matmul_rate(device, torch.float32, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)}
     if cpu_bf16_native():
@@ -129,7 +130,7 @@ def measure_cpu_rates():
         rates["bfloat16_autocast"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS,
                                                  cast_from=torch.float32, seconds=WINDOW_S)
     share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
-    return dict(rates, quiet=share >= QUIET_SHARE and cores_free_of_others())
+    return dict(rates, quiet=share >= QUIET_SHARE and cores_free_of_others(own_threads))
 
 
 def cpu_rates_key():
@@ -137,11 +138,11 @@ def cpu_rates_key():
     return f"{cpu_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
-def cores_free_of_others():
-    """The 1-minute load average leaves no room for other work beside this process's threads (which may count in it,
-    training until now): cores + 0.5."""
+def cores_free_of_others(own_threads=0):
+    """The 1-minute load average shows no work but this process's threads' (`own_threads` of them in it when this
+    process has been training): at most cores - threads + own_threads + 0.5."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return os.getloadavg()[0] <= cores + 0.5
+    return os.getloadavg()[0] <= cores - torch.get_num_threads() + own_threads + 0.5
 
 
 def cpu_matmul_rates(retry=False):
@@ -149,12 +150,13 @@ def cpu_matmul_rates(retry=False):
     per cpu_rates_key and is the peak; without one, a measurement now, kept in this process only and provisional
     (a busy machine's rates are low, so an MFU against them is high). retry: measure a provisional one again when
     RETRY_S have passed and the cores look free."""
-    key = cpu_rates_key()
+    key, own_threads = cpu_rates_key(), torch.get_num_threads() if retry else 0  # retry: training until now
     entry = _PEAK_CACHE.get(key)
     if entry is None or (retry and entry["provisional"] and time.monotonic() >= entry["retry_at"]
-                         and cores_free_of_others()):
+                         and cores_free_of_others(own_threads)):
         saved = _read_json(RATES_FILE).get(key)
-        _PEAK_CACHE[key] = dict(saved, provisional=False) if _is_quiet(saved) else _measure_locked(RATES_FILE, key)
+        _PEAK_CACHE[key] = dict(saved, provisional=False) if _is_quiet(saved) else \
+            _measure_locked(RATES_FILE, key, own_threads)
     return _PEAK_CACHE[key]
 
 
@@ -162,7 +164,7 @@ def _is_quiet(entry):
     return isinstance(entry, dict) and entry.get("quiet") is True  # entries of older versions are measured again
 
 
-def _measure_locked(path, key):
+def _measure_locked(path, key, own_threads):
     """Measure, and cache a quiet measurement, one process at a time (a lock file): a process that waited for the lock
     takes a quiet entry the other wrote, so the ranks of a node read the same numbers."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -179,7 +181,7 @@ def _measure_locked(path, key):
         entry = _read_json(path).get(key)
         if _is_quiet(entry):  # measured by the process that held the lock
             return dict(entry, provisional=False)
-        entry = measure_cpu_rates()
+        entry = measure_cpu_rates(own_threads)
         if not entry["quiet"]:
             return dict(entry, provisional=True, retry_at=time.monotonic() + RETRY_S)
         rates = dict(_read_json(path), **{key: entry})
