@@ -21,7 +21,7 @@ from trainer.core.evaluation import evaluate
 from trainer.core.objective import target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
-from trainer.parallel.expert import expert_params
+from trainer.parallel.expert import expert_params, reduce_expert_grads
 from trainer.parallel.tensor import tp_loss_context
 from trainer.plan.config_file import write_run_config
 from trainer.runtime.console import NO_BAR, Bar, effective_log_interval, make_tracker, messages_above_bar, step_record
@@ -250,11 +250,13 @@ def clip_gradients(trainer, max_norm):
         pipeline.sync_tied_grads()
     params = [p for part in trainer.model_parts for p in part.parameters() if p.grad is not None]
     pp_group = trainer.dims.group("pp") if trainer.plan.layout.pp > 1 else None
-    ep = trainer.plan.layout.ep > 1  # each rank's experts are its own: their norms add up over the dp ranks
+    ep = trainer.plan.layout.ep > 1  # each ep rank's experts are its own: their norms add up over the ep ranks
     experts = [p for part in trainer.model_parts for _, p in expert_params(part)] if ep else None
+    if ep:  # ep < dp: the expert replicas' gradients summed first (as DDP did the dense ones)
+        reduce_expert_grads(trainer.model_parts, trainer.dims.group("ep_replica"))
     return clip_grad_norm_(params, max_norm, pp_group=pp_group,
                            exclude=pipeline.duplicate_params() if pipeline is not None else None,
-                           sharded=experts, sharded_group=trainer.dims.group("dp") if experts else None)
+                           sharded=experts, sharded_group=trainer.dims.group("ep") if experts else None)
 
 
 def reached_max_steps(trainer):

@@ -158,8 +158,8 @@ def check_expert_parallel(args, config, dp, zero_stage):
         raise ConfigError(message)
     if args.ep == 1:
         return
-    if args.ep != dp:
-        raise ConfigError(f"--ep {args.ep} must equal the data-parallel size ({dp}) for now: launch {args.ep} "
+    if dp % args.ep:
+        raise ConfigError(f"--ep {args.ep} must divide the data-parallel size ({dp}): launch a multiple of {args.ep} "
                           "processes per tp*pp*cp group, or change --ep")
     if zero_stage != 0 or args.tp > 1 or args.pp > 1 or args.cp > 1:
         raise ConfigError(f"--ep {args.ep} composes with DDP only so far: drop --zero_stage/--tp/--pp/--cp")
