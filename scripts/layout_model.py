@@ -96,9 +96,10 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
     # worst pipeline stage: L/pp layers + one vocab matrix (first stage embeds, last stage projects)
     params_rank = (layers_rank * layer_params(config) + V * h) / tp - experts_rank * (ep - 1)
     shard = dp * cp  # the data-parallel group (cp ranks hold the same weights)
-    weight_bytes = 4 * params_rank / (shard if zero_stage >= 3 else 1)
-    grad_bytes = 4 * params_rank / (shard if zero_stage >= 2 else 1)
-    optim_bytes = 8 * params_rank / (shard if zero_stage >= 1 else 1)
+    dense = params_rank - experts_rank  # ZeRO shards these; ep's experts stay whole on their ranks
+    weight_bytes = 4 * (dense / (shard if zero_stage >= 3 else 1) + experts_rank)
+    grad_bytes = 4 * (dense / (shard if zero_stage >= 2 else 1) + experts_rank)
+    optim_bytes = 8 * (dense / (shard if zero_stage >= 1 else 1) + experts_rank)
 
     tokens = micro_batch * seq_len / cp  # tokens of one micro-batch on one rank
     per_token_layer = activation_elements(config, tp, sequence_parallel) * act_bytes
@@ -113,7 +114,7 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
     in_flight = 1 if pp == 1 else (m if pp_schedule == "gpipe" else min(m, pp))
     act_bytes_rank = in_flight * act_microbatch + logits_bytes
     # under ep the dp all-reduce carries the dense parameters only
-    comm = communication(config, params_rank - experts_rank, tokens, layers_rank, m, dp, tp, pp, cp, zero_stage,
+    comm = communication(config, dense, tokens, layers_rank, m, dp, tp, pp, cp, zero_stage,
                          act_bytes, virtual)
     comm.update(expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, experts_rank))
     gb = 2 ** 30

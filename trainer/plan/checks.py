@@ -152,7 +152,7 @@ def check_parallel_args(args, config):
 
 
 def check_expert_parallel(args, config, dp, zero_stage):
-    """--ep: a MoE model whose experts divide over ep; the layouts expert parallel composes with so far."""
+    """--ep: a MoE model whose experts divide over ep, ep dividing dp; the layouts expert parallel composes with."""
     message = ep_validate(config, args.ep)  # ep >= 1: check_numbers
     if message:
         raise ConfigError(message)
@@ -161,8 +161,11 @@ def check_expert_parallel(args, config, dp, zero_stage):
     if dp % args.ep:
         raise ConfigError(f"--ep {args.ep} must divide the data-parallel size ({dp}): launch a multiple of {args.ep} "
                           "processes per tp*pp*cp group, or change --ep")
-    if zero_stage != 0 or args.tp > 1 or args.pp > 1 or args.cp > 1:
-        raise ConfigError(f"--ep {args.ep} composes with DDP only so far: drop --zero_stage/--tp/--pp/--cp")
+    if zero_stage == 1 or args.tp > 1 or args.pp > 1 or args.cp > 1:
+        raise ConfigError(f"--ep {args.ep} composes with DDP and FSDP2 (--zero_stage 0/2/3) only so far: "
+                          "drop --zero_stage 1 (its optimizer shards would mix ranks' experts) and --tp/--pp/--cp")
+    if args.cpu_offload:  # the experts stay on the device, outside FSDP2's offloaded optimizer step
+        raise ConfigError(f"--ep {args.ep} keeps the experts on the device: drop --cpu_offload")
     if args.check_replicas:
         raise ConfigError("--check_replicas compares whole replicas; under --ep each rank holds other experts: "
                           "leave it out")
