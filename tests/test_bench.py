@@ -58,6 +58,8 @@ def test_layout_model_counts_expert_parallel_by_hand():
     dense = whole["params_per_rank"] - routed
     assert comm["dp_allreduce"] == pytest.approx(2 * (3 / 4) * 4 * dense, rel=1e-12)
     assert "ep_alltoall" not in whole["comm_gb_per_step"]
+    zero3 = plan_layout(config, **shape, ep=2, zero_stage=3)["memory_gb"]  # FSDP2 shards the dense part only
+    assert zero3["weights"] * gb == pytest.approx(4 * (dense / 4 + routed / 2), rel=1e-12)
 
 
 # the measured model: big enough that activations dominate the batch-size delta, small enough for 2 cores
