@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
+from trainer.ckpt.checkpoint import Checkpointer
 from trainer.core import data_loading
+from trainer.runtime import console
 from trainer.runtime.guard import Preemption, StepAbandoned, StepGuard
 
 SCRIPT = "trainer/train_pretrain.py"
@@ -119,21 +121,33 @@ def test_signal_saves_at_the_step_reached_and_resume_is_exact(tmp_path, nproc, s
         assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["tokens"] == b["tokens"], (a, b)
 
 
-def test_sigint_in_a_long_step_saves_the_last_completed_step_at_once(tmp_path):
-    """Steps of 100 micro-batches (~2 s): a SIGINT early in step 3 leaves step 2's checkpoint within a fraction of a
-    step (the old loop finished step 3 first), and --from_resume 1 continues exactly as the uninterrupted run."""
+def signal_at_micro_batch(monkeypatch, count, sig):
+    """The run signals itself as its bar reaches `count` micro-batches (inside that step's gradients): a moment of
+    the run, not of the clock. Forked runs inherit it; monkeypatch.undo() before a run that must not."""
+    update = console.Bar.update
+
+    def update_then_signal(self, n=1):
+        update(self, n)
+        if self.tqdm.n == count:
+            os.kill(os.getpid(), sig)
+    monkeypatch.setattr(console.Bar, "update", update_then_signal)
+
+
+def test_sigint_in_a_long_step_saves_the_last_completed_step_at_once(tmp_path, monkeypatch):
+    """Steps of 100 micro-batches: a SIGINT at step 3's tenth micro-batch drops step 3 there, runs no micro-batch more
+    (the old loop finished step 3 first) and saves step 2; --from_resume 1 continues exactly as the uninterrupted
+    run."""
     data = demo_slice(tmp_path, "pretrain", 2000)
     long_steps = ["--max_seq_len", "64", "--batch_size", "4", "--accumulation_steps", "100"]
     argv = run_args(tmp_path, "split", data, 5) + long_steps
+    signal_at_micro_batch(monkeypatch, 210, signal.SIGINT)
     proc, log = start(argv, 1)
-    wait_for_step(proc, argv, 2)
-    time.sleep(0.2)  # inside step 3's micro-batches
-    signalled = time.time()
-    os.kill(proc.pid, signal.SIGINT)
     code, output = finish(proc, log)
+    monkeypatch.undo()
     assert code == 130, output[-3000:]
     assert "SIGINT: dropping the unfinished optimizer step" in output and "Done:" not in output, output[-2000:]
     assert "preempted: dropped step 3; step 2 saved" in output, output[-2000:]
+    assert re.findall(r"(\d+)/500 \[", output)[-1] == "210", output[-2000:]  # the bar's last count: at once
     # the handler's and the loop's lines start lines of their own (tqdm clears the bar's line first), the bar is the
     # same file's stderr: a print would have glued them onto the bar's text
     pieces = re.split(r"[\r\n]", output)
@@ -141,10 +155,7 @@ def test_sigint_in_a_long_step_saves_the_last_completed_step_at_once(tmp_path):
         assert [p for p in pieces if needle in p] and all(p.startswith(needle) for p in pieces if needle in p), needle
     records = read_metrics(metrics_path(argv))
     assert [r["step"] for r in records] == [1, 2]
-    step_seconds = records[1]["elapsed_s"] - records[0]["elapsed_s"]
-    manifest = os.path.join(str(tmp_path), "split", "ckpt", "pretrain_64", "step_2", "complete.json")
-    assert os.path.getmtime(manifest) - signalled < step_seconds / 2, (os.path.getmtime(manifest) - signalled,
-                                                                       step_seconds)
+    assert sorted(os.listdir(os.path.join(str(tmp_path), "split", "ckpt", "pretrain_64"))) == ["step_2"]
     resumed = forked(SCRIPT, run_args(tmp_path, "split", data, 5) + long_steps + ["--from_resume", "1"])
     assert resumed.returncode == 0 and "Done: 5 steps" in resumed.stdout, resumed.stderr[-3000:]
     assert "Resumed from epoch 0, step 2" in resumed.stdout
@@ -157,7 +168,7 @@ def test_sigint_in_a_long_step_saves_the_last_completed_step_at_once(tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
 
 
-def test_grace_period_and_second_sigint_exit_non_zero(tmp_path):
+def test_grace_period_and_second_sigint_exit_non_zero(tmp_path, monkeypatch):
     data = demo_slice(tmp_path, "pretrain", 200)
     argv = run_args(tmp_path, "grace", data, 90) + ["--grace_seconds", "0.001"]
     proc, log = start(argv, 1)
@@ -166,18 +177,16 @@ def test_grace_period_and_second_sigint_exit_non_zero(tmp_path):
     code, output = finish(proc, log)
     assert code == 124 and "error: SIGTERM: the step and its checkpoint did not finish within --grace_seconds 0.001" \
         in output, output[-2000:]
-    # a wider model, so that saving the dropped step's checkpoint outlasts the gap between the two SIGINTs
-    argv = run_args(tmp_path, "twice", data, 90) + ["--hidden_size", "512", "--num_hidden_layers", "4",
-                                                    "--max_seq_len", "256", "--batch_size", "8"]
+    # the first SIGINT in step 3's gradients; the second as the dropped step's save begins (a moment of the run)
+    signal_at_micro_batch(monkeypatch, 3, signal.SIGINT)
+    save = Checkpointer.save
+
+    def signal_then_save(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        return save(self, *args, **kwargs)
+    monkeypatch.setattr(Checkpointer, "save", signal_then_save)
+    argv = run_args(tmp_path, "twice", data, 90)
     proc, log = start(argv, 1)
-    wait_for_step(proc, argv, 1)
-    os.kill(proc.pid, signal.SIGINT)
-    # two signals before the handler ran (the main thread inside one long op) would reach it as one
-    deadline = time.time() + 60
-    while "SIGINT: dropping the unfinished optimizer step" not in open(log.name).read():
-        assert proc.poll() is None and time.time() < deadline, "the first SIGINT was not handled"
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGINT)
     code, output = finish(proc, log)
     assert code == 130 and "error: second SIGINT: aborted at once" in output, output[-2000:]
     assert "preempted:" not in output
