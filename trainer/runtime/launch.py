@@ -39,12 +39,14 @@ class SignalStop(KeyboardInterrupt):
 
 
 # what a signal outside the loop's own handler stops (the loop sets it once it has run)
-OUTSIDE_LOOP = {"when": "before the first optimizer step; nothing was saved"}
+BEFORE_THE_LOOP = "before the first optimizer step; nothing was saved"
+OUTSIDE_LOOP = {"when": BEFORE_THE_LOOP}
 
 
 def stop_on_signals():
     """Until the loop installs its own (trainer/runtime/guard.py Preemption): SIGINT/SIGTERM raise SignalStop, which
     main_guard turns into one line and exit 130/143 instead of a traceback (SIGINT) or a silent death (SIGTERM)."""
+    OUTSIDE_LOOP["when"] = BEFORE_THE_LOOP  # a new run in this process (tests run main() in-process)
     if threading.current_thread() is not threading.main_thread():
         return {}
 
