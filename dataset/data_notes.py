@@ -1,16 +1,21 @@
-"""One line each about what a chat or preference dataset loses or lacks as the trainer reads it: rows without a
-target within --max_seq_len, conversations cut at --max_seq_len, preference pairs whose two sides are the same."""
+"""One line each about what a chat, preference or prompt dataset loses or lacks as the trainer reads it: rows without a
+target within --max_seq_len, conversations cut at --max_seq_len, preference pairs whose two sides are the same,
+prompts whose start is dropped at --max_seq_len, prompts offering tools the mock tools lack (the agent stage)."""
 import numpy as np
 
 from dataset.lm_dataset import DPODataset, SFTDataset
+from dataset.rlaif_dataset import RLAIFDataset
 
 
 def dataset_notes(ds):
-    """The info lines about `ds` (an SFTDataset or DPODataset; none for others). ValueError when no pair teaches."""
+    """The info lines about `ds` (an SFTDataset, DPODataset or RLAIFDataset; none for others). ValueError when no pair
+    teaches."""
     if isinstance(ds, DPODataset):
         lines = [ds.no_target_line(), truncation_line(ds), identical_pairs_line(ds)]
     elif isinstance(ds, SFTDataset):
         lines = [ds.no_target_line(), truncation_line(ds)]
+    elif isinstance(ds, RLAIFDataset):
+        lines = [ds.no_target_line(), ds.unknown_tools_line()]
     else:
         lines = []
     return [line for line in lines if line]

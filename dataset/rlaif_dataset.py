@@ -9,7 +9,9 @@ Which rows open it is drawn once from the seed, so the prompts are a pure functi
 An item is (prompt ids (max_length,) left-padded with the pad id, its length, the row as JSON text): the row's
 other columns, its prompt messages ("prompt") and the tools it offers ("tools", where it offers any) reach the reward
 functions (TRL's convention). A prompt longer than
-max_length keeps its last max_length tokens, as MiniMind's. JSONL or parquet; rows are read and tokenized once.
+max_length keeps its last max_length tokens, as MiniMind's (counted: dataset/data_notes.py says how many). Given the
+mock tools (the agent stage), rows offering a tool they lack are counted too. JSONL or parquet; rows are read and
+tokenized once.
 """
 import json
 import os
@@ -53,16 +55,29 @@ def prompt_messages(conversations):
     return messages[:-1], tools
 
 
+def tool_names(row):
+    """The names of the tools a row (its JSON columns) offers."""
+    return [tool.get("function", tool).get("name") for tool in row.get("tools") or [] if isinstance(tool, dict)]
+
+
+def unknown_tool_names(tools, mock_tools):
+    """The offered tools' names outside `mock_tools` (none when no mock environment is given)."""
+    if mock_tools is None:
+        return []
+    return [name for name in tool_names({"tools": tools}) if name not in mock_tools]
+
+
 class RLAIFDataset(Dataset):
     """Prompts of an rlaif.jsonl-style file, tokenized (see the module docstring)."""
 
-    def __init__(self, data_path, tokenizer, max_length=768, thinking_ratio=0.9, seed=42, skip_bad_lines=False):
+    def __init__(self, data_path, tokenizer, max_length=768, thinking_ratio=0.9, seed=42, skip_bad_lines=False,
+                 mock_tools=None):
         data_path = os.fspath(data_path)
         if not os.path.isfile(data_path):
             raise FileNotFoundError(f"data file not found: {data_path}")
         self.data_path, self.max_length, self.pad_token_id = data_path, max_length, tokenizer.pad_token_id
         bad_lines = BadLines(data_path, skip_bad_lines)
-        texts, self.rows = [], []
+        texts, self.rows, self.unknown_tools = [], [], {}  # unknown tool name -> rows offering it
         rows = [(lineno, row, error) for lineno, row, error in read_rows(data_path)]
         thinking = np.random.default_rng(seed).random(len(rows)) < thinking_ratio
         for (lineno, row, error), think in zip(rows, thinking):
@@ -80,6 +95,8 @@ class RLAIFDataset(Dataset):
             columns = {key: value for key, value in row.items() if key != "conversations"}
             if tools:  # the tools offered, for the agent stage's mock environment and reward
                 columns["tools"] = tools
+                for name in unknown_tool_names(tools, mock_tools):
+                    self.unknown_tools[name] = self.unknown_tools.get(name, 0) + 1
             self.rows.append(json.dumps(dict(columns, prompt=messages), ensure_ascii=False))
         self.num_bad_lines = bad_lines.count
         if not texts:
@@ -87,13 +104,23 @@ class RLAIFDataset(Dataset):
         self.prompts = [np.asarray(ids, dtype=np.int64)
                         for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
         self.num_truncated = sum(len(ids) > max_length for ids in self.prompts)
+        self.rows_with_unknown_tools = sum(any(name in self.unknown_tools for name in tool_names(json.loads(row)))
+                                           for row in self.rows) if self.unknown_tools else 0
 
     def no_target_line(self):
         """The one info line about prompts cut to --max_seq_len; None when every prompt fits."""
         if not self.num_truncated:
             return None
         return (f"{self.num_truncated} of {len(self)} prompts of {self.data_path} are longer than --max_seq_len "
-                f"{self.max_length}; they keep their last {self.max_length} tokens")
+                f"{self.max_length}: their start dropped (each keeps its last {self.max_length} tokens)")
+
+    def unknown_tools_line(self):
+        """The one info line about rows offering tools the mock environment lacks; None when there are none."""
+        if not self.unknown_tools:
+            return None
+        names = ", ".join(sorted(self.unknown_tools))
+        return (f"{self.rows_with_unknown_tools} of {len(self)} prompts of {self.data_path} offer tools the mock "
+                f"tools (dataset/tools.py) do not have ({names}): a call to one is answered with an error")
 
     def __len__(self):
         return len(self.prompts)

@@ -86,6 +86,13 @@ def full_disk_reason(exc):
     return None
 
 
+def current_umask():
+    """The process's umask (os.umask can only be read by setting it: set it back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-", "pytorch_model")  # an HF folder's weight files and index
 
 
@@ -102,8 +109,11 @@ def files_replaced_in(folder, last="config.json"):
     try:
         yield tmp
         names = sorted(os.listdir(tmp), key=lambda name: name == last)  # `last` at the end
+        mode = 0o666 & ~current_umask()
         for name in names:
             if os.path.isfile(os.path.join(tmp, name)):
+                # a writer's own temp file (transformers' safetensors) is 0600: exported files get the user's umask
+                os.chmod(os.path.join(tmp, name), mode)
                 with open(os.path.join(tmp, name), "rb") as f:
                     os.fsync(f.fileno())
         os.makedirs(folder, exist_ok=True)

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from model.model_minimind import MiniMindConfig
+from model.model_minimind import YARN_ROPE_SCALING, MiniMindConfig, rope_scaling_of
 from model.weight_shapes import WeightsError, clean_state_dict, config_fields
 
 
@@ -30,16 +30,32 @@ def _read_safetensors(folder):
     return state_dict
 
 
-def _rope_theta(config):
-    """rope_theta from a config dict or object: 4.x writes `rope_theta`, 5.x `rope_parameters`; refuse scaled RoPE."""
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor")
+
+
+def _rope(config):
+    """(rope_theta, inference_rope_scaling) of a config dict or object: 4.x writes `rope_theta` + `rope_scaling`, 5.x
+    `rope_parameters`. Plain RoPE and MiniMind-3's YaRN (YARN_ROPE_SCALING) convert; any other scaling is refused."""
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     rope = get("rope_parameters") or get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise WeightsError(f"rope type {rope_type!r} (rope_scaling / inference_rope_scaling) has no MiniMindConfig "
-                           "equivalent; only plain RoPE converts")
     theta = rope.get("rope_theta", get("rope_theta"))
-    return 1e6 if theta is None else float(theta)
+    theta = 1e6 if theta is None else float(theta)
+    if rope_type == "default":
+        return theta, False
+    if rope_type == "yarn" and all(rope.get(k) == YARN_ROPE_SCALING[k] for k in YARN_KEYS):
+        return theta, True
+    wanted = ", ".join(f"{k}={YARN_ROPE_SCALING[k]}" for k in YARN_KEYS)
+    raise WeightsError(f"rope type {rope_type!r} with {({k: rope.get(k) for k in YARN_KEYS})} has no MiniMindConfig "
+                       f"equivalent; plain RoPE and MiniMind-3's YaRN ({wanted}) convert")
+
+
+def yarn_rope_scaling(config):
+    """The `rope_scaling` dict transformers' Qwen3 takes for the config's YaRN (rope_type yarn), or None."""
+    scaling = rope_scaling_of(config)
+    if scaling is None:
+        return None
+    return dict({k: scaling[k] for k in YARN_KEYS}, rope_type="yarn")
 
 
 def read_hf_folder(folder):
@@ -51,10 +67,10 @@ def read_hf_folder(folder):
         raw = json.load(f)
     model_type = raw.get("model_type")
     if model_type == "minimind":  # MiniMind's own folder: same names and fields as ours
-        if raw.get("inference_rope_scaling"):
-            raise WeightsError(f"{config_path}: inference_rope_scaling (YaRN) has no equivalent here; set it false")
         config = config_fields(raw)
-        config["rope_theta"] = _rope_theta(raw)
+        # MiniMind derives its rope_scaling from this flag (5.x writes it as rope_parameters): the flag decides
+        config["rope_theta"] = _rope(raw)[0]
+        config["inference_rope_scaling"] = bool(raw.get("inference_rope_scaling"))
         return clean_state_dict(_read_safetensors(folder), raw.get("tie_word_embeddings", True)), config
     if model_type in ("qwen3", "qwen3_moe"):
         from transformers import AutoConfig
@@ -80,7 +96,8 @@ def minimind_to_hf(state_dict, config):
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, hidden_act=config.hidden_act,
         max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-        rope_theta=config.rope_theta, tie_word_embeddings=config.tie_word_embeddings,
+        rope_theta=config.rope_theta, rope_scaling=yarn_rope_scaling(config),
+        tie_word_embeddings=config.tie_word_embeddings,
         initializer_range=getattr(config, "initializer_range", 0.02),
         attention_bias=False, attention_dropout=0.0,
         use_sliding_window=False, sliding_window=None,  # plain full causal attention in every layer
@@ -112,12 +129,17 @@ def minimind_to_hf(state_dict, config):
 
 
 def write_rope_both_ways(out_dir, rope_theta):
-    """transformers 4.x reads `rope_theta`, 5.x `rope_parameters`: write both so each major reads the same value."""
+    """transformers 4.x reads `rope_theta` + `rope_scaling`, 5.x `rope_parameters`: write both so each major reads the
+    same RoPE (the scaling save_pretrained wrote, YaRN included)."""
     path = os.path.join(out_dir, "config.json")
     with open(path) as f:
         config = json.load(f)
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    rope.pop("rope_theta", None)
     config["rope_theta"] = rope_theta
-    config["rope_parameters"] = dict(config.get("rope_parameters") or {}, rope_type="default", rope_theta=rope_theta)
+    config["rope_parameters"] = dict(rope, rope_type=rope_type, rope_theta=rope_theta)
+    config["rope_scaling"] = dict(rope, rope_type=rope_type) if rope_type != "default" else None
     with open(path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 
@@ -142,13 +164,14 @@ def hf_to_minimind(hf_state_dict, hf_config):
     if getattr(hf_config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         raise WeightsError("sliding-window attention has no MiniMind equivalent; only full attention converts")
     heads = hf_config.num_attention_heads
+    rope_theta, yarn = _rope(hf_config)
     kwargs = dict(
         vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
         intermediate_size=hf_config.intermediate_size, num_hidden_layers=hf_config.num_hidden_layers,
         num_attention_heads=heads, num_key_value_heads=hf_config.num_key_value_heads or heads,
         head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
         hidden_act=hf_config.hidden_act, max_position_embeddings=hf_config.max_position_embeddings,
-        rms_norm_eps=hf_config.rms_norm_eps, rope_theta=_rope_theta(hf_config),
+        rms_norm_eps=hf_config.rms_norm_eps, rope_theta=rope_theta, inference_rope_scaling=yarn,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         initializer_range=getattr(hf_config, "initializer_range", 0.02),
     )

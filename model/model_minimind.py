@@ -67,6 +67,7 @@ class MiniMindConfig(PretrainedConfig):
         router_aux_loss_coef=5e-4,
         n_shared_experts=0,
         loss_chunk_size=0,
+        inference_rope_scaling=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -100,6 +101,8 @@ class MiniMindConfig(PretrainedConfig):
         self.n_shared_experts = n_shared_experts
         # > 0: with labels, lm_head + cross-entropy run over chunks of this many tokens and `logits` is None
         self.loss_chunk_size = loss_chunk_size
+        # MiniMind-3's switch for YaRN (YARN_ROPE_SCALING); a plain bool so config.json round-trips it
+        self.inference_rope_scaling = bool(inference_rope_scaling)
 
     def validate(self):
         """Return a one-line message saying what to change, or None if the config is usable."""
@@ -135,20 +138,58 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
 
+# MiniMind-3's YaRN parameters (its MiniMindConfig.rope_scaling when inference_rope_scaling is set); transformers'
+# rope_type "yarn" reads the same keys, so an export writes this dict as the Qwen3 config's rope scaling
+YARN_ROPE_SCALING = {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 2048,
+                     "attention_factor": 1.0, "type": "yarn"}
+
+
+def rope_scaling_of(config):
+    """The YaRN dict the config asks for (MiniMind's `inference_rope_scaling`), or None for plain RoPE."""
+    return dict(YARN_ROPE_SCALING) if getattr(config, "inference_rope_scaling", False) else None
+
+
+def rope_frequencies(head_dim, base, max_positions, rope_scaling=None):
+    """(inv_freq of shape (head_dim/2,), attention factor) as MiniMind's precompute_freqs_cis computes them.
+
+    YaRN: f'(i) = f(i) * ((1 - r) + r / factor), r a linear ramp over the dims between the corrections of beta_fast and
+    beta_slow rotations at original_max_position_embeddings; applied only when max_positions exceeds that length.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    if rope_scaling is None:
+        return inv_freq, 1.0
+    original = rope_scaling.get("original_max_position_embeddings", 2048)
+    factor = rope_scaling.get("factor", 16)
+    attention_factor = rope_scaling.get("attention_factor", 1.0)
+    if max_positions / original > 1.0:
+        def correction_dim(rotations):  # the dim whose wavelength fits `rotations` times into `original` positions
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(correction_dim(rope_scaling.get("beta_fast", 32.0))), 0)
+        high = min(math.ceil(correction_dim(rope_scaling.get("beta_slow", 1.0))), head_dim // 2 - 1)
+        ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float) - low) / max(high - low, 0.001), 0, 1)
+        inv_freq = inv_freq * (1 - ramp + ramp / factor)
+    return inv_freq, attention_factor
+
+
 class RotaryEmbedding(nn.Module):
-    """RoPE cos/sin for given positions; inv_freq is recomputed per call (no buffer to lose on meta-device init)."""
+    """RoPE cos/sin for given positions (YaRN where the config asks); inv_freq is recomputed per call (no buffer to
+    lose on meta-device init), and the config read then, so setting inference_rope_scaling after loading takes."""
 
     def __init__(self, config):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.base = config.rope_theta
+        self.config = config
 
     @torch.no_grad()
     def forward(self, x, position_ids):
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim))
+        c = self.config
+        inv_freq, attention_factor = rope_frequencies(c.head_dim, c.rope_theta, c.max_position_embeddings,
+                                                      rope_scaling_of(c))
         freqs = position_ids[..., None].float() * inv_freq.to(x.device)  # (B, L, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:  # YaRN's cos/sin scale (MiniMind's is 1.0)
+            cos, sin = cos * attention_factor, sin * attention_factor
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 def rotate_half(x):

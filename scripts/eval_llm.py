@@ -4,6 +4,7 @@
     python scripts/eval_llm.py --load_from out/hf_model --interactive 1        # any HF folder: ours, MiniMind's, Qwen3
     python scripts/eval_llm.py --load_from ./minimind-3 --open_thinking 1 --prompt "Why is the sky blue?"
     python scripts/eval_llm.py --weight full_sft --lora lora_identity   # base + adapter (out/lora/<name>_<hidden>.pth)
+    python scripts/eval_llm.py --weight full_sft --inference_rope_scaling 1   # MiniMind-3's YaRN for long prompts
 
 --interactive 1 reads turns from stdin and keeps the conversation history (an empty line or EOF ends it).
 Typed relative paths resolve against the current directory, the defaults against the repository root.
@@ -13,6 +14,7 @@ import json
 import math
 import os
 import queue
+import re
 import sys
 import threading
 
@@ -30,7 +32,7 @@ from model.weights import load_weights, read_weights  # noqa: E402
 from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
 from trainer.ckpt.weight_flags import weights_line  # noqa: E402
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights  # noqa: E402
-from trainer.plan.checks import check_device, check_tokenizer  # noqa: E402
+from trainer.plan.checks import check_device, check_tokenizer, other_sizes  # noqa: E402
 from trainer.plan.resolve import weight_path  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.trainer_utils import file_digest, typed_or_default  # noqa: E402
@@ -74,7 +76,7 @@ def check_args(args):
         raise ConfigError(f"--seed must be in [0, 2**32) (got {args.seed})")
     for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "num_experts",
                  "num_experts_per_tok"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
     check_device(args.device)
     if args.load_from and not os.path.isfile(os.path.join(args.load_from, "config.json")):
@@ -103,13 +105,35 @@ def load_model(args):
                      num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
                      use_moe=bool(args.use_moe), num_experts=args.num_experts,
                      num_experts_per_tok=args.num_experts_per_tok)
-        save_dir = typed_or_default(args.save_dir, "out")
-        path = os.path.abspath(weight_path(args.weight, save_dir, MiniMindConfig(**flags)))
-        if not os.path.isfile(path):
-            raise WeightsError(f"{path} does not exist; train it first or pass --weight/--hidden_size/--load_from")
+        path = os.path.abspath(prefix_weights(args, flags))
         state_dict, saved_config = read_weights(path)  # the trainer's .pth has its config beside it (<stem>.json)
-        fields = dict(flags, **weight_fields(state_dict, saved_config))  # flags only fill in what a bare .pth lacks
+        fields = {k: v for k, v in flags.items() if v is not None}
+        fields.update(weight_fields(state_dict, saved_config))  # flags only fill in what a bare .pth lacks
     return load_any_weights(MiniMindForCausalLM(MiniMindConfig(**fields)), path), path
+
+
+def prefix_weights(args, flags):
+    """The .pth --weight names: a path as typed; a prefix with --hidden_size, <save_dir>/<prefix>_<hidden>[_moe].pth;
+    a prefix alone, the one file of that prefix in <save_dir> (its sidecar holds the size), else an error naming
+    them."""
+    save_dir = typed_or_default(args.save_dir, "out")
+    if args.hidden_size is not None or args.weight.endswith(".pth"):
+        path = weight_path(args.weight, save_dir, MiniMindConfig(**dict(flags, hidden_size=args.hidden_size or 768)))
+        if not os.path.isfile(path):
+            raise WeightsError(f"{path} does not exist; {other_sizes(path, '--weight')}train it first or pass "
+                               "--weight/--hidden_size/--load_from")
+        return path
+    suffix = "_moe" if args.use_moe else ""
+    pattern = re.escape(args.weight) + r"_\d+" + suffix + r"\.pth"
+    found = sorted(n for n in os.listdir(save_dir) if re.fullmatch(pattern, n)) if os.path.isdir(save_dir) else []
+    if len(found) == 1:
+        return os.path.join(save_dir, found[0])
+    wanted = os.path.join(save_dir, f"{args.weight}_<hidden_size>{suffix}.pth")
+    if not found:
+        raise WeightsError(f"{wanted} does not exist (no file of that name in {save_dir}); train it first or pass "
+                           "--weight/--hidden_size/--load_from")
+    raise WeightsError(f"{wanted} names {len(found)} files; {other_sizes(os.path.join(save_dir, found[0]), '--weight')}"
+                       "or pass --hidden_size")
 
 
 def lora_path(args, config):
@@ -129,6 +153,11 @@ def load_chat_model(args):
     (LOAD_ERRORS) name what to change."""
     check_args(args)
     model, weights = load_model(args)
+    if args.inference_rope_scaling:  # MiniMind-3's YaRN at inference: the rotary reads the config at every call
+        if not isinstance(model, MiniMindForCausalLM):
+            raise ConfigError(f"--inference_rope_scaling applies to MiniMind weights; {weights} is a "
+                              f"{type(model).__name__} (its config.json's rope_scaling decides)")
+        model.config.inference_rope_scaling = True
     adapter = lora_path(args, model.config) if args.lora else None
     if adapter:  # base + adapter, unmerged (scripts/convert_model.py --lora merges)
         apply_lora_file(model, adapter)
@@ -249,13 +278,17 @@ def add_model_args(parser, weight="pretrain"):
                         help="1: use --tokenizer_path even where it is not the tokenizer the weights record")
     parser.add_argument("--lora", "--lora_weight", dest="lora", default=None,
                         help="a LoRA adapter on top: a .pth (MiniMind's format) or a name in <save_dir>/lora/")
-    parser.add_argument("--hidden_size", type=int, default=768)
+    parser.add_argument("--hidden_size", type=int, default=None,
+                        help="picks <weight>_<hidden_size>.pth; default: the one file of that prefix (its sidecar "
+                        "holds the size), 768 for a bare .pth")
     parser.add_argument("--num_hidden_layers", type=int, default=8)
     parser.add_argument("--num_attention_heads", type=int, default=8)
     parser.add_argument("--num_key_value_heads", type=int, default=4)
     parser.add_argument("--use_moe", type=int, default=0, choices=[0, 1])
     parser.add_argument("--num_experts", type=int, default=4)
     parser.add_argument("--num_experts_per_tok", type=int, default=1)
+    parser.add_argument("--inference_rope_scaling", type=int, nargs="?", const=1, default=0, choices=[0, 1],
+                        help="1 (or the bare flag, as in MiniMind): YaRN RoPE scaling, factor 16 over 2048 positions")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 

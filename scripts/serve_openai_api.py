@@ -1,232 +1,225 @@
 """An OpenAI-compatible chat server over the project's model: FastAPI + uvicorn, MiniMind's flags.
 
     python scripts/serve_openai_api.py --weight full_sft --port 8998
-    python scripts/serve_openai_api.py --load_from out/hf_model --open_thinking 1 --host 0.0.0.0
+    python scripts/serve_openai_api.py --load_from out/hf_model --open_thinking 1 --host 0.0.0.0 --api_key SECRET
     curl http://127.0.0.1:8998/v1/chat/completions -H "Content-Type: application/json" \\
          -d '{"model": "minimind", "messages": [{"role": "user", "content": "Hello"}]}'
 
 POST /v1/chat/completions (stream or not): the request's messages and `tools` go through the chat template; the
 reply's think block comes back as `reasoning_content`, its <tool_call> blocks as `tool_calls` (finish_reason
 "tool_calls"), with `usage` (prompt, completion, total tokens; a stream sends it when stream_options.include_usage).
-Per request: temperature (0 greedy), top_p, max_tokens, seed, and the thinking switch (`open_thinking`, or
-chat_template_kwargs.open_thinking / enable_thinking; --open_thinking is the default). GET /v1/models lists the model.
-One generation at a time (a lock): the model is one copy on one device.
+Per request: temperature (0 greedy), top_p, max_tokens, n, stop, seed, min_tokens (vLLM's) and the thinking switch
+(`open_thinking`, or chat_template_kwargs.open_thinking / enable_thinking). GET /v1/models lists the model.
+One generation at a time (scripts/serve_engine.py); --max_waiting more wait, others get 503 with Retry-After. Limits:
+--max_request_bytes (413), --max_prompt_tokens and the model's context (400), --request_timeout. Every refusal is
+OpenAI's error object. docs/serving.md has the whole story.
 """
 import argparse
-import itertools
-import json
-import math
+import asyncio
+import hmac
 import os
+import socket
 import sys
-import threading
 import time
-import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
-from fastapi import FastAPI  # noqa: E402
-from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
+from fastapi import Depends, FastAPI, Header, HTTPException, Request  # noqa: E402
+from fastapi.concurrency import run_in_threadpool  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
+from fastapi.responses import StreamingResponse  # noqa: E402
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
-from dataset.tools import parse_assistant  # noqa: E402
-from scripts.eval_llm import (  # noqa: E402
-    add_model_args,
-    add_sampling_args,
-    generate_ids,
-    load_or_exit,
-    parsed,
-    render_prompt,
-    stream_ids,
+from scripts.eval_llm import add_model_args, add_sampling_args, load_or_exit, parsed, render_prompt  # noqa: E402
+from scripts.serve_engine import Engine, Full, Generation  # noqa: E402
+from scripts.serve_replies import Reply, batches, event_lines  # noqa: E402
+from scripts.serve_requests import (  # noqa: E402
+    RequestError,
+    error_response,
+    fit_max_tokens,
+    parse_request,
+    read_body,
+    settings,
+    text_content,
 )
 
-ROLES = ("system", "user", "assistant", "tool")  # what the chat template renders
+
+class JobStream(StreamingResponse):
+    """A streamed reply that cancels its job however the response ends: done, failed, or cancelled by Starlette when
+    the client goes away (ASGI 2.3 servers cancel the response and never close its body's generator)."""
+
+    def __init__(self, job, body):
+        super().__init__(body, media_type="text/event-stream")
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
 
 
-class ChatRequest(BaseModel):
-    """The fields of OpenAI's chat completion request this server reads (others are accepted and ignored)."""
-    model: str | None = None
-    messages: list[dict]
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    tools: list[dict] | None = None
-    open_thinking: bool | None = None
-    chat_template_kwargs: dict | None = None
+async def cancel_when_gone(request, job):
+    """Cancel `job` when the client of a non-streamed request disconnects (vLLM's with_cancellation)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
 
 
-class RequestError(ValueError):
-    """A request value out of range: a 400 naming the field."""
-
-    def __init__(self, message, param):
-        super().__init__(message)
-        self.param = param
-
-
-def error_response(message, param=None, status=400):
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": "invalid_request_error",
-                                                               "param": param, "code": None}})
-
-
-def settings(request, args):
-    """(temperature, top_p, max_tokens, open_thinking) of a request, the flags filling in what it leaves out."""
-    temperature = args.temperature if request.temperature is None else request.temperature
-    top_p = args.top_p if request.top_p is None else request.top_p
-    given = [n for n in (request.max_completion_tokens, request.max_tokens) if n is not None]
-    max_tokens = given[0] if given else args.max_new_tokens
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise RequestError(f"temperature must be a finite number, 0 (greedy) or more (got {temperature})",
-                           "temperature")
-    if not 0 < top_p <= 1:
-        raise RequestError(f"top_p must be in (0, 1] (got {top_p})", "top_p")
-    if max_tokens < 1:
-        raise RequestError(f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
-    if request.seed is not None and not 0 <= request.seed < 2 ** 32:
-        raise RequestError(f"seed must be in [0, 2**32) (got {request.seed})", "seed")
-    if not request.messages:
-        raise RequestError("messages must hold at least one message", "messages")
-    for i, message in enumerate(request.messages):
-        if message.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)} (got {message.get('role')!r})",
-                               "messages")
-    kwargs = request.chat_template_kwargs or {}
-    thinking = request.open_thinking
-    if thinking is None:
-        thinking = kwargs.get("open_thinking", kwargs.get("enable_thinking", bool(args.open_thinking)))
-    return temperature, top_p, max_tokens, bool(thinking)
+async def whole_reply(job, reply, request):
+    watcher = asyncio.ensure_future(cancel_when_gone(request, job))
+    try:
+        async for batch in batches(job):
+            for kind, index, token in batch:
+                if kind == "token":
+                    reply.ids[index].append(token)
+    finally:
+        watcher.cancel()
+        job.cancel()
+    return reply.whole()
 
 
-def seeded(seed):
-    """A request's seed makes its sampling repeatable (taken under the generation lock)."""
-    if seed is not None:
-        torch.manual_seed(seed)
+def add_error_handlers(app):
+    """OpenAI's error object for what FastAPI and Starlette refuse themselves (a 404, a 405, a 422 made a 400)."""
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):
+        code = "invalid_api_key" if exc.status_code == 401 else None
+        return error_response(str(exc.detail), status=exc.status_code, code=code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc):
+        first = exc.errors()[0]
+        return error_response(f"{'.'.join(map(str, first['loc']))}: {first['msg']}")
 
 
-def finish_reason(turn, new_ids, max_tokens, eos_token_id):
-    """tool_calls when the reply calls a tool, length when max_tokens cut it, else stop."""
-    if turn.tool_calls:
-        return "tool_calls"
-    ended = len(new_ids) > 0 and int(new_ids[-1]) == eos_token_id
-    return "length" if len(new_ids) >= max_tokens and not ended else "stop"
-
-
-def text_content(message):
-    """A message whose content is OpenAI's list of parts, as the text of its text parts (the template reads strings)."""
-    if isinstance(message.get("content"), list):
-        return dict(message, content="".join(part.get("text", "") for part in message["content"]
-                                             if isinstance(part, dict) and part.get("type") == "text"))
-    return message
-
-
-def with_unique_ids(calls):
-    """The parsed calls with ids unique across the conversation (the client answers each by its id)."""
-    return [dict(call, id=f"call_{uuid.uuid4().hex[:24]}") for call in calls]
+def key_check(api_key):
+    """A dependency that refuses (401) a request without `Authorization: Bearer <api_key>`; none when api_key is
+    None."""
+    async def authorized(authorization: str | None = Header(default=None)):
+        if api_key is not None and not hmac.compare_digest((authorization or "").encode(),
+                                                           f"Bearer {api_key}".encode()):
+            raise HTTPException(401, "a valid API key is needed: send Authorization: Bearer <the server's --api_key>",
+                                headers={"WWW-Authenticate": "Bearer"})
+    return authorized
 
 
 def create_app(model, tokenizer, args):
     """The FastAPI app serving `model` (a causal LM in eval mode) with `tokenizer`'s chat template; `args` holds the
-    request defaults (temperature, top_p, max_new_tokens, open_thinking) and served_model_name."""
-    app, lock, created = FastAPI(title="MiniMind-4D"), threading.Lock(), int(time.time())
-    name = args.served_model_name
+    request defaults (temperature, top_p, max_new_tokens, open_thinking), served_model_name and the limits
+    (api_key, max_waiting, request_timeout, max_prompt_tokens, max_request_bytes). app.state.engine runs it."""
+    app = FastAPI(title="MiniMind-4D", dependencies=[Depends(key_check(args.api_key))])
+    engine = app.state.engine = Engine(model, tokenizer, args.max_waiting, args.request_timeout)
+    context = model.config.max_position_embeddings
+    max_prompt = min(args.max_prompt_tokens or context - 1, context - 1)
+    name, created = args.served_model_name, int(time.time())
+    add_error_handlers(app)
 
-    def prompt_of(request, thinking):
+    def prompt_ids(request, thinking):
         try:
-            return render_prompt(tokenizer, [text_content(m) for m in request.messages], chat=True,
+            text = render_prompt(tokenizer, [text_content(m) for m in request.messages], chat=True,
                                  open_thinking=thinking, tools=request.tools)
         except Exception as e:  # the template's own message (a missing role, a bad tool schema)
             raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from e
-
-    def usage(prompt_tokens, completion_tokens):
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return tokenizer(text, add_special_tokens=False).input_ids
 
     @app.get("/v1/models")
     def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "minimind"}]}
 
     @app.post("/v1/chat/completions")
-    def chat_completions(request: ChatRequest):
+    async def chat_completions(raw: Request):
         try:
-            temperature, top_p, max_tokens, thinking = settings(request, args)
-            text = prompt_of(request, thinking)
+            request = parse_request(await read_body(raw, args.max_request_bytes))
+            wanted = settings(request, args)
+            ids = await run_in_threadpool(prompt_ids, request, wanted.thinking)  # a long prompt: off the event loop
+            max_tokens = fit_max_tokens(wanted.max_tokens, args.max_new_tokens, len(ids), context, max_prompt)
+            if wanted.min_tokens > max_tokens:
+                raise RequestError(f"min_tokens must be at most max_tokens ({max_tokens})", "min_tokens")
+            job = engine.submit(Generation(ids, max_tokens, wanted.temperature, wanted.top_p, wanted.seed, wanted.n,
+                                           wanted.stop, wanted.min_tokens))
         except RequestError as e:
-            return error_response(str(e), e.param)
-        reply_id, started = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        sampling = (max_tokens, temperature, top_p)
+            return error_response(str(e), e.param, e.status)
+        except Full:
+            return error_response("the server is busy (its queue is full) or shutting down; retry later",
+                                  status=503, error_type="server_error", headers={"Retry-After": "1"})
+        reply = Reply(name, tokenizer, wanted, max_tokens, len(ids))
         if request.stream:
             include_usage = bool((request.stream_options or {}).get("include_usage"))
-            chunks = stream_chunks(text, sampling, thinking, request.seed, reply_id, started, include_usage)
-            lines = (f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks)
-            return StreamingResponse(itertools.chain(lines, ["data: [DONE]\n\n"]), media_type="text/event-stream")
-        with lock:
-            seeded(request.seed)
-            prompt_ids, new_ids = generate_ids(model, tokenizer, text, *sampling)
-        turn = parse_assistant(tokenizer.decode(new_ids, skip_special_tokens=True), thinking)
-        turn.tool_calls = with_unique_ids(turn.tool_calls)
-        message = turn.message()
-        return {"id": reply_id, "object": "chat.completion", "created": started, "model": name,
-                "choices": [{"index": 0, "message": message, "logprobs": None,
-                             "finish_reason": finish_reason(turn, new_ids, max_tokens, tokenizer.eos_token_id)}],
-                "usage": usage(len(prompt_ids), len(new_ids))}
-
-    def stream_chunks(text, sampling, thinking, seed, reply_id, started, include_usage):
-        """The chunk objects of a streamed reply: role, then reasoning/content deltas that only grow (the partial
-        parse), the tool calls once whole, the finish reason, usage if asked."""
-        def chunk(delta, finish=None):
-            return {"id": reply_id, "object": "chat.completion.chunk", "created": started, "model": name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-
-        yield chunk({"role": "assistant", "content": ""})
-        sent = {"reasoning_content": "", "content": ""}
-
-        def deltas(turn):
-            for key in sent:
-                value = getattr(turn, key) or ""
-                if len(value) > len(sent[key]):
-                    yield chunk({key: value[len(sent[key]):]})
-                    sent[key] = value
-
-        new_ids = []
-        with lock:
-            seeded(seed)
-            prompt_tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
-            for token in stream_ids(model, tokenizer, text, *sampling):
-                new_ids.append(token)
-                yield from deltas(parse_assistant(tokenizer.decode(new_ids, skip_special_tokens=True), thinking,
-                                                  final=False))
-        turn = parse_assistant(tokenizer.decode(new_ids, skip_special_tokens=True), thinking)
-        yield from deltas(turn)
-        if turn.tool_calls:
-            calls = [dict(call, index=i) for i, call in enumerate(with_unique_ids(turn.tool_calls))]
-            yield chunk({"tool_calls": calls})
-        yield chunk({}, finish_reason(turn, new_ids, sampling[0], tokenizer.eos_token_id))
-        if include_usage:
-            yield dict(chunk({}), choices=[], usage=usage(prompt_tokens, len(new_ids)))
+            return JobStream(job, event_lines(job, reply, include_usage))
+        return await whole_reply(job, reply, raw)
 
     return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server; a signal also stops the running generation at its next token and the waiting ones, so a
+    shutdown takes seconds, not the rest of a long reply."""
+
+    def __init__(self, config, engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame):
+        self.engine.close()
+        super().handle_exit(sig, frame)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="OpenAI-compatible server for MiniMind models")
     add_model_args(parser, weight="full_sft")
     add_sampling_args(parser, max_new_tokens=1024, temperature=0.85)
-    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines too")
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves other machines too (then set --api_key)")
     parser.add_argument("--port", type=int, default=8998)
     parser.add_argument("--served_model_name", default="minimind", help="the model id /v1/models lists")
+    parser.add_argument("--api_key", default=None, help="clients must send Authorization: Bearer KEY (default: off)")
+    parser.add_argument("--max_waiting", type=int, default=16,
+                        help="requests that may wait behind the running one; more get 503 with Retry-After")
+    parser.add_argument("--request_timeout", type=float, default=300,
+                        help="seconds one request may generate (all its choices); then it ends, finish_reason length")
+    parser.add_argument("--max_prompt_tokens", type=int, default=None, help="default: the model's context less one")
+    parser.add_argument("--max_request_bytes", type=int, default=1_000_000, help="a larger body gets 413")
     return parsed(parser, argv)
+
+
+def check_serve_args(args):
+    """The server's own flags in range: the one `error:` line for the first that is not, else None."""
+    if not 1 <= args.port <= 65535:
+        return f"--port must be in 1..65535 (got {args.port})"
+    for flag, value, low in (("max_waiting", args.max_waiting, 0), ("max_request_bytes", args.max_request_bytes, 1),
+                             ("max_prompt_tokens", args.max_prompt_tokens or 1, 1)):
+        if value < low:
+            return f"--{flag} must be at least {low} (got {value})"
+    if not args.request_timeout > 0:
+        return f"--request_timeout must be more than 0 seconds (got {args.request_timeout})"
+    return None
+
+
+def listening(host, port):
+    """A socket bound to host:port, or one `error:` line and exit 2 (a port in use, a host not on this machine)."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as e:
+        reason = os.strerror(e.errno) if e.errno else str(e)
+        print(f"error: cannot listen on {host}:{port} ({reason}); pass another --port or --host",
+              file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    problem = check_serve_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     model, tokenizer = load_or_exit(args)
     torch.manual_seed(args.seed)
-    uvicorn.run(create_app(model, tokenizer, args), host=args.host, port=args.port)
+    sock = listening(args.host, args.port)
+    app = create_app(model, tokenizer, args)
+    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)
+    Server(config, app.state.engine).run(sockets=[sock])
 
 
 if __name__ == "__main__":

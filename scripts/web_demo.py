@@ -1,9 +1,11 @@
 """A chat page for the model in the browser (Streamlit), as MiniMind's web demo, over eval_llm's loader.
 
-    streamlit run scripts/web_demo.py -- --weight full_sft
-    streamlit run scripts/web_demo.py -- --load_from out/hf_model --open_thinking 1 --temperature 0
+    streamlit run scripts/web_demo.py --browser.gatherUsageStats false -- --weight full_sft
+    streamlit run scripts/web_demo.py --browser.gatherUsageStats false -- --load_from out/hf_model --temperature 0
 
-The flags after `--` are eval_llm's (weights, LoRA, model shape, device, sampling defaults). The sidebar sets the
+The flags after `--` are eval_llm's (weights, LoRA, model shape, device, sampling defaults); `--weight full_sft`
+alone finds out/full_sft_<size>.pth by its sidecar. Streamlit's usage statistics are off: by the flag, and by
+.streamlit/config.toml when started from the repository root. The sidebar sets the
 sampling, how many earlier rounds the model sees, the thinking switch and which of the six mock tools it may call;
 a tool call is answered by the mock tool and the model goes on (up to 3 turns), as in scripts/eval_toolcall.py.
 """
@@ -31,7 +33,8 @@ from trainer.ckpt.weight_flags import weights_line  # noqa: E402
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description="MiniMind web chat (streamlit run scripts/web_demo.py -- FLAGS)")
+    parser = argparse.ArgumentParser(
+        description="MiniMind web chat (streamlit run scripts/web_demo.py --browser.gatherUsageStats false -- FLAGS)")
     add_model_args(parser, weight="full_sft")
     add_sampling_args(parser, max_new_tokens=512)
     return parsed(parser, argv)

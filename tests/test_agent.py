@@ -19,9 +19,9 @@ from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer import train_agent
 from trainer.core.batches import step_targets
 from trainer.plan.resolve import resolve
-from trainer.rl.agent import AgentObjective, AgentPlan, Episode, agent_reward, episode_rows, rule_agent
+from trainer.rl.agent import AgentObjective, AgentPlan, Episode, agent_reward, rule_agent
 from trainer.rl.rewards import repetition_penalty
-from trainer.rl.rows import scoring_log_probs
+from trainer.rl.rows import scoring_log_probs, training_rows
 from trainer.runtime.launch import ConfigError
 
 TEMPERATURE = 0.8
@@ -101,7 +101,7 @@ def test_tool_answers_carry_no_loss_no_gradient_and_no_old_log_prob(monkeypatch,
     played = Episode(episodes[0].prompt, row["prompt"], row["tools"], open_thinking=False)
     objective.take_turn(played, call, [0.0] * len(call), cut=False, last=False)
     assert played.tokens == episodes[0].tokens[:len(played.tokens)] and not played.done
-    input_ids, labels = episode_rows(episodes, tokenizer.pad_token_id)
+    input_ids, labels = training_rows([e.sequence for e in episodes], tokenizer.pad_token_id)
     targets = step_targets(labels)
     for i, episode in enumerate(episodes):  # labels: the sampled tokens where they stand, -100 elsewhere
         sampled = torch.tensor([False] * len(episode.prompt) + episode.sampled)
@@ -236,10 +236,30 @@ def test_the_demo_command_runs_offline_and_resumes_bitwise_after_a_kill(tmp_path
     assert saved == {"step_1", "step_3"}  # the rollout the next step trains on again
     resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "Resumed from epoch 0, step 3" in resumed.stdout  # a resume that trained nothing would not say so
     got, expected = (read_metrics(argv[argv.index("--metrics_file") + 1]) for argv in (run, straight))
     assert [r["step"] for r in expected] == [1, 2, 3, 4] and "rewards/rule_agent/mean" in expected[0]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]  # zip below compares every step, none left out
     for a, b in zip(got, expected):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
+
+
+def test_rows_offering_a_tool_the_mocks_lack_are_counted_in_one_line(monkeypatch, tmp_path, capsys):
+    """A row whose tools include one dataset/tools.py cannot answer (search_web): the agent stage says how many rows
+    offer such tools and names them before training."""
+    rows = agent_rows()
+    tools = json.loads(rows[0]["conversations"][0]["tools"])
+    tools.append({"type": "function", "function": {"name": "search_web", "description": "Search the web.",
+                                                   "parameters": {"type": "object", "properties": {}}}})
+    rows[0]["conversations"][0]["tools"] = json.dumps(tools, ensure_ascii=False)
+    data = str(tmp_path / "agent.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    monkeypatch.setattr(sys, "argv", ["train_agent.py", *agent_flags(tmp_path, data)])
+    train_agent.build(train_agent.agent_args())
+    out = capsys.readouterr().out
+    assert (f"1 of 9 prompts of {data} offer tools the mock tools (dataset/tools.py) do not have (search_web): a call "
+            "to one is answered with an error") in out, out
 
 
 @pytest.mark.parametrize("flags,message", [

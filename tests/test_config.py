@@ -39,7 +39,7 @@ def test_data_parallel_mode(world, layout, expected):
 
 
 def test_data_parallel_mode_rejects_with_one_line():
-    with pytest.raises(ConfigError, match="not divisible by tp\\*pp\\*cp"):
+    with pytest.raises(ConfigError, match="not divisible by pp\\*cp\\*tp"):
         data_parallel_mode(6, tp=4)
     with pytest.raises(ConfigError, match="cannot be combined with --tp 2"):  # a DDP hook keeps DDP: refused
         data_parallel_mode(4, tp=2, grad_compression="bf16")

@@ -124,9 +124,9 @@ def train_reference():
 
 
 def _wrap_variant(dims, zero_stage, compression, extras):
-    from trainer.parallel.data import apply_data_parallel, build_optimizer
-    model = apply_data_parallel(make_model(), dims.dp_cp_mesh, zero_stage, compression, **extras)
-    return model, build_optimizer(model.parameters(), LR, zero_stage, dims=dims)
+    from trainer.parallel.data import apply_data_parallel, data_parallel_optimizer
+    model = apply_data_parallel(make_model(), dims.mesh("dp_cp"), zero_stage, compression, **extras)
+    return model, data_parallel_optimizer(model.parameters(), LR, zero_stage, dims.group("dp_cp"))
 
 
 def _full_grads(model):
@@ -138,13 +138,13 @@ def _full_grads(model):
 def _train_variant(dims, zero_stage, compression, extras, record=False):
     """Train STEPS steps; with `record`, also the weights before each step and its clipped gradients."""
     model, optimizer = _wrap_variant(dims, zero_stage, compression, extras)
-    factor = grad_reduce_factor(dims.dp, dims.cp)
+    factor = grad_reduce_factor(dims.size("dp"), dims.size("cp"))
     norms, first_grads, history = [], None, []
     for ids, labels in make_batches():
         before = full_model_state_dict(model) if record else None  # a collective; a dict on rank 0 only
         if before is not None:  # a copy: on CPU, DDP's state dict holds the live parameters the step changes
             before = {k: v.clone() for k, v in before.items()}
-        rows = slice(dims.dp_rank, None, dims.dp)  # DistributedSampler: rank r takes r::dp
+        rows = slice(dims.rank("dp"), None, dims.size("dp"))  # DistributedSampler: rank r takes r::dp
         out = model(ids[rows], labels=labels[rows], num_items_in_batch=num_items(labels))
         (out.loss * factor).backward()
         if first_grads is None and zero_stage == 0:  # DDP grads are full tensors
@@ -507,7 +507,7 @@ def _accumulation_worker(rank, world_size, out_path):
     _count_calls(("all_gather_into_tensor", "all_gather_single"), calls, "all_gather")
     results = {}
     for zero_stage in (0, 2, 3):
-        model = apply_data_parallel(make_model(), dims.dp_cp_mesh, zero_stage)
+        model = apply_data_parallel(make_model(), dims.mesh("dp_cp"), zero_stage)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         counts = []
         for step in range(2):  # the second step's forwards must gather the updated shards again
@@ -516,7 +516,7 @@ def _accumulation_worker(rank, world_size, out_path):
                 row = slice(2 * i + rank, 2 * i + rank + 1)
                 with gradient_sync(model, enabled=i == ACCUMULATION - 1):
                     out = model(ids[row], labels=labels[row], num_items_in_batch=num_items(labels))
-                    (out.loss * grad_reduce_factor(dims.dp)).backward()
+                    (out.loss * grad_reduce_factor(dims.size("dp"))).backward()
             counts.append((calls.count("reduce_scatter"), calls.count("all_gather")))
             if step == 0:
                 grads = _full_grads(model)

@@ -6,9 +6,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weight_shapes import WeightsError
 from model.weights import save_weights_file
 from scripts.convert_model import main as convert_main
-from scripts.eval_llm import check_args, parse_args, render_prompt
+from scripts.eval_llm import check_args, load_model, parse_args, render_prompt
 from scripts.eval_llm import main as eval_main
 from tests.launch import ROOT, forked
 from tests.test_convert_model import hand_folded, lora_adapter
@@ -216,3 +217,36 @@ def test_a_reply_starts_with_its_first_word_not_blank_lines(capsys):
         streamer.put(torch.tensor([token]))
     streamer.end()
     assert len(ids) > 3 and capsys.readouterr().out == "Hello there,\n\n  friend.\n"
+
+
+def test_a_weight_prefix_alone_loads_the_runs_size(tmp_path):
+    """After the README's small chain (out/full_sft_256.pth and its sidecar) `--weight full_sft` needs no size flag:
+    the one file of that prefix is loaded with its sidecar's shape (here 64, two layers), the same weights."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(3)
+    saved = MiniMindForCausalLM(config).eval()
+    save_weights_file(saved.state_dict(), config, str(tmp_path / "full_sft_64.pth"))
+    save_weights_file(saved.state_dict(), config, str(tmp_path / "pretrain_96.pth"))  # another prefix: not a choice
+    model, path = load_model(parse_args(["--save_dir", str(tmp_path), "--weight", "full_sft", "--device", "cpu"]))
+    assert path == str(tmp_path / "full_sft_64.pth")
+    ids = torch.arange(1, 9).view(1, 8)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, saved(ids).logits)
+
+
+def test_a_weight_prefix_of_several_sizes_names_the_files(tmp_path):
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    wide = MiniMindConfig(hidden_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    for shape in (config, wide):
+        path = str(tmp_path / f"full_sft_{shape.hidden_size}.pth")
+        save_weights_file(MiniMindForCausalLM(shape).state_dict(), shape, path)
+    args = ["--save_dir", str(tmp_path), "--weight", "full_sft", "--device", "cpu"]
+    with pytest.raises(WeightsError) as caught:
+        load_model(parse_args(args))
+    assert str(caught.value) == (f"{tmp_path}/full_sft_<hidden_size>.pth names 2 files; {tmp_path} has "
+                                 "full_sft_128.pth (--hidden_size 128), full_sft_64.pth (--hidden_size 64): pass its "
+                                 f"size flags or --weight {tmp_path}/full_sft_128.pth; or pass --hidden_size")
+    with pytest.raises(WeightsError) as caught:
+        load_model(parse_args([*args, "--hidden_size", "768"]))
+    assert str(caught.value).startswith(f"{tmp_path}/full_sft_768.pth does not exist; {tmp_path} has full_sft_128.pth")
+    assert load_model(parse_args([*args, "--hidden_size", "128"]))[0].config.hidden_size == 128

@@ -1,7 +1,9 @@
-"""GRPO (trainer/rl/grpo.py, rl_batch.py, train_grpo.py): advantages and every loss type's gradient against a
-REINFORCE surrogate written out here, what must not count (prompt, padding, after EOS), rollout reuse, the layouts
-against one process on a real local rollout server, exact resume after a kill, a toy task learnt, bad input."""
+"""GRPO (trainer/rl/grpo.py, policy_loss.py, rows.py, train_grpo.py): advantages and every loss type's gradient
+against a REINFORCE surrogate and, away from ratio 1, a float64 hand computation written out here; what must not
+count (prompt, padding, after EOS), rollout reuse, the layouts against one process on a real local rollout server,
+exact resume after a kill, a toy task learnt, bad input and failing reward functions."""
 import glob
+import math
 import os
 import sys
 
@@ -15,7 +17,7 @@ from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
 from trainer.plan.resolve import resolve
 from trainer.rl.grpo import GRPOPlan
-from trainer.rl.rows import group_advantages
+from trainer.rl.policy_loss import group_advantages, k3_kl, leave_one_out_advantages
 from trainer.runtime.launch import ConfigError, main_guard
 
 REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
@@ -62,6 +64,23 @@ def test_group_advantages_by_hand():
     assert advantages[4:].tolist() == [0.0] * 4 and std.tolist() == [pytest.approx(population_std)] * 4 + [0.0] * 4
     single, single_std = group_advantages(torch.tensor([0.3, -2.0]), 1)  # --num_generations 1: nothing to compare
     assert single.tolist() == [0.0, 0.0] and single_std.tolist() == [0.0, 0.0]
+
+
+def test_k3_kl_value_and_gradient_by_hand():
+    """k3 = e^d - d - 1 with d = ref - log pi, and d k3 / d log pi = 1 - e^d, written out per token in float64."""
+    reference = torch.tensor([-1.0, -2.5, -0.2, -4.0], dtype=torch.float64)
+    log_probs = torch.tensor([-1.3, -2.0, -0.2, -3.1], dtype=torch.float64, requires_grad=True)
+    kl = k3_kl(reference, log_probs)
+    deltas = [-1.0 + 1.3, -2.5 + 2.0, 0.0, -4.0 + 3.1]
+    assert kl.tolist() == pytest.approx([math.exp(d) - d - 1 for d in deltas], abs=1e-15)
+    (gradient,) = torch.autograd.grad(kl.sum(), log_probs)
+    assert gradient.tolist() == pytest.approx([1 - math.exp(d) for d in deltas], abs=1e-15)
+
+
+def test_leave_one_out_advantages_by_hand():
+    """RLOO: each reward minus the mean of its group's other rewards."""
+    advantages, _ = leave_one_out_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 5.0, 5.0]), 4)
+    assert advantages.tolist() == pytest.approx([1 - 11 / 3, 2 - 10 / 3, 3 - 3.0, 6 - 2.0, 0, 0, 0, 0], abs=1e-6)
 
 
 def test_equal_rewards_give_zero_advantages_loss_and_gradient(monkeypatch, tmp_path):
@@ -126,6 +145,98 @@ def test_first_update_is_the_reinforce_gradient(monkeypatch, tmp_path, loss_type
     assert clipped == 0 and sum(s["kl_sum"].item() for s in stats) == 0.0
 
 
+def hand_loss(logits, prepared, old, reference, loss_type, epsilon, epsilon_high, beta, max_gen_len):
+    """The step's loss written out in float64 from the logits (N, L, V) of each micro-batch: ratio r = pi / pi_old per
+    token (gspo: exp of the token mean of log r per completion; rloo: exp of its sum), the clipped surrogate
+    -min(r A, clip(r, 1 - eps, 1 + eps_high) A) (cispo: -sg(min(r, eps_high)) A log pi), plus beta (e^d - d - 1),
+    d = ref - log pi, under the loss type's normaliser; A recomputed from the logged rewards (rloo: minus the mean of
+    the group's others). Also the clipped counts (low: r < 1 - eps with A < 0; high: r > 1 + eps_high with A > 0) over
+    tokens, or over completions for a sequence ratio."""
+    terms, tokens, rows, low, high = [], 0, 0, 0, 0
+    for (ids, labels, extra), z, o, ref in zip(prepared, logits, old, reference):
+        rewards = extra.row_stats[:, 0].view(-1, 4).double()
+        if loss_type == "rloo":
+            advantages = (rewards - (rewards.sum(1, keepdim=True) - rewards) / 3).view(-1, 1)
+        else:
+            advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, unbiased=False, keepdim=True)
+                                                                      + 1e-4)).view(-1, 1)
+        targets = step_targets(labels)
+        mask = (targets != -100).double()
+        log_probs = torch.log_softmax(z.double() / TEMPERATURE, -1).gather(2, targets.clamp(min=0)[..., None])[..., 0]
+        log_ratio = (log_probs - o.double()) * mask
+        if loss_type == "gspo":
+            log_ratio = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True)
+        elif loss_type == "rloo":
+            log_ratio = log_ratio.sum(1, keepdim=True)
+        ratio = torch.exp(log_ratio)
+        unit = mask if ratio.shape[1] > 1 else 1.0
+        low += float((((ratio < 1 - epsilon) & (advantages < 0)) * unit).sum())
+        high += float((((ratio > 1 + epsilon_high) & (advantages > 0)) * unit).sum())
+        if loss_type == "cispo":
+            term = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * log_probs
+        else:
+            term = -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages)
+        d = ref.double() - log_probs
+        terms.append(((term + beta * (torch.exp(d) - d - 1)) * mask, mask))
+        tokens, rows = tokens + mask.sum(), rows + ids.shape[0]
+    if loss_type in ("grpo", "gspo", "rloo"):
+        loss = sum(((t.sum(1) / m.sum(1)).sum() for t, m in terms)) / rows
+    elif loss_type == "bnpo":
+        loss = sum(t.sum() / m.sum() for t, m in terms) / len(terms)
+    elif loss_type == "dr_grpo":
+        loss = sum(t.sum() for t, _ in terms) / (rows * max_gen_len)
+    else:  # dapo, cispo
+        loss = sum(t.sum() for t, _ in terms) / tokens
+    return loss, low, high, (rows if loss_type in ("gspo", "rloo") else float(tokens))
+
+
+@pytest.mark.parametrize("loss_type,epsilon,epsilon_high", [
+    ("grpo", 0.2, 0.2), ("dapo", 0.2, 0.28), ("dr_grpo", 0.2, 0.2), ("bnpo", 0.2, 0.2), ("cispo", 0.2, 1.1),
+    ("gspo", 3e-4, 4e-4), ("rloo", 0.2, 0.2)])
+def test_the_loss_away_from_ratio_one_against_the_reference_by_hand(monkeypatch, tmp_path, loss_type, epsilon,
+                                                                    epsilon_high):
+    """Old log-probs moved off the policy's by up to +-0.4 (ratios 0.67 to 1.5: both clip sides act) and a reference
+    moved off it by up to +-0.5: the loss and its gradient in the logits equal hand_loss's float64 ones, and the
+    clip counts equal the tokens (gspo, rloo: completions) the hand ratio puts outside the clip range."""
+    trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path, "--loss_type", loss_type, "--beta", "0.1",
+                                                "--num_iterations", "2", "--epsilon", str(epsilon), "--epsilon_high",
+                                                str(epsilon_high))
+    objective, model = trainer.objective, trainer.model_parts[0]
+    prepared = objective.prepare(trainer, micro_batches)
+    generator = torch.Generator().manual_seed(1)
+    logits, old, reference, moved = [], [], [], []
+    for ids, labels, extra in prepared:
+        with torch.no_grad():
+            logits.append(model(ids).logits.requires_grad_())
+        mask = step_targets(labels) != -100
+        shift = (torch.rand(mask.shape, generator=generator) * 0.8 - 0.4) * mask
+        old.append(extra.old_log_probs + shift)
+        reference.append(extra.reference + (torch.rand(mask.shape, generator=generator) - 0.5) * mask)
+        moved.append((ids, labels, extra._replace(old_log_probs=old[-1], reference=reference[-1])))
+    unpacked = [objective.unpack(batch) for batch in moved]
+    num_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)
+    loss, totals = 0.0, {}
+    for z, (_, labels, _, extra) in zip(logits, unpacked):
+        part, stats = objective.policy_loss(z, step_targets(labels), extra, num_items)
+        loss = loss + part
+        totals = {k: totals.get(k, 0.0) + float(v) for k, v in stats.items()}
+    grads = torch.autograd.grad(loss, logits)
+    leaves = [z.detach().double().requires_grad_() for z in logits]
+    expected, low, high, units = hand_loss(leaves, moved, old, reference, loss_type, epsilon, epsilon_high, 0.1, 10)
+    expected_grads = torch.autograd.grad(expected, leaves)
+    # fp32 log-softmax over 6400 logits is ~1e-6 off per token; cispo's terms hold log pi itself (|log pi| ~ 9), whose
+    # errors do not cancel as the advantages' signs do (as test_first_update_is_the_reinforce_gradient)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=2e-5 if loss_type == "cispo" else 1e-6)
+    for g, e in zip(grads, expected_grads):  # each logit's gradient is ~p / tokens: fp32 rounding of that
+        assert (g.double() - e).abs().max().item() <= 1e-7 + 1e-4 * e.abs().max().item()
+    record = objective.record(totals, num_items)
+    if loss_type != "cispo":  # TRL's clip_ratio/*: the share of tokens (gspo, rloo: of completions) clipped
+        assert low > 0 and high > 0  # both sides of the clip were exercised
+        assert (totals["clip_low_sum"], totals["clip_high_sum"], totals["clip_region_sum"]) == (low, high, low + high)
+        assert record["clip_ratio/low_mean"] == pytest.approx(low / units, abs=1e-12)
+        assert record["clip_ratio/region_mean"] == pytest.approx((low + high) / units, abs=1e-12)
+
+
 def test_prompt_padding_and_tokens_after_eos_change_neither_loss_nor_gradient(monkeypatch, tmp_path):
     """Rows with other tokens where nothing is scored (the padding after each completion's EOS) and with more padding
     columns give the same loss and gradient: only completion tokens are targets, and causal attention keeps later
@@ -152,11 +263,12 @@ def test_prompt_padding_and_tokens_after_eos_change_neither_loss_nor_gradient(mo
         assert (g - g2).abs().max().item() <= 1e-7
 
 
-def test_a_reused_rollout_starts_at_ratio_one_and_then_clips(monkeypatch, tmp_path):
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "rloo"])
+def test_a_reused_rollout_starts_at_ratio_one_and_then_clips(monkeypatch, tmp_path, loss_type):
     """--num_iterations 2: the first step on a rollout loses exactly what --num_iterations 1 loses (its old log-probs,
     a forward before the update, equal the policy's: ratio 1); the second trains on the same rollout with moved
-    weights, so the ratio leaves [1 - epsilon, 1 + epsilon] for some tokens."""
-    flags = ("--loss_type", "grpo", "--beta", "0", "--learning_rate", "3e-2")
+    weights, so the ratio leaves [1 - epsilon, 1 + epsilon] for some tokens (gspo, rloo: completions)."""
+    flags = ("--loss_type", loss_type, "--beta", "0", "--learning_rate", "3e-2")
     first = {}
     for iterations in ("1", "2"):
         trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path / iterations, *flags, "--num_iterations",
@@ -245,7 +357,7 @@ def test_resume_after_a_kill_repeats_the_rollouts_and_losses(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Resumed from epoch 0, step 3" in resumed.stdout
     got, expected = metrics_of(run), metrics_of(straight)
-    assert [r["step"] for r in got] == list(range(1, 7))
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, 7))  # zip compares all 6
     for a, b in zip(got, expected):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
 
@@ -273,8 +385,39 @@ def run_in_process(monkeypatch, capsys, argv):
     return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
 
 
+@pytest.mark.parametrize("function,count", [("nan_for_some", 2), ("infinite", 1)])
+def test_non_finite_rewards_stop_the_run_naming_the_function(tmp_path, monkeypatch, capsys, function, count):
+    """A reward function returning NaN (which counted as 0) or an infinity (which made reward_std Infinity): exit 3
+    and one line naming the function, the step and the count, before any update."""
+    data = demo_slice(tmp_path, "rlaif", 10)
+    argv = [*run_flags(tmp_path, "bad", data), "--reward_fn", f"{REWARD_FNS}:{function}"]
+    code, err = run_in_process(monkeypatch, capsys, argv)
+    assert code == 3, err
+    assert err[-1] == (f"error: step 1: reward function {function} returned {count} non-finite values (NaN or "
+                       "infinite) of 4: return finite numbers, or None for no reward; no checkpoint saved yet")
+
+
+def test_a_reward_function_that_raises_is_named_and_the_last_step_saved(tmp_path, monkeypatch, capsys):
+    """Raising at step 3: exit 3, one line naming the function, its error and the step; steps 1-2 are kept (step 2's
+    checkpoint, as a preempted run saves it), and a resume with a working function goes on from step 2."""
+    data = demo_slice(tmp_path, "rlaif", 40)
+    flags = [*run_flags(tmp_path, "raises", data, extra=["--num_iterations", "1", "--save_interval", "100",
+                                                          "--max_steps", "4"])]
+    failing = [a.replace(":distinct_chars", ":fails_at_step_3") for a in flags]
+    code, err = run_in_process(monkeypatch, capsys, failing)
+    assert code == 3, err
+    checkpoint_dir = flags[flags.index("--checkpoint_dir") + 1]
+    assert err[-1] == ("error: step 3: reward function fails_at_step_3 raised KeyError: 'score_service'; step 2 saved "
+                       f"in {checkpoint_dir}; continue with --from_resume 1"), err
+    saved = glob.glob(os.path.join(checkpoint_dir, "*", "step_*"))
+    assert [os.path.basename(path) for path in saved] == ["step_2"]
+    code, _ = run_in_process(monkeypatch, capsys, [*flags, "--from_resume", "1"])
+    assert code in (0, None)
+    assert [r["step"] for r in metrics_of(flags)] == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("flags,message", [
-    (["--num_generations", "0"], "--num_generations must be at least 1 (got 0)"),
+    (["--num_generations", "1"], "--num_generations must be at least 2 (got 1): the advantages compare"),
     (["--reward_fn", "missing.py:f"], "--reward_fn missing.py:f: missing.py does not exist"),
     (["--reward_weights", "1,2"], "--reward_weights has 2 values for 1 reward functions"),
     (["--rollout_engine", "vllm"], "--rollout_engine vllm needs --rollout_url"),

@@ -258,7 +258,7 @@ def test_resume_under_a_different_layout(save_layout, resume_layout, data, refer
 
 
 @pytest.mark.parametrize("nproc,flags,needle", [
-    (2, ["--tp", "3"], "not divisible by tp*pp*cp"),
+    (2, ["--tp", "3"], "not divisible by pp*cp*tp"),
     (2, ["--tp", "2", "--num_key_value_heads", "1"], "must divide num_key_value_heads"),
     (2, ["--cp", "2", "--max_seq_len", "34"], "divisible by 2*cp"),
     (2, ["--pp", "2", "--num_hidden_layers", "1"], "layers"),

@@ -13,7 +13,7 @@ def test_validate_layout():
     assert validate_layout(8, tp=2, pp=2) == (2, None)
     assert validate_layout(4, dp=2, tp=2) == (2, None)
     dp, message = validate_layout(6, tp=4)
-    assert dp is None and "not divisible by tp*pp*cp" in message and "\n" not in message
+    assert dp is None and "not divisible by pp*cp*tp" in message and "\n" not in message
     dp, message = validate_layout(4, dp=4, tp=2)
     assert dp is None and "launch 8 processes" in message
     dp, message = validate_layout(4, cp=0)
@@ -22,8 +22,8 @@ def test_validate_layout():
 
 def test_single_process_dims():
     dims = ParallelDims.build(1)
-    assert (dims.dp, dims.pp, dims.cp, dims.tp, dims.dp_cp) == (1, 1, 1, 1, 1)
-    assert dims.dp_group is None and dims.world_mesh is None
+    assert (dims.size("dp"), dims.size("pp"), dims.size("cp"), dims.size("tp"), dims.size("dp_cp")) == (1, 1, 1, 1, 1)
+    assert dims.group("dp") is None and dims.mesh("world") is None
     assert dims.summary() == "world 1 (single process)"
     with pytest.raises(ValueError, match="not divisible"):
         ParallelDims.build(3, tp=2)
@@ -50,10 +50,10 @@ def _groups_worker(rank, world_size, out_dir):
         dims = ParallelDims.build(world_size, device_type="cpu", **layout)
         groups = {d: dist.get_process_group_ranks(dims.group(d))
                   for d in ("dp", "pp", "cp", "tp", "dp_cp")}
-        fallback = _flatten_with_new_groups(dims.world_mesh, ("dp", "cp"), "dp_cp")
+        fallback = _flatten_with_new_groups(dims.mesh("world"), ("dp", "cp"), "dp_cp")
         groups["dp_cp_fallback"] = dist.get_process_group_ranks(fallback.get_group())
-        coords = [dims.dp_rank, dims.pp_rank, dims.cp_rank, dims.tp_rank]
-        result[name] = {"groups": groups, "coords": coords, "sizes": [dims.dp, dims.pp, dims.cp, dims.tp],
+        coords = [dims.rank("dp"), dims.rank("pp"), dims.rank("cp"), dims.rank("tp")]
+        result[name] = {"groups": groups, "coords": coords, "sizes": [dims.size(d) for d in ("dp", "pp", "cp", "tp")],
                         "summary": dims.summary(), "counts": [dims.counts_loss, dims.counts_items],
                         "tp_mesh_ranks": dims.mesh("tp").mesh.tolist()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

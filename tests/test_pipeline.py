@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import build_pipeline, spawn
 from tests.numerics import assert_adam_first_step_close
+from trainer.core.objective import LMObjective
 from trainer.parallel.pipeline import PipelineLoss as pipeline_loss_fn
 from trainer.parallel.pipeline import (
     PipelineStageModule,
@@ -72,7 +73,8 @@ def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed, l
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     # fp16's GradScaler: a power of two, so scaled gradients are the unscaled ones times it, exactly
     scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale) if loss_scale else None
-    loss_fn = pipeline_loss_fn(num_items, aux_weight=(BATCH // num_microbatches) / BATCH, scaler=scaler)
+    loss_fn = pipeline_loss_fn(num_items, aux_weight=(BATCH // num_microbatches) / BATCH, scaler=scaler,
+                               objective=LMObjective())
     scale = loss_scale or 1.0
     schedule, modules, has_first, has_last = build_pipeline(model, mesh, schedule_name, num_microbatches,
                                                             loss_fn, "cpu", (BATCH // num_microbatches, SEQ))

@@ -132,6 +132,54 @@ def test_the_first_update_on_a_rollout_has_ratio_one(monkeypatch, tmp_path):
         assert (g - e).abs().max().item() <= 1e-6, (name, (g - e).abs().max().item())
 
 
+def test_the_kl_penalty_runs_through_gae_into_prepares_advantages(monkeypatch, tmp_path):
+    """A reference off the policy (its weights moved by noise) and kl_coef 0.1, gamma 0.9, lambda 0.8: prepare's
+    advantages and returns equal a float64 hand computation from the policy's and the reference's log-probs and the
+    values: r_t = -kl_coef (log pi_old - log ref) plus the score at the last token, GAE written as a loop here, the
+    advantages whitened over the step's completion tokens (population variance + 1e-8)."""
+    trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path, "--kl_coef", "0.1", "--gamma", "0.9",
+                                                "--lam", "0.8")
+    objective, model = trainer.objective, trainer.model_parts[0]
+    reference = objective.reference[0][0]
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    prepared = objective.prepare(trainer, micro_batches)
+    raw, masks = [], []
+    for ids, labels, extra in prepared:
+        targets = step_targets(labels)
+        mask = (targets != -100).double()
+        with torch.no_grad():
+            logits = model(ids).logits.double() / TEMPERATURE
+            values = objective.value_head.take().double() * mask
+            ref_logits = reference(ids).logits.double() / TEMPERATURE
+        log_probs = torch.log_softmax(logits, -1).gather(2, targets.clamp(min=0)[..., None])[..., 0] * mask
+        ref = torch.log_softmax(ref_logits, -1).gather(2, targets.clamp(min=0)[..., None])[..., 0] * mask
+        assert ((log_probs - ref).abs() * mask).max() > 0.01  # the reference is off the policy
+        advantages = torch.zeros_like(mask)
+        for row in range(mask.shape[0]):
+            positions = mask[row].nonzero().flatten().tolist()
+            running, next_value = 0.0, 0.0
+            for t in reversed(positions):
+                reward = -0.1 * float(log_probs[row, t] - ref[row, t])
+                if t == positions[-1]:
+                    reward += float(extra.row_stats[row, 0])  # the score, at the completion's last token
+                delta = reward + 0.9 * next_value - float(values[row, t])
+                running = delta + 0.9 * 0.8 * running
+                advantages[row, t], next_value = running, float(values[row, t])
+        raw.append((advantages, values))
+        masks.append(mask)
+    tokens = torch.cat([m.flatten() for m in masks]) > 0
+    flat = torch.cat([a.flatten() for a, _ in raw])[tokens]
+    mean, var = flat.mean(), flat.var(unbiased=False)
+    for (_, _, extra), (advantages, values), mask in zip(prepared, raw, masks):
+        whitened = (advantages - mean) / torch.sqrt(var + 1e-8) * mask
+        # fp32 forwards and sums beside float64 ones: errors ~1e-6 of the O(1) values
+        assert (extra.advantages.double() - whitened).abs().max().item() <= 2e-5
+        assert (extra.returns.double() - (advantages + values) * mask).abs().max().item() <= 2e-5
+
+
 def test_prompt_padding_and_tokens_after_eos_change_neither_loss_nor_gradient(monkeypatch, tmp_path):
     """Other tokens after each completion's EOS and more padding columns: the same loss and gradient (only
     completion tokens are targets and values; causal attention keeps later positions out of earlier ones)."""

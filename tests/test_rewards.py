@@ -7,7 +7,15 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
 from tests.launch import ROOT
-from trainer.rl.rewards import RewardModel, load_reward_fn, rule_length, rule_repetition, rule_think, score
+from trainer.rl.rewards import (
+    RewardFailed,
+    RewardModel,
+    load_reward_fn,
+    rule_length,
+    rule_repetition,
+    rule_think,
+    score,
+)
 from trainer.runtime.launch import ConfigError
 
 
@@ -40,8 +48,29 @@ def test_score_is_the_weighted_sum_and_none_counts_zero():
                                 {"gt": ["a", "x", "c"]})
     assert per_function.tolist() == [[1.0, 1.0], [0.0, 0.0], [3.0, 1.0]]
     assert total.tolist() == [0.5 + 2.0, 0.0, 1.5 + 2.0]
-    with pytest.raises(ValueError, match="returned 3 values for 2 completions"):
+    with pytest.raises(RewardFailed, match="reward function first returned 3 values for 2 completions"):
         score([first], [1.0], [[]] * 2, as_completions("a", "b"), {})
+
+
+def test_a_failing_or_non_finite_reward_function_is_named():
+    """An exception, a NaN, an infinity or a float32 overflow: RewardFailed naming the function and the count; a None
+    is no reward (0), not a failure."""
+    def broken(prompts, completions, **columns):
+        raise ZeroDivisionError("division by zero")
+
+    def values(*returned):
+        def scorer(prompts, completions, **columns):
+            return list(returned)
+        return scorer
+
+    completions = as_completions("a", "b", "c")
+    with pytest.raises(RewardFailed, match="reward function broken raised ZeroDivisionError: division by zero"):
+        score([broken], [1.0], [[]] * 3, completions, {})
+    for returned, count in (((float("nan"), 1.0, None), 1), ((float("inf"), float("-inf"), 0.0), 2), ((1e39, 0, 0), 1)):
+        with pytest.raises(RewardFailed, match=f"reward function scorer returned {count} non-finite values .* of 3"):
+            score([values(*returned)], [1.0], [[]] * 3, completions, {})
+    total, _ = score([values(None, 2.0, None)], [1.0], [[]] * 3, completions, {})
+    assert total.tolist() == [0.0, 2.0, 0.0]
 
 
 def test_a_reward_model_scores_its_chat_template_rendering(tmp_path):

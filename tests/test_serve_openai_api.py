@@ -12,7 +12,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from transformers.generation import LogitsProcessor, LogitsProcessorList
 
-from dataset.tools import tool_schemas
+from dataset.tools import parse_assistant, tool_schemas
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from scripts.eval_llm import load_chat_model
@@ -213,14 +213,43 @@ def test_bad_request_is_a_400_naming_the_field(served, field, value, message):
     assert message in error["message"] and error["param"] == field and error["type"] == "invalid_request_error"
 
 
-def test_seeded_sampling_repeats(served):
-    client = served[4]
-    request = dict(messages=[{"role": "user", "content": PROMPT}], temperature=1.0, top_p=0.9, max_tokens=16)
-    first, second = ask(client, seed=7, **request), ask(client, seed=7, **request)
-    assert first["choices"][0]["message"] == second["choices"][0]["message"]
-    streamed = ask_stream(client, seed=7, **request)
-    assert joined(streamed, "content") == first["choices"][0]["message"]["content"]
+def sampled(model, tokenizer, messages, seed, n, temperature, max_tokens, top_p=0.9):
+    """transformers' own generate() on the chat template after torch.manual_seed(seed): n sampled replies in a row,
+    parsed as the server parses a reply."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, open_thinking=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    torch.manual_seed(seed)
+    replies = []
+    for _ in range(n):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
+                                 top_p=top_p, max_new_tokens=max_tokens, pad_token_id=tokenizer.pad_token_id,
+                                 eos_token_id=tokenizer.eos_token_id)
+        replies.append(parse_assistant(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)).content)
+    return replies
 
+
+def test_seed_temperature_and_n_choose_the_samples(served):
+    """A seeded request's n choices are transformers' n samples in a row after manual_seed(seed); another seed or
+    another temperature gives other replies (so neither is ignored), and the stream carries the same choices."""
+    _, _, model, tokenizer, client = served
+    messages = [{"role": "user", "content": PROMPT}]
+    request = dict(messages=messages, top_p=0.9, max_tokens=16)
+    want = sampled(model, tokenizer, messages, 7, 3, 1.0, 16)
+    other_seed, cooler = sampled(model, tokenizer, messages, 8, 1, 1.0, 16), sampled(model, tokenizer, messages, 7, 1,
+                                                                                      0.3, 16)
+    assert len(set(want)) == 3 and other_seed[0] != want[0] and cooler[0] != want[0]  # the checks below have teeth
+    reply = ask(client, seed=7, n=3, temperature=1.0, **request)
+    assert [c["index"] for c in reply["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in reply["choices"]] == want
+    assert ask(client, seed=8, temperature=1.0, **request)["choices"][0]["message"]["content"] == other_seed[0]
+    assert ask(client, seed=7, temperature=0.3, **request)["choices"][0]["message"]["content"] == cooler[0]
+    chunks = ask_stream(client, seed=7, n=3, temperature=1.0, **request)
+    streamed = ["".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"][0]["index"] == i)
+                for i in range(3)]
+    assert [s.strip() for s in streamed] == want
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == [
+        c["finish_reason"] for c in reply["choices"]]
 
 
 @contextmanager

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from streamlit import config as st_config
 from streamlit.testing.v1 import AppTest
 from transformers import AutoTokenizer
 
@@ -62,8 +63,9 @@ def test_typed_message_gets_eval_llms_greedy_reply(weights, monkeypatch, capsys)
 
 
 def test_second_message_keeps_the_history(weights, monkeypatch):
-    """The second reply is transformers' greedy generate() on the whole conversation through the chat template."""
-    flags = ["--weight", weights, "--device", "cpu", "--temperature", "0", "--max_new_tokens", "12"]
+    """The second reply is transformers' greedy generate() on the whole conversation through the chat template. The
+    weights are found by the default --weight full_sft alone: full_sft_64.pth by its sidecar (issue 39)."""
+    flags = ["--save_dir", os.path.dirname(weights), "--device", "cpu", "--temperature", "0", "--max_new_tokens", "12"]
     app = page(monkeypatch, flags)
     app.chat_input[0].set_value("Hello there").run()
     app.chat_input[0].set_value(PROMPT).run()
@@ -104,3 +106,20 @@ def test_bad_weights_show_one_error(tmp_path, monkeypatch):
     app.run()
     assert [e.value for e in app.error] == [f"error: {tmp_path / 'missing.pth'} does not exist; train it first or "
                                             "pass --weight/--hidden_size/--load_from"]
+
+
+def test_usage_statistics_are_off(monkeypatch):
+    """Streamlit's own config loader, started from the repository root, reads gatherUsageStats false from our
+    .streamlit/config.toml; every launch command we document passes the same option by its real name."""
+    monkeypatch.chdir(ROOT)
+    try:
+        st_config.get_config_options(force_reparse=True)
+        assert st_config.get_option("browser.gatherUsageStats") is False
+    finally:
+        monkeypatch.undo()
+        st_config.get_config_options(force_reparse=True)
+    assert "browser.gatherUsageStats" in st_config._config_options_template
+    docs = [open(PAGE).read(), open(os.path.join(ROOT, "docs", "serving.md")).read()]
+    commands = [line for text in docs for line in text.splitlines() if "streamlit run" in line]
+    assert len(commands) >= 3 and all("streamlit run scripts/web_demo.py --browser.gatherUsageStats false --" in line
+                                      for line in commands), commands

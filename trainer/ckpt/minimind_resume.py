@@ -14,9 +14,9 @@ import torch
 from model.model_minimind import MiniMindForCausalLM
 from model.weight_shapes import clean_state_dict
 from model.weights import numpy_rng_globals
+from trainer import trainer_utils  # the module, not its names: trainer_utils.lm_checkpoint imports this file
 from trainer.ckpt.weight_flags import mismatch_line
 from trainer.runtime.launch import ConfigError
-from trainer.trainer_utils import Logger
 
 LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df0373; resume it with that commit "
                "(its next save writes a step directory this trainer reads) or pass --from_resume 0")
@@ -116,10 +116,11 @@ def read_minimind_resume(path, config, plan):
     saved_world = int(ckpt.get("world_size", 1))
     samples = int(ckpt["step"]) * saved_world * plan.data.micro_batch
     step_in_epoch = samples // plan.data.global_batch
-    Logger(f"{path}: MiniMind's step {ckpt['step']} x {saved_world} processes x --batch_size {plan.data.micro_batch} = "
-           f"{samples} samples of epoch {ckpt['epoch']}; at this run's global batch {plan.data.global_batch} that is "
-           f"step {step_in_epoch} of the epoch (MiniMind's data order differs, so the position continues, not the "
-           "samples)")
+    log = trainer_utils.Logger
+    log(f"{path}: MiniMind's step {ckpt['step']} x {saved_world} processes x --batch_size {plan.data.micro_batch} = "
+        f"{samples} samples of epoch {ckpt['epoch']}; at this run's global batch {plan.data.global_batch} that is "
+        f"step {step_in_epoch} of the epoch (MiniMind's data order differs, so the position continues, not the "
+        "samples)")
     scaler = ckpt.get("scaler") or (_fresh_scaler_state() if plan.model.dtype == torch.float16 else {})
     # global_step counts this epoch's steps only: the epochs before have the data's length, not known here
     train_state = dict(epoch=int(ckpt["epoch"]), step_in_epoch=step_in_epoch, global_step=step_in_epoch,
@@ -131,3 +132,21 @@ def read_minimind_resume(path, config, plan):
 def minimind_resume_path(checkpoint_dir, stem):
     """Where MiniMind's lm_checkpoint keeps the resume file of weights `stem` (<weight>_<hidden>[_moe])."""
     return os.path.join(checkpoint_dir, stem + "_resume.pth")
+
+
+def our_parameter_order(config):
+    """Our model.parameters() names in order (what an AdamW over them indexes by); a tied lm_head is met as the
+    embedding, as in minimind_parameter_order."""
+    with torch.device("meta"):
+        return [name for name, _ in MiniMindForCausalLM(config).named_parameters()]
+
+
+def reindex_optimizer(optimizer_state, old_names, new_names):
+    """An optimizer state_dict whose parameter index i is old_names[i], re-indexed so that index j is new_names[j]."""
+    missing = sorted(set(old_names) - set(new_names))
+    if missing:
+        raise ValueError(f"the optimizer holds {missing[0]}, which MiniMind's model has not; lm_checkpoint saves an "
+                         "optimizer over the model's own parameters only")
+    to_new = {i: new_names.index(name) for i, name in enumerate(old_names)}
+    return {"state": {to_new[i]: s for i, s in optimizer_state["state"].items()},
+            "param_groups": [dict(g, params=[to_new[i] for i in g["params"]]) for g in optimizer_state["param_groups"]]}

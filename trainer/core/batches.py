@@ -22,13 +22,14 @@ def shard_for_context(dims, tensors, position_ids=None):
     """Context parallel: each rank keeps its head+tail chunks of the sequence, plus their positions.
 
     position_ids: a packed batch's per-document positions (--doc_mask), sharded like the tokens, else None."""
-    if dims.cp == 1:
+    if dims.size("cp") == 1:
         return tensors, position_ids
+    rank, size = dims.rank("cp"), dims.size("cp")
     if position_ids is not None:
-        positions = shard_sequence(position_ids, dims.cp_rank, dims.cp, dim=1)
+        positions = shard_sequence(position_ids, rank, size, dim=1)
     else:
-        positions = context_position_ids(tensors[0].shape[1], dims.cp_rank, dims.cp, tensors[0].device)  # (1, L/cp)
-    return [shard_sequence(t, dims.cp_rank, dims.cp, dim=1) for t in tensors], positions
+        positions = context_position_ids(tensors[0].shape[1], rank, size, tensors[0].device)  # (1, L/cp)
+    return [shard_sequence(t, rank, size, dim=1) for t in tensors], positions
 
 
 def autocast(plan):

@@ -1,11 +1,13 @@
-"""Phases 1 and 3-6 of every stage: `setup` (the flags checked into the plan, the process group, the mesh, the seed)
+"""Phases 1 and 4-7 of every stage: `setup` (the flags checked into the plan, the process group, the mesh, the seed)
 and `build_trainer` (resume state, model, parallel wrap, optimizer, restore) into the `Trainer` the loop runs
 (trainer/core/loop.py)."""
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from model.model_minimind import MiniMindConfig
 from trainer.ckpt.checkpoint import Checkpointer, TrainState, latest_checkpoint, read_resume, tied_aliases
 from trainer.ckpt.minimind_resume import minimind_resume_path
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
@@ -14,9 +16,11 @@ from trainer.core.objective import LMObjective
 from trainer.core.stage import Stage
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
+from trainer.parallel.pipeline import Pipeline
 from trainer.plan.checks import check_same_dtype
 from trainer.plan.resolve import resolve
-from trainer.runtime.callbacks import make_callbacks
+from trainer.plan.sections import TrainPlan
+from trainer.runtime.callbacks import Callbacks, make_callbacks
 from trainer.runtime.guard import (
     Preemption,
     StepGuard,
@@ -37,11 +41,11 @@ from trainer.trainer_utils import Logger
 @dataclass
 class Trainer:
     """What a step needs: the plan, where this rank sits, what it trains, and where training stands."""
-    plan: object  # config.TrainPlan
-    config: object  # MiniMindConfig
+    plan: TrainPlan
+    config: MiniMindConfig
     dims: ParallelDims
     model_parts: list  # this rank's pipeline stages, or [model]
-    pipeline: object  # parallel.pipeline.Pipeline when pp > 1, else None
+    pipeline: Optional[Pipeline]  # when pp > 1
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     progress: TrainState
@@ -49,8 +53,8 @@ class Trainer:
     total_steps: int  # of the lr schedule (all epochs, or --max_steps)
     checkpointer: Checkpointer
     guard: StepGuard  # non-finite skips and the agreed preemption stop
-    objective: object = None  # what train_step minimises (trainer/core/objective.py); build_trainer sets LMObjective
-    callbacks: object = None  # callbacks.Callbacks: sinks, early stopping, best checkpoint, a user's
+    objective: Optional[LMObjective] = None  # what train_step minimises (a stage's subclass); build_trainer sets it
+    callbacks: Optional[Callbacks] = None  # sinks, early stopping, best checkpoint, a user's
     resumed: bool = False
     started: bool = False  # the first step is done: collectives run under the per-step timeout
     step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
@@ -66,8 +70,7 @@ def setup(args, stage=Stage):
     init_distributed_mode(layout.device, layout.dist_init_timeout)
     open_rank_log(plan.io.log_dir, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
     enable_tf32(layout.device, strict=not model.tf32)  # before peak_flops reads the matmul precision
-    dims = ParallelDims.build(layout.world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                              device_type=torch.device(layout.device).type)
+    dims = ParallelDims.build(layout.world_size, device_type=torch.device(layout.device).type, **layout.model_sizes)
     Logger(dims.summary())
     if model.dtype_note:  # --dtype auto
         check_same_dtype(model.dtype, layout.device)  # each rank measured (or read) the rates itself
@@ -97,7 +100,7 @@ def build_model(config, plan, model_state=None, resumed=False):
 
 
 def build_trainer(plan, dims, steps_per_epoch, objective=None):
-    """Phases 3-6: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once.
+    """Phases 4-7: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once.
 
     objective: what the stage minimises (plan.stage.objective(...), trainer/core/objective.py); None: LMObjective."""
     config = plan.model.config

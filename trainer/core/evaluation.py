@@ -17,7 +17,8 @@ def evaluate(trainer, eval_ds):
     """{"step", "eval_loss", "eval_ppl"} of up to --eval_batches held-out micro-batches (a collective): the objective's
     summed eval loss over its count of items (LM: target tokens)."""
     plan, dims = trainer.plan, trainer.dims
-    sampler = DistributedSampler(eval_ds, num_replicas=plan.layout.dp, rank=dims.dp_rank, shuffle=False, drop_last=True)
+    sampler = DistributedSampler(eval_ds, num_replicas=plan.layout.dp, rank=dims.rank("dp"), shuffle=False,
+                                 drop_last=True)
     loader = DataLoader(eval_ds, batch_size=plan.data.micro_batch, sampler=sampler, drop_last=True)
     batches = [trainer.objective.unpack(batch) for batch in itertools.islice(loader, plan.data.eval_batches)]
     for part in trainer.model_parts:

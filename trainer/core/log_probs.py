@@ -1,8 +1,10 @@
 """Log-probs of the targets: per token and summed per row, in fp32 chunks of rows (DPO's sums, the RL stages'
-per-token log-probs at a temperature); vocab-sharded logits (tensor parallel) through loss_parallel's cross-entropy.
+per-token log-probs at a temperature), and log_softmax for whole distributions (distillation, the RL entropy);
+vocab-sharded logits (tensor parallel) through loss_parallel's cross-entropy.
 """
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 LOG_PROB_CHUNK = 1024  # rows of logits turned into fp32 log-softmax at a time
 
@@ -60,3 +62,12 @@ def token_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
 def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
     """Summed log-probs of each row's targets (-100: none): logits (N, L, V), targets (N, L) -> (N,) fp32."""
     return token_log_probs(logits, targets, chunk_size).sum(dim=1)
+
+
+def log_softmax(logits):
+    """log_softmax over the last dimension; on vocab-sharded DTensors spelt out in reductions that DTensor shards
+    (loss_parallel's own log_softmax has a backward that is right only when nll_loss follows it)."""
+    if not isinstance(logits, DTensor):
+        return torch.log_softmax(logits, dim=-1)
+    shifted = logits - logits.detach().amax(-1, keepdim=True)
+    return shifted - shifted.exp().sum(-1, keepdim=True).log()

@@ -1,4 +1,4 @@
-"""The training loop every stage runs: `train()` (phase 7, the loop) and `train_step()` (one optimizer step), on the
+"""The training loop every stage runs: `train()` (phase 8, the loop) and `train_step()` (one optimizer step), on the
 Trainer that trainer/core/build.py's `setup` and `build_trainer` make. Entry scripts import it; stage modules never do
 (they sit below it).
 
@@ -19,7 +19,7 @@ from trainer.ckpt.weights_file import ensure_final_weights, save_weights
 from trainer.core.batches import autocast, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader
 from trainer.core.evaluation import evaluate
-from trainer.core.objective import add_stats, target_tokens
+from trainer.core.objective import target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
 from trainer.parallel.tensor import tp_loss_context
@@ -41,6 +41,7 @@ from trainer.runtime.guard import (
 from trainer.runtime.launch import (
     OUTSIDE_LOOP,
     SignalStop,
+    add_stats,
     count_sum,
     is_main_process,
     local_value,
@@ -220,7 +221,7 @@ def accumulate_gradients(trainer, micro_batches, bar):
     local_tokens = sum(counts) if objective.items_are_tokens else sum(
         target_tokens(labels) for _, labels, _, _ in unpacked)  # for tokens/s and MFU
     layout, device = plan.layout, plan.layout.device
-    num_items, num_tokens = count_sum([sum(counts), local_tokens], layout.tp * layout.pp * layout.cp)  # over dp, on CPU
+    num_items, num_tokens = count_sum([sum(counts), local_tokens], layout.copies_of_data)  # over dp, CPU
     # the loader pins its batches on CUDA, so these copies overlap with compute
     inputs, targets, doc_positions, extras = zip(*[(
         to_device(x, device), to_device(step_targets(labels), device), to_device(p, device),
@@ -284,5 +285,5 @@ def epoch_batches(trainer, train_ds, epoch):
     """This rank's micro-batches of `epoch`, after the ones a resumed run already trained on."""
     data, layout = trainer.plan.data, trainer.plan.layout
     skip = trainer.progress.step_in_epoch * data.num_microbatches
-    return iter(epoch_loader(train_ds, epoch, data.seed, data.micro_batch, layout.dp, trainer.dims.dp_rank,
+    return iter(epoch_loader(train_ds, epoch, data.seed, data.micro_batch, layout.dp, trainer.dims.rank("dp"),
                              data.num_workers, layout.device.startswith("cuda"), skip))

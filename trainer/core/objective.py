@@ -7,7 +7,6 @@ tensors, stats stay on the device until a log step.
 """
 import torch.nn.functional as F
 
-from trainer.runtime.launch import local_value
 from trainer.runtime.metrics import step_flops
 
 
@@ -75,9 +74,3 @@ def target_tokens(labels):
     """The target tokens of CPU labels (B, L): labels[:, 1:] != -100 (a row's first label has no input before it)."""
     return int((labels[:, 1:] != -100).sum())
 
-
-def add_stats(total, stats):
-    """Sum an objective's per-micro-batch stats (tensors, detached here) into `total`, name by name."""
-    for name, value in stats.items():
-        total[name] = total.get(name, 0.0) + local_value(value)
-    return total

@@ -183,8 +183,9 @@ class LocalPositions:
         self.position_ids = position_ids
 
 
-def _no_document_mask(position_ids):
-    """document_mask without --doc_mask: the positions are global (RoPE only), the ring is plain causal."""
+def no_document_mask(position_ids):
+    """document_mask without --doc_mask: rows hold one sequence each, so no mask (the causal kernel; under cp the
+    positions are global, RoPE only, and the ring is plain causal). Pipeline stages take it too."""
     return None
 
 
@@ -224,7 +225,7 @@ def apply_context_parallel(model, cp_mesh, doc_mask=True):
             module.attn_fn = attn_fn
             num_attention += 1
         if hasattr(module, "document_mask"):  # the model / a pipeline stage: the ring masks by positions
-            module.document_mask = LocalPositions if doc_mask else _no_document_mask
+            module.document_mask = LocalPositions if doc_mask else no_document_mask
         if hasattr(module, "reduce_router_stats"):
             module.reduce_router_stats = reduce_fn
             module.seq_len_scale = cp_size  # local token counts are normalised by the full length

@@ -71,7 +71,7 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
     dp_mesh: the dp mesh, or the flattened dp_cp mesh when context parallel is on (a ParallelDims
     stands for its dp_cp_mesh).
     zero_stage 0/1: DistributedDataParallel over dp_mesh's group (stage 1 also needs
-    build_optimizer(..., zero_stage=1)); grad_compression none | bf16 | powersgd via DDP comm hooks.
+    data_parallel_optimizer(..., zero_stage=1)); grad_compression none | bf16 | powersgd via DDP comm hooks.
     zero_stage 2/3: FSDP2 fully_shard on each decoder block then the root; parameters stay sharded
     between steps, and stage 3 also frees the gathered parameters after each forward.
     param_dtype: FSDP2 gathers parameters in this dtype (the autocast dtype; None keeps fp32); gradients are
@@ -138,18 +138,16 @@ def gradient_sync(model_parts, enabled):
                 part.set_reshard_after_backward(True)
 
 
-def build_optimizer(params, lr, zero_stage=0, dp_group=None, fused=None, dims=None, optimizer_class=torch.optim.AdamW,
-                    **optimizer_kwargs):
+def data_parallel_optimizer(params, lr, zero_stage=0, dp_group=None, fused=None, optimizer_class=torch.optim.AdamW,
+                            **optimizer_kwargs):
     """`optimizer_class` (AdamW by default), or for zero_stage 1 ZeroRedundancyOptimizer(optimizer_class) sharding
     its state over dp_group.
 
     params: an iterable of parameters or of param-group dicts. dp_group: the gradient-reduction
-    group (dp_cp); a ParallelDims as `dims` stands for its dp_cp_group. Stage 1 still needs DDP from
+    group (dp_cp). Stage 1 still needs DDP from
     apply_data_parallel for the gradient all-reduce. fused=None keeps the default kernel (AdamW's fused flag).
     """
     params = list(params)
-    if dims is not None:
-        dp_group = dims.dp_cp_group
     if fused is not None:
         optimizer_kwargs["fused"] = fused
     if zero_stage == 1 and dp_group is not None and dist.get_world_size(dp_group) > 1:

@@ -3,7 +3,7 @@
 Order: pipeline split -> tensor parallel -> context parallel -> activation checkpointing -> compile
 -> data parallel (DDP / ZeRO / FSDP2). For one process every step is skipped: the plain model trains.
 """
-from trainer.parallel.context import apply_context_parallel
+from trainer.parallel.context import apply_context_parallel, no_document_mask
 from trainer.parallel.data import apply_data_parallel
 from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks
 from trainer.parallel.pipeline import Pipeline
@@ -45,8 +45,3 @@ def parallelize(model, dims, plan):
     if pipeline is not None:
         pipeline.make_schedule(parts)
     return parts, pipeline
-
-
-def no_document_mask(position_ids):
-    """A pipeline stage's document_mask when rows hold one sequence each: none (the causal kernel)."""
-    return None

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from model.model_minimind import packed_document_mask
-from trainer.core.objective import LMObjective, add_stats
+from trainer.runtime.launch import add_stats
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
@@ -137,7 +137,7 @@ class PipelineLoss:
 
     def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0, scaler=None, objective=None):
         self.num_items, self.aux_weight, self.grad_scale, self.scaler = num_items, aux_weight, grad_scale, scaler
-        self.objective = objective or LMObjective()
+        self.objective = objective  # the stage's (core/objective.py); the parallel layer never builds one
         self.ce_parts, self.aux_parts, self.stats_parts = [], [], []
         self.extra_layout = []  # (dtype, shape of one row) of each extra tensor packed behind the targets
         self.forward_only = None  # fn(logits, targets) -> what schedule.eval collects per micro-batch, or None
@@ -262,19 +262,19 @@ class Pipeline:
                                       self.micro_batch_shape, self.config, self.autocast_dtype)
         return self.schedule
 
-    def step(self, input_ids, targets, position_ids, num_items, aux_weight, grad_scale, scaler=None, objective=None,
+    def step(self, input_ids, targets, position_ids, num_items, aux_weight, grad_scale, scaler, objective,
              extras=None):
         """Forward+backward of one optimizer step: `input_ids`/`targets` are the step's micro-batches
         stacked along the batch (already sharded for context parallel). `position_ids`: (samples or 1, tokens),
         this rank's context-parallel positions or packed rows' per-document ones; None means 0..L-1.
         scaler: the step's GradScaler (fp16), which then unscales gradients the scaled loss made.
-        objective: the stage's (trainer/core/objective.py), None: LMObjective; extras: its per-micro-batch extra
+        objective: the stage's (trainer/core/objective.py); extras: its per-micro-batch extra
         tensors. Returns (main loss, aux, stats) summed over the micro-batches (zeros and {} off the last stage)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         positions = position_ids.float().expand(input_ids.shape).contiguous()  # chunked per micro-batch with the ids
         self.loss_fn.num_items, self.loss_fn.aux_weight, self.loss_fn.grad_scale = num_items, aux_weight, grad_scale
-        self.loss_fn.scaler, self.loss_fn.objective = scaler, objective or LMObjective()
+        self.loss_fn.scaler, self.loss_fn.objective = scaler, objective
         if scaler is not None and not self.has_last:  # unscale_ needs the scale where no loss was scaled
             scaler.scale(torch.ones((), device=self.device))
         targets = self.loss_fn.pack(targets, extras)  # an objective's extras travel with their micro-batch's targets

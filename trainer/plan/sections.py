@@ -11,6 +11,7 @@ import torch
 
 from model.model_minimind import MiniMindConfig
 from trainer.core.stage import Stage
+from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.schema import Flag, flag
 from trainer.runtime.callbacks import CallbackPlan
 from trainer.runtime.optim import OptimizerPlan
@@ -46,6 +47,16 @@ class Layout:
     def has_dtensor(self):
         """Parameters are DTensors (tensor parallel or FSDP2): no fused AdamW, losses may be DTensors."""
         return self.tp > 1 or self.dp_mode == "fsdp2"
+
+    @property
+    def model_sizes(self):
+        """The sizes of the dimensions that do not split the data, by name (parallel/mesh.py's table)."""
+        return {name: getattr(self, name) for name in MODEL_DIMS}
+
+    @property
+    def copies_of_data(self):
+        """How many ranks hold the same samples (the ranks of the dimensions that do not split the data)."""
+        return self.world_size // self.dp
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dataset.tools import gt_matches, parse_assistant, tool_message, valid_call
+from dataset.tools import MOCKS, gt_matches, parse_assistant, tool_message, valid_call
 from trainer.plan.schema import Flag
 from trainer.rl.base import check_positions, resolve_rollout
 from trainer.rl.grpo import GRPOObjective, GRPOPlan, describe, resolve_group
 from trainer.rl.rewards import THINK_END, answer_of, completion_texts, repetition_penalty
 from trainer.rl.rollout import rollout_seed
+from trainer.rl.rows import training_rows
 from trainer.runtime.launch import ConfigError, TrainingHalted, count_sum
 
 REWARD_CLIP = 3.0  # MiniMind clips an episode's rule reward to [-3, 3]
@@ -79,6 +80,7 @@ class AgentPlan(GRPOPlan):
     name = "the agent stage"
     demo_kind = "agent"
     reward_rules = AGENT_RULES
+    mock_tools = tuple(MOCKS)
     FLAGS = GRPOPlan.FLAGS + (  # MiniMind's defaults
         Flag("max_turns", int, 3, "model turns per episode (a turn that calls a tool gets the mock tool's answer and a "
              "next turn)"),
@@ -141,6 +143,12 @@ class Episode:
     def context(self):
         return self.prompt + self.tokens
 
+    @property
+    def sequence(self):
+        """(token ids, scored flags) for training_rows: the model's own tokens scored, the prompt and the tool answers
+        not."""
+        return self.context, [False] * len(self.prompt) + self.sampled
+
 
 def observation_text(tokenizer, episode, answers):
     """What the chat template puts after an assistant turn's EOS: the tool answers (`tool` messages) and the next
@@ -154,20 +162,6 @@ def observation_text(tokenizer, episode, answers):
         raise TrainingHalted("the chat template renders an episode's history differently once tool answers follow "
                              "it; the agent stage needs a template whose turns end with the EOS token")
     return before[before.rindex(eos) + len(eos):] + after[len(before):]
-
-
-def episode_rows(episodes, pad_id, length=None):
-    """(input_ids, labels) (N, length) of episodes: prompt, turns and tool answers, right-padded; labels the model's
-    own tokens where they stand, -100 on the prompt, the tool answers and the padding. length None: the longest."""
-    length = length or max(len(e.context) for e in episodes)
-    input_ids = torch.full((len(episodes), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(episodes), length), -100, dtype=torch.long)
-    for i, episode in enumerate(episodes):
-        ids = torch.tensor(episode.context, dtype=torch.long)
-        sampled = torch.tensor([False] * len(episode.prompt) + episode.sampled, dtype=torch.bool)
-        input_ids[i, :len(ids)] = ids
-        labels[i, :len(ids)] = torch.where(sampled, ids, -100)
-    return input_ids, labels
 
 
 def left_padded(contexts, pad_id):
@@ -191,11 +185,11 @@ class AgentObjective(GRPOObjective):
         """One micro-batch's prompts played out num_generations times as episodes, scored, laid out as rows."""
         episodes = self.episodes(trainer, index, prompt_ids, prompt_lengths, data_rows, step)
         advantages, row_stats = self.score(
-            [e.completion for e in episodes], torch.tensor([sum(e.sampled) for e in episodes]),
+            trainer, [e.completion for e in episodes], torch.tensor([sum(e.sampled) for e in episodes]),
             torch.tensor([e.truncated for e in episodes]), data_rows, step)
         counts = torch.tensor([[sum(m["role"] == role for m in e.completion) for role in ("assistant", "tool")]
                                for e in episodes], dtype=torch.float32)
-        rows = episode_rows(episodes, self.tokenizer.pad_token_id, self.pipeline_row_length)
+        rows = training_rows([e.sequence for e in episodes], self.tokenizer.pad_token_id, self.pipeline_row_length)
         return rows, advantages, torch.cat([row_stats, counts], dim=1)
 
     def episodes(self, trainer, index, prompt_ids, prompt_lengths, data_rows, step):
@@ -217,7 +211,7 @@ class AgentObjective(GRPOObjective):
             # collective), so a rank whose episodes are over joins with a throwaway row
             if not count_sum(len(active)):
                 break
-            seed = rollout_seed(self.plan.data.seed, step, self.dims.dp_rank, f"{index}:{turn}")
+            seed = rollout_seed(self.plan.data.seed, step, self.dims.rank("dp"), f"{index}:{turn}")
             if turn == 0:
                 rollout = self.generate(trainer, prompt_ids, prompt_lengths, stage.num_generations, seed)
             else:

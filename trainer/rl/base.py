@@ -16,13 +16,17 @@ from typing import Optional
 from transformers import AutoTokenizer
 
 from dataset.rlaif_dataset import RLAIFDataset
+from trainer.ckpt.checkpoint import latest_checkpoint
+from trainer.ckpt.rank_files import set_rng_state
+from trainer.ckpt.weights_file import save_weights
 from trainer.core.batches import autocast
 from trainer.core.objective import LMObjective
 from trainer.core.stage import Stage
 from trainer.plan.schema import Flag
-from trainer.rl.rewards import RULES, RewardModel, load_reward_fn, reward_name
+from trainer.rl.policy_loss import group_advantages
+from trainer.rl.rewards import RULES, RewardFailed, RewardModel, load_reward_fn, reward_name
 from trainer.rl.rollout import ENGINES, make_engine, rollout_seed
-from trainer.rl.rows import decode_completions, score_completions, training_rows
+from trainer.rl.rows import decode_completions, rollout_sequences, score_completions, training_rows
 from trainer.runtime.launch import ConfigError, TrainingHalted
 from trainer.stages.dpo_reference import load_reference
 from trainer.trainer_utils import Logger
@@ -50,6 +54,7 @@ class RolloutPlan(Stage):
     demo_kind = "rlaif"
     has_eval = False  # it logs its rewards
     reward_rules = RULES  # the rule functions of --reward rule
+    mock_tools = None  # the names of the tools episodes can call (the agent stage's)
     FLAGS = (  # MiniMind's defaults
         Flag("max_gen_len", int, 1024, "tokens generated at most per completion (agent: per turn)"),
         Flag("temperature", float, 0.8, "sampling temperature; the log-probs are taken at it too"),
@@ -76,7 +81,7 @@ class RolloutPlan(Stage):
     def dataset(self, plan, tokenizer, path):
         """The prompts (RLAIFDataset), the think block opened for --thinking_ratio of them."""
         return RLAIFDataset(path, tokenizer, max_length=self.max_prompt_len, thinking_ratio=self.thinking_ratio,
-                            seed=plan.data.seed, skip_bad_lines=plan.data.skip_bad_lines)
+                            seed=plan.data.seed, skip_bad_lines=plan.data.skip_bad_lines, mock_tools=self.mock_tools)
 
     def objective(self, plan, dims, train_ds):
         """The stage's rollout objective with its reward functions, the frozen reference (the starting weights; none
@@ -104,8 +109,9 @@ def resolve_rollout(args, plan, stage_name, rules=RULES):
     """The checked RolloutPlan fields (a dict) of the shared flags; ConfigError (one line) on bad input."""
     if args.max_gen_len < 1:
         raise ConfigError(f"--max_gen_len must be at least 1 (got {args.max_gen_len})")
-    for name in ("temperature", "rollout_timeout"):
-        check_positive(args, name)
+    for name in ("temperature", "rollout_timeout"):  # plain checks, as trainer/plan/checks.py check_numbers
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")
     if not 0 < args.top_p <= 1:
         raise ConfigError(f"--top_p must lie in (0, 1] (got {args.top_p})")
     if not 0 <= args.thinking_ratio <= 1:
@@ -119,13 +125,6 @@ def resolve_rollout(args, plan, stage_name, rules=RULES):
         reward_fns=tuple(args.reward_fn or ()), reward_weights=reward_weights(args),
         rollout_engine=args.rollout_engine, rollout_url=args.rollout_url, rollout_timeout=float(args.rollout_timeout),
         ref_weight=plan.model.from_weight)
-
-
-def check_positive(args, name, zero=False):
-    """--name is a finite number above 0 (zero=True: at least 0)."""
-    value = getattr(args, name)
-    if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-        raise ConfigError(f"--{name} must be a {'non-negative' if zero else 'positive'} number (got {value})")
 
 
 def check_positions(length, plan, flags):
@@ -207,6 +206,27 @@ def unique_names(names):
     return tuple(f"{name}_{names[:i].count(name) + 1}" if name in names[:i] else name for i, name in enumerate(names))
 
 
+def save_completed_step(trainer):
+    """Save the last completed step as a preempted run saves it (trainer/core/loop.py save_abandoned: its parameters,
+    optimizer state, progress and the RNG state it ended with are untouched by the step in progress) and say where;
+    several ranks cannot save without the others (collectives): they name the last complete checkpoint."""
+    plan, step, guard = trainer.plan, trainer.progress.global_step, trainer.guard
+    if plan.layout.world_size > 1 or step == 0:
+        last = latest_checkpoint(plan.io.run_dir)
+        return (f"the last complete checkpoint is {last}, continue with --from_resume 1" if last else
+                "no checkpoint saved yet")
+    trainer.optimizer.zero_grad(set_to_none=True)
+    if trainer.step_rng is not None:
+        set_rng_state(trainer.step_rng)
+    if guard.last_save != step:  # else that step's checkpoint is on disk already
+        trainer.checkpointer.save(step)
+        guard.saved(step)
+        trainer.callbacks.call("on_save", trainer, step)
+    trainer.checkpointer.wait()
+    save_weights(trainer)
+    return f"step {step} saved in {plan.io.checkpoint_dir}; continue with --from_resume 1"
+
+
 class RolloutObjective(LMObjective):
     """The base of the RL objectives: the step's prompts -> completions -> rewards -> training rows, timed.
 
@@ -221,6 +241,7 @@ class RolloutObjective(LMObjective):
         self.buffer, self.trained_positions, self.reused_next = None, 0, False  # the rollout's micro-batches
         self.rollout_seconds = self.rollout_tokens = 0.0
         self.window_start = None
+        self.advantages_of = group_advantages  # the loss variant's advantage estimator (GRPO's: per group)
 
     def unpack(self, batch):
         input_ids, labels, extra = batch
@@ -236,10 +257,11 @@ class RolloutObjective(LMObjective):
     def micro_batch_rows(self, trainer, index, prompt_ids, prompt_lengths, data_rows, step):
         """One micro-batch's prompts completed num_generations times, scored, laid out as rows."""
         rollout = self.generate(trainer, prompt_ids, prompt_lengths, self.stage.num_generations,
-                                rollout_seed(self.plan.data.seed, step, self.dims.dp_rank, index))
-        advantages, row_stats = self.score(decode_completions(self.tokenizer, rollout), rollout.completion_lengths,
-                                           rollout.truncated, data_rows, step)
-        return training_rows(rollout, self.tokenizer.pad_token_id, self.pipeline_row_length), advantages, row_stats
+                                rollout_seed(self.plan.data.seed, step, self.dims.rank("dp"), index))
+        advantages, row_stats = self.score(trainer, decode_completions(self.tokenizer, rollout),
+                                           rollout.completion_lengths, rollout.truncated, data_rows, step)
+        rows = training_rows(rollout_sequences(rollout), self.tokenizer.pad_token_id, self.pipeline_row_length)
+        return rows, advantages, row_stats
 
     @property
     def pipeline_row_length(self):
@@ -256,13 +278,14 @@ class RolloutObjective(LMObjective):
         self.rollout_tokens += rollout.generated_tokens
         return rollout
 
-    def score(self, completions, lengths, truncated, data_rows, step):
-        """(group advantages, row stats) of scored completions; a failing reward function stops the run in one line."""
+    def score(self, trainer, completions, lengths, truncated, data_rows, step):
+        """(group advantages, row stats) of scored completions; a failing reward function stops the run in one line
+        naming it, the last completed step saved first."""
         try:
             return score_completions(completions, lengths, truncated, data_rows, self.functions, self.weights,
-                                     self.stage.num_generations)
-        except Exception as e:  # a user's reward function or reward model failed: name it, stop the run
-            raise TrainingHalted(f"a reward function failed at step {step + 1}: {type(e).__name__}: {e}") from e
+                                     self.stage.num_generations, self.advantages_of)
+        except RewardFailed as e:
+            raise TrainingHalted(f"step {step + 1}: {e}; {save_completed_step(trainer)}") from e
 
     def row_record(self, stats):
         """TRL's reward and completion records from the row stats summed over the step."""

@@ -3,15 +3,11 @@
 Each step, `prepare` turns this rank's prompts into a rollout (trainer/rl/rollout.py: num_generations completions per
 prompt, a prompt's group on one data-parallel rank), scores it (trainer/rl/rewards.py), normalises the rewards within
 each group into advantages, and hands train_step micro-batches of completion rows (trainer/rl/rows.py). The loss
-of each completion token t of row i, with ratio r = pi(t) / pi_old(t) at the sampling temperature:
-  grpo, dapo, dr_grpo, bnpo:  -min(r A_i, clip(r, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_t
-  cispo:                      -sg(min(r, epsilon_high)) A_i log pi(t) + beta KL_t
-KL_t = exp(ref - log pi) - (ref - log pi) - 1 (k3) against the frozen reference (the starting weights; none for
-beta 0). Normalisers, TRL's: grpo the mean over completions of each one's token mean; bnpo the mean over
-micro-batches of each one's token mean; dr_grpo the sum over rows / (rows x max_gen_len); dapo and cispo the sum
-over the step's completion tokens / their number. pi_old: the policy that generated (with num_iterations 1 the
-current one, detached: the ratio is exactly 1); a rollout is trained on num_iterations steps in a row, its old
-log-probs taken by a forward of the policy before the first of them.
+is a variant of trainer/rl/policy_loss.py's table (--loss_type: grpo, dapo, dr_grpo, bnpo, cispo, gspo, rloo), plus
+beta KL_t with KL_t = exp(ref - log pi) - (ref - log pi) - 1 (k3) against the frozen reference (the starting
+weights; none for beta 0). pi_old: the policy that generated (with num_iterations 1 the current one, detached: the
+ratio is exactly 1); a rollout is trained on num_iterations steps in a row, its old log-probs taken by a forward of
+the policy before the first of them.
 """
 import math
 from dataclasses import dataclass
@@ -25,28 +21,25 @@ from trainer.rl.base import (
     RolloutObjective,
     RolloutPlan,
     check_positions,
-    check_positive,
     engine_line,
     resolve_rollout,
     rewards_line,
 )
-from trainer.rl.policy_loss import clip_stats, k3_kl, normalised, token_entropy
+from trainer.rl.policy_loss import LOSSES, GroupExtras, k3_kl, token_entropy
 from trainer.rl.rows import scoring_log_probs, tempered_log_probs
 from trainer.runtime.launch import ConfigError
 from trainer.runtime.metrics import step_flops
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo")
-TOKEN_LOSSES = ("dapo", "cispo")  # normalised by the step's completion tokens
-CISPO_EPSILON_HIGH = 5.0  # MiniMind's --epsilon_high for cispo; the clipping losses default to --epsilon (TRL)
-
-
 GROUP_FLAGS = (  # GRPO's group-relative loss, which the agent stage trains with too; TRL's names
     Flag("num_generations", int, 6, "completions per prompt (a group, on one data-parallel rank)"),
-    Flag("loss_type", str, "cispo", "policy loss and its normaliser, as TRL defines them", choices=LOSS_TYPES),
+    Flag("loss_type", str, "cispo", "policy loss, its ratio, normaliser and advantages (trainer/rl/policy_loss.py): "
+         "TRL's grpo, dapo, dr_grpo, bnpo, cispo; gspo (TRL's importance_sampling_level sequence); rloo "
+         "(leave-one-out advantages, TRL's RLOO ratio)",
+         choices=tuple(LOSSES)),
     Flag("beta", float, 0.1, "weight of the k3 KL to the reference (the starting weights); 0 loads no reference"),
-    Flag("epsilon", float, 0.2, "lower clip of the ratio: 1 - epsilon"),
+    Flag("epsilon", float, None, "lower clip of the ratio: 1 - epsilon (default: 3e-4 for gspo, 0.2 otherwise)"),
     Flag("epsilon_high", float, None, "upper clip of the ratio: 1 + epsilon_high (cispo: the ratio's cap; default: "
-         "5.0 for cispo, --epsilon otherwise)"),
+         "5.0 for cispo, 4e-4 for gspo, --epsilon otherwise)"),
     Flag("num_iterations", int, 1, "optimizer steps on each rollout (> 1: the ratio moves from 1 and clipping acts)"),
 )
 
@@ -80,17 +73,21 @@ class GRPOPlan(RolloutPlan):
 
 def resolve_group(args):
     """The checked group-loss fields (GRPO's, the agent stage's) as a dict; ConfigError (one line) on bad input."""
-    for name in ("num_generations", "num_iterations"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1 (got {getattr(args, name)})")
-    check_positive(args, "beta", zero=True)
-    check_positive(args, "epsilon")
-    epsilon_high = args.epsilon_high if args.epsilon_high is not None else (
-        CISPO_EPSILON_HIGH if args.loss_type == "cispo" else args.epsilon)
-    if not (math.isfinite(epsilon_high) and epsilon_high > 0):
-        raise ConfigError(f"--epsilon_high must be a positive number (got {epsilon_high})")
+    if args.num_generations < 2:  # one completion is its own group's mean: advantage 0, loss 0 all run (TRL: >= 2)
+        raise ConfigError(f"--num_generations must be at least 2 (got {args.num_generations}): the advantages "
+                          "compare a prompt's completions with each other")
+    if args.num_iterations < 1:
+        raise ConfigError(f"--num_iterations must be at least 1 (got {args.num_iterations})")
+    if not (math.isfinite(args.beta) and args.beta >= 0):
+        raise ConfigError(f"--beta must be a non-negative number (got {args.beta})")
+    variant = LOSSES[args.loss_type]
+    epsilon = variant.epsilon if args.epsilon is None else args.epsilon
+    epsilon_high = args.epsilon_high if args.epsilon_high is not None else variant.epsilon_high or epsilon
+    for name, value in (("epsilon", epsilon), ("epsilon_high", epsilon_high)):
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--{name} must be a positive number (got {value})")
     return dict(num_generations=args.num_generations, beta=float(args.beta), loss_type=args.loss_type,
-                epsilon=float(args.epsilon), epsilon_high=float(epsilon_high), num_iterations=args.num_iterations)
+                epsilon=float(epsilon), epsilon_high=float(epsilon_high), num_iterations=args.num_iterations)
 
 
 def resolve_grpo(args, plan):
@@ -120,17 +117,20 @@ class GRPOObjective(RolloutObjective):
 
     def __init__(self, stage, plan, dims, engine, tokenizer, functions, weights, reference=(None, None)):
         super().__init__(stage, plan, dims, engine, tokenizer, functions, weights, reference)
-        self.items_are_tokens = stage.loss_type in TOKEN_LOSSES
-        clip = ("cispo_clip_sum",) if stage.loss_type == "cispo" else ("clip_low_sum", "clip_high_sum",
-                                                                       "clip_region_sum")
+        self.variant = LOSSES[stage.loss_type]
+        self.advantages_of = self.variant.advantages
+        self.items_are_tokens = self.variant.normaliser.items is target_tokens
+        # the extras each micro-batch carries, by name: the others are absent (None) under these flags
+        self.extra_fields = ("advantages", "row_stats", *(("reference",) if stage.beta else ()),
+                             *(("old_log_probs",) if stage.num_iterations > 1 else ()))
         self.row_stat_names = (*ROW_STATS, *(f"rewards/{n}" for n in self.reward_names))  # the row stats' columns
-        self.stat_names = ("rows", "tokens", *self.row_stat_names, "entropy_sum", *clip,
+        self.stat_names = ("rows", "tokens", *self.row_stat_names, "entropy_sum", *self.variant.clips.stats,
                            *(("kl_sum",) if stage.beta else ()))
 
     # ------------------------------------------------------------------ the step's micro-batches
     def prepare(self, trainer, micro_batches):
         """Roll out this step's prompts (or reuse the last rollout within its num_iterations) into micro-batches
-        (input_ids, labels, extra) of completion rows."""
+        (input_ids, labels, GroupExtras) of completion rows."""
         step = trainer.progress.global_step
         if self.buffer is None or step % self.stage.num_iterations == 0:
             self.buffer = self.roll_out(trainer, micro_batches, step)
@@ -142,21 +142,23 @@ class GRPOObjective(RolloutObjective):
         stage, plan = self.stage, self.plan
         rolled = self.roll_out_rows(trainer, micro_batches, step)
         rows = [row for row, _, _ in rolled]
-        extras = [[advantages[:, None], row_stats] for _, advantages, row_stats in rolled]
-        if stage.beta:
-            for extra, values in zip(extras, scoring_log_probs(*self.reference, rows, plan, stage.temperature)):
-                extra.append(values)
-        if stage.num_iterations > 1:  # the generating policy's log-probs, for the ratio of the later iterations
-            for extra, values in zip(extras, scoring_log_probs(trainer.model_parts, trainer.pipeline, rows, plan,
-                                                               stage.temperature)):
-                extra.append(values)
-        return [(ids, labels, tuple(extra)) for (ids, labels), extra in zip(rows, extras)]
+        none = [None] * len(rows)
+        reference = scoring_log_probs(*self.reference, rows, plan, stage.temperature) if stage.beta else none
+        # the generating policy's log-probs, for the ratio of the later iterations
+        old = (scoring_log_probs(trainer.model_parts, trainer.pipeline, rows, plan, stage.temperature)
+               if stage.num_iterations > 1 else none)
+        return [(ids, labels, GroupExtras(advantages[:, None], row_stats, ref, old_log_probs))
+                for ((ids, labels), advantages, row_stats), ref, old_log_probs in zip(rolled, reference, old)]
+
+    def unpack(self, batch):
+        """The micro-batch's present extras only (a pipeline schedule carries tensors, never None)."""
+        input_ids, labels, extra = batch
+        return input_ids, labels, None, tuple(t for t in extra if t is not None)
 
     def count(self, labels, extra):
         """This micro-batch's share of the step's normaliser: completion tokens (dapo, cispo), completions (grpo,
-        dr_grpo) or one micro-batch (bnpo)."""
-        loss_type = self.stage.loss_type
-        return target_tokens(labels) if loss_type in TOKEN_LOSSES else 1 if loss_type == "bnpo" else labels.shape[0]
+        dr_grpo, gspo, rloo) or one micro-batch (bnpo)."""
+        return self.variant.normaliser.items(labels)
 
     # ------------------------------------------------------------------ the loss
     def loss(self, model, input_ids, targets, position_ids, extra, num_items):
@@ -169,25 +171,22 @@ class GRPOObjective(RolloutObjective):
 
     def policy_loss(self, logits, targets, extra, num_items):
         """(this micro-batch's share of the step's loss, stats) from the policy's logits (N, L, V)."""
-        stage = self.stage
-        advantages, row_stats = extra[0], extra[1]
+        stage, variant = self.stage, self.variant
+        extra = GroupExtras.of(extra, self.extra_fields)
         mask = (targets != -100).float()
         log_probs = tempered_log_probs(logits, targets, stage.temperature)
-        old = extra[-1] if stage.num_iterations > 1 else log_probs.detach()
-        ratio = torch.exp((log_probs - old) * mask)
-        if stage.loss_type == "cispo":
-            per_token = -torch.clamp(ratio, max=stage.epsilon_high).detach() * advantages * log_probs
-        else:
-            clipped = torch.clamp(ratio, 1 - stage.epsilon, 1 + stage.epsilon_high)
-            per_token = -torch.min(ratio * advantages, clipped * advantages)
+        old = extra.old_log_probs if extra.old_log_probs is not None else log_probs.detach()
+        ratio = variant.ratio(log_probs, old, mask)
+        per_token = variant.surrogate(ratio, extra.advantages, log_probs, stage.epsilon, stage.epsilon_high)
         if stage.beta:
-            kl = k3_kl(extra[2], log_probs)
+            kl = k3_kl(extra.reference, log_probs)
             per_token = per_token + stage.beta * kl
-        loss = normalised(per_token * mask, mask, stage.loss_type, num_items, stage.max_gen_len)
+        loss = variant.normaliser.reduce(per_token * mask, mask, num_items, stage.max_gen_len)
         stats = dict(rows=torch.tensor(float(mask.shape[0])), tokens=mask.sum().detach(),
                      entropy_sum=(token_entropy(logits, stage.temperature) * mask).sum())
-        stats.update(zip(self.row_stat_names, row_stats.sum(0)))
-        stats.update(clip_stats(ratio.detach(), advantages, mask, stage))
+        stats.update(zip(self.row_stat_names, extra.row_stats.sum(0)))
+        weight = torch.ones_like(ratio) if variant.sequence_ratio else mask  # a sequence ratio counts completions
+        stats.update(variant.clips.sums(ratio.detach(), extra.advantages, weight, stage.epsilon, stage.epsilon_high))
         if stage.beta:
             stats["kl_sum"] = (kl.detach() * mask).sum()
         return loss, stats
@@ -201,11 +200,9 @@ class GRPOObjective(RolloutObjective):
         out["entropy"] = stats["entropy_sum"] / tokens
         if self.stage.beta:
             out["kl"] = stats["kl_sum"] / tokens
-        if self.stage.loss_type == "cispo":
-            out["cispo_clip_ratio"] = stats["cispo_clip_sum"] / tokens
-        else:
-            for side in ("low", "high", "region"):
-                out[f"clip_ratio/{side}_mean"] = stats[f"clip_{side}_sum"] / tokens
+        clipped_of = max(stats["rows"], 1.0) if self.variant.sequence_ratio else tokens  # TRL's: per completion
+        for stat, record in zip(self.variant.clips.stats, self.variant.clips.records):
+            out[record] = stats[stat] / clipped_of
         return {**out, **self.rollout_record()}
 
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):

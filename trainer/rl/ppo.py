@@ -34,12 +34,11 @@ from trainer.rl.base import (
     RolloutObjective,
     RolloutPlan,
     check_positions,
-    check_positive,
     engine_line,
     resolve_rollout,
     rewards_line,
 )
-from trainer.rl.policy_loss import gae, last_token_positions, token_entropy, unbiased_var, value_loss
+from trainer.rl.policy_loss import PPOExtras, gae, last_token_positions, token_entropy, unbiased_var, value_loss
 from trainer.rl.rows import scoring_forward, scoring_log_probs, tempered_log_probs
 from trainer.runtime.launch import ConfigError, world_sum
 from trainer.runtime.metrics import step_flops
@@ -110,10 +109,12 @@ def resolve_ppo(args, plan):
     """Check PPO's flags against the TrainPlan; ConfigError (one line) on bad input."""
     if args.ppo_update_iters < 1:
         raise ConfigError(f"--ppo_update_iters must be at least 1 (got {args.ppo_update_iters})")
-    for name in ("clip_epsilon", "cliprange_value"):
-        check_positive(args, name)
+    for name in ("clip_epsilon", "cliprange_value"):  # plain checks, as trainer/plan/checks.py check_numbers
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")
     for name in ("vf_coef", "kl_coef", "early_stop_kl"):
-        check_positive(args, name, zero=True)
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            raise ConfigError(f"--{name} must be a non-negative number (got {getattr(args, name)})")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"--{name} must lie in [0, 1] (got {getattr(args, name)})")
@@ -206,7 +207,8 @@ class PPOObjective(RolloutObjective):
         kl = tokens = 0.0
         for log_probs, (_, labels, extra) in zip(current, self.buffer):
             mask = (step_targets(labels) != -100).float()
-            kl, tokens = kl + float(0.5 * ((log_probs - extra[3]) ** 2 * mask).sum()), tokens + float(mask.sum())
+            old = PPOExtras(*extra).old_log_probs
+            kl, tokens = kl + float(0.5 * ((log_probs - old) ** 2 * mask).sum()), tokens + float(mask.sum())
         kl, tokens = world_sum([kl, tokens] if self.dims.counts_items else [0.0, 0.0], self.plan.layout.device)
         stop = kl / max(tokens, 1.0) > self.stage.early_stop_kl
         self.early_stops += stop
@@ -223,7 +225,7 @@ class PPOObjective(RolloutObjective):
         parts = [self.advantages(labels, both, ref, row_stats)
                  for (_, labels), (_, _, row_stats), both, ref in zip(rows, rolled, old, reference)]
         mean, inv_std = self.whitening([(adv, mask) for adv, mask, *_ in parts])
-        return [(ids, labels, ((adv - mean) * inv_std * mask, returns, values, log_probs, stats))
+        return [(ids, labels, PPOExtras((adv - mean) * inv_std * mask, returns, values, log_probs, stats))
                 for (ids, labels), (adv, mask, returns, values, log_probs, stats) in zip(rows, parts)]
 
     def log_probs_and_values(self, logits, targets):
@@ -267,7 +269,7 @@ class PPOObjective(RolloutObjective):
     def ppo_loss(self, logits, values, targets, extra, num_items):
         """(this micro-batch's share of the step's loss, stats) from the policy's logits (N, L, V) and values (N, L)."""
         stage = self.stage
-        advantages, returns, old_values, old_log_probs, row_stats = extra
+        advantages, returns, old_values, old_log_probs, row_stats = PPOExtras(*extra)  # a pipeline's plain tuple too
         mask = (targets != -100).float()
         log_probs = tempered_log_probs(logits, targets, stage.temperature)
         old = log_probs.detach() if self.updates == 1 else old_log_probs  # a fresh rollout: ratio exactly 1

@@ -2,7 +2,8 @@
 
 prompts: each row's prompt messages (a list of {"role", "content"} dicts); completions: each completion as
 TRL's conversational format, [{"role": "assistant", "content": text}]; columns: the data row's other columns, one
-list per name. A None in the returned list means "no reward from this function for this row" (counted as 0).
+list per name. A None in the returned list means "no reward from this function for this row" (counted as 0); a NaN
+or an infinity, an exception or a wrong count stops the run with a line naming the function (RewardFailed).
 - `--reward rule`: MiniMind's rule terms, offline: a length term, the think format, a repetition penalty.
 - `--reward_model PATH`: a local Hugging Face AutoModelForSequenceClassification; its first logit scores the
   prompt and the completion rendered by its own tokenizer's chat template.
@@ -112,14 +113,35 @@ def reward_name(fn):
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+class RewardFailed(Exception):
+    """A reward function raised, returned the wrong count, or returned NaN or an infinity: the message names it."""
+
+
+def function_values(fn, prompts, completions, columns):
+    """(N,) float32 values of one reward function, NaN for its Nones (TRL's "no reward here"); RewardFailed naming
+    the function when it raises, returns another count, or returns a NaN or an infinity (which would train as 0 or
+    swamp every other reward)."""
+    name, count = reward_name(fn), len(completions)
+    try:
+        raw = list(fn(prompts=prompts, completions=completions, **columns))
+        values = torch.tensor([float("nan") if v is None else float(v) for v in raw], dtype=torch.float32)
+    except Exception as e:  # the user's function: whatever it raises is reported with its name
+        raise RewardFailed(f"reward function {name} raised {type(e).__name__}: {e}") from e
+    if len(raw) != count:
+        raise RewardFailed(f"reward function {name} returned {len(raw)} values for {count} completions")
+    given = torch.tensor([v is not None for v in raw], dtype=torch.bool)
+    non_finite = int((given & ~torch.isfinite(values)).sum())  # a float32 overflow (above 3.4e38) counts too
+    if non_finite:
+        raise RewardFailed(f"reward function {name} returned {non_finite} non-finite values (NaN or infinite) of "
+                           f"{count}: return finite numbers, or None for no reward")
+    return values
+
+
 def score(functions, weights, prompts, completions, columns):
-    """(total (N,), per function (N, F)) float32 rewards; a function's None counts 0 (TRL's nansum)."""
+    """(total (N,), per function (N, F)) float32 rewards; a function's None counts 0 (TRL's nansum); RewardFailed
+    naming the function on a failure (see function_values)."""
     per_function = torch.zeros(len(completions), len(functions))
     for k, fn in enumerate(functions):
-        values = fn(prompts=prompts, completions=completions, **columns)
-        if len(values) != len(completions):
-            raise ValueError(f"reward function {reward_name(fn)} returned {len(values)} values for "
-                             f"{len(completions)} completions")
-        per_function[:, k] = torch.tensor([float("nan") if v is None else float(v) for v in values])
+        per_function[:, k] = function_values(fn, prompts, completions, columns)
     total = (per_function.nan_to_num(0.0) * torch.tensor(weights, dtype=torch.float32)).sum(1)
     return total, per_function.nan_to_num(0.0)

@@ -238,7 +238,7 @@ class HttpEngine:
         step = trainer.progress.global_step
         if self.synced_step == step:
             return
-        pp_group = self.dims.group("pp") if self.dims.pp > 1 else None
+        pp_group = self.dims.group("pp") if self.dims.size("pp") > 1 else None
         state = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
         if is_main_process():
             folder = os.path.abspath(self.folder)
@@ -275,11 +275,11 @@ class HttpEngine:
     def generate(self, model_parts, prompt_ids, prompt_lengths, num_generations, seed):
         dims = self.dims
         rollout = [self.request(prompt_ids, prompt_lengths, num_generations, seed)
-                   if dims.tp_rank == 0 and dims.pp_rank == 0 else None]
-        if dims.pp > 1 and dims.tp_rank == 0:  # first along the pipeline, then across each stage's tp group
-            dist.broadcast_object_list(rollout, src=dist.get_global_rank(dims.pp_group, 0), group=dims.pp_group)
-        if dims.tp > 1:
-            dist.broadcast_object_list(rollout, src=dist.get_global_rank(dims.tp_group, 0), group=dims.tp_group)
+                   if dims.rank("tp") == 0 and dims.rank("pp") == 0 else None]
+        if dims.size("pp") > 1 and dims.rank("tp") == 0:  # first along the pipeline, then across each stage's tp group
+            dist.broadcast_object_list(rollout, src=dist.get_global_rank(dims.group("pp"), 0), group=dims.group("pp"))
+        if dims.size("tp") > 1:
+            dist.broadcast_object_list(rollout, src=dist.get_global_rank(dims.group("tp"), 0), group=dims.group("tp"))
         return rollout[0]
 
 

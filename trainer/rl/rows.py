@@ -14,31 +14,30 @@ import torch
 from trainer.core.batches import autocast, pipeline_forward_only, step_targets
 from trainer.core.log_probs import token_log_probs
 from trainer.parallel.tensor import tp_loss_context
+from trainer.rl.policy_loss import group_advantages
 from trainer.rl.rewards import score
 
 
-def group_advantages(rewards, num_generations):
-    """(advantages, group std per row): (r - group mean) / (group std + 1e-4), std over the group's G rewards
-    (population std, MiniMind's: 0 for G = 1, where TRL's sample std would be undefined)."""
-    groups = rewards.view(-1, num_generations)
-    std = groups.std(dim=1, unbiased=False)
-    advantages = (groups - groups.mean(dim=1, keepdim=True)) / (std[:, None] + 1e-4)
-    return advantages.reshape(-1), std.repeat_interleave(num_generations)
-
-
-def training_rows(rollout, pad_id, length=None):
-    """(input_ids, labels) (N, length): each completion after its prompt's tokens, right-padded; labels are the
-    completion tokens (EOS included) where they stand, -100 elsewhere. length None: the longest row."""
-    prompt_lengths, completion_lengths = rollout.prompt_lengths.tolist(), rollout.completion_lengths.tolist()
-    width = rollout.prompt_ids.shape[1]
-    length = length or max(p + c for p, c in zip(prompt_lengths, completion_lengths))
-    input_ids = torch.full((len(prompt_lengths), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(prompt_lengths), length), -100, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
-        input_ids[i, :p] = rollout.prompt_ids[i, width - p:]
-        input_ids[i, p:p + c] = rollout.completion_ids[i, :c]
-        labels[i, p:p + c] = rollout.completion_ids[i, :c]
+def training_rows(sequences, pad_id, length=None):
+    """(input_ids, labels) (N, length) of (token ids, scored flags) pairs, one per row: the ids right-padded, labels
+    the scored tokens where they stand (a completion's, an episode's sampled turns), -100 elsewhere (the prompt, tool
+    answers, padding). length None: the longest row."""
+    length = length or max(len(ids) for ids, _ in sequences)
+    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    labels = torch.full((len(sequences), length), -100, dtype=torch.long)
+    for i, (ids, scored) in enumerate(sequences):
+        ids = torch.as_tensor(ids, dtype=torch.long)
+        input_ids[i, :len(ids)] = ids
+        labels[i, :len(ids)] = torch.where(torch.as_tensor(scored, dtype=torch.bool), ids, -100)
     return input_ids, labels
+
+
+def rollout_sequences(rollout):
+    """Each completion after its prompt's tokens (left padding dropped), the completion's tokens (EOS included)
+    scored: training_rows' input."""
+    width = rollout.prompt_ids.shape[1]
+    return [(torch.cat([rollout.prompt_ids[i, width - p:], rollout.completion_ids[i, :c]]), [False] * p + [True] * c)
+            for i, (p, c) in enumerate(zip(rollout.prompt_lengths.tolist(), rollout.completion_lengths.tolist()))]
 
 
 def decode_completions(tokenizer, rollout):
@@ -57,13 +56,15 @@ def reward_columns(rows, num_generations):
     return prompts, {name: [row.get(name) for row in parsed] for name in names}
 
 
-def score_completions(completions, lengths, truncated, rows, functions, weights, num_generations):
+def score_completions(completions, lengths, truncated, rows, functions, weights, num_generations,
+                      advantages_of=group_advantages):
     """(advantages (N,), row stats (N, 5 + F)) of scored completions (TRL's conversational form, a prompt's
     num_generations adjacent): per row reward, group std, zero-std flag, length, truncated flag, then each reward
-    function's value (the record's reward, reward_std, frac_reward_zero_std, completions/*, rewards/<fn>/mean)."""
+    function's value (the record's reward, reward_std, frac_reward_zero_std, completions/*, rewards/<fn>/mean).
+    advantages_of: the loss variant's estimator (trainer/rl/policy_loss.py)."""
     prompts, columns = reward_columns(rows, num_generations)
     rewards, per_function = score(functions, weights, prompts, completions, columns)
-    advantages, std = group_advantages(rewards, num_generations)
+    advantages, std = advantages_of(rewards, num_generations)
     stats = torch.stack([rewards, std, (std == 0).float(), lengths.float(), truncated.float()], dim=1)
     return advantages, torch.cat([stats, per_function], dim=1)
 

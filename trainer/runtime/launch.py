@@ -75,6 +75,12 @@ def local_value(t):
     t = t.detach()
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+def add_stats(total, stats):
+    """Sum an objective's per-micro-batch stats (tensors, detached here) into `total`, name by name."""
+    for name, value in stats.items():
+        total[name] = total.get(name, 0.0) + local_value(value)
+    return total
+
 
 def backend_for(device):
     """The process group's backend for the plan's device: NCCL moves CUDA tensors, gloo CPU ones. The device decides,
@@ -138,8 +144,8 @@ def world_sum(values, device):
 
 
 def count_sum(value, replicas=1):
-    """Sum an int (or a list of ints) held on every rank over all ranks, on the CPU (no device sync); `replicas`: how
-    many ranks hold the same value of one data-parallel rank (tp x pp x cp), so the result is the sum over dp."""
+    """Sum an int (or a list of ints) held on every rank over all ranks, on the CPU (no device sync); `replicas`:
+    how many ranks hold the same value of one data-parallel rank (Layout.copies_of_data): the result sums over dp."""
     values = value if isinstance(value, (list, tuple)) else [value]
     if dist.is_initialized():
         t = torch.tensor(values, dtype=torch.int64)

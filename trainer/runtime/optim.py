@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from trainer.parallel.data import build_optimizer as build_data_parallel_optimizer
+from trainer.parallel.data import data_parallel_optimizer
 from trainer.parallel.state_dict import clean_fqn
 from trainer.plan.schema import Flag, fill, flag
 from trainer.runtime.launch import ConfigError, local_tensor
@@ -88,8 +88,8 @@ def build_optimizer(model_parts, plan, dims):
     layout = plan.layout
     fused = (layout.device.startswith("cuda") and not layout.has_dtensor) if plan.optim.name == "adamw" else None
     optimizer_class, kwargs = plan.optim.kwargs(fused)
-    return build_data_parallel_optimizer(params, plan.lr.peak, plan.layout.zero_stage, dims.group("dp_cp"),
-                                         optimizer_class=optimizer_class, **kwargs)
+    return data_parallel_optimizer(params, plan.lr.peak, plan.layout.zero_stage, dims.group("dp_cp"),
+                                   optimizer_class=optimizer_class, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------- norms

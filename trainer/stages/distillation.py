@@ -18,6 +18,7 @@ from model.provenance import content_sha256
 from model.weight_shapes import WeightsError, weight_fields
 from trainer.ckpt.weight_flags import weights_line
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights
+from trainer.core.log_probs import log_softmax
 from trainer.core.objective import LMObjective
 from trainer.core.stage import SFTStage
 from trainer.parallel.context import apply_context_parallel
@@ -272,15 +273,6 @@ def full_distillation(logits, teacher_logits, targets, alpha, temperature):
     kl_sum = (per_token.sum(-1) * mask).sum()
     ce_sum, kl_sum = local(ce_sum), local(kl_sum)
     return alpha * ce_sum + (1 - alpha) * temperature ** 2 * kl_sum, ce_sum.detach(), kl_sum.detach()
-
-
-def log_softmax(logits):
-    """log_softmax over the last dimension; on vocab-sharded DTensors spelt out in reductions that DTensor shards
-    (loss_parallel's own log_softmax has a backward that is right only when nll_loss follows it)."""
-    if not isinstance(logits, DTensor):
-        return torch.log_softmax(logits, dim=-1)
-    shifted = logits - logits.detach().amax(-1, keepdim=True)
-    return shifted - shifted.exp().sum(-1, keepdim=True).log()
 
 
 def local(t):

@@ -127,8 +127,8 @@ def reference_log_probs(model_parts, pipeline, ds, plan, dims, objective):
     or one micro-batch; every rank runs the same number of batches (data-parallel wrappers gather in forward)."""
     n, rows = len(ds), plan.data.micro_batch * (plan.data.num_microbatches if pipeline is not None else 1)
     share = -(-n // plan.layout.dp)
-    positions = dims.dp_rank * share + np.arange(-(-share // rows) * rows)
-    keep = (positions < min(n, (dims.dp_rank + 1) * share)) & dims.counts_items  # who holds a pair's value
+    positions = dims.rank("dp") * share + np.arange(-(-share // rows) * rows)
+    keep = (positions < min(n, (dims.rank("dp") + 1) * share)) & dims.counts_items  # who holds a pair's value
     values = torch.zeros(n, 2, dtype=torch.float64)
     for start in tqdm(range(0, len(positions), rows), desc="reference log-probs", unit="batch", delay=1,
                       disable=not is_main_process(), dynamic_ncols=True):  # its own bar, with ETA, before training

@@ -1,0 +1,166 @@
+"""scripts/eval_bench.py: lm-eval on our model object, offline, on a multiple-choice task written here (YAML + JSONL
+in tmp_path); its accuracies equal a hand computation from our model's log-likelihoods, and the HF export scores the
+same."""
+import json
+import os
+import socket
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from model.hf_convert import save_hf_folder
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import save_weights_file
+from scripts.eval_bench import INSTALL, MINIMIND_TASKS, main
+from tests.launch import ROOT
+
+lm_eval = pytest.importorskip("lm_eval")  # requirements.txt installs it; a bare environment skips, naming it
+
+DOCS = [
+    {"question": "The sky on a clear day is", "choices": ["blue", "green", "a wooden table"], "label": 0},
+    {"question": "Two plus two equals", "choices": ["four", "five"], "label": 0},
+    {"question": "Python is a programming", "choices": ["snake", "language", "river", "city"], "label": 1},
+    {"question": "Water freezes at zero degrees", "choices": ["Celsius", "Fahrenheit"], "label": 0},
+    {"question": "The capital of France is", "choices": ["Paris", "Berlin", "Rome"], "label": 0},
+    {"question": "A cat says", "choices": ["meow", "moo", "quack"], "label": 0},
+]
+TASK_YAML = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+SHAPE = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2"]
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No connection leaves the machine: any socket connect other than loopback or a unix socket fails the test."""
+    real_connect = socket.socket.connect
+
+    def connect(sock, address):
+        host = address[0] if isinstance(address, tuple) else None
+        if host not in (None, "127.0.0.1", "::1", "localhost"):
+            raise AssertionError(f"network access to {address} during an offline test")
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def write_task(folder):
+    folder.mkdir()
+    data = folder / "tiny_mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (folder / "tiny_mc.yaml").write_text(TASK_YAML.format(data=data))
+    return folder
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    return MiniMindForCausalLM(config).eval()
+
+
+def choice_loglikelihoods(model, tokenizer, doc):
+    """sum log p(continuation tokens | context) per choice, continuation = " " + choice: the tokens of context +
+    continuation after those of the context alone (lm-eval's split), from one full forward in float64."""
+    context = f"Question: {doc['question']}\nAnswer:"
+    context_ids = tokenizer(context).input_ids
+    scores = []
+    for choice in doc["choices"]:
+        whole = tokenizer(context + " " + choice).input_ids
+        assert whole[:len(context_ids)] == context_ids
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), dim=-1)
+        scores.append(sum(logp[t - 1, whole[t]].item() for t in range(len(context_ids), len(whole))))
+    return scores
+
+
+def hand_accuracies(model, tokenizer, docs):
+    """acc: argmax log-likelihood is the label; acc_norm: argmax of log-likelihood / len(choice) in characters."""
+    acc = acc_norm = 0
+    for doc in docs:
+        scores = choice_loglikelihoods(model, tokenizer, doc)
+        ranked = sorted(scores)
+        assert ranked[-1] - ranked[-2] > 1e-3  # no near tie: fp32 batching in lm-eval cannot flip the choice
+        norm = [s / len(c) for s, c in zip(scores, doc["choices"])]
+        acc += scores.index(max(scores)) == doc["label"]
+        acc_norm += norm.index(max(norm)) == doc["label"]
+    return acc / len(docs), acc_norm / len(docs)
+
+
+def test_scores_equal_a_hand_computation_from_our_log_likelihoods(tmp_path, offline, capsys):
+    model = tiny_model()
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    save_weights_file(model.state_dict(), model.config, str(tmp_path / "pretrain_64.pth"))
+    tasks = write_task(tmp_path / "tasks")
+    argv = ["--weight", str(tmp_path / "pretrain_64.pth"), "--tasks", "tiny_mc", "--include_path", str(tasks),
+            "--out_dir", str(tmp_path / "report"), "--device", "cpu", "--batch_size", "4", *SHAPE]
+    (row,) = main(argv)
+    acc, acc_norm = hand_accuracies(model, tokenizer, DOCS)
+    assert (row["acc"], row["acc_norm"], row["samples"]) == (acc, acc_norm, len(DOCS))
+    assert 0 < acc < 1  # the check can tell a wrong choice from a right one
+    written = json.loads((tmp_path / "report" / "pretrain_64.json").read_text())
+    assert written["scores"][0]["acc"] == acc and written["tasks"] == ["tiny_mc"]
+    table = (tmp_path / "report" / "pretrain_64.md").read_text()
+    assert f"| tiny_mc | {100 * acc:.2f} | {100 * acc_norm:.2f} | {len(DOCS)} |" in table
+    assert table in capsys.readouterr().out
+    assert (tmp_path / "report" / "pretrain_64.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # --limit 3: the first three documents; the HF export (transformers' Qwen3) scores what our model scores
+    save_hf_folder(model.state_dict(), model.config, str(tmp_path / "hf"), torch.float32)
+    tokenizer.save_pretrained(str(tmp_path / "hf"))
+    (row,) = main(["--load_from", str(tmp_path / "hf"), "--tasks", "tiny_mc", "--include_path", str(tasks),
+                   "--out_dir", str(tmp_path / "report"), "--device", "cpu", "--limit", "3", "--name", "hf"])
+    assert (row["acc"], row["acc_norm"], row["samples"]) == (*hand_accuracies(model, tokenizer, DOCS[:3]), 3)
+    assert (tmp_path / "report" / "hf.png").is_file()
+
+
+@pytest.mark.parametrize("argv, message, code", [
+    # an unknown name makes the script index lm-eval's own tasks (~30 s of CPU): the slow lane
+    pytest.param(["--tasks", "no_such_task"], "--tasks: no_such_task is not an lm-eval task or group", 2,
+                 marks=pytest.mark.slow),
+    (["--tasks", "tiny_mc", "--limit", "2.5"], "--limit must be a whole number of documents or a fraction", 2),
+    (["--tasks", " , "], "--tasks is empty", 2),
+])
+def test_bad_input_is_one_error_line(tmp_path, offline, capsys, argv, message, code):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--include_path", str(write_task(tmp_path / "tasks")), "--weight", str(tmp_path / "x.pth")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == code and err.startswith("error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.slow  # indexes lm-eval's thousands of task files (~30 s of CPU)
+def test_minimind_tasks_are_lm_eval_names():
+    """The seven names exist in the installed lm-eval (tasks or groups), so --tasks minimind runs as is."""
+    from lm_eval.tasks import TaskManager  # the optional dependency, as the script imports it
+    manager = TaskManager()
+    known = set(manager.all_tasks) | set(manager.all_groups)
+    assert set(MINIMIND_TASKS) <= known, set(MINIMIND_TASKS) - known
+
+
+def test_missing_lm_eval_is_one_line_naming_the_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # what `import lm_eval` meets where it is not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tasks", "piqa"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 3 and err.startswith("error: lm-eval is not installed") and "\n" not in err
+    assert err.endswith(INSTALL) and INSTALL.startswith("pip install 'lm-eval")
