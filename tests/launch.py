@@ -224,6 +224,31 @@ def forked(script, args, nproc=1, timeout=300, env=None, cwd=ROOT, torchrun_env=
     return subprocess.CompletedProcess([script, *map(str, args)], code, outputs["out"], outputs["err"])
 
 
+def forked_nodes(script, args_by_node, timeout=300):
+    """One rank per 'node', each with its own arguments (e.g. a --checkpoint_dir of its own: nodes that do not share
+    a directory), forked as forked() does; returns (exit code, [stdout of each rank], [stderr of each rank])."""
+    path = os.path.join(ROOT, script)
+    _import_script_modules(path)
+    port, log_dir, nodes = free_port(), tempfile.mkdtemp(), len(args_by_node)
+    processes = []
+    for rank, args in enumerate(args_by_node):
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(nodes),
+                   LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   TORCHELASTIC_RESTART_COUNT="0")
+        base = os.path.join(log_dir, str(rank))
+        processes.append(_start(path, args, env, ROOT, base + ".out", base + ".err"))
+    try:
+        code = _wait_ranks(processes, timeout)
+    finally:
+        for p in processes:
+            p.kill()
+            p.join()
+    outputs = [[open(os.path.join(log_dir, f"{rank}.{kind}"), errors="replace").read() for rank in range(nodes)]
+               for kind in ("out", "err")]
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return code, outputs[0], outputs[1]
+
+
 def forked_argv(argv, log_path, timeout=300):
     """Run the argv of `python script ...` or `python -m torch.distributed.run [--nproc_per_node N] script ...` with
     forked(), its output appended to log_path; the exit code. Tests put it in place of a script's trainer launcher."""

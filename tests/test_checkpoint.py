@@ -14,17 +14,17 @@ import torch.distributed.checkpoint as dcp
 from model.atomic import atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
-from trainer.ckpt.checkpoint import (
-    MANIFEST,
-    Checkpointer,
-    TrainState,
-    latest_checkpoint,
-    read_checkpoint_model,
-    read_resume,
-)
+from trainer.ckpt.checkpoint import TrainState, read_checkpoint_model, read_resume
+from trainer.ckpt.checkpointer import Checkpointer
+from trainer.ckpt.parts import SHARDED, Part, standard_parts
 from trainer.ckpt.rank_files import rng_state, set_rng_state
+from trainer.ckpt.step_dirs import MANIFEST, latest_checkpoint
+from trainer.core.objective import LMObjective
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
+from trainer.runtime.callbacks import Callbacks
 from trainer.runtime.launch import ConfigError
+
+EMA_START = "EMA starts from the restored weights"
 
 
 def tiny_config(**kw):
@@ -216,3 +216,83 @@ def test_from_resume_a_chosen_step_directory(tmp_path):
         assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
             f"error: --from_resume {bad}: not a complete checkpoint (a step_<N> directory with complete.json); "
             "pass 0, 1, auto or such a directory")
+
+
+def registry_plan(tmp_path):
+    """The plan sections Checkpointer.train_state and read_resume read, for one process."""
+    layout = SimpleNamespace(world_size=1, dp=1, tp=1, pp=1, cp=1, zero_stage=0)
+    io = SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), from_resume="1",
+                         resume_path=None)
+    return SimpleNamespace(io=io, layout=layout, flags={}, stage=SimpleNamespace(resume_fields=dict),
+                           data=SimpleNamespace(global_batch=8, tokenizer_record=None))
+
+
+def ema_part(model, start=EMA_START):
+    """docs/checkpoints.md's example: EMA weights, a sharded part (DCP shards, resharded like the model); a
+    checkpoint without them starts them from the restored weights."""
+    ema = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    def load(ckpt):
+        dcp.load({"ema": ema}, checkpoint_id=ckpt["dcp_path"])
+
+    def begin():
+        for name, p in model.named_parameters():
+            ema[name].copy_(p.detach())
+
+    part = Part("ema", SHARDED, lambda: {"ema": ema}, load, start=start, begin=begin)
+    part.values = ema
+    return part
+
+
+def registered(config, seed, plan):
+    """A trained model and AdamW with the standard parts of a Checkpointer."""
+    model, optimizer = trained(config, seed)
+    scaler, progress = torch.amp.GradScaler("cpu", enabled=False), TrainState(global_step=2, tokens_seen=99)
+    parts = standard_parts([model], optimizer, None, scaler, progress, LMObjective(), Callbacks())
+    return model, optimizer, progress, Checkpointer(plan.io.run_dir, keep=0, parts=parts, plan=plan,
+                                                    config=config)
+
+
+def test_a_part_added_later_starts_from_its_start_value_and_one_without_is_refused(tmp_path, capsys):
+    """A checkpoint saved before a part existed (here: EMA weights, registered by the later run) loads with one note,
+    the part at its start value (the restored weights), everything else exactly as saved; the same without a start
+    value is refused in one line. A checkpoint from before parts were listed (no "parts" key) reads as the legacy
+    set. A part saved and restored round-trips bitwise, also when it is registered after the load."""
+    config, plan = tiny_config(), registry_plan(tmp_path)
+    model, optimizer, _, old = registered(config, 0, plan)
+    old.save(2)
+    path = str(tmp_path / "pretrain_64" / "step_2")
+    saved = torch.load(os.path.join(path, "train_state.pt"), weights_only=True)
+    assert saved["parts"] == {"model": "sharded", "rng": "per rank", "objective": "per rank",
+                              "powersgd": "per rank", "scaler": "rank 0", "train_state": "rank 0",
+                              "callbacks": "rank 0"}
+    atomic_save({k: v for k, v in saved.items() if k != "parts"}, os.path.join(path, "train_state.pt"))  # legacy
+
+    fresh, fresh_optimizer, progress, new = registered(config, 1, plan)
+    ema = ema_part(fresh)
+    new.register(ema)
+    capsys.readouterr()
+    new.load(read_resume(config, plan))
+    assert f"note: {path} holds no 'ema' state (saved before that part existed); {EMA_START}" in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert progress == TrainState(global_step=2, tokens_seen=99)
+    assert all(torch.equal(ema.values[n], p) for n, p in model.named_parameters())  # the start value
+    for (name, a), b in zip(optimizer.state_dict()["state"].items(), fresh_optimizer.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+    strict, *_, refusing = registered(config, 1, plan)
+    refusing.register(ema_part(strict, start=None))
+    with pytest.raises(ConfigError) as refused:
+        refusing.load(read_resume(config, plan))
+    assert str(refused.value) == (f"{path} holds no 'ema' state (saved before that part existed) and it has no start "
+                                  "value, so the run cannot continue exactly; resume with the trainer that saved it, "
+                                  "or pass --from_resume 0 --overwrite 1 to start over")
+
+    for values in ema.values.values():
+        values.mul_(0.5)  # EMA weights unlike the model's
+    new.save(3)
+    late_model, *_, late = registered(config, 2, plan)
+    late.load(read_resume(config, plan))
+    late_ema = ema_part(late_model)
+    late.register(late_ema)  # after the load: restored at once
+    assert all(torch.equal(late_ema.values[n], v) for n, v in ema.values.items())

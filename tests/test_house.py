@@ -102,6 +102,8 @@ def docs():
 
 
 PATH_MENTION = re.compile(r"(?<![\w/.-])((?:trainer|model|dataset|scripts|tests)/[\w/]*\w\.(?:py|sh))\b")
+# a module named by path then attribute, `trainer/ckpt/checkpoint.Checkpointer`, or a folder, `trainer/parallel/`
+MODULE_MENTION = re.compile(r"`((?:trainer|model|dataset|scripts)/[\w/]*\w)(?=[.:/`])(?!\.(?:jsonl|parquet|json)\b)")
 DOTTED_MENTION = re.compile(r"`(trainer(?:\.\w+)+)`")
 
 
@@ -110,6 +112,10 @@ def test_every_module_the_docs_name_exists():
     for doc, text in docs().items():
         for path in set(PATH_MENTION.findall(text)):
             if not os.path.exists(os.path.join(ROOT, path)):
+                missing.append(f"{doc} names {path}")
+        for path in set(MODULE_MENTION.findall(text)):
+            full = os.path.join(ROOT, path)
+            if not any(os.path.exists(full + end) for end in ("", ".py", ".sh", ".json")):
                 missing.append(f"{doc} names {path}")
         for dotted in set(DOTTED_MENTION.findall(text)):
             parts = dotted.split(".")
@@ -122,6 +128,8 @@ def test_every_module_the_docs_name_exists():
 def test_docs_check_sees_a_missing_module():
     assert PATH_MENTION.findall("see trainer/core/loop.py and trainer/nothing_here.py.") == [
         "trainer/core/loop.py", "trainer/nothing_here.py"]
+    assert MODULE_MENTION.findall("`trainer/dpo_reference.read_cache`, `trainer/parallel/`, `dataset/rlaif.jsonl`") == [
+        "trainer/dpo_reference", "trainer/parallel"]
 
 
 def test_the_map_names_every_folder_and_module():

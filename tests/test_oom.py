@@ -52,7 +52,7 @@ def test_one_rank_out_of_memory_is_one_line_and_the_checkpoint_resumes(tmp_path)
             "bytes. Error code 12 (Cannot allocate memory)): lower --batch_size (now 2;") in line
     assert line.endswith(f"the last complete checkpoint is {ckpt / 'pretrain_64' / 'step_2'}, continue with "
                          "--from_resume 1")
-    assert line in open(out / "logs" / "rank_1.log").read()  # the rank's own log has it, timestamped
+    assert line in open(out / "logs" / "pretrain_64_rank_1.log").read()  # the rank's own log has it, timestamped
     assert [r["step"] for r in read_metrics(str(out / "m.jsonl"))] == [1, 2]
     assert sorted(os.listdir(ckpt / "pretrain_64")) == ["step_2"]  # nothing half-written beside it
     resumed = forked("trainer/train_pretrain.py", [*args, "--from_resume", "1"], nproc=2, timeout=300)

@@ -182,7 +182,7 @@ def test_sharded_layout_resumes_to_the_single_process_losses(name, data, tmp_pat
         proc = forked("trainer/train_pretrain.py", run_args(run, data, dp, [*flags, *layout, *extra]), nproc,
                       timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert f"stopped: --max_tokens {half}" in open(os.path.join(run, "out", "logs", "rank_0.log")).read()
+    assert f"stopped: --max_tokens {half}" in open(os.path.join(run, "out", "logs", "pretrain_64_rank_0.log")).read()
     records = read_metrics(os.path.join(run, "m.jsonl"))
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for got, want in zip(records, reference):

@@ -20,7 +20,7 @@ def test_each_rank_logs_its_own_view_and_a_resume_appends(tmp_path):
     assert proc.stdout.count("Model params") == 1  # printed by rank 0 only
     records = {r["step"]: r for r in read_metrics(str(out / "pretrain_64_metrics.jsonl"))}
     for rank in (0, 1):
-        lines = (out / "logs" / f"rank_{rank}.log").read_text().splitlines()
+        lines = (out / "logs" / f"pretrain_64_rank_{rank}.log").read_text().splitlines()
         assert lines and all(STAMP.match(line) for line in lines)
         text = [line[24:] for line in lines]
         starts = [t for t in text if t.startswith("start: ")]
@@ -32,6 +32,7 @@ def test_each_rank_logs_its_own_view_and_a_resume_appends(tmp_path):
             assert logged["loss"] == records[step]["loss"]
             assert logged["this_rank"]["peak_mem_gb"] == records[step]["peak_mem_gb_per_rank"][rank]
         assert "saved the checkpoint of step 2" in text and text[-1].startswith("Done: 3 steps")
-    proc = forked("trainer/train_pretrain.py", [*args, "--max_steps", "1", "--save_dir", str(tmp_path / "o2"),
-                                                "--log_dir", "none"], timeout=300)
+    elsewhere = ["--save_dir", str(tmp_path / "o2"), "--checkpoint_dir", str(tmp_path / "ckpt2")]
+    proc = forked("trainer/train_pretrain.py", [*args, "--max_steps", "1", *elsewhere, "--log_dir", "none"],
+                  timeout=300)
     assert proc.returncode == 0 and not os.path.exists(tmp_path / "o2" / "logs")

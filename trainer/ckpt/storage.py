@@ -93,7 +93,7 @@ def _is_rank0():
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _from_rank0(value):
+def from_rank0(value):
     """Rank 0's `value` on every rank (a collective without a process group: the value itself)."""
     if not dist.is_initialized():
         return value
@@ -105,7 +105,7 @@ def _from_rank0(value):
 def check_room(directory, needed, last_complete=None):
     """Raise DiskFullError when rank 0 finds less than `needed` bytes free; every rank raises (a collective)."""
     # one decision for all ranks: none may enter the save while another stops
-    line = _from_rank0(room_error(directory, needed, last_complete) if _is_rank0() else None)
+    line = from_rank0(room_error(directory, needed, last_complete) if _is_rank0() else None)
     if line:
         raise DiskFullError(line)
 
@@ -126,7 +126,7 @@ def rank0_write(directory, needed, what, flag, write, last_complete=None):
             failure = e
             full = isinstance(e, DiskFullError)
             outcome = (str(e) if full else f"rank 0 failed writing {what} ({type(e).__name__})", full)
-    outcome = _from_rank0(outcome)
+    outcome = from_rank0(outcome)
     if failure is not None:
         raise failure
     if outcome:

@@ -8,8 +8,12 @@ from typing import Optional
 import torch
 
 from model.model_minimind import MiniMindConfig
-from trainer.ckpt.checkpoint import Checkpointer, TrainState, latest_checkpoint, read_resume, tied_aliases
+from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
+from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.minimind_resume import minimind_resume_path
+from trainer.ckpt.step_dirs import latest_checkpoint
+from trainer.ckpt.parts import standard_parts
+from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import init_model
 from trainer.core.objective import LMObjective
@@ -27,6 +31,7 @@ from trainer.runtime.guard import (
     add_signal_points,
 )
 from trainer.runtime.launch import (
+    ConfigError,
     init_distributed_mode,
     rank,
     setup_seed,
@@ -68,7 +73,7 @@ def setup(args, stage=Stage):
     if model.deterministic:  # read by cuBLAS when CUDA starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     init_distributed_mode(layout.device, layout.dist_init_timeout)
-    open_rank_log(plan.io.log_dir, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
+    open_rank_log(plan.io.log_dir, plan.io.run_name, f"{plan.io.run_name}, rank {rank()} of {layout.world_size}")
     enable_tf32(layout.device, strict=not model.tf32)  # before peak_flops reads the matmul precision
     dims = ParallelDims.build(layout.world_size, device_type=torch.device(layout.device).type, **layout.model_sizes)
     Logger(dims.summary())
@@ -81,13 +86,14 @@ def setup(args, stage=Stage):
 
 
 def check_resume_early(plan):
-    """--from_resume 1 with nothing to resume fails here, before the data is built and tokenized: read_resume says
-    why (ConfigError) at once when no checkpoint is there."""
+    """--from_resume 1 with nothing to resume fails here, before the data is built and tokenized (read_resume's own
+    check comes after them); files only, no collective: every rank sees the same directory and raises the same."""
     io = plan.io
     minimind_path = minimind_resume_path(io.checkpoint_dir, os.path.basename(io.run_dir))
     if io.from_resume == "1" and not io.resume_path and latest_checkpoint(io.run_dir) is None \
             and not os.path.isfile(minimind_path):
-        read_resume(plan.model.config, plan)
+        raise ConfigError(f"--from_resume 1 but {io.run_dir} holds no complete checkpoint; pass --from_resume auto "
+                          "to start fresh when there is none, or 0")
 
 
 def build_model(config, plan, model_state=None, resumed=False):
@@ -104,6 +110,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
 
     objective: what the stage minimises (plan.stage.objective(...), trainer/core/objective.py); None: LMObjective."""
     config = plan.model.config
+    claim_run(plan)  # one run per checkpoint directory; an earlier run's results are not replaced unasked
     ckpt = read_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None, ckpt is not None)  # DCP: in restore
     model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
@@ -119,9 +126,10 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optim.py), ZeRO-1 sharded or not
     scaler = torch.amp.GradScaler(torch.device(plan.layout.device).type, enabled=plan.model.dtype == torch.float16)
     progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
-    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=dict(
-        model_parts=model_parts, optimizer=optimizer, scaler=scaler, progress=progress, objective=objective,
-        tied=tied_aliases(pipeline, config), plan=plan, config=config, callbacks=callbacks), estimate=estimate)
+    parts = standard_parts(model_parts, optimizer, tied_aliases(pipeline, config), scaler, progress, objective,
+                           callbacks)  # a stage's own part: trainer.checkpointer.register(Part(...))
+    checkpointer = Checkpointer(plan.io.run_dir, plan.io.async_save, plan.io.keep_checkpoints, parts=parts, plan=plan,
+                                config=config, estimate=estimate)
     guard = StepGuard(plan.guard.max_bad_steps,
                       Preemption(plan.guard.grace_seconds, abandon=plan.layout.world_size == 1),
                       plan.schedule.save_every_minutes * 60)

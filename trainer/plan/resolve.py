@@ -11,7 +11,7 @@ import torch
 
 from dataset.mixture import absolute_data_spec
 from model.provenance import tokenizer_record
-from trainer.ckpt.checkpoint import MANIFEST
+from trainer.ckpt.step_dirs import MANIFEST
 from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from trainer.ckpt.weights_file import any_weights_record
 from trainer.core.stage import Stage

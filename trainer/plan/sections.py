@@ -170,6 +170,8 @@ class IOPlan:
                             "there is none (for torchrun --max-restarts); or a step_<N> directory: continue from that "
                             "checkpoint (later ones of this run are dropped at its first save)")  # "0", "1" or "auto"
     resume_path: Optional[str]  # --from_resume <step dir>: that checkpoint instead of the newest
+    overwrite: bool = flag(0, "1: start over although this run name has checkpoints or weights from an earlier run "
+                           "(its checkpoints are removed, its weights replaced); without it such a run is refused")
     keep_checkpoints: int = flag(3, "complete resume checkpoints kept; older ones are deleted (0: all)",
                                  min=0, hint="0 keeps all")
     async_save: bool = flag(0, "write resume checkpoints in the background (dcp.async_save)")
@@ -179,8 +181,8 @@ class IOPlan:
     use_wandb: bool = flag(False, "MiniMind's flag: --tracker swanlab (offline when not logged in)",
                            action="store_true")
     wandb_project: str = flag("MiniMind", "swanlab / wandb project name")
-    log_dir: Optional[str] = flag(None, "each rank's timestamped log, rank_<N>.log (default: <save_dir>/logs; none: "
-                                  "off)")  # None: off
+    log_dir: Optional[str] = flag(None, "each rank's timestamped log, <save_weight>_<hidden>[_moe]_rank_<N>.log "
+                                  "(default: <save_dir>/logs; none: off)")  # None: off
     profile_steps: Optional[tuple] = flag(None, "A:B: torch.profiler trace of optimizer steps A to B under "
                                           "<save_dir>/profile (default: off)", type=str)
     FLAGS = (

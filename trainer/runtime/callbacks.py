@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from model.atomic import atomic_write_text
 from model.weights import save_weights_file
-from trainer.ckpt.checkpoint import BEST_INDEX, MANIFEST, best_checkpoint_step, read_checkpoint_model
+from trainer.ckpt.checkpoint import read_checkpoint_model
+from trainer.ckpt.step_dirs import BEST_INDEX, MANIFEST, best_checkpoint_step
 from trainer.ckpt.weights_file import save_weights
 from trainer.plan.schema import Flag, fill, flag
 from trainer.runtime.launch import ConfigError, is_main_process

@@ -199,7 +199,7 @@ def main_guard(main):
         if not (dist.is_initialized() and any(m in str(e) for m in PEER_LOST)):
             raise
         # another rank left (its own error line says why): one line here, and its exit is the launcher's first
-        reason = str(e).splitlines()[0][-160:]
+        reason = str(e).splitlines()[0][:160]  # the head says what failed; a long line's tail is an address
         print(f"stopped: rank {os.environ.get('RANK', 0)} lost a peer in a collective ({reason})", file=sys.stderr,
               flush=True)
         time.sleep(RANK0_REPORT_SECONDS)

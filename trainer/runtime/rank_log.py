@@ -1,4 +1,5 @@
-"""Each rank's own log, <log_dir>/rank_<N>.log (default <save_dir>/logs): timestamped lines of what the run says
+"""Each rank's own log, <log_dir>/<run>_rank_<N>.log (default <save_dir>/logs; <run> the weight stem, so runs that
+share a save_dir keep their own logs): timestamped lines of what the run says
 (every Logger line, on every rank, though only rank 0 prints it), this rank's view of each logged step (its peak
 memory, its share of the step), saves, and the error or traceback that ended it. Appended: a resumed run adds a
 header and goes on in the same file. Only rank 0 prints to the console; this is where the other ranks speak.
@@ -17,14 +18,14 @@ def rank_now():
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
-def open_rank_log(log_dir, header):
-    """Start (or go on with) this rank's log in `log_dir`; None turns it off."""
+def open_rank_log(log_dir, run_name, header):
+    """Start (or go on with) this rank's log of run `run_name` in `log_dir`; None turns it off."""
     global _LOG
     close_rank_log()
     if log_dir is None:
         return None
     os.makedirs(log_dir, exist_ok=True)
-    path = os.path.join(log_dir, f"rank_{rank_now()}.log")
+    path = os.path.join(log_dir, f"{run_name}_rank_{rank_now()}.log")
     _LOG = open(path, "a", buffering=1)  # line-buffered: a killed rank's last lines are on disk
     write(f"start: {header} (host {socket.gethostname()}, pid {os.getpid()})")
     return path
