@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
-from trainer.ckpt.checkpoint import Checkpointer
+from trainer.ckpt.checkpointer import Checkpointer
 from trainer.core import data_loading
 from trainer.runtime import console
 from trainer.runtime.guard import Preemption, StepAbandoned, StepGuard
