@@ -109,6 +109,9 @@ def minimind_to_hf(state_dict, config):
     if config.n_shared_experts > 0:
         raise WeightsError(f"n_shared_experts={config.n_shared_experts}: Qwen3-MoE has no shared experts",
                            fix=("minimind_format", None))
+    if any(key.endswith(".mlp.expert_bias") for key in state_dict):
+        raise WeightsError("a routing bias (trained with --router_balance bias or both): Qwen3-MoE routes without one",
+                           fix=("minimind_format", None))
     hf_config = Qwen3MoeConfig(
         num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
         moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
@@ -144,6 +147,17 @@ def write_rope_both_ways(out_dir, rope_theta):
         json.dump(config, f, indent=2, sort_keys=True)
 
 
+def write_num_experts_both_ways(out_dir, num_experts):
+    """transformers 5.x writes `num_local_experts`, 4.x (and vLLM / SGLang running on it) reads `num_experts`: write
+    both, or a 4.x reader builds Qwen3MoeConfig's default of 128 experts."""
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["num_experts"] = config["num_local_experts"] = num_experts
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
 def save_hf_folder(state_dict, config, out_dir, dtype):
     """A MiniMind state dict written as a Qwen3(-MoE) Hugging Face folder in `dtype` (scripts/convert_model.py's
     export, the RL stages' rollout servers); returns the Hugging Face model."""
@@ -153,6 +167,8 @@ def save_hf_folder(state_dict, config, out_dir, dtype):
     model.load_state_dict(hf_sd, strict=True)
     model.to(dtype).save_pretrained(out_dir)
     write_rope_both_ways(out_dir, config.rope_theta)
+    if config.use_moe:
+        write_num_experts_both_ways(out_dir, config.num_experts)
     return model
 
 

@@ -19,6 +19,10 @@ CHECKED_ON = ("2.11.0", "2.13.0")
 # model_minimind.py's own getattr(torch.ops.aten, CPU_FLASH_OP, None): the CPU flash kernel with an attn_mask (SDPA
 # takes no mask on it); None: SDPA with the dense mask (same values, slower on long packed rows)
 CPU_FLASH_OP = "_scaled_dot_product_flash_attention_for_cpu"
+# model_minimind.grouped_mm_op's own lookup, first found wins: torch.nn.functional.grouped_mm (public from 2.10),
+# torch._grouped_mm (2.8+; CUDA bf16 on sm80+ by its docstring, CPU fp32/bf16 run in 2.13). expert_compute_for
+# probes the device and dtype once; missing or refused: the experts run in a loop with one host sync per MoE layer
+GROUPED_MM_OPS = (("torch.nn.functional", "grouped_mm"), ("torch", "_grouped_mm"))
 
 
 def set_default_pg_timeout(seconds):

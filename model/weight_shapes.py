@@ -128,6 +128,8 @@ def shape_mismatch(state_dict, model, path):
         return WeightsError(f"{path}: {e}", e.fix)
     sd = clean_state_dict(state_dict, config.tie_word_embeddings or inferred["tie_word_embeddings"])
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.use_moe:  # a routing bias (--router_balance bias/both) loads into any MoE layer: it makes the buffer
+        expected.update({k: (config.num_experts,) for k in sd if k.endswith(".mlp.expert_bias")})
     if inferred["use_moe"] != bool(config.use_moe):
         name = "model.layers.0.mlp.gate.weight" if inferred["use_moe"] else "model.layers.0.mlp.gate_proj.weight"
         kind = "MoE" if inferred["use_moe"] else "dense"

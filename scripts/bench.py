@@ -4,6 +4,7 @@
     python scripts/bench.py --packing 1 --baseline_flags doc_mask=0 --repeats 3  # one flag's cost, side by side
     python scripts/bench.py --nproc 2 --tp 2 --steps 5                         # under torchrun
     python scripts/bench.py --plan --nproc 64 --tp 4 --pp 4 --hidden_size 2048 --num_hidden_layers 32
+    python scripts/bench.py --moe_layer --repeats 20                          # MoE MLP vs dense, loop vs grouped
 
 A run launches trainer/train_pretrain.py (scripts/run_helper.py; `torchrun --nproc_per_node K` when K > 1)
 for warmup + steps optimizer steps with --log_interval 1 and a temporary --metrics_file, then computes
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
+from scripts.bench_moe import print_moe_layer_bench  # noqa: E402
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
 from scripts.run_helper import run_trainer, trainer_command  # noqa: E402
 from trainer.plan.flags import add_train_args  # noqa: E402
@@ -181,6 +183,8 @@ def parse_args(argv=None):
       "reference mode, e.g. doc_mask=0 (implies --baseline)")
     a("--plan", action="store_true", help="print the memory/communication plan of the layout; no training")
     a("--plan_table", action="store_true", help="print docs/scaling.md's tables (plan for 3 models x layouts)")
+    a("--moe_layer", action="store_true", help="time the MoE MLP (loop and grouped experts) against the dense MLP at "
+      "equal active parameters, forward + backward in this process, --repeats rounds (scripts/bench_moe.py)")
     a("--results", default=None, help="JSONL file the results are appended to (default: out/bench.jsonl in the repo)")
     a("--label", default="run")
     a("--repeats", type=int, default=1, help="alternate baseline/config runs this many times (median ratio)")
@@ -200,6 +204,9 @@ def main(argv=None):
         return
     if args.plan:
         print_plan(args, flags)
+        return
+    if args.moe_layer:
+        print_moe_layer_bench(flags, max(args.repeats, 5))
         return
     os.makedirs(os.path.dirname(args.results_path), exist_ok=True)
     device = flags.get("device", "cpu")

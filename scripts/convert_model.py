@@ -6,6 +6,8 @@ Export (a .pth or a resume checkpoint -> folder: Qwen3 / Qwen3-MoE by default, o
 Merge a LoRA adapter (MiniMind's format, from trainer/train_lora.py) into the weights, then export; the merged .pth
 goes to --merged_weight (default: out/merge_<name>_<hidden>.pth beside --weight, MiniMind's name):
     python scripts/convert_model.py --weight out/full_sft_768.pth --lora out/lora/lora_identity_768.pth --out_dir out/hf
+GGUF for llama.cpp / Ollama (f32, f16, bf16 or q8_0; a Modelfile beside it; see docs/elsewhere.md):
+    python scripts/convert_model.py --to gguf --weight out/full_sft_768.pth --out_dir out/gguf --gguf_type q8_0
 Import (a Qwen3 / Qwen3-MoE / MiniMind `model_type: minimind` folder -> .pth):
     python scripts/convert_model.py --to minimind --out_dir path/to/folder --weight out/from_hf_768.pth
 
@@ -14,6 +16,7 @@ bare .pth cannot say (top-k, rope_theta) and must agree with the rest. The token
 used, as the weights record it (path and tokenizer.json's sha256, in the .pth's sidecar or the checkpoint); a
 --tokenizer_path whose tokenizer.json differs is refused unless --force_tokenizer 1. After an export the folder is
 loaded back with AutoModelForCausalLM and its logits compared with the source model (fp32; above 1e-4: exit 1).
+A GGUF is read back after writing and every tensor compared with the source within its type's rounding bound.
 Typed relative paths resolve against the current directory, the defaults against the repository root.
 """
 import argparse
@@ -29,10 +32,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from model.atomic import files_replaced_in, full_disk_reason  # noqa: E402
+from model.atomic import atomic_write_text, files_replaced_in, full_disk_reason  # noqa: E402
+from model.gguf import OUT_TYPES, gguf_refusal, worst_rounding_ratio, write_gguf  # noqa: E402
 from model.hf_convert import save_hf_folder  # noqa: E402
 from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from model.ollama import modelfile  # noqa: E402
 from model.provenance import copy_tokenizer as copy_files  # noqa: E402
 from model.provenance import tokenizer_record  # noqa: E402
 from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
@@ -99,10 +104,12 @@ def max_logit_diff(reference, folder, vocab_size, trust_remote_code=False):
         return (reference(ids).logits.float() - loaded(ids).logits.float()).abs().max().item()
 
 
-def export(args):
-    """A .pth / resume checkpoint -> Qwen3(-MoE) or MiniMind-format folder; returns the verified logits diff."""
+def source_model(args):
+    """(fp32 model with --lora merged, its config, the tokenizer folder, the weights' dtype) of --weight."""
     state_dict, saved_config, saved_args = read_any_weights(args.weight)
     config = source_config(state_dict, saved_config, args)
+    if args.to == "gguf" and gguf_refusal(config):
+        raise WeightsError(gguf_refusal(config))  # before a LoRA merge writes anything
     tokenizer_dir = tokenizer_source(args, saved_args)
     model = MiniMindForCausalLM(config).eval()
     mismatch = shape_mismatch(state_dict, model, args.weight)
@@ -113,6 +120,12 @@ def export(args):
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
     if args.lora:
         model = merged_with_lora(model, config, args, save_dtype, tokenizer_dir)
+    return model, config, tokenizer_dir, save_dtype
+
+
+def export(args):
+    """A .pth / resume checkpoint -> Qwen3(-MoE) or MiniMind-format folder; returns the verified logits diff."""
+    model, config, tokenizer_dir, save_dtype = source_model(args)
     with files_replaced_in(args.out_dir) as folder:  # config.json last: a cut-off export never loads
         if args.format == "minimind":
             out_model = MiniMindForCausalLM(config)
@@ -131,6 +144,22 @@ def export(args):
     diff = max_logit_diff(model, args.out_dir, config.vocab_size, trust_remote_code=args.format == "minimind")
     print(f"verify: max abs logits diff {diff:.3g} (folder via AutoModelForCausalLM vs source, fp32)")
     return diff
+
+
+def export_gguf(args):
+    """A .pth / resume checkpoint -> <out_dir>/minimind-<type>.gguf + Modelfile; returns the worst read-back error
+    as a fraction of the type's rounding bound (<= 1: as written)."""
+    model, config, tokenizer_dir, _ = source_model(args)
+    name = f"minimind-{args.gguf_type}.gguf"
+    with files_replaced_in(args.out_dir, last="Modelfile") as folder:  # Modelfile last: it names the new file
+        write_gguf(model.state_dict(), config, tokenizer_dir, os.path.join(folder, name), args.gguf_type)
+        atomic_write_text(os.path.join(folder, "Modelfile"), modelfile(name, config.max_position_embeddings))
+    path = os.path.join(args.out_dir, name)
+    print(f"wrote {path} ({'qwen3moe' if config.use_moe else 'qwen3'}, {args.gguf_type}, "
+          f"{os.path.getsize(path) / 2**20:.1f} MiB) and its Ollama Modelfile; tokenizer from {tokenizer_dir}")
+    ratio = worst_rounding_ratio(path, model.state_dict(), config)
+    print(f"verify: tensors read back within {ratio:.3g} of their {args.gguf_type} rounding bound (<= 1 passes)")
+    return ratio
 
 
 def merged_with_lora(model, config, args, save_dtype, tokenizer_dir):
@@ -176,8 +205,10 @@ def import_folder(args):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Convert MiniMind weights <-> Hugging Face folders")
-    parser.add_argument("--to", choices=["hf", "minimind"], default="hf",
-                        help="hf: export weights to a folder; minimind: import a folder to a .pth")
+    parser.add_argument("--to", choices=["hf", "minimind", "gguf"], default="hf",
+                        help="hf: export weights to a folder; minimind: import a folder to a .pth; gguf: export a "
+                             "GGUF + Ollama Modelfile into --out_dir")
+    parser.add_argument("--gguf_type", choices=OUT_TYPES, default="f16", help="--to gguf: the tensors' type")
     parser.add_argument("--format", choices=["qwen3", "minimind"], default="qwen3",
                         help="export format: Qwen3 / Qwen3-MoE, or MiniMind's (trust_remote_code)")
     parser.add_argument("--weight", default=None,
@@ -201,7 +232,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     # typed paths resolve against the current directory, defaults against the repository root
     args.weight = os.path.abspath(args.weight) if args.weight else os.path.join(ROOT, "out", "pretrain_768.pth")
-    args.out_dir = os.path.abspath(args.out_dir) if args.out_dir else os.path.join(ROOT, "out", "hf_model")
+    default_dir = os.path.join(ROOT, "out", "gguf" if args.to == "gguf" else "hf_model")
+    args.out_dir = os.path.abspath(args.out_dir) if args.out_dir else default_dir
     if args.lora:
         args.lora = os.path.abspath(args.lora)
         name = os.path.splitext(os.path.basename(args.lora))[0].removeprefix("lora_")
@@ -227,29 +259,43 @@ def check_args(args):
         check_writable(os.path.dirname(args.weight), "--weight folder")
     else:
         check_writable(args.out_dir, "--out_dir")
-    if args.lora and (args.to != "hf" or not os.path.isfile(args.lora)):
-        raise ConfigError(f"--lora {args.lora} is not a file" if args.to == "hf" else
+    if args.lora and (args.to == "minimind" or not os.path.isfile(args.lora)):
+        raise ConfigError(f"--lora {args.lora} is not a file" if args.to != "minimind" else
                           "--lora merges an adapter on export (--to hf); import the folder without it")
     if args.lora:
         check_writable(os.path.dirname(args.merged_weight), "--merged_weight folder")
 
 
 def main(argv=None):
-    """Run the conversion; returns the exit code (2: bad input, 1: exported logits differ, 3: a full disk, 0: ok)."""
+    """Run the conversion; returns the exit code (2: bad input, 1: exported logits or GGUF tensors differ, 3: a full
+    disk or no gguf package, 0: ok)."""
     args = parse_args(argv)
     try:
         check_args(args)
         if args.use_moe is not None:
             args.use_moe = bool(args.use_moe)
+        if args.to == "gguf":
+            ratio = export_gguf(args)
+            if not ratio <= 1:  # NaN fails too
+                print(f"error: a tensor read back from the GGUF is {ratio:.3g} times its {args.gguf_type} rounding "
+                      "bound away from the source; the GGUF is wrong", file=sys.stderr)
+                return 1
+            return 0
         diff = export(args) if args.to == "hf" else import_folder(args)
     except (ConfigError, WeightsError, LoraError, TokenizerMismatch) as e:
         print(f"error: {weights_line(e)}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if e.name != "gguf":
+            raise
+        print("error: --to gguf needs the gguf package (llama.cpp's writer): pip install -r requirements.txt",
+              file=sys.stderr)
+        return 3
     except Exception as e:  # a full disk: an OSError, or safetensors' SafetensorError
         reason = full_disk_reason(e)
         if reason is None:
             raise
-        flag = "--out_dir" if args.to == "hf" else "--weight"
+        flag = "--weight" if args.to == "minimind" else "--out_dir"
         target = getattr(args, flag[2:]) + (f" and {args.merged_weight}" if args.lora else "")  # the merged .pth first
         print(f"error: disk full writing {target} ({reason}); what was there is as it was; free space or choose "
               f"another {flag}, then run again", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Plot one or more --metrics_file JSONL files: loss, eval loss, lr, gradient norm, tokens/s, MFU, memory (and RL
-rewards) against step.
+rewards, MoE expert load per layer) against step.
 
     python scripts/plot_metrics.py out/pretrain_768_metrics.jsonl          # writes out/pretrain_768_metrics.png
     python scripts/plot_metrics.py a.jsonl b.jsonl --labels dp2,tp2 --out compare.png
@@ -29,7 +29,10 @@ PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "vali
           ("reward", "reward (RL)", 1, "mean reward of the step's completions"),
           ("completions/mean_length", "completion length (RL)", 1, "tokens"),
           ("ppo/mean_scores", "score (PPO)", 1, "mean reward of the rollout's completions"),
-          ("tokens/responses_len_mean", "completion length (PPO)", 1, "tokens")]
+          ("tokens/responses_len_mean", "completion length (PPO)", 1, "tokens"),
+          # a column ending in "/" is a prefix: one line per matching column (MoE: one per layer)
+          ("expert_load_cv/", "MoE expert load", 1, "CV of tokens per expert (0: even)"),
+          ("expert_tokens_min/", "MoE least-loaded expert", 1, "tokens in the step")]
 PANEL_SIZE = (4.5, 3.2)  # inches per panel; the PNG is columns*4.5 x rows*3.2 inches at --dpi
 COLUMNS = 4
 
@@ -53,9 +56,15 @@ def load_metrics(path):
     return frame.sort_values("step", kind="stable").reset_index(drop=True)
 
 
+def panel_columns(frame, column):
+    """The frame's columns with data a panel draws: `column`, or every column under it when it ends in "/"."""
+    names = [c for c in frame.columns if c.startswith(column)] if column.endswith("/") else [column]
+    return [c for c in names if c in frame and frame[c].notna().any()]
+
+
 def plot(frames, labels):
     """A figure with one panel per metric that has data; each (label, frame) is one line per panel."""
-    panels = [p for p in PANELS if any(p[0] in f and f[p[0]].notna().any() for f in frames)]
+    panels = [p for p in PANELS if any(panel_columns(f, p[0]) for f in frames)]
     if not panels:
         raise ValueError("no plottable metrics (loss, eval_loss, lr, grad_norm, tokens_per_sec, mfu, peak_mem_gb) in "
                          "the files")
@@ -64,15 +73,16 @@ def plot(frames, labels):
     fig = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows))
     axes = fig.subplots(rows, columns, squeeze=False)
     for ax, (column, title, scale, ylabel) in zip(axes.flat, panels):
-        for frame, label in zip(frames, labels):
-            if column in frame:
-                data = frame[frame[column].notna()]
-                ax.plot(data["step"], data[column] * scale, label=label, marker="." if len(data) < 30 else None)
+        lines = [(frame, label, name) for frame, label in zip(frames, labels) for name in panel_columns(frame, column)]
+        for frame, label, name in lines:
+            data = frame[frame[name].notna()]
+            name_label = label if name == column else f"{label} {name.rsplit('/', 1)[1]}"
+            ax.plot(data["step"], data[name] * scale, label=name_label, marker="." if len(data) < 30 else None)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if len(frames) > 1:
+        if len(lines) > 1:
             ax.legend(fontsize="small")
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)

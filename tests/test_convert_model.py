@@ -8,9 +8,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers import __version__ as transformers_version
 
+from model.gguf import read_gguf
 from model.lora import apply_lora, save_lora
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
@@ -313,3 +315,103 @@ def test_an_export_that_fills_the_disk_is_one_line_and_the_earlier_export_still_
         "choose another --out_dir, then run again") and "Traceback" not in err
     assert logits_diff(first, out) <= TOL
     assert sorted(os.listdir(disk)) == ["filler", "hf"]
+
+
+@pytest.mark.parametrize("fields, expected", [(dict(n_shared_experts=1), "qwen3moe has no shared experts"),
+                                              (dict(norm_topk_prob=False), "always renormalizes the top-k"),
+                                              (dict(inference_rope_scaling=True), "(YaRN) is not written to GGUF")])
+def test_gguf_refuses_what_llama_cpp_cannot_hold_in_one_line(tmp_path, capsys, fields, expected):
+    model = source_model(tiny(use_moe=True, num_experts_per_tok=2, **fields))
+    ckpt = resume_checkpoint(tmp_path / "r.pth", model, os.path.join(ROOT, "model"))
+    assert convert_main(["--to", "gguf", "--weight", str(ckpt), "--out_dir", str(tmp_path / "gguf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and expected in err and "\n" not in err, err
+    assert not (tmp_path / "gguf").exists()
+
+
+def test_gguf_export_merges_lora_and_writes_the_modelfile_beside_it(tmp_path, capsys):
+    config = tiny()
+    torch.save(source_model(config).state_dict(), tmp_path / "full_sft_64.pth")
+    adapter = lora_adapter(tmp_path, config)
+    out = tmp_path / "gguf"
+    assert convert_main(["--to", "gguf", "--weight", str(tmp_path / "full_sft_64.pth"), "--lora", str(adapter),
+                         "--out_dir", str(out), "--gguf_type", "f32"]) == 0
+    assert "within 0 of their f32 rounding bound" in capsys.readouterr().out
+    state_dict, fields = read_gguf(str(out / "minimind-f32.gguf"))
+    assert fields["general.architecture"] == "qwen3" and fields["qwen3.block_count"] == 2
+    reference = hand_folded(tmp_path / "full_sft_64.pth", adapter, config)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state_dict[name], value), name
+    assert (out / "Modelfile").read_text().startswith("FROM ./minimind-f32.gguf\n")
+    assert convert_main(["--to", "gguf", "--weight", str(tmp_path / "merge_medical_64.pth"), "--out_dir", str(out),
+                         "--gguf_type", "q8_0"]) == 0  # a second export: the Modelfile names the new file
+    assert (out / "Modelfile").read_text().startswith("FROM ./minimind-q8_0.gguf\n")
+
+
+def serving_names(config):
+    """The tensor names vLLM's and SGLang's Qwen3 / Qwen3-MoE load_weights map (q/k/v and gate/up packed by name,
+    experts as mlp.experts.<e>.<proj>.weight, lm_head skipped when tied)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if config.tie_word_embeddings else
+                                                                   {"lm_head.weight"})
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        names |= {f"{p}.self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+        names |= {f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"}
+        if config.use_moe:
+            names |= {f"{p}.mlp.gate.weight"} | {f"{p}.mlp.experts.{e}.{m}.weight" for e in range(config.num_experts)
+                                                 for m in ("gate_proj", "up_proj", "down_proj")}
+        else:
+            names |= {f"{p}.mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
+    return names
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_exported_folder_has_what_vllm_and_sglang_qwen3_loaders_read(tmp_path, use_moe):
+    """Fields read from config.json by vllm/model_executor/models/qwen3(_moe).py and sglang/srt/models/qwen3(_moe).py,
+    as JSON keys, so that a server running transformers 4.x (num_experts, rope_theta) reads them as 5.x does."""
+    config = tiny(use_moe=use_moe, num_experts_per_tok=2, rope_theta=5e5, tie_word_embeddings=not use_moe)
+    model = source_model(config)
+    ckpt = resume_checkpoint(tmp_path / "r.pth", model, os.path.join(ROOT, "model"))
+    assert convert_main(["--weight", str(ckpt), "--out_dir", str(tmp_path / "hf")]) == 0
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3MoeForCausalLM" if use_moe else "Qwen3ForCausalLM"]
+    assert saved["model_type"] == ("qwen3_moe" if use_moe else "qwen3")
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings"):
+        assert saved[name] == getattr(config, name), name
+    assert saved["rope_theta"] == saved["rope_parameters"]["rope_theta"] == 5e5
+    assert saved["rope_parameters"]["rope_type"] == "default" and not saved.get("rope_scaling")
+    assert saved["hidden_act"] == "silu" and saved["attention_bias"] is False and not saved["use_sliding_window"]
+    if use_moe:
+        assert saved["num_experts"] == 4 and saved["num_experts_per_tok"] == 2
+        assert saved["moe_intermediate_size"] == config.moe_intermediate_size and saved["norm_topk_prob"] is True
+        assert saved["decoder_sparse_step"] == 1 and saved["mlp_only_layers"] == []
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == serving_names(config)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    tokenizer = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    added = json.loads((tmp_path / "hf" / "tokenizer.json").read_text())["added_tokens"]
+    vocab = {t["content"]: t["id"] for t in added}
+    assert generation["eos_token_id"] == vocab[tokenizer["eos_token"]] == vocab["<|im_end|>"]
+    assert generation["bos_token_id"] == config.bos_token_id and "chat_template" in tokenizer
+
+
+def test_a_gguf_export_that_fills_the_disk_is_one_line_and_keeps_the_earlier_one(tmp_path, capsys,
+                                                                                 small_disk):  # noqa: F811
+    """The disk fills while the GGUF is written (256 KiB left, the file is ~1.2 MiB): one line (exit 3) naming the
+    folder; the earlier GGUF and its Modelfile are as they were, no temporary folder is left beside them."""
+    first, second = (source_model(tiny(), seed) for seed in (0, 1))
+    disk = small_disk(8)
+    out = os.path.join(disk, "gguf")
+    weight = resume_checkpoint(tmp_path / "a.pth", first, ROOT + "/model")
+    assert convert_main(["--to", "gguf", "--weight", str(weight), "--out_dir", out]) == 0
+    before = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+    fill(disk, 256 * 1024)
+    capsys.readouterr()
+    weight = resume_checkpoint(tmp_path / "b.pth", second, ROOT + "/model")
+    assert convert_main(["--to", "gguf", "--weight", str(weight), "--out_dir", out]) == 3
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: disk full writing {out} (No space left on device); what was there is as it was; "
+                           "free space or choose another --out_dir, then run again")
+    assert {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)} == before
+    assert sorted(os.listdir(disk)) == ["filler", "gguf"]

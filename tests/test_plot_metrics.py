@@ -126,3 +126,15 @@ def test_a_full_disk_is_one_line_and_the_earlier_image_stays(runs, small_disk): 
     assert proc.returncode == 3 and proc.stderr == (f"error: disk full writing {out} (No space left on device); the "
                                                     "image there is as it was; free space or choose another --out\n")
     assert open(out, "rb").read() == before and sorted(os.listdir(disk)) == ["filler", "loss.png"]
+
+
+def test_moe_load_is_one_line_per_layer(tmp_path):
+    records = [{"step": s, "loss": 5.0 - s, f"expert_load_cv/layer{i}": 0.1 * s + i, f"expert_tokens_min/layer{i}": s}
+               for s in (1, 2) for i in (0,)]
+    for record, cv in zip(records, (0.7, 0.9)):
+        record.update({"expert_load_cv/layer1": cv, "expert_tokens_min/layer1": 0})
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    panels = lines_by_panel(plot([load_metrics(str(path))], ["moe"]))
+    assert panels["MoE expert load"] == {"moe layer0": ([1, 2], [0.1, 0.2]), "moe layer1": ([1, 2], [0.7, 0.9])}
+    assert panels["MoE least-loaded expert"] == {"moe layer0": ([1, 2], [1, 2]), "moe layer1": ([1, 2], [0, 0])}

@@ -12,7 +12,10 @@ from trainer.runtime.launch import ConfigError
 def resume_fields(plan):
     """What shapes the saved state besides the model's fields, by flag: the tokenizer (its record) and the stage's
     own (LoRA rank/alpha/targets/dropout, DPO beta and reference, distillation teacher/alpha/temperature)."""
-    return dict({"--tokenizer_path": plan.data.tokenizer_record}, **plan.stage.resume_fields())
+    fields = {"--tokenizer_path": plan.data.tokenizer_record}
+    if plan.model.config.use_moe:  # the routing bias is model state when on
+        fields["--router_balance"] = plan.model.router_balance
+    return dict(fields, **plan.stage.resume_fields())
 
 
 def _shown(value):

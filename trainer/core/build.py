@@ -25,6 +25,7 @@ from trainer.plan.checks import check_same_dtype
 from trainer.plan.resolve import resolve
 from trainer.plan.sections import TrainPlan
 from trainer.runtime.callbacks import Callbacks, make_callbacks
+from trainer.runtime.expert_load import ExpertLoad, choose_expert_compute, enable_expert_bias
 from trainer.runtime.guard import (
     Preemption,
     StepGuard,
@@ -61,6 +62,7 @@ class Trainer:
     objective: Optional[LMObjective] = None  # what train_step minimises (a stage's subclass); build_trainer sets it
     callbacks: Optional[Callbacks] = None  # sinks, early stopping, best checkpoint, a user's
     resumed: bool = False
+    expert_load: Optional[ExpertLoad] = None  # a MoE model's per-expert loads and routing bias (runtime/expert_load.py)
     started: bool = False  # the first step is done: collectives run under the per-step timeout
     step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
 
@@ -120,7 +122,12 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     warning = room_warning(plan.io.checkpoint_dir, estimate)
     if warning:
         Logger(warning)
+    if plan.model.router_balance != "aux":
+        enable_expert_bias([model])  # model state: there before the wrap and the resume
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
+    compute_line = choose_expert_compute(model_parts, plan.layout.device, plan.model.autocast_dtype or torch.float32)
+    if compute_line:
+        Logger(compute_line)
     if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
         add_signal_points(model_parts)
     optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optim.py), ZeRO-1 sharded or not
@@ -135,7 +142,9 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
                       plan.schedule.save_every_minutes * 60)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
                       plan.lr.length(steps_per_epoch, plan.schedule.epochs), checkpointer, guard,
-                      objective=objective, callbacks=callbacks, resumed=ckpt is not None)
+                      objective=objective, callbacks=callbacks, resumed=ckpt is not None,
+                      expert_load=ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance,
+                                             plan.model.router_bias_rate) if config.use_moe else None)
     if ckpt is not None:
         checkpointer.load(ckpt)
         trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy

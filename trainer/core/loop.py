@@ -22,6 +22,7 @@ from trainer.core.evaluation import evaluate
 from trainer.core.objective import target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
+from trainer.parallel.expert import expert_params
 from trainer.parallel.tensor import tp_loss_context
 from trainer.plan.config_file import write_run_config
 from trainer.runtime.console import (
@@ -129,7 +130,10 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
     plan, step, guard, callbacks = trainer.plan, trainer.progress.global_step, trainer.guard, trainer.callbacks
     last = epoch_end or should_stop(trainer)
     logged = step % effective_log_interval(plan, trainer.steps_per_epoch) == 0 or step == 1 or last  # a first loss
-    callbacks.call("on_step_end", trainer, step_record(trainer, metrics, timer) if logged else None)
+    record = step_record(trainer, metrics, timer) if logged else None
+    if trainer.expert_load is not None:  # the bias update, and the loads into the record before the sinks see it
+        trainer.expert_load.step_end(step, record)
+    callbacks.call("on_step_end", trainer, record)
     run_end = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.schedule.epochs - 1)
     if plan.guard.check_replicas and step % plan.guard.check_replicas == 0 and plan.layout.dp * plan.layout.cp > 1:
         check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)
@@ -259,8 +263,11 @@ def clip_gradients(trainer, max_norm):
         pipeline.sync_tied_grads()
     params = [p for part in trainer.model_parts for p in part.parameters() if p.grad is not None]
     pp_group = trainer.dims.group("pp") if trainer.plan.layout.pp > 1 else None
+    ep = trainer.plan.layout.ep > 1  # each rank's experts are its own: their norms add up over the dp ranks
+    experts = [p for part in trainer.model_parts for _, p in expert_params(part)] if ep else None
     return clip_grad_norm_(params, max_norm, pp_group=pp_group,
-                           exclude=pipeline.duplicate_params() if pipeline is not None else None)
+                           exclude=pipeline.duplicate_params() if pipeline is not None else None,
+                           sharded=experts, sharded_group=trainer.dims.group("dp") if experts else None)
 
 
 def reached_max_steps(trainer):

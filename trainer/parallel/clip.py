@@ -51,22 +51,42 @@ def _total_norm(grads, norm_type, error_if_nonfinite, foreach, device):
     return norms.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
+def _sum_norms(norms, norm_type):
+    return norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def _group_norm_sum(norm, norm_type, group):
+    """The norm over the parts the ranks of `group` hold (each rank's `norm` of its own part)."""
+    if math.isinf(norm_type):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    norm = norm.pow(norm_type)
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=group)
+    return norm.pow(1.0 / norm_type)
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None, exclude=None,
-                    error_if_nonfinite=False, foreach=None):
+                    error_if_nonfinite=False, foreach=None, sharded=None, sharded_group=None):
     """Clip gradients by their total norm over ALL ranks; return that norm (same as torch's on one process).
 
     DTensor grads (FSDP2, TP) are reduced over their mesh; pp_group sums the norms of the pipeline
     stages. exclude: parameters still clipped but left out of the norm, e.g. a pipeline stage's copy
-    of the tied embedding, so each weight counts once.
+    of the tied embedding, so each weight counts once. sharded: parameters each rank of `sharded_group` holds
+    its own of (expert-parallel experts), their norms summed over that group.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
     excluded = {id(p) for p in (exclude or ())}
-    counted = [p.grad for p in params if id(p) not in excluded]
+    apart = {id(p) for p in (sharded or ())}
+    counted = [p.grad for p in params if id(p) not in excluded | apart]
     device = params[0].grad.device if params else torch.device("cpu")
     total = _total_norm(counted, float(norm_type), error_if_nonfinite, foreach, device)
+    if sharded_group is not None:
+        shards = _total_norm([p.grad for p in params if id(p) in apart], float(norm_type), error_if_nonfinite,
+                             foreach, device)
+        total = _sum_norms(torch.stack([total, _group_norm_sum(shards, norm_type, sharded_group)]), norm_type)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         if math.isinf(norm_type):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)

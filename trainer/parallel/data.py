@@ -65,7 +65,8 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
 
 
 def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,
-                        powersgd_start_iter=1000, param_dtype=None, find_unused_parameters=False, cpu_offload=False):
+                        powersgd_start_iter=1000, param_dtype=None, find_unused_parameters=False, cpu_offload=False,
+                        ignored=()):
     """Wrap `model` (or one pipeline model part) for data parallelism over the 1-D `dp_mesh`.
 
     dp_mesh: the dp mesh, or the flattened dp_cp mesh when context parallel is on (a ParallelDims
@@ -77,6 +78,7 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
     param_dtype: FSDP2 gathers parameters in this dtype (the autocast dtype; None keeps fp32); gradients are
     always reduced in fp32. powersgd_*: the hook's rank and warm-up steps (--powersgd_rank, --powersgd_start_step).
     cpu_offload: FSDP2 keeps the sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy).
+    ignored: names of parameters DDP leaves alone (expert-parallel experts: each rank holds its own).
     Returns the wrapped module (DDP) or the same module, now an FSDPModule. A size-1 mesh returns
     `model` unchanged.
     """
@@ -90,6 +92,8 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
         group = dp_mesh.get_group()
         device = next(model.parameters()).device
         device_ids = [device.index] if device.type == "cuda" else None
+        if ignored:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignored))
         ddp_model = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                             find_unused_parameters=find_unused_parameters)
         _register_compression(ddp_model, group, grad_compression, powersgd_rank, powersgd_start_iter)

@@ -1,10 +1,11 @@
 """Applies the parallel dimensions to a plain model in a fixed order (torchtitan's parallelize_llama).
 
-Order: pipeline split -> tensor parallel -> context parallel -> activation checkpointing -> compile
+Order: pipeline split -> tensor parallel -> expert parallel -> context parallel -> activation checkpointing -> compile
 -> data parallel (DDP / ZeRO / FSDP2). For one process every step is skipped: the plain model trains.
 """
 from trainer.parallel.context import apply_context_parallel, no_document_mask
 from trainer.parallel.data import apply_data_parallel
+from trainer.parallel.expert import apply_expert_parallel, expert_params
 from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks
 from trainer.parallel.pipeline import Pipeline
 from trainer.parallel.tensor import apply_tensor_parallel
@@ -30,6 +31,8 @@ def parallelize(model, dims, plan):
             # a pipeline schedule computes the loss itself: gather the last stage's logits there
             apply_tensor_parallel(part, dims.mesh("tp"), sequence_parallel=layout.sequence_parallel,
                                   loss_parallel=layout.pp == 1)
+        if layout.ep > 1:  # experts over the dp ranks; the trainer scales the loss by dp for DDP's average
+            apply_expert_parallel(part, dims.group("dp"), grad_divide=dims.size("dp"))
         if layout.cp > 1:
             apply_context_parallel(part, dims.mesh("cp"), doc_mask=plan.data.doc_mask)
         if model_plan.grad_checkpointing:
@@ -40,7 +43,8 @@ def parallelize(model, dims, plan):
         # FSDP2 gathers parameters in the autocast dtype and reduces gradients in fp32
         parts = [apply_data_parallel(part, dims.mesh("dp_cp"), layout.zero_stage, layout.grad_compression,
                                      powersgd_rank=layout.powersgd_rank, powersgd_start_iter=layout.powersgd_start_step,
-                                     param_dtype=model_plan.autocast_dtype, cpu_offload=layout.cpu_offload)
+                                     param_dtype=model_plan.autocast_dtype, cpu_offload=layout.cpu_offload,
+                                     ignored=[name for name, _ in expert_params(part)] if layout.ep > 1 else ())
                  for part in parts]
     if pipeline is not None:
         pipeline.make_schedule(parts)

@@ -146,6 +146,7 @@ def _block_plan(prefix, block, sequence_parallel):
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
         plan[f"{prefix}.mlp.gate"] = ReplicateParallel()
+        mlp.expert_compute = "loop"  # the sharded Linears run their TP hooks; a grouped GEMM bypasses them
         for e in range(len(mlp.experts)):
             plan.update(_mlp_plan(f"{prefix}.mlp.experts.{e}", False))
         for s in range(len(getattr(mlp, "shared_experts", None) or [])):

@@ -8,6 +8,7 @@ import torch
 
 from dataset.mixture import resolve_data_spec
 from trainer.parallel.data import validate_data_parallel
+from trainer.parallel.expert import ep_validate
 from trainer.parallel.mesh import validate_layout
 from trainer.parallel.pipeline import pp_validate
 from trainer.parallel.tensor import tp_validate
@@ -133,6 +134,23 @@ def check_parallel_args(args, config):
         message = pp_validate(config.num_hidden_layers, args.pp, args.pp_schedule, args.accumulation_steps)
         if message:
             raise ConfigError(message)
+
+
+def check_expert_parallel(args, config, dp, zero_stage):
+    """--ep: a MoE model whose experts divide over ep; the layouts expert parallel composes with so far."""
+    message = ep_validate(config, args.ep)  # ep >= 1: check_numbers
+    if message:
+        raise ConfigError(message)
+    if args.ep == 1:
+        return
+    if args.ep != dp:
+        raise ConfigError(f"--ep {args.ep} must equal the data-parallel size ({dp}) for now: launch {args.ep} "
+                          "processes per tp*pp*cp group, or change --ep")
+    if zero_stage != 0 or args.tp > 1 or args.pp > 1 or args.cp > 1:
+        raise ConfigError(f"--ep {args.ep} composes with DDP only so far: drop --zero_stage/--tp/--pp/--cp")
+    if args.check_replicas:
+        raise ConfigError("--check_replicas compares whole replicas; under --ep each rank holds other experts: "
+                          "leave it out")
 
 
 def check_combinations(args):

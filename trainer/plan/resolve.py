@@ -18,6 +18,7 @@ from trainer.core.stage import Stage
 from trainer.plan.checks import (
     check_combinations,
     check_device,
+    check_expert_parallel,
     check_metrics_file,
     check_model_args,
     check_numbers,
@@ -97,6 +98,7 @@ def resolve_layout(args, world_size, local_rank, config):
     dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.tp, args.pp, args.cp, args.zero_stage,
                                                  args.grad_compression)
     check_parallel_args(args, config)
+    check_expert_parallel(args, config, dp, zero_stage)
     check_combinations(args)
     check_replica_layout(args.check_replicas, dp_mode)
     check_offload(args, dp_mode)
@@ -109,6 +111,7 @@ def resolve_layout(args, world_size, local_rank, config):
 def resolve_model(args, config, from_weight):
     """The ModelPlan section: the model config, its starting weights, the dtype (measured for --dtype auto)."""
     dtype, dtype_note = resolve_dtype(args.dtype, args.device)
+    check_router_balance(args, config)
     return fill(ModelPlan, args, config=config, from_weight=from_weight, dtype=dtype,
                 dtype_note=dtype_note if args.dtype == "auto" else "",
                 # chunked loss: not under tp (vocab-sharded logits) nor pp (the schedule takes the last stage's logits)
@@ -140,6 +143,16 @@ def run_tokenizer(args, from_weight):
     if note:
         Logger(note)
     return folder
+
+
+def check_router_balance(args, config):
+    """--router_balance needs a MoE model and a positive rate; bias alone turns MiniMind's aux loss off."""
+    if args.router_balance != "aux" and not config.use_moe:
+        raise ConfigError(f"--router_balance {args.router_balance} balances MoE experts: add --use_moe 1 or drop it")
+    if args.router_balance != "aux" and not args.router_bias_rate > 0:
+        raise ConfigError(f"--router_bias_rate must be > 0 (got {args.router_bias_rate})")
+    if args.router_balance == "bias":
+        config.router_aux_loss_coef = 0.0  # the bias balances alone (recorded in the weights' sidecar)
 
 
 def checkpoint_mode(value):

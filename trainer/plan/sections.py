@@ -26,6 +26,8 @@ class Layout:
     tp: int = flag(1, "tensor-parallel degree")
     pp: int = flag(1, "pipeline-parallel degree (micro-batches = --accumulation_steps)")
     cp: int = flag(1, "context-parallel (ring attention) degree")
+    ep: int = flag(1, "expert-parallel degree: each MoE layer's experts sharded over this many data-parallel ranks, "
+                   "tokens sent to them by all-to-all (so far: = the dp size, with DDP and no tp/pp/cp)", min=1)
     zero_stage: int = flag(0, "0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")  # the one used
     dp_mode: str  # "none" (no data-parallel group), "ddp", "zero1" or "fsdp2"
     grad_compression: str = flag("none", "none|bf16|powersgd (DDP communication hook)")
@@ -72,6 +74,11 @@ class ModelPlan:
         "attention or mlp only that sub-layer of each block; 0/none: off", type=str,
         choices=("0", "1", "none", "full", "attention", "mlp"))  # the mode: None, "full", "attention" or "mlp"
     use_compile: bool = flag(0, "torch.compile each decoder block")
+    router_balance: str = flag("aux", "MoE load balancing: aux (MiniMind's aux loss), bias (DeepSeek-V3's "
+                               "aux-loss-free routing bias, moved toward equal load after each step; no aux loss) "
+                               "or both",
+                               choices=("aux", "bias", "both"))
+    router_bias_rate: float = flag(1e-3, "--router_balance bias/both: how far each step moves an expert's bias")
     tf32: bool = flag(1, "CUDA: fp32 matmuls in TF32 (0: strict fp32)")
     deterministic: bool = flag(0, "torch.use_deterministic_algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG, no cuDNN "
                                "autotuning); an op without a deterministic kernel then raises")

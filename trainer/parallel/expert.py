@@ -1,0 +1,73 @@
+"""Expert parallelism: each MoE layer's routed experts sharded over the `ep` ranks, tokens sent to their experts'
+ranks and back with all-to-all (torch.distributed all_to_all_single: gloo on CPU, NCCL on CUDA).
+
+`apply_expert_parallel(model, ep_group)` keeps this rank's contiguous share of every layer's experts (ep rank r holds
+experts r*E/ep .. (r+1)*E/ep - 1, under their global names, so the state dict keys are the full model's) and swaps
+MOEFeedForward.experts_fn for `dispatch_to_experts`. The router, the aux loss and the shared experts stay local: every
+rank routes its own tokens. Per layer and micro-batch: one all-to-all of the (experts,) counts, one host read of the
+split sizes (all_to_all_single needs them on the host), then the rows out and the outputs back; autograd runs the
+reverse all-to-alls in backward, so an expert's gradient sums the contributions of every rank's tokens.
+"""
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
+from torch import nn
+
+from model.model_minimind import MOEFeedForward
+
+
+def ep_validate(config, ep_size):
+    """One line saying what to change if `config` cannot be split over `ep_size` ranks, else None."""
+    if ep_size <= 1:
+        return None
+    if not config.use_moe:
+        return f"--ep {ep_size} shards MoE experts: add --use_moe 1, or drop --ep"
+    if config.num_experts % ep_size:
+        return f"--ep {ep_size} must divide num_experts={config.num_experts}; choose an ep size that divides it"
+    return None
+
+
+def expert_params(model):
+    """[(name, parameter)] of the routed experts (under expert parallel, this rank's own: no replica to reduce with)."""
+    return [(name, param) for name, param in model.named_parameters() if ".experts." in name]
+
+
+def apply_expert_parallel(model, ep_group, grad_divide=1):
+    """Shard every MoE layer of `model` (a plain MiniMindForCausalLM, or a pipeline stage) over `ep_group` in place;
+    return it. grad_divide: the experts' gradients are divided by it (the trainer scales the loss by the dp size for
+    data parallel's average, which the experts, reduced by their all-to-all instead, do not go through)."""
+    ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for module in model.modules():
+        if not isinstance(module, MOEFeedForward):
+            continue
+        per_rank = module.config.num_experts // ep_size
+        held = range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+        module.experts = nn.ModuleDict({str(i): module.experts[i] for i in held})  # global names: experts.<i>.*
+        module.experts_fn = partial(dispatch_to_experts, module, ep_group)
+    if grad_divide != 1:
+        for _, param in expert_params(model):
+            param.register_hook(partial(torch.div, other=grad_divide))
+    return model
+
+
+def dispatch_to_experts(moe, group, rows, counts):
+    """The outputs of `rows` (this rank's token slots sorted by global expert, counts[i] for expert i), computed on the
+    ranks holding their experts; returned in the order of `rows`."""
+    ep_size = dist.get_world_size(group)
+    per_rank = counts.numel() // ep_size
+    # received[s, j]: rows rank s sends to my local expert j
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    send_sizes, recv_sizes = torch.stack([counts.view(ep_size, per_rank).sum(1),
+                                          received.view(ep_size, per_rank).sum(1)]).tolist()  # one host read
+    inbound = dist_autograd.all_to_all_single(rows.new_empty(sum(recv_sizes), rows.shape[-1]), rows,
+                                              recv_sizes, send_sizes, group=group)
+    # inbound is ordered by (source rank, local expert); the experts want it by local expert, sources in rank order
+    local_expert = torch.arange(per_rank, device=rows.device).repeat(ep_size).repeat_interleave(received.long())
+    order = local_expert.argsort(stable=True)
+    out = moe.run_experts(inbound[order], received.view(ep_size, per_rank).sum(0))
+    out = out[order.argsort()]  # back to (source rank, local expert)
+    return dist_autograd.all_to_all_single(out.new_empty(rows.shape[0], out.shape[-1]), out, send_sizes, recv_sizes,
+                                           group=group)
