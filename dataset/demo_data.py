@@ -14,10 +14,12 @@ Embedded default corpora, built from text that ships with the installed software
   message is a reference the RL stages drop): chatterbot questions and sums/products.
 - agent_rl_demo.jsonl  {"conversations": [system with tools, user, assistant], "gt": [...]}, MiniMind-3's
   agent_rl.jsonl: questions for MiniMind-3's six mock tools (dataset/tools.py), gt the mock tool's answer.
+- kto_demo.jsonl       {"conversations": [...], "label": true | false}: the DPO pairs unpaired (TRL's unpaired
+  preference format), chosen answers true, rejected ones false, shuffled.
 
 All are a pure function of the installed Python and packages: same bytes on every such machine.
 Run `python dataset/demo_data.py` to build them all, or call `ensure_demo_data("pretrain" | "sft" | "dpo" | "rlaif" |
-"agent")`.
+"agent" | "kto")`.
 """
 import ast
 import datetime
@@ -36,7 +38,7 @@ PRETRAIN_DEMO = os.path.join(DATASET_DIR, "pretrain_demo.jsonl")
 SFT_DEMO = os.path.join(DATASET_DIR, "sft_demo_v2.jsonl")
 # v2 of the SFT demo adds tool-call and reasoning rows; a new name, so a checkout's older build is not reused
 DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl", "dpo": "dpo_demo.jsonl",
-              "rlaif": "rlaif_demo.jsonl", "agent": "agent_rl_demo.jsonl"}
+              "rlaif": "rlaif_demo.jsonl", "agent": "agent_rl_demo.jsonl", "kto": "kto_demo.jsonl"}
 
 # what a first build reads, for the line that announces it
 BUILD_NOTES = {"pretrain": "Python's docs and docstrings, ~20 s", "sft": "dialogues and computed tool calls, a few s",
@@ -263,6 +265,15 @@ def dpo_records(n=NUM_DPO_PAIRS, seed=2):
     return records
 
 
+def kto_records(seed=4):
+    """KTO's unpaired rows from the DPO pairs: each chosen answer labelled true, each rejected one false, shuffled
+    (so that a row's neighbour, whose answer is its KL row's, answers another prompt)."""
+    rows = [{"conversations": pair[side], "label": side == "chosen"} for pair in dpo_records()
+            for side in ("chosen", "rejected")]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
 def rlaif_records(n_sums=NUM_RLAIF_SUMS, seed=3):
     """RL prompts: each chatterbot dialogue's opening question and a sum or product, with a reference answer."""
     rng = random.Random(seed)
@@ -329,14 +340,14 @@ def _write_jsonl_atomic(records, path):
 
 
 def build_demo_data(kind, out_dir=DATASET_DIR, stdlib_dir=None):
-    """(Re)build one demo corpus ("pretrain", "sft", "dpo", "rlaif" or "agent") into out_dir; returns its path.
+    """(Re)build one demo corpus ("pretrain", "sft", "dpo", "rlaif", "agent" or "kto") into out_dir; its path.
 
     stdlib_dir: where pretraining docstrings are read from (default: this Python's standard library).
     """
     if kind not in DEMO_FILES:
         raise ValueError(f"unknown demo data kind {kind!r}, expected one of {sorted(DEMO_FILES)}")
     records = {"pretrain": lambda: pretrain_records(stdlib_dir), "sft": sft_records, "dpo": dpo_records,
-               "rlaif": rlaif_records, "agent": agent_records}[kind]()
+               "rlaif": rlaif_records, "agent": agent_records, "kto": kto_records}[kind]()
     return _write_jsonl_atomic(records, os.path.join(out_dir, DEMO_FILES[kind]))
 
 

@@ -223,3 +223,22 @@ def hf_to_minimind(hf_state_dict, hf_config):
                 out[f"{p}.{e}.up_proj.weight"] = gate_up[e, inter:].clone()
                 out[f"{p}.{e}.down_proj.weight"] = down[e].clone()
     return config, out
+
+
+def save_hf_classifier(state_dict, score_weight, config, out_dir, dtype):
+    """A MiniMind trunk and a score head (1, hidden) written as transformers' sequence classifier (Qwen3's, or
+    Qwen3-MoE's where this transformers has that class): what AutoModelForSequenceClassification loads as a reward
+    model (trainer/stages/reward.py writes it). Returns the Hugging Face model."""
+    from transformers import AutoModelForSequenceClassification
+    hf_config, hf_sd = minimind_to_hf(state_dict, config)
+    hf_config.num_labels = 1
+    try:
+        model = AutoModelForSequenceClassification.from_config(hf_config)
+    except ValueError as e:  # transformers without a sequence classifier for this architecture
+        raise WeightsError(f"this transformers has no sequence classifier for {type(hf_config).__name__} ({e})",
+                           fix=("minimind_format", None)) from None
+    hf_sd = {k: v for k, v in hf_sd.items() if not k.startswith("lm_head.")}
+    model.load_state_dict(dict(hf_sd, **{"score.weight": score_weight}), strict=True)
+    model.to(dtype).save_pretrained(out_dir)
+    write_rope_both_ways(out_dir, config.rope_theta)
+    return model

@@ -327,3 +327,99 @@ def test_a_damaged_reference_cache_is_computed_again_with_a_note(single_run, tmp
     assert os.path.getsize(cache) == size
     got = metrics_of(run)
     assert [r["loss"] for r in got] == [r["loss"] for r in records[:2]]  # the same process, the same values
+
+
+# ----------------------------------------------------------------------------- the DPO family (--loss_type)
+# two pairs, the policy away from the reference: summed log-probs, and target tokens per row (chosen, rejected)
+PC, PR, RC, RR = (-12.0, -30.0), (-15.0, -20.0), (-13.0, -28.0), (-14.0, -22.0)
+LENGTHS = ((4, 5), (10, 8))
+
+
+def logsig(x):
+    return -math.log1p(math.exp(-x))
+
+
+def hand_losses(loss_type, beta, smoothing=0.0, gamma=0.5):
+    """Each variant's per-pair loss in float64, written out from the papers / TRL (not the code under test)."""
+    out = []
+    for k in range(2):
+        (lc, lr), (pc, pr, rc, rr) = LENGTHS[k], (PC[k], PR[k], RC[k], RR[k])
+        if loss_type in ("ipo", "simpo", "orpo"):  # per-token log-probs
+            pc, pr, rc, rr = pc / lc, pr / lr, rc / lc, rr / lr
+        h = (pc - rc) - (pr - rr)
+        if loss_type == "sigmoid":
+            out.append(-logsig(beta * h) * (1 - smoothing) - logsig(-beta * h) * smoothing)
+        elif loss_type == "robust":
+            out.append((-logsig(beta * h) * (1 - smoothing) + logsig(-beta * h) * smoothing) / (1 - 2 * smoothing))
+        elif loss_type == "hinge":
+            out.append(max(0.0, 1 - beta * h))
+        elif loss_type == "ipo":
+            out.append((h - 1 / (2 * beta)) ** 2)
+        elif loss_type == "simpo":
+            z = beta * pc - beta * pr - gamma
+            out.append(-logsig(z) * (1 - smoothing) - logsig(-z) * smoothing)
+        else:  # orpo: SFT's NLL of the chosen answer minus beta x log sigmoid of the log odds ratio
+            odds = (pc - math.log(1 - math.exp(pc))) - (pr - math.log(1 - math.exp(pr)))
+            out.append(-pc - beta * logsig(odds))
+    return out
+
+
+@pytest.mark.parametrize("loss_type,beta,smoothing", [
+    ("sigmoid", 0.15, 0.0), ("sigmoid", 0.3, 0.2), ("robust", 0.1, 0.1), ("hinge", 0.1, 0.0), ("hinge", 0.5, 0.0),
+    ("ipo", 0.1, 0.0), ("simpo", 2.0, 0.0), ("simpo", 2.5, 0.1), ("orpo", 0.1, 0.0)])
+def test_each_loss_type_equals_its_formula_by_hand(loss_type, beta, smoothing):
+    objective = DPOObjective(beta, loss_type, smoothing, 0.5)
+    log_probs = torch.tensor([PC[0], PR[0], PC[1], PR[1]], dtype=torch.float64)
+    targets = torch.full((4, 12), -100)
+    for row, n in enumerate((LENGTHS[0][0], LENGTHS[0][1], LENGTHS[1][0], LENGTHS[1][1])):
+        targets[row, 12 - n:] = 7  # n target tokens, after a prompt
+    reference = torch.tensor([[RC[0], RR[0]], [RC[1], RR[1]]], dtype=torch.float64).reshape(-1, 1)
+    extra = (reference,) if objective.loss_type.needs_reference else ()
+    loss_sum, stats = objective.pair_losses(log_probs, targets, extra)
+    expected = hand_losses(loss_type, beta, smoothing)
+    # fp32 arithmetic on values of size ~30: a few ulp
+    assert loss_sum.item() == pytest.approx(sum(expected), rel=1e-5, abs=1e-6)
+    assert loss_sum.item() > 0 and expected[0] != expected[1]
+    record = objective.record({k: float(v) for k, v in stats.items()}, 2)
+    if loss_type == "orpo":
+        assert record["nll_loss"] == pytest.approx(-(PC[0] / 4 + PC[1] / 10) / 2, rel=1e-6)
+
+
+def test_the_loss_table_declares_reference_and_defaults():
+    from trainer.stages.dpo_losses import LOSSES
+    assert sorted(LOSSES) == ["hinge", "ipo", "orpo", "robust", "sigmoid", "simpo"]
+    assert [name for name, row in LOSSES.items() if not row.needs_reference] == ["simpo", "orpo"]
+    assert LOSSES["sigmoid"].beta == BETA and LOSSES["simpo"].beta == 2.0
+
+
+def test_a_reference_free_loss_skips_the_reference_and_a_reference_flag_is_refused(single_run, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """simpo trains without a reference pass or cache; --ref_weight with it is one line, exit 2."""
+    _, _, data = single_run
+    run = run_args(tmp_path, "simpo", data, extra=["--loss_type", "simpo", "--max_steps", "3"])
+    proc = forked(SCRIPT, run)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reference log-probs" not in proc.stdout and "reference none needed" in proc.stdout
+    assert not glob.glob(os.path.join(run[run.index("--cache_dir") + 1], "*.dpo_ref.*"))
+    records = metrics_of(run)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["loss"] < records[0]["loss"]
+    code, err = run_in_process(monkeypatch, capsys, [*run, "--ref_weight", "none"])
+    assert code == 2 and err == ["error: --loss_type simpo uses no reference model; leave out --ref_weight none (or "
+                                 "pick a loss with one: sigmoid, ipo, hinge, robust)"], err
+    code, err = run_in_process(monkeypatch, capsys, [*run, "--loss_type", "hinge", "--label_smoothing", "0.1"])
+    assert code == 2 and err == ["error: --label_smoothing applies to --loss_type sigmoid, robust or simpo, not "
+                                 "hinge; leave it out"], err
+
+
+def test_orpo_under_a_pipeline_equals_one_process(single_run, tmp_path):
+    """A reference-free loss has no extras to cut into micro-batches: pp 2 (2 ranks) against one process."""
+    _, _, data = single_run
+    extra = ["--loss_type", "orpo", "--max_steps", "3"]
+    one, two = run_args(tmp_path, "orpo1", data, extra=extra), run_args(tmp_path, "orpo2", data, extra=[*extra,
+                                                                                                        "--pp", "2"])
+    for argv, nproc in ((one, 1), (two, 2)):
+        proc = forked(SCRIPT, nproc=nproc, args=argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for a, b in zip(metrics_of(two), metrics_of(one), strict=True):  # pp's micro-batches: fp32 rounding
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+        assert a["nll_loss"] == pytest.approx(b["nll_loss"], rel=1e-5)

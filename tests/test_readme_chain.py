@@ -49,10 +49,11 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     commands = readme_chain()
     scripts = [line.split()[0] for line in commands]
     assert scripts == ["trainer/train_pretrain.py", "trainer/train_sft.py", "trainer/train_lora.py",
-                       "trainer/train_dpo.py", "trainer/train_pretrain.py", "trainer/train_sft.py",
-                       "trainer/train_distillation.py", "trainer/train_grpo.py", "trainer/train_ppo.py",
-                       "trainer/train_agent.py", "scripts/eval_toolcall.py", "scripts/eval_llm.py",
-                       "scripts/convert_model.py", "scripts/plot_metrics.py"], scripts
+                       "trainer/train_dpo.py", "trainer/train_reward.py", "trainer/train_pretrain.py",
+                       "trainer/train_sft.py", "trainer/train_distillation.py", "trainer/train_gkd.py",
+                       "trainer/train_grpo.py", "trainer/train_ppo.py", "trainer/train_agent.py",
+                       "scripts/eval_toolcall.py", "scripts/eval_llm.py", "scripts/convert_model.py",
+                       "scripts/plot_metrics.py"], scripts
     out, digests, outputs = os.path.join(str(tmp_path), "out"), {}, []
     for command in commands:
         outputs.append(run(command, str(tmp_path)))
@@ -61,15 +62,21 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
                             and os.path.join(root, n) not in digests})
     w = {name: os.path.join(out, name) for name in ("pretrain_64.pth", "full_sft_64.pth", "pretrain_64_moe.pth",
                                                      "full_sft_64_moe.pth", "lora/lora_identity_64.pth")}
-    pretrain, sft, lora, dpo, moe, moe_sft, distill, grpo, ppo, agent, toolcall, chat, export, plot = outputs
+    assert len(outputs) == len(commands) == 16
+    (pretrain, sft, lora, dpo, reward, moe, moe_sft, distill, gkd, grpo, ppo, agent, toolcall, chat, export,
+     plot) = outputs
     assert "initialised from --seed" in pretrain and "Done: 2 steps" in pretrain
     assert started_from(sft, w["pretrain_64.pth"], digests)
     assert started_from(lora, w["full_sft_64.pth"], digests) and os.path.isfile(w["lora/lora_identity_64.pth"])
     assert "on 4 modules (o_proj, q_proj in 2 layers)" in lora  # the square layers of 2 blocks (it said "4 layers")
     assert started_from(dpo, w["full_sft_64.pth"], digests) and os.path.isfile(os.path.join(out, "dpo_64.pth"))
     assert "initialised from --seed" in moe and started_from(moe_sft, w["pretrain_64_moe.pth"], digests)
-    assert started_from(distill, w["full_sft_64.pth"], digests)  # the student; the teacher by default:
-    assert f"teacher {w['full_sft_64_moe.pth']} (sha256 {digests[w['full_sft_64_moe.pth']]})" in distill
+    assert started_from(reward, w["full_sft_64.pth"], digests)
+    assert os.path.isfile(os.path.join(out, "reward_64_hf", "config.json"))  # the folder PPO's --reward_model reads
+    for student in (distill, gkd):  # the student; the teacher by default:
+        assert started_from(student, w["full_sft_64.pth"], digests)
+        assert f"teacher {w['full_sft_64_moe.pth']} (sha256 {digests[w['full_sft_64_moe.pth']]})" in student
+    assert "RewardModel" in ppo  # its start line lists the reward model beside the rule rewards
     for stage, weights in ((grpo, "grpo_64.pth"), (ppo, "ppo_actor_64.pth"), (agent, "agent_64.pth")):
         assert started_from(stage, w["full_sft_64.pth"], digests) and os.path.isfile(os.path.join(out, weights))
     agent_weights = os.path.join(out, "agent_64.pth")
@@ -79,7 +86,7 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
             f"{w['lora/lora_identity_64.pth']} (sha256 {digests[w['lora/lora_identity_64.pth']]})") in chat
     assert "verify: max abs logits diff" in export and os.path.isfile(os.path.join(out, "hf_64", "config.json"))
     assert plot.strip() == f"wrote {os.path.join(out, 'chain.png')}" and os.path.isfile(os.path.join(out, "chain.png"))
-    for stage in (pretrain, sft, lora, dpo, moe, moe_sft, distill, grpo, ppo, agent):
+    for stage in (pretrain, sft, lora, dpo, reward, moe, moe_sft, distill, gkd, grpo, ppo, agent):
         assert "Done: 2 steps" in stage and "preempted" not in stage
     # without the size flags SFT looks for the default model's file and names the one that exists
     missing = forked("trainer/train_sft.py", shlex.split(TRAINER_FLAGS), cwd=str(tmp_path), timeout=120)

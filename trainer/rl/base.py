@@ -24,7 +24,7 @@ from trainer.core.objective import LMObjective
 from trainer.core.stage import Stage
 from trainer.plan.schema import Flag
 from trainer.rl.policy_loss import group_advantages
-from trainer.rl.rewards import RULES, RewardFailed, RewardModel, load_reward_fn, reward_name
+from trainer.rl.rewards import RULES, RewardFailed, RewardModel, check_reward_model, load_reward_fn, reward_name
 from trainer.rl.rollout import ENGINES, make_engine, rollout_seed
 from trainer.rl.rows import decode_completions, rollout_sequences, score_completions, training_rows
 from trainer.runtime.launch import ConfigError, TrainingHalted
@@ -63,7 +63,7 @@ class RolloutPlan(Stage):
         Flag("reward", str, "rule", "rule: MiniMind's rule terms (GRPO, PPO: length, think format, repetition; agent: "
              "the tool-call rule against the row's gt), offline", choices=("rule", "none")),
         Flag("reward_model", str, None, "a local Hugging Face AutoModelForSequenceClassification folder (its first "
-             "logit is a reward)"),
+             "logit is a reward; trainer/train_reward.py writes out/reward_<hidden>_hf)"),
         Flag("reward_fn", str, None, "FILE.py:NAME, a reward function NAME(prompts, completions, **columns) -> "
              "list[float] (TRL's convention); repeat for several", action="append"),
         Flag("reward_weights", str, None, "comma list, one weight per reward function in the order: rule terms (GRPO, "
@@ -161,9 +161,8 @@ def check_rewards(args, rules=RULES):
     """At least one reward function; files exist; weights match their number."""
     if args.reward not in ("rule", "none"):
         raise ConfigError(f"--reward must be rule or none (got {args.reward})")
-    if args.reward_model and not os.path.isdir(args.reward_model):
-        raise ConfigError(f"--reward_model {args.reward_model} is not a folder (a Hugging Face "
-                          "AutoModelForSequenceClassification)")
+    if args.reward_model:
+        check_reward_model(args.reward_model)
     count = len(rules) * (args.reward == "rule") + bool(args.reward_model) + len(args.reward_fn or ())
     if count == 0:
         raise ConfigError("no reward: keep --reward rule, or pass --reward_model PATH or --reward_fn FILE.py:NAME")

@@ -5,12 +5,14 @@ TRL's conversational format, [{"role": "assistant", "content": text}]; columns: 
 list per name. A None in the returned list means "no reward from this function for this row" (counted as 0); a NaN
 or an infinity, an exception or a wrong count stops the run with a line naming the function (RewardFailed).
 - `--reward rule`: MiniMind's rule terms, offline: a length term, the think format, a repetition penalty.
-- `--reward_model PATH`: a local Hugging Face AutoModelForSequenceClassification; its first logit scores the
-  prompt and the completion rendered by its own tokenizer's chat template.
+- `--reward_model PATH`: a local Hugging Face AutoModelForSequenceClassification (trainer/train_reward.py writes one:
+  out/reward_<hidden>_hf); its first logit scores the prompt and the completion rendered by its own tokenizer's chat
+  template.
 - `--reward_fn FILE.py:NAME` (several allowed): a user's function in the convention above.
 The total is the weighted sum over the functions (`--reward_weights`, default 1 each), as TRL's.
 """
 import importlib.util
+import json
 import os
 import re
 
@@ -63,6 +65,24 @@ def rule_repetition(prompts, completions, **columns):
 
 
 RULES = (rule_length, rule_think, rule_repetition)
+
+
+def check_reward_model(path):
+    """--reward_model names a sequence classifier's folder; one line otherwise (a causal LM's would load with a random
+    score head and reward noise)."""
+    if not os.path.isdir(path):
+        stem = os.path.splitext(path)[0]
+        hint = f"; pass {stem}_hf, its sequence classifier" if os.path.isdir(stem + "_hf") else ""
+        raise ConfigError(f"--reward_model {path} is not a folder (a Hugging Face "
+                          f"AutoModelForSequenceClassification){hint}")
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # RewardModel names what is wrong with the folder when it loads it
+    if architectures and not any(name.endswith("ForSequenceClassification") for name in architectures):
+        raise ConfigError(f"--reward_model {path} is a {architectures[0]}, not a reward model (its score head would be "
+                          "random); train one with trainer/train_reward.py and pass its out/reward_<hidden>_hf folder")
 
 
 class RewardModel:

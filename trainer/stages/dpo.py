@@ -1,17 +1,18 @@
-"""DPO (sigmoid, Rafailov et al.): the stage plan, the preference objective and the log-probs of the targets.
+"""DPO (Rafailov et al.) and its family by --loss_type: the stage plan, the preference objective and the log-probs of
+the targets.
 
-loss = -logsigmoid(beta * ((pc - rc) - (pr - rr))), averaged over the step's pairs, where pc / pr are the policy's
-summed log-probs of the chosen / rejected assistant tokens (SFT's labels) and rc / rr the reference model's.
-The reference's sums are computed once before training (trainer/stages/dpo_reference.py) and handed out with each pair
-(dataset/lm_dataset.py DPODataset). A run's reference is fixed at its start: it is known by the content of its
-weights, and a resume keeps the run's reference even where its file has since been overwritten (by this run's own
-saves, say), or refuses in one line.
+sigmoid (the default): loss = -logsigmoid(beta * ((pc - rc) - (pr - rr))), averaged over the step's pairs, where pc / pr
+are the policy's summed log-probs of the chosen / rejected assistant tokens (SFT's labels) and rc / rr the reference
+model's; the other variants (ipo, hinge, robust, simpo, orpo) are rows of trainer/stages/dpo_losses.py's table.
+A reference-free one (simpo, orpo) skips the reference model, its pass and its cache. The reference's sums are
+computed once before training (trainer/stages/dpo_reference.py) and handed out with each pair (DPODataset). A run's
+reference is fixed at its start: it is known by the content of its weights, and a resume keeps the run's reference
+even where its file has since been overwritten (by this run's own saves, say), or refuses in one line.
 """
 import os
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from dataset.lm_dataset import DPODataset
 from dataset.token_cache import local_part
@@ -30,16 +31,20 @@ from trainer.plan.model_config import flag_error
 from trainer.plan.resolve import weight_path
 from trainer.plan.schema import Flag
 from trainer.runtime.launch import ConfigError
+from trainer.stages.dpo_losses import LOSSES, LossParams, pair_losses
 from trainer.stages.dpo_reference import attach_reference
 from trainer.trainer_utils import Logger
 
-DEFAULT_BETA = 0.15  # MiniMind's train_dpo.py
+DEFAULT_BETA = LOSSES["sigmoid"].beta  # MiniMind's train_dpo.py
 
 
 @dataclass(frozen=True)
 class DPOPlan(Stage):
     """The DPO stage's checked flags (trainer/core/stage.py: chosen/rejected pairs, the preference objective)."""
     beta: float
+    loss_type: str  # a row of dpo_losses.LOSSES
+    label_smoothing: float
+    simpo_gamma: float
     ref_weight: str  # the reference model's weights (a .pth, a step_<N> checkpoint, an HF folder), or "none"
     ref_sha256: str  # the run's reference by content: its weights' sha256 at the run's start ("seed N": the init)
     ref_changed: bool  # resuming, and ref_weight no longer holds the run's reference (its cached log-probs must do)
@@ -48,9 +53,15 @@ class DPOPlan(Stage):
     rows_per_sample = 2  # a sample is a chosen/rejected pair: two model rows (pipeline stage shapes)
     has_eval = False  # it logs its rewards
     FLAGS = (
-        Flag("beta", float, DEFAULT_BETA, "DPO's beta: how far the policy may move from the reference (> 0)"),
+        Flag("loss_type", str, "sigmoid", "the preference loss (TRL's names): sigmoid (DPO), ipo, hinge, robust, "
+             "simpo (no reference, length-normalised), orpo (no reference, SFT + odds ratio)", tuple(LOSSES)),
+        Flag("beta", float, None, "beta: how far the policy may move from the reference (> 0; default by "
+             "--loss_type: sigmoid 0.15 as MiniMind, simpo 2.0, the others 0.1 as TRL)"),
+        Flag("label_smoothing", float, 0.0, "the share of pairs assumed mislabelled, in [0, 0.5) (sigmoid: "
+             "conservative DPO; robust; simpo)"),
+        Flag("simpo_gamma", float, 0.5, "SimPO's target reward margin gamma (--loss_type simpo)"),
         Flag("ref_weight", str, None, "the reference model: a weight prefix in save_dir, a .pth, a resume checkpoint "
-             "step_<N> or an HF folder (default: the starting weights, --from_weight)"),
+             "step_<N> or an HF folder (default: the starting weights, --from_weight; none with simpo, orpo)"),
     )
 
     @classmethod
@@ -65,27 +76,62 @@ class DPOPlan(Stage):
     def objective(self, plan, dims, train_ds):
         """The preference loss, after the reference model's log-probs of every pair: cached, or computed in this
         layout by the reference (loaded alone, then dropped)."""
-        Logger(f"DPO from --from_weight {plan.model.from_weight} (the SFT stage's output by default), "
-               f"reference {self.ref_weight}, beta {self.beta}")
-        objective = DPOObjective(self.beta)
-        attach_reference(plan, dims, train_ds, objective)
+        loss_type = LOSSES[self.loss_type]
+        Logger(f"DPO ({self.loss_type}) from --from_weight {plan.model.from_weight} (the SFT stage's output by "
+               f"default), reference {self.ref_weight if loss_type.needs_reference else 'none needed'}, "
+               f"beta {self.beta}")
+        objective = DPOObjective(self.beta, self.loss_type, self.label_smoothing, self.simpo_gamma)
+        if loss_type.needs_reference:
+            attach_reference(plan, dims, train_ds, objective)
         return objective
 
     def resume_fields(self):
         """The flags that shape the saved state (checked on resume, trainer/ckpt/resume_fields.py)."""
-        return {"--beta": self.beta, "--ref_weight": {"path": self.ref_weight, "sha256": self.ref_sha256}}
+        fields = {"--beta": self.beta, "--loss_type": self.loss_type, "--label_smoothing": self.label_smoothing,
+                  "--simpo_gamma": self.simpo_gamma}
+        if LOSSES[self.loss_type].needs_reference:
+            fields["--ref_weight"] = {"path": self.ref_weight, "sha256": self.ref_sha256}
+        return fields
 
 
 def resolve_dpo(args, plan):
     """Check DPO's flags against the TrainPlan; ConfigError (one line) on bad input. A resume's checkpoint is checked
-    here already (beta, reference, tokenizer), before the reference log-probs are computed."""
-    if not args.beta > 0:
-        raise ConfigError(f"--beta must be > 0 (MiniMind uses {DEFAULT_BETA}), got {args.beta}")
+    here already (beta, loss, reference, tokenizer), before the reference log-probs are computed."""
+    loss_type = LOSSES[args.loss_type]
+    beta = loss_type.beta if args.beta is None else float(args.beta)
+    if not beta > 0:
+        note = f"MiniMind uses {DEFAULT_BETA}" if args.loss_type == "sigmoid" else f"TRL's is {loss_type.beta}"
+        raise ConfigError(f"--beta must be > 0 ({note}), got {beta}")
+    if not 0 <= args.label_smoothing < 0.5:
+        raise ConfigError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    if args.label_smoothing and not loss_type.smoothing:
+        raise ConfigError(f"--label_smoothing applies to --loss_type sigmoid, robust or simpo, not {args.loss_type}; "
+                          "leave it out")
+    if not loss_type.needs_reference and args.ref_weight is not None:
+        raise ConfigError(f"--loss_type {args.loss_type} uses no reference model; leave out --ref_weight "
+                          f"{args.ref_weight} (or pick a loss with one: sigmoid, ipo, hinge, robust)")
+    check_pairs_layout(plan, "DPO")
+    path, saved = saved_resume_fields(plan)
+    reference = resolve_reference(args, plan, saved) if loss_type.needs_reference else ("none", "", False)
+    stage = DPOPlan(beta=beta, loss_type=args.loss_type, label_smoothing=float(args.label_smoothing),
+                    simpo_gamma=float(args.simpo_gamma), ref_weight=reference[0], ref_sha256=reference[1],
+                    ref_changed=reference[2])
+    check_resume_fields(saved, replace(plan, stage=stage), path)
+    return stage
+
+
+def check_pairs_layout(plan, name):
+    """The layouts a stage of per-sequence log-prob sums runs in: no context parallelism, no packing."""
     if plan.layout.cp > 1:
-        raise ConfigError("DPO does not run with --cp > 1 (its per-sequence log-prob sums would need a "
+        raise ConfigError(f"{name} does not run with --cp > 1 (its per-sequence log-prob sums would need a "
                           "context-parallel reduction); use --tp or --pp for long rows")
     if plan.data.packing:
-        raise ConfigError("--packing 1: DPO keeps each chosen/rejected conversation in its own row; leave it out")
+        raise ConfigError(f"--packing 1: {name} keeps each conversation in its own row; leave it out")
+
+
+def resolve_reference(args, plan, saved):
+    """(--ref_weight's path, the run's reference by content, whether that file changed since the run started) from
+    --ref_weight (default: --from_weight) and a resume's saved fields."""
     ref_weight = (plan.model.from_weight if args.ref_weight is None
                   else weight_path(args.ref_weight, plan.io.save_dir, plan.model.config))
     if ref_weight != "none" and not os.path.exists(ref_weight):
@@ -95,13 +141,9 @@ def resolve_dpo(args, plan):
     if ref_weight not in ("none", plan.model.from_weight):  # --from_weight's file was checked by resolve already
         check_reference(ref_weight, plan.model.config)
     sha = content_sha256(ref_weight) if ref_weight != "none" else f"seed {plan.data.seed}"
-    path, saved = saved_resume_fields(plan)
     was = (saved or {}).get("--ref_weight") or {}
     changed = bool(was) and was.get("sha256") != sha and was.get("path") == ref_weight  # overwritten since
-    stage = DPOPlan(beta=float(args.beta), ref_weight=ref_weight, ref_sha256=was["sha256"] if changed else sha,
-                    ref_changed=changed)
-    check_resume_fields(saved, replace(plan, stage=stage), path)
-    return stage
+    return ref_weight, was["sha256"] if changed else sha, changed
 
 
 def check_reference(path, config):
@@ -116,35 +158,29 @@ def check_reference(path, config):
         raise ConfigError(flag_error("--ref_weight", path, message))
 
 
-def pair_losses(log_probs, reference, beta):
-    """Per-pair DPO losses and reward sums from policy log-probs (2B,) (pairs interleaved, chosen first) and
-    the reference's (B, 2). Returns (loss sum, stats: sums of TRL's rewards/* over the pairs, detached)."""
-    policy = log_probs.float().view(-1, 2)
-    rewards = beta * (policy - reference.float().view(-1, 2))  # TRL's rewards/chosen, rewards/rejected
-    margins = rewards[:, 0] - rewards[:, 1]
-    losses = -F.logsigmoid(margins)
-    detached = rewards.detach()
-    stats = {"chosen_reward_sum": detached[:, 0].sum(), "rejected_reward_sum": detached[:, 1].sum(),
-             "accuracy_sum": (margins.detach() > 0).float().sum(), "margin_sum": margins.detach().sum()}
-    return losses.sum(), stats
-
-
 # ----------------------------------------------------------------------------- the objective
 
 class DPOObjective(LMObjective):
     """The preference loss for trainer/core/loop.py's train_step (see trainer/core/objective.py for the methods)."""
 
-    stat_names = ("chosen_reward_sum", "rejected_reward_sum", "accuracy_sum", "margin_sum")
     items_are_tokens = False  # count() gives pairs
 
-    def __init__(self, beta):
-        self.beta = beta
+    def __init__(self, beta, loss_type="sigmoid", label_smoothing=0.0, simpo_gamma=0.5):
+        self.loss_type, self.params = LOSSES[loss_type], LossParams(beta, label_smoothing, simpo_gamma)
+        self.stat_names = ("chosen_reward_sum", "rejected_reward_sum", "accuracy_sum", "margin_sum",
+                           *(f"{name}_sum" for name in self.loss_type.stats))
 
     def unpack(self, batch):
         """(B, 2, L) pairs -> (2B, L) rows, chosen and rejected of a pair adjacent; extra: the reference's log-prob of
-        each row (2B, 1), so that a pipeline cuts it into micro-batches with the rows."""
-        input_ids, labels, reference = batch
-        return input_ids.flatten(0, 1), labels.flatten(0, 1), None, (reference.reshape(-1, 1),)
+        each row (2B, 1), so that a pipeline cuts it into micro-batches with the rows (none: a reference-free loss)."""
+        input_ids, labels, *reference = batch
+        extra = (reference[0].reshape(-1, 1),) if reference else ()
+        return input_ids.flatten(0, 1), labels.flatten(0, 1), None, extra
+
+    def pair_losses(self, log_probs, targets, extra):
+        """(loss sum, stats) of a micro-batch's rows from their summed log-probs (dpo_losses.pair_losses)."""
+        lengths = (targets != -100).sum(dim=1)
+        return pair_losses(self.loss_type, self.params, log_probs, lengths, extra[0] if extra else None)
 
     def count(self, labels, extra):
         return labels.shape[0] // 2  # pairs
@@ -156,11 +192,11 @@ class DPOObjective(LMObjective):
 
     def loss(self, model, input_ids, targets, position_ids, extra, num_items):
         log_probs, aux_loss = self.log_probs(model, input_ids, targets, position_ids)
-        loss_sum, stats = pair_losses(log_probs, extra[0], self.beta)
+        loss_sum, stats = self.pair_losses(log_probs, targets, extra)
         return loss_sum / num_items, aux_loss, stats
 
     def pipeline_loss(self, logits, targets, extra, num_items):
-        loss_sum, stats = pair_losses(sequence_log_probs(logits, targets), extra[0], self.beta)
+        loss_sum, stats = self.pair_losses(sequence_log_probs(logits, targets), targets, extra)
         return loss_sum / num_items, stats
 
     def record(self, stats, num_items):
@@ -168,7 +204,8 @@ class DPOObjective(LMObjective):
         pairs = max(num_items, 1)
         return {"rewards/chosen": stats["chosen_reward_sum"] / pairs,
                 "rewards/rejected": stats["rejected_reward_sum"] / pairs,
-                "rewards/accuracies": stats["accuracy_sum"] / pairs, "rewards/margins": stats["margin_sum"] / pairs}
+                "rewards/accuracies": stats["accuracy_sum"] / pairs, "rewards/margins": stats["margin_sum"] / pairs,
+                **{name: stats[f"{name}_sum"] / pairs for name in self.loss_type.stats}}
 
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
         """The model's training FLOPs, its lm_head on every position: the log-probs come from the full logits."""

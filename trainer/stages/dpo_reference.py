@@ -70,7 +70,8 @@ def reference_cache_path(ds, plan):
     reference = [plan.stage.ref_sha256, config_fields(plan.model.config.to_dict()), str(plan.model.dtype)]
     key = json.dumps([REFERENCE_FORMAT_VERSION, ds.cache_key(), reference], sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return os.path.join(os.path.dirname(ds.chosen.cache_path), f"{os.path.basename(ds.data_path)}.dpo_ref.{digest}.pt")
+    token_cache = ds.cache_key()[0]  # the rows' token cache (DPO: the chosen side's; KTO: its rows')
+    return os.path.join(os.path.dirname(token_cache), f"{os.path.basename(ds.data_path)}.dpo_ref.{digest}.pt")
 
 
 def _checksum(values):
