@@ -19,17 +19,19 @@ from trainer.runtime.launch import ConfigError, count_sum, is_main_process
 from trainer.trainer_utils import Logger, file_digest
 
 
-def init_model(config, from_weight="none", device="cpu"):
+def init_model(config, from_weight="none", device="cpu", role="Model", note=None):
     """MiniMind's model; loads `from_weight` (a .pth, a step directory or an HF folder, resolved by config.resolve)
-    unless 'none'."""
+    unless 'none'. Its line names the `role` (a reference model beside the policy) and where the weights come from
+    (`note`: a resume's checkpoint, which loads later)."""
     model = MiniMindForCausalLM(config)
     if from_weight != "none":
         try:
             load_any_weights(model, from_weight)  # strict; a mismatch names the file, tensor, both shapes and the flag
         except WeightsError as e:
             raise ConfigError(weights_line(e)) from None
-    source = f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else "initialised from --seed"
-    Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
+    source = note or (f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else
+                      "initialised from --seed")
+    Logger(f"{role} params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
     return model.to(device)
 
 

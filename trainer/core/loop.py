@@ -8,6 +8,7 @@ way into the model in batches.py, checkpoints in checkpoint.py, the console and 
 evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/ (applied by parallel/parallelize.py).
 """
 import os
+import signal
 import time
 
 import torch
@@ -24,13 +25,23 @@ from trainer.parallel.data import grad_reduce_factor, gradient_sync
 from trainer.parallel.expert import expert_params, reduce_expert_grads
 from trainer.parallel.tensor import tp_loss_context
 from trainer.plan.config_file import write_run_config
-from trainer.runtime.console import NO_BAR, Bar, effective_log_interval, make_tracker, messages_above_bar, step_record
+from trainer.runtime.console import (
+    NO_BAR,
+    Bar,
+    effective_log_interval,
+    make_tracker,
+    messages_above_bar,
+    run_line,
+    step_record,
+)
 from trainer.runtime.guard import (
     StepAbandoned,
     check_replicas,
     scaler_found_inf,
 )
 from trainer.runtime.launch import (
+    OUTSIDE_LOOP,
+    SignalStop,
     add_stats,
     count_sum,
     is_main_process,
@@ -61,9 +72,7 @@ def train(trainer, train_ds, eval_ds=None):
         write_run_config(plan)  # --config of it repeats this run
     profiler = StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
     timer = StepTimer(peak_flops(plan.layout.device, plan.model.dtype) * plan.layout.world_size)
-    Logger(f"{trainer.steps_per_epoch} optimizer steps per epoch, global batch {plan.data.global_batch} x "
-           f"{plan.data.seq_len} tokens, dtype {plan.model.dtype}; {plan.optim.name}, "
-           f"{plan.lr.describe(trainer.total_steps)}")
+    Logger(run_line(trainer))  # the steps the bar counts to
     # the bar closes before an error line is printed
     with trainer.guard.preemption, Bar(trainer) as bar, messages_above_bar(), out_of_memory_as_one_line(trainer):
         try:
@@ -82,6 +91,7 @@ def train(trainer, train_ds, eval_ds=None):
         bar.close()  # the final bar once, above the last records (no-op when closed already)
         trainer.checkpointer.wait()  # the last async save
         profiler.close()
+    OUTSIDE_LOOP["when"] = f"after the training loop; step {progress.global_step} is saved"
     trainer.callbacks.call("on_train_end", trainer)  # the sinks close
     finish(trainer)
 
@@ -149,7 +159,7 @@ def save_abandoned(trainer):
     whose parameters, optimizer state and progress are untouched, with the RNG state it ended with."""
     trainer.optimizer.zero_grad(set_to_none=True)
     guard, step = trainer.guard, trainer.progress.global_step
-    guard.stop = True
+    guard.stop, guard.stop_signal = True, signal.Signals[guard.preemption.requested]
     if step == 0:
         Logger("preempted: no optimizer step completed yet; nothing to save")
         return
@@ -164,12 +174,15 @@ def save_abandoned(trainer):
 
 
 def finish(trainer):
-    """Say where the weights are (only when the run finished) and leave the process group."""
+    """Say where the weights are (only when the run finished) and leave the process group; a run stopped by a signal
+    (saved) raises SignalStop: exit 130/143, so `train && next_stage` does not go on from a stopped run."""
     plan = trainer.plan
     if not trainer.guard.stop:
         Logger(f"Done: {trainer.progress.global_step} steps, weights in {plan.stage.weights_path(plan)}")
     if dist.is_initialized():
         dist.destroy_process_group()
+    if trainer.guard.stop:
+        raise SignalStop(trainer.guard.stop_signal)
 
 
 def train_step(trainer, micro_batches, bar=None):
