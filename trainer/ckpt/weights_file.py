@@ -12,6 +12,7 @@ from model.model_minimind import MiniMindForCausalLM
 from model.weight_shapes import WeightsError, load_checked
 from model.weights import is_checkpoint_dir, read_record, read_weights_and_args
 from trainer.ckpt.checkpoint import latest_checkpoint, read_checkpoint_model, read_checkpoint_record
+from trainer.ckpt.rank_files import set_rng_state
 from trainer.ckpt.storage import rank0_write
 from trainer.ckpt.weight_flags import weights_line
 from trainer.parallel.state_dict import full_model_state_dict
@@ -79,3 +80,22 @@ def ensure_final_weights(trainer):
         now = f"holds step {held}" if held is not None else "records no step" if os.path.isfile(path) else "is missing"
         Logger(f"{path} {now}, not the final step {step}: writing them")
         save_weights(trainer)
+
+
+def save_last_completed(trainer):
+    """One process stopped inside a step (a signal, a failing reward function): drop the step's gradients and save the
+    last completed step (its parameters, optimizer state and progress are untouched) with the RNG state it ended with,
+    then the weights. Returns that step (0: none completed, nothing saved)."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    guard, step = trainer.guard, trainer.progress.global_step
+    if step == 0:
+        return 0
+    if trainer.step_rng is not None:
+        set_rng_state(trainer.step_rng)
+    if guard.last_save != step:  # else that step's checkpoint is on disk already
+        trainer.checkpointer.save(step)
+        guard.saved(step)
+        trainer.callbacks.call("on_save", trainer, step)
+    trainer.checkpointer.wait()
+    save_weights(trainer)  # as a finished or preempted run leaves them
+    return step

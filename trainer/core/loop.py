@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.ckpt.rank_files import rng_state, set_rng_state
-from trainer.ckpt.weights_file import ensure_final_weights, save_weights
+from trainer.ckpt.rank_files import rng_state
+from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed, save_weights
 from trainer.core.batches import autocast, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader
 from trainer.core.evaluation import evaluate
@@ -157,18 +157,12 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
 def save_abandoned(trainer):
     """A signal during a step's micro-batches (one process): drop their gradients and save the last completed step,
     whose parameters, optimizer state and progress are untouched, with the RNG state it ended with."""
-    trainer.optimizer.zero_grad(set_to_none=True)
-    guard, step = trainer.guard, trainer.progress.global_step
+    guard = trainer.guard
     guard.stop, guard.stop_signal = True, signal.Signals[guard.preemption.requested]
+    step = save_last_completed(trainer)
     if step == 0:
         Logger("preempted: no optimizer step completed yet; nothing to save")
         return
-    set_rng_state(trainer.step_rng)
-    if guard.last_save != step:  # else that step's checkpoint is on disk already
-        trainer.checkpointer.save(step)
-        guard.saved(step)
-        trainer.callbacks.call("on_save", trainer, step)
-    save_weights(trainer)  # as a finished or preempted run leaves them
     Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.io.checkpoint_dir}; "
            "continue with --from_resume 1")
 
