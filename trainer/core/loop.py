@@ -44,8 +44,8 @@ from trainer.runtime.launch import (
     SignalStop,
     add_stats,
     count_sum,
+    full_value,
     is_main_process,
-    local_value,
     set_collective_timeout,
 )
 from trainer.runtime.metrics import StepTimer, peak_flops, trim_heap
@@ -242,7 +242,7 @@ def accumulate_gradients(trainer, micro_batches, bar):
                 main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
             loss = main_loss + aux_loss * aux_weight
             scaler.scale(loss * grad_factor).backward()
-        ce, aux = ce + local_value(main_loss), aux + local_value(aux_loss) * aux_weight
+        ce, aux = ce + full_value(main_loss), aux + full_value(aux_loss) * aux_weight
         stats = add_stats(stats, micro_stats)
         if not device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
             bar.running_loss(ce, sum(counts[:i + 1]), num_items)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from model.torch_compat import scaler_found_inf_per_device
 from trainer.parallel.perf import decoder_blocks
 from trainer.parallel.state_dict import clean_fqn
-from trainer.runtime.launch import TrainingHalted, local_tensor
+from trainer.runtime.launch import TrainingHalted, local_shard
 from trainer.runtime.streams import write_fd
 from trainer.trainer_utils import Logger, say
 
@@ -206,7 +206,7 @@ def replica_checksums(model_parts):
     names, sums = [], []
     for part in model_parts:
         for name, param in part.named_parameters():
-            local = local_tensor(param.detach()).double()
+            local = local_shard(param.detach()).double()
             names.append(clean_fqn(name))
             sums.append(torch.stack([local.sum(), (local * local).sum()]))
     return names, torch.stack(sums)

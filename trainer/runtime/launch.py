@@ -64,12 +64,12 @@ def is_main_process():
     return rank() == 0
 
 
-def local_tensor(t):
+def local_shard(t):
     """This rank's plain tensor of a DTensor (its shard), or `t` itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def local_value(t):
+def full_value(t):
     """A detached plain tensor of a replicated value (a DTensor loss under tensor parallel): its full value, no
     communication; `t` itself, detached, otherwise."""
     t = t.detach()
@@ -78,7 +78,7 @@ def local_value(t):
 def add_stats(total, stats):
     """Sum an objective's per-micro-batch stats (tensors, detached here) into `total`, name by name."""
     for name, value in stats.items():
-        total[name] = total.get(name, 0.0) + local_value(value)
+        total[name] = total.get(name, 0.0) + full_value(value)
     return total
 
 
