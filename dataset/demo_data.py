@@ -40,6 +40,10 @@ SFT_DEMO = os.path.join(DATASET_DIR, "sft_demo_v2.jsonl")
 DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl", "dpo": "dpo_demo.jsonl",
               "rlaif": "rlaif_demo.jsonl", "agent": "agent_rl_demo.jsonl", "kto": "kto_demo.jsonl"}
 
+# what a first build reads, for the line that announces it
+BUILD_NOTES = {"pretrain": "Python's docs and docstrings, ~20 s", "sft": "dialogues and computed tool calls, a few s",
+               "dpo": "computed preference pairs, a few s", "rlaif": "RL prompts, a few s",
+               "agent": "tool questions, a few s"}
 CHATTERBOT_LANGUAGES = ("english", "chinese")
 NUM_TOOL_CONVERSATIONS = 48       # tool-call rows in the SFT demo: enough that every short run meets some
 NUM_REASONING_CONVERSATIONS = 48  # rows with reasoning_content
@@ -347,12 +351,17 @@ def build_demo_data(kind, out_dir=DATASET_DIR, stdlib_dir=None):
     return _write_jsonl_atomic(records, os.path.join(out_dir, DEMO_FILES[kind]))
 
 
-def ensure_demo_data(kind, out_dir=DATASET_DIR):
-    """Path of the demo corpus `kind`, building it first if it does not exist yet."""
+def ensure_demo_data(kind, out_dir=DATASET_DIR, announce=None):
+    """Path of the demo corpus `kind`, building it first if it does not exist yet; `announce(line)` says so first
+    (the pretraining corpus takes ~20 s of one core and printed nothing while it was built)."""
     if kind not in DEMO_FILES:
         raise ValueError(f"unknown demo data kind {kind!r}, expected one of {sorted(DEMO_FILES)}")
     path = os.path.join(out_dir, DEMO_FILES[kind])
-    return path if os.path.exists(path) else build_demo_data(kind, out_dir)
+    if os.path.exists(path):
+        return path
+    if announce is not None:
+        announce(f"building the demo corpus {path} (first use only; {BUILD_NOTES[kind]})")
+    return build_demo_data(kind, out_dir)
 
 
 if __name__ == "__main__":

@@ -138,8 +138,9 @@ def plan_for(flags, nproc):
     plan = plan_layout(config, data.seq_len, data.micro_batch, data.num_microbatches, lay.dp, lay.tp, lay.pp, lay.cp,
                        lay.zero_stage, lay.pp_schedule, act_bytes, t.model.grad_checkpointing == "full",
                        lay.sequence_parallel,
-                       run.loss_chunk_size if t.model.chunked_loss else 0)  # full logits where the trainer has them
-    layout = dict(nproc=nproc, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, zero_stage=lay.zero_stage,
+                       run.loss_chunk_size if t.model.chunked_loss else 0,  # full logits where the trainer has them
+                       ep=lay.ep)
+    layout = dict(nproc=nproc, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero_stage=lay.zero_stage,
                   pp_schedule=lay.pp_schedule, act_bytes=act_bytes, micro_batch=data.micro_batch, seq_len=data.seq_len,
                   num_microbatches=data.num_microbatches)
     return layout, plan

@@ -27,6 +27,25 @@ def layer_params(config):
     return 2 * h * q_dim + 2 * h * kv_dim + mlp + 2 * h + 2 * head_dim
 
 
+def routed_expert_params(config):
+    """Parameters of one layer's routed experts (what expert parallel shards over the ep ranks); 0 for a dense MLP."""
+    return 3 * config.hidden_size * config.moe_intermediate_size * config.num_experts if config.use_moe else 0
+
+
+def expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, expert_params_rank):
+    """Bytes per rank per step of expert parallel: each MoE layer's token rows (top-k slots per token) out to their
+    experts' ranks and back, (ep-1)/ep of them leaving the rank, in forward and the same in backward; and the experts'
+    gradients all-reduced over their dp/ep replicas."""
+    comm = {}
+    if ep > 1:
+        rows = tokens * config.num_experts_per_tok
+        comm["ep_alltoall"] = 2 * (2 * rows * config.hidden_size * act_bytes * (ep - 1) / ep) * layers_rank * m
+    replicas = dp // ep
+    if replicas > 1:
+        comm["ep_replica_allreduce"] = 2 * (replicas - 1) / replicas * 4 * expert_params_rank
+    return comm
+
+
 def activation_elements(config, tp, sequence_parallel):
     """Saved activation elements per token per layer on one tp rank (measured on MiniMindBlock, within 1%).
 
@@ -62,21 +81,25 @@ def communication(config, params_rank, tokens, layers_rank, m, dp, tp, pp, cp, z
 
 
 def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1, cp=1, zero_stage=0,
-                pp_schedule="1f1b", act_bytes=4, grad_checkpointing=False, sequence_parallel=False, loss_chunk_size=0):
+                pp_schedule="1f1b", act_bytes=4, grad_checkpointing=False, sequence_parallel=False, loss_chunk_size=0,
+                ep=1):
     """Memory per rank and communication per optimizer step for one layout (formulas: docs/scaling.md).
 
     Bytes throughout. fp32 master weights, fp32 grads and two fp32 AdamW moments (what the trainer keeps);
-    act_bytes = bytes per activation element (4 fp32, 2 under bf16 autocast).
+    act_bytes = bytes per activation element (4 fp32, 2 under bf16 autocast). ep: routed experts / ep per rank
+    (carved out of dp, under DDP: the experts' gradients are reduced over their dp/ep replicas, not over dp).
     """
     h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     total_params = L * layer_params(config) + V * h + h  # tied lm_head counted once, final norm
     layers_rank = math.ceil(L / pp)
+    experts_rank = layers_rank * routed_expert_params(config) / ep / tp if ep > 1 else 0
     # worst pipeline stage: L/pp layers + one vocab matrix (first stage embeds, last stage projects)
-    params_rank = (layers_rank * layer_params(config) + V * h) / tp
+    params_rank = (layers_rank * layer_params(config) + V * h) / tp - experts_rank * (ep - 1)
     shard = dp * cp  # the data-parallel group (cp ranks hold the same weights)
-    weight_bytes = 4 * params_rank / (shard if zero_stage >= 3 else 1)
-    grad_bytes = 4 * params_rank / (shard if zero_stage >= 2 else 1)
-    optim_bytes = 8 * params_rank / (shard if zero_stage >= 1 else 1)
+    dense = params_rank - experts_rank  # ZeRO shards these; ep's experts stay whole on their ranks
+    weight_bytes = 4 * (dense / (shard if zero_stage >= 3 else 1) + experts_rank)
+    grad_bytes = 4 * (dense / (shard if zero_stage >= 2 else 1) + experts_rank)
+    optim_bytes = 8 * (dense / (shard if zero_stage >= 1 else 1) + experts_rank)
 
     tokens = micro_batch * seq_len / cp  # tokens of one micro-batch on one rank
     per_token_layer = activation_elements(config, tp, sequence_parallel) * act_bytes
@@ -90,7 +113,10 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
     m = num_microbatches
     in_flight = 1 if pp == 1 else (m if pp_schedule == "gpipe" else min(m, pp))
     act_bytes_rank = in_flight * act_microbatch + logits_bytes
-    comm = communication(config, params_rank, tokens, layers_rank, m, dp, tp, pp, cp, zero_stage, act_bytes, virtual)
+    # under ep the dp all-reduce carries the dense parameters only
+    comm = communication(config, dense, tokens, layers_rank, m, dp, tp, pp, cp, zero_stage,
+                         act_bytes, virtual)
+    comm.update(expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, experts_rank))
     gb = 2 ** 30
     return dict(total_params=total_params, params_per_rank=params_rank,
                 memory_gb=dict(weights=weight_bytes / gb, grads=grad_bytes / gb, optimizer=optim_bytes / gb,

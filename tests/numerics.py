@@ -18,6 +18,15 @@ FP32_EPS = torch.finfo(torch.float32).eps
 GRAD_ULPS = 64
 
 
+def grad_norm_bound(ref_norm, num_params):
+    """Largest |norm - ref_norm| of one gradient (same weights, same batch) computed in another reduction order.
+
+    Each element differs by at most GRAD_ULPS ulp of its tensor's largest element, itself at most the norm, so
+    |norm - ref_norm| <= |g - r| <= GRAD_ULPS * eps * sqrt(num_params) * norm; plus each norm's own fp32 rounding (a
+    sum of num_params squares: about log2(num_params) ulp when summed in blocks, across ranks too; the sqrt: 1)."""
+    return ref_norm * FP32_EPS * (GRAD_ULPS * math.sqrt(num_params) + 2 * (math.log2(num_params) + 1))
+
+
 def adam_first_step_bound(grad, ref_grad, ref_weight, lr, eps):
     """Largest |w - w_ref| after one AdamW step from equal weights, given the two gradients.
 

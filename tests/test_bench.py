@@ -40,6 +40,28 @@ def test_layout_model_counts_the_real_models_parameters():
         assert plan_layout(config, seq_len=32, micro_batch=2, num_microbatches=1)["total_params"] == real
 
 
+def test_layout_model_counts_expert_parallel_by_hand():
+    """--ep 2 carved out of dp 4: memory holds half the routed experts (counted on the real model), the experts'
+    gradients go to their 2 replicas instead of the dp all-reduce, and the all-to-all bytes are a hand count."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                            n_shared_experts=1)
+    routed = sum(p.numel() for name, p in MiniMindForCausalLM(config).named_parameters() if ".experts." in name)
+    shape = dict(seq_len=32, micro_batch=2, num_microbatches=3, dp=4, act_bytes=2)
+    whole, split = plan_layout(config, **shape), plan_layout(config, **shape, ep=2)
+    assert split["params_per_rank"] == whole["params_per_rank"] - routed / 2
+    gb = 2 ** 30
+    comm = {k: v * gb for k, v in split["comm_gb_per_step"].items()}
+    # 2 layers x 3 micro-batches x (forward + backward) x (out + back) x 64 tokens x 2 slots x h 64 x 2 bytes x 1/2
+    assert comm["ep_alltoall"] == pytest.approx(2 * 3 * 2 * 2 * 64 * 2 * 64 * 2 / 2, rel=1e-12)
+    assert comm["ep_replica_allreduce"] == pytest.approx(2 * (1 / 2) * 4 * routed / 2, rel=1e-12)  # fp32, 2 replicas
+    dense = whole["params_per_rank"] - routed
+    assert comm["dp_allreduce"] == pytest.approx(2 * (3 / 4) * 4 * dense, rel=1e-12)
+    assert "ep_alltoall" not in whole["comm_gb_per_step"]
+    zero3 = plan_layout(config, **shape, ep=2, zero_stage=3)["memory_gb"]  # FSDP2 shards the dense part only
+    assert zero3["weights"] * gb == pytest.approx(4 * (dense / 4 + routed / 2), rel=1e-12)
+
+
 # the measured model: big enough that activations dominate the batch-size delta, small enough for 2 cores
 MEASURED = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                 max_seq_len=256, dtype="float32", device="cpu", packing=1, accumulation_steps=1, max_steps=2,

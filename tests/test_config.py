@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
-from trainer.plan.checks import AT_LEAST, data_parallel_mode
-from trainer.plan.flags import add_train_args
+from trainer.plan.checks import data_parallel_mode
+from trainer.plan.flags import FlagParser, add_train_args, declared_flags
 from trainer.plan.model_config import build_config
 from trainer.plan.resolve import TrainPlan, resolve
 from trainer.runtime.launch import ConfigError
@@ -170,12 +170,27 @@ def test_check_replicas_needs_replicated_parameters(tmp_path):
 
 
 def test_every_integer_flag_has_a_range():
-    """A new integer flag must say which values it takes: a range in AT_LEAST, choices, or a layout check."""
+    """A new integer flag must say which values it takes: a min on its declaration, choices, or a layout check."""
     parser = add_train_args(argparse.ArgumentParser())
+    ranged = {f.name for f in declared_flags() if f.min is not None}
     checked_elsewhere = {"tp", "pp", "cp", "zero_stage"}  # validate_layout / validate_data_parallel
     unchecked = [a.dest for a in parser._actions if a.type is int and not a.choices
-                 and a.dest not in AT_LEAST and a.dest not in checked_elsewhere]
+                 and a.dest not in ranged and a.dest not in checked_elsewhere]
     assert unchecked == []
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--epcohs", "3"], "error: unknown flag --epcohs (did you mean --epochs?); --help lists every flag"),
+    (["--epoch", "3"], "error: unknown flag --epoch (did you mean --epochs?); --help lists every flag"),  # no prefix
+    (["--max_step=2"], "error: unknown flag --max_step (did you mean --max_steps?); --help lists every flag"),
+    (["--zzz_qqq", "1"], "error: unknown flag --zzz_qqq; --help lists every flag"),
+])
+def test_an_unknown_flag_is_one_line_with_the_nearest_real_one(argv, line, capsys):
+    """argparse took `--epoch 3` as --epochs (abbreviations) and met `--epcohs` with 66 lines of usage."""
+    parser = add_train_args(FlagParser())
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args([*TINY, *argv])
+    assert stop.value.code == 2 and capsys.readouterr().err == line + "\n"
 
 
 def test_doc_mask_follows_packing():

@@ -33,6 +33,7 @@ def test_pipeline_eval_equals_the_single_process(tmp_path, nproc, layout):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         runs[name] = eval_records(workdir)
     assert [r["step"] for r in runs["single"]] == [2, 3]  # every 2 steps, and at the end
+    assert len(runs["pipeline"]) == len(runs["single"]), runs  # zip would stop at the shorter one
     for got, want in zip(runs["pipeline"], runs["single"]):
         assert got["step"] == want["step"]
         assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5), (got, want)

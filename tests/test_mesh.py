@@ -18,6 +18,9 @@ def test_validate_layout():
     assert dp is None and "launch 8 processes" in message
     dp, message = validate_layout(4, cp=0)
     assert dp is None and "--cp must be an integer >= 1" in message
+    assert validate_layout(8, tp=2, ep=2) == (4, None)  # ep is carved out of dp: not in the world-size product
+    dp, message = validate_layout(6, ep=4)
+    assert dp is None and "--ep 4 must divide the dp size 6" in message and "\n" not in message
 
 
 def test_single_process_dims():
@@ -56,6 +59,10 @@ def _groups_worker(rank, world_size, out_dir):
         result[name] = {"groups": groups, "coords": coords, "sizes": [dims.size(d) for d in ("dp", "pp", "cp", "tp")],
                         "summary": dims.summary(), "counts": [dims.counts_loss, dims.counts_items],
                         "tp_mesh_ranks": dims.mesh("tp").mesh.tolist()}
+    dims = ParallelDims.build(world_size, device_type="cpu", ep=2)  # dp 4, ep 2 carved out of it
+    result["dp4_ep2"] = {"groups": {d: dist.get_process_group_ranks(dims.group(d)) for d in ("dp", "ep", "ep_replica")},
+                         "sizes": [dims.size(d) for d in ("dp", "ep", "ep_replica")], "ep_rank": dims.rank("ep"),
+                         "world": dims.world_size}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -82,6 +89,11 @@ def test_mesh_groups(tmp_path):
             assert r["tp_mesh_ranks"] == expected["tp"]
             # the loss counts on the last pp stage's tp rank 0; token counts also on cp rank 0 only
             assert r["counts"] == [pp == P - 1 and tp == 0, pp == P - 1 and tp == 0 and cp == 0]
+        # ep 2 within dp 4: slices [0, 1], [2, 3]; the same-position ranks [0, 2], [1, 3] hold the same experts
+        ep = result["dp4_ep2"]
+        assert ep["sizes"] == [4, 2, 2] and ep["world"] == 4 and ep["ep_rank"] == rank % 2
+        assert ep["groups"] == {"dp": [0, 1, 2, 3], "ep": [rank - rank % 2, rank - rank % 2 + 1],
+                                "ep_replica": [rank % 2, rank % 2 + 2]}
     # Hand-computed lists for the record (rank 0's view).
     r0 = json.load(open(tmp_path / "rank0.json"))
     assert r0["dp2_tp2"]["groups"]["tp"] == [0, 1] and r0["dp2_tp2"]["groups"]["dp"] == [0, 2]

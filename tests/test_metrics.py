@@ -47,31 +47,54 @@ def linear_step_seconds(bf16):
     return best_seconds(step)
 
 
+# Timings on a shared machine are load-dependent: the rates metrics.py measured and the timings here are taken at
+# different moments, under different loads. A check that fails is taken again from fresh measurements of both (the
+# cache's entry marked busy, as metrics.py does when the cores were busy); it fails only when every try does.
+TRIES = 3
+
+
+def measure_again():
+    """The next cpu_matmul_rates() measures anew, keeping the best rate seen (metrics.py's rule for a busy entry)."""
+    entries = json.loads(open(metrics.RATES_FILE).read())
+    entries[metrics.cpu_rates_key()]["busy"] = True
+    with open(metrics.RATES_FILE, "w") as f:
+        f.write(json.dumps(entries))
+    metrics._PEAK_CACHE.clear()
+
+
 def test_auto_dtype_is_the_one_a_training_layer_runs_faster_in(fresh_rates):
-    dtype, note = resolve_dtype("auto", "cpu")
-    assert note.startswith(f"dtype auto: {str(dtype)[6:]} (")
-    if not NATIVE_BF16:  # AVX2-only CPUs emulate bf16: never measured, never picked
-        assert dtype == torch.float32 and "no native bf16" in note
-        return
-    speedup = linear_step_seconds(False) / linear_step_seconds(True)  # bf16 autocast over fp32, forward + backward
-    # near metrics.BF16_MARGIN either choice is right; far from it the timings here decide
-    if speedup > 1.5:
-        assert dtype == torch.bfloat16, (speedup, note)
-    elif speedup < 1.0:
-        assert dtype == torch.float32, (speedup, note)
-    assert str(metrics.RATES_FILE) in note and "GFLOP/s" in note
+    for _ in range(TRIES):
+        dtype, note = resolve_dtype("auto", "cpu")
+        assert note.startswith(f"dtype auto: {str(dtype)[6:]} (")
+        if not NATIVE_BF16:  # AVX2-only CPUs emulate bf16: never measured, never picked
+            assert dtype == torch.float32 and "no native bf16" in note
+            return
+        assert str(metrics.RATES_FILE) in note and "GFLOP/s" in note
+        speedup = linear_step_seconds(False) / linear_step_seconds(True)  # bf16 autocast over fp32, fwd + bwd
+        # near metrics.BF16_MARGIN either choice is right; far from it the timings here decide
+        wrong = (speedup > 1.5 and dtype != torch.bfloat16) or (speedup < 1.0 and dtype != torch.float32)
+        if not wrong:
+            return
+        measure_again()
+    raise AssertionError(f"{TRIES} tries chose {dtype} where a layer ran {speedup:.2f}x faster in bf16 ({note})")
 
 
 def test_peak_is_not_below_any_matmul_measured_here(fresh_rates):
     """MFU = model FLOPs / time / peak stays <= 1 when no matmul runs faster than the peak: square, training and
     lm_head shapes timed here, best of five each, against the peak (x1.25: a best-of-five timing on a shared
-    machine still scatters by up to a fifth between two measurements)."""
+    machine still scatters by up to a fifth between two measurements). A peak measured under more load than these
+    timings (CI: bf16 113 GFLOP/s here vs a peak of 90) is measured again, as the trainer's next run would."""
     for dtype in (torch.float32, torch.bfloat16) if NATIVE_BF16 else (torch.float32,):
-        peak = metrics.peak_flops("cpu", dtype)
-        for m, k, n in ((1024, 1024, 1024), (2048, 768, 2432), (2048, 768, 6400), (4096, 256, 704)):
-            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-            rate = 2 * m * k * n / best_seconds(lambda: a @ b)
-            assert rate <= 1.25 * peak, (dtype, (m, k, n), rate / 1e9, peak / 1e9)
+        for _ in range(TRIES):
+            peak = metrics.peak_flops("cpu", dtype)
+            ratios = {}
+            for m, k, n in ((1024, 1024, 1024), (2048, 768, 2432), (2048, 768, 6400), (4096, 256, 704)):
+                a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+                ratios[m, k, n] = 2 * m * k * n / best_seconds(lambda: a @ b) / peak
+            if max(ratios.values()) <= 1.25:
+                break
+            measure_again()
+        assert max(ratios.values()) <= 1.25, (dtype, ratios, peak / 1e9)
 
 
 def test_a_busy_measurement_is_never_the_peak_and_the_mfu_line_says_provisional(fresh_rates, monkeypatch):

@@ -2,7 +2,6 @@
 step, its peak memory, what to change, the last complete checkpoint), every rank leaves, and that checkpoint resumes."""
 import argparse
 import os
-import time
 
 import pytest
 import torch
@@ -39,11 +38,11 @@ def test_one_rank_out_of_memory_is_one_line_and_the_checkpoint_resumes(tmp_path)
     args = [*TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "2", "--accumulation_steps", "2",
             "--max_steps", "4", "--save_interval", "2", "--log_interval", "1", "--save_dir", str(out),
             "--checkpoint_dir", str(ckpt), "--metrics_file", str(out / "m.jsonl")]
-    start = time.time()
+    # every rank leaves: a hang would sit out the 600 s collective timeout, far past forked()'s 120 s
     proc = forked("tests/fault_entry.py", args, nproc=2, timeout=120,
                   env=dict(MINIMIND_TEST_OOM_AT_STEP="3", MINIMIND_TEST_OOM_RANK="1"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 3 and time.time() - start < 60, proc.stderr[-3000:]
+    assert proc.returncode == 3, proc.stderr[-3000:]
     assert len(errors) == 1, proc.stderr[-3000:]
     # the other rank, left waiting in a collective, says so in one line, not a traceback
     assert "stopped: rank 0 lost a peer in a collective" in proc.stderr and "Traceback" not in proc.stderr
@@ -59,4 +58,13 @@ def test_one_rank_out_of_memory_is_one_line_and_the_checkpoint_resumes(tmp_path)
     resumed = forked("trainer/train_pretrain.py", [*args, "--from_resume", "1"], nproc=2, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resuming from {ckpt / 'pretrain_64' / 'step_2'}" in resumed.stdout
-    assert [r["step"] for r in read_metrics(str(out / "m.jsonl"))] == [1, 2, 3, 4]
+    # the resumed curve is the uninterrupted run's: same process count, same reduction order, equal to fp32 rounding
+    ref = tmp_path / "ref"
+    uninterrupted = forked("trainer/train_pretrain.py", [*args, "--save_dir", str(ref), "--checkpoint_dir",
+                                                         str(ref / "ckpt"), "--metrics_file", str(ref / "m.jsonl")],
+                           nproc=2, timeout=300)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    got, want = read_metrics(str(out / "m.jsonl")), read_metrics(str(ref / "m.jsonl"))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3, 4]
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["tokens"] == b["tokens"], (a, b)

@@ -76,7 +76,7 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     for student in (distill, gkd):  # the student; the teacher by default:
         assert started_from(student, w["full_sft_64.pth"], digests)
         assert f"teacher {w['full_sft_64_moe.pth']} (sha256 {digests[w['full_sft_64_moe.pth']]})" in student
-    assert "RewardModel" in ppo  # its start line lists the reward model beside the rule rewards
+    assert "reward_model x1" in ppo  # its start line lists the reward model beside the rule rewards
     for stage, weights in ((grpo, "grpo_64.pth"), (ppo, "ppo_actor_64.pth"), (agent, "agent_64.pth")):
         assert started_from(stage, w["full_sft_64.pth"], digests) and os.path.isfile(os.path.join(out, weights))
     agent_weights = os.path.join(out, "agent_64.pth")

@@ -1,5 +1,6 @@
-"""trainer/ckpt/storage.py on a real small filesystem (a tmpfs mounted for the test; skipped where mount is not
-allowed)."""
+"""trainer/ckpt/storage.py on a real small filesystem (a tmpfs mounted for the test). Where mount is not allowed the
+full-disk tests (here and in the files that import small_disk) are skipped with the reason, and fail in CI (the CI
+environment variable set, as CI services do): there they must run (root, or a container with CAP_SYS_ADMIN)."""
 import errno
 import os
 import subprocess
@@ -39,13 +40,31 @@ def small_disk(tmp_path):
         result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(disk)],
                                 capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            pytest.skip(f"needs a real small filesystem; mount -t tmpfs is not permitted: {result.stderr.strip()}")
+            no_small_disk(result.stderr.strip())
         mounted.append(disk)
         return str(disk)
 
     yield mount
     for disk in mounted:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def no_small_disk(reason):
+    """Skip a full-disk test where no tmpfs can be mounted; in CI fail instead, so that they never skip unseen."""
+    message = f"needs a real small filesystem; mount -t tmpfs is not permitted: {reason}"
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        pytest.fail(f"{message}. CI must run the full-disk tests: run as root or give the container CAP_SYS_ADMIN "
+                    "(docker run --cap-add SYS_ADMIN)", pytrace=False)
+    pytest.skip(message)
+
+
+def test_a_full_disk_test_that_cannot_mount_fails_in_ci_and_skips_elsewhere(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must run the full-disk tests"):
+        no_small_disk("mount: only root can do that")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="mount -t tmpfs is not permitted: mount: only root"):
+        no_small_disk("mount: only root can do that")
 
 
 def fill(disk, leave=0):

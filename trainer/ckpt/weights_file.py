@@ -12,6 +12,7 @@ from model.model_minimind import MiniMindForCausalLM
 from model.weight_shapes import WeightsError, load_checked
 from model.weights import is_checkpoint_dir, read_record, read_weights_and_args
 from trainer.ckpt.checkpoint import latest_checkpoint, read_checkpoint_model, read_checkpoint_record
+from trainer.ckpt.rank_files import set_rng_state
 from trainer.ckpt.storage import rank0_write
 from trainer.ckpt.weight_flags import weights_line
 from trainer.parallel.state_dict import full_model_state_dict
@@ -19,17 +20,19 @@ from trainer.runtime.launch import ConfigError, count_sum, is_main_process
 from trainer.trainer_utils import Logger, file_digest
 
 
-def init_model(config, from_weight="none", device="cpu"):
+def init_model(config, from_weight="none", device="cpu", role="Model", note=None):
     """MiniMind's model; loads `from_weight` (a .pth, a step directory or an HF folder, resolved by config.resolve)
-    unless 'none'."""
+    unless 'none'. Its line names the `role` (a reference model beside the policy) and where the weights come from
+    (`note`: a resume's checkpoint, which loads later)."""
     model = MiniMindForCausalLM(config)
     if from_weight != "none":
         try:
             load_any_weights(model, from_weight)  # strict; a mismatch names the file, tensor, both shapes and the flag
         except WeightsError as e:
             raise ConfigError(weights_line(e)) from None
-    source = f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else "initialised from --seed"
-    Logger(f"Model params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
+    source = note or (f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else
+                      "initialised from --seed")
+    Logger(f"{role} params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
     return model.to(device)
 
 
@@ -57,8 +60,8 @@ def save_weights(trainer, path=None):
     (DiskFullError)."""
     plan, stage = trainer.plan, trainer.plan.stage
     pp_group = trainer.dims.group("pp") if plan.layout.pp > 1 else None
-    if plan.layout.ep > 1:  # each dp rank holds its experts (no pp with ep): gathered like pipeline stages
-        pp_group = trainer.dims.group("dp")
+    if plan.layout.ep > 1:  # each ep rank holds its experts (no pp with ep): gathered like pipeline stages
+        pp_group = trainer.dims.group("ep")
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
     path = path or stage.weights_path(plan)
     record = dict(tokenizer=plan.data.tokenizer_record, step=trainer.progress.global_step)
@@ -77,3 +80,22 @@ def ensure_final_weights(trainer):
         now = f"holds step {held}" if held is not None else "records no step" if os.path.isfile(path) else "is missing"
         Logger(f"{path} {now}, not the final step {step}: writing them")
         save_weights(trainer)
+
+
+def save_last_completed(trainer):
+    """One process stopped inside a step (a signal, a failing reward function): drop the step's gradients and save the
+    last completed step (its parameters, optimizer state and progress are untouched) with the RNG state it ended with,
+    then the weights. Returns that step (0: none completed, nothing saved)."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    guard, step = trainer.guard, trainer.progress.global_step
+    if step == 0:
+        return 0
+    if trainer.step_rng is not None:
+        set_rng_state(trainer.step_rng)
+    if guard.last_save != step:  # else that step's checkpoint is on disk already
+        trainer.checkpointer.save(step)
+        guard.saved(step)
+        trainer.callbacks.call("on_save", trainer, step)
+    trainer.checkpointer.wait()
+    save_weights(trainer)  # as a finished or preempted run leaves them
+    return step

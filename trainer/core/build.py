@@ -10,8 +10,10 @@ import torch
 from model.model_minimind import MiniMindConfig
 from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
 from trainer.ckpt.checkpointer import Checkpointer
+from trainer.ckpt.minimind_resume import minimind_resume_path
 from trainer.ckpt.parts import standard_parts
 from trainer.ckpt.run_lock import claim_run
+from trainer.ckpt.step_dirs import latest_checkpoint
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import init_model
 from trainer.core.objective import LMObjective
@@ -30,6 +32,7 @@ from trainer.runtime.guard import (
     add_signal_points,
 )
 from trainer.runtime.launch import (
+    ConfigError,
     init_distributed_mode,
     rank,
     setup_seed,
@@ -80,12 +83,25 @@ def setup(args, stage=Stage):
         check_same_dtype(model.dtype, layout.device)  # each rank measured (or read) the rates itself
         Logger(model.dtype_note)
     setup_seed(plan.data.seed, model.deterministic)  # same seed on every rank: every rank builds the same full model
+    check_resume_early(plan)
     return plan, dims
 
 
-def build_model(config, plan, model_state=None):
+def check_resume_early(plan):
+    """--from_resume 1 with nothing to resume fails here, before the data is built and tokenized (read_resume's own
+    check comes after them); files only, no collective: every rank sees the same directory and raises the same."""
+    io = plan.io
+    minimind_path = minimind_resume_path(io.checkpoint_dir, os.path.basename(io.run_dir))
+    if io.from_resume == "1" and not io.resume_path and latest_checkpoint(io.run_dir) is None \
+            and not os.path.isfile(minimind_path):
+        raise ConfigError(f"--from_resume 1 but {io.run_dir} holds no complete checkpoint; pass --from_resume auto "
+                          "to start fresh when there is none, or 0")
+
+
+def build_model(config, plan, model_state=None, resumed=False):
     """The plain full model on the plan's device: --from_weight (or resume) weights, else the seeded init."""
-    model = init_model(config, plan.model.from_weight)
+    note = "weights from the checkpoint resumed below" if resumed else None  # not --seed's, nor --from_weight's
+    model = init_model(config, plan.model.from_weight, note=note)
     if model_state is not None:
         model.load_state_dict(model_state)
     return model.to(plan.layout.device)
@@ -98,7 +114,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     config = plan.model.config
     claim_run(plan)  # one run per checkpoint directory; an earlier run's results are not replaced unasked
     ckpt = read_resume(config, plan)
-    model = build_model(config, plan, ckpt.get("model") if ckpt else None)  # a DCP checkpoint loads in restore
+    model = build_model(config, plan, ckpt.get("model") if ckpt else None, ckpt is not None)  # DCP: in restore
     model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
     estimate = checkpoint_bytes_estimate(model, plan.io.save_dtype.itemsize)
     if plan.layout.grad_compression == "powersgd" and plan.layout.dp > 1:  # each rank's fp32 residuals beside it

@@ -16,7 +16,7 @@ def load_datasets(plan):
 
     A --data_path of several sources is concatenated, or mixed by its weights (dataset/mixture.py)."""
     stage, tokenizer = plan.stage, AutoTokenizer.from_pretrained(plan.data.tokenizer_path)
-    data_path = plan.data.data_path or ensure_demo_data(stage.demo_kind)  # the embedded corpus, built on first use
+    data_path = plan.data.data_path or ensure_demo_data(stage.demo_kind, announce=Logger)  # built on first use
 
     def make_dataset(path):
         return stage.dataset(plan, tokenizer, path)
@@ -36,13 +36,27 @@ def load_datasets(plan):
         raise ConfigError(str(e))
     for line in notes:
         Logger(line)
-    Logger(f"Data: {data_path} ({len(train_ds)} rows), tokenizer {plan.data.tokenizer_path}")
+    Logger(f"Data: {data_path} ({rows_line(train_ds, plan.data.seq_len)}), tokenizer {plan.data.tokenizer_path}")
     if describe_mixture(train_ds, data_path):
         Logger(describe_mixture(train_ds, data_path))
     if len(train_ds) < plan.data.global_batch:
         raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
                           f"({plan.data.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
     return train_ds, eval_ds
+
+
+def rows_line(ds, seq_len):
+    """What the training rows are: '8177 rows of 64 tokens packed from 5026 documents' (the file's lines), '5026
+    rows, one per document' or '600 samples' (pairs, prompts): the count the steps per epoch come from."""
+    leaves = leaf_datasets(ds)
+    documents = [len(leaf.offsets) - 1 for leaf in leaves if getattr(leaf, "offsets", None) is not None]
+    if len(documents) < len(leaves) or not leaves:  # a dataset without a token cache (pairs, prompts)
+        return f"{len(ds)} samples"
+    unit = "documents" if all(getattr(leaf, "kind", None) == "pretrain" for leaf in leaves) else "conversations"
+    if any(getattr(leaf, "packing", False) for leaf in leaves):
+        return f"{len(ds)} rows of {seq_len} tokens packed from {sum(documents)} {unit}"
+    return f"{len(ds)} rows, one per {unit[:-1]}" if len(ds) == sum(documents) else \
+        f"{len(ds)} rows from {sum(documents)} {unit}"
 
 
 def leaf_datasets(ds):

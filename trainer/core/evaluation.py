@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer.core.batches import pipeline_forward_only, shard_for_context, step_targets
 from trainer.parallel.tensor import tp_loss_context
-from trainer.runtime.launch import local_value, world_sum
+from trainer.runtime.launch import full_value, world_sum
 
 
 def evaluate(trainer, eval_ds):
@@ -45,7 +45,7 @@ def plain_eval(trainer, batches):
                                               None if positions is None else positions.to(plan.layout.device))
         with tp_loss_context(plan.layout.tp > 1):
             loss = objective.eval_loss(model, x, t, positions, tuple(e.to(plan.layout.device) for e in extra))
-        loss_sum += float(local_value(loss)) if dims.counts_loss else 0.0
+        loss_sum += float(full_value(loss)) if dims.counts_loss else 0.0
         count += float(objective.count(labels, extra)) if dims.counts_items else 0.0
     return loss_sum, count
 

@@ -8,33 +8,44 @@ way into the model in batches.py, checkpoints in checkpoint.py, the console and 
 evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/ (applied by parallel/parallelize.py).
 """
 import os
+import signal
 import time
 
 import torch
 import torch.distributed as dist
 
-from trainer.ckpt.rank_files import rng_state, set_rng_state
-from trainer.ckpt.weights_file import ensure_final_weights, save_weights
+from trainer.ckpt.rank_files import rng_state
+from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed, save_weights
 from trainer.core.batches import autocast, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader
 from trainer.core.evaluation import evaluate
 from trainer.core.objective import target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
-from trainer.parallel.expert import expert_params
+from trainer.parallel.expert import expert_params, reduce_expert_grads
 from trainer.parallel.tensor import tp_loss_context
 from trainer.plan.config_file import write_run_config
-from trainer.runtime.console import NO_BAR, Bar, effective_log_interval, make_tracker, messages_above_bar, step_record
+from trainer.runtime.console import (
+    NO_BAR,
+    Bar,
+    effective_log_interval,
+    make_tracker,
+    messages_above_bar,
+    run_line,
+    step_record,
+)
 from trainer.runtime.guard import (
     StepAbandoned,
     check_replicas,
     scaler_found_inf,
 )
 from trainer.runtime.launch import (
+    OUTSIDE_LOOP,
+    SignalStop,
     add_stats,
     count_sum,
+    full_value,
     is_main_process,
-    local_value,
     set_collective_timeout,
 )
 from trainer.runtime.metrics import step_timer, trim_heap
@@ -61,9 +72,7 @@ def train(trainer, train_ds, eval_ds=None):
         write_run_config(plan)  # --config of it repeats this run
     profiler = StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
     timer = step_timer(plan.layout.device, plan.model.dtype, plan.layout.world_size)
-    Logger(f"{trainer.steps_per_epoch} optimizer steps per epoch, global batch {plan.data.global_batch} x "
-           f"{plan.data.seq_len} tokens, dtype {plan.model.dtype}; {plan.optim.name}, "
-           f"{plan.lr.describe(trainer.total_steps)}")
+    Logger(run_line(trainer))  # the steps the bar counts to
     # the bar closes before an error line is printed
     with trainer.guard.preemption, Bar(trainer) as bar, messages_above_bar(), out_of_memory_as_one_line(trainer):
         try:
@@ -82,6 +91,7 @@ def train(trainer, train_ds, eval_ds=None):
         bar.close()  # the final bar once, above the last records (no-op when closed already)
         trainer.checkpointer.wait()  # the last async save
         profiler.close()
+    OUTSIDE_LOOP["when"] = f"after the training loop; step {progress.global_step} is saved"
     trainer.callbacks.call("on_train_end", trainer)  # the sinks close
     finish(trainer)
 
@@ -147,29 +157,26 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
 def save_abandoned(trainer):
     """A signal during a step's micro-batches (one process): drop their gradients and save the last completed step,
     whose parameters, optimizer state and progress are untouched, with the RNG state it ended with."""
-    trainer.optimizer.zero_grad(set_to_none=True)
-    guard, step = trainer.guard, trainer.progress.global_step
-    guard.stop = True
+    guard = trainer.guard
+    guard.stop, guard.stop_signal = True, signal.Signals[guard.preemption.requested]
+    step = save_last_completed(trainer)
     if step == 0:
         Logger("preempted: no optimizer step completed yet; nothing to save")
         return
-    set_rng_state(trainer.step_rng)
-    if guard.last_save != step:  # else that step's checkpoint is on disk already
-        trainer.checkpointer.save(step)
-        guard.saved(step)
-        trainer.callbacks.call("on_save", trainer, step)
-    save_weights(trainer)  # as a finished or preempted run leaves them
     Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.io.checkpoint_dir}; "
            "continue with --from_resume 1")
 
 
 def finish(trainer):
-    """Say where the weights are (only when the run finished) and leave the process group."""
+    """Say where the weights are (only when the run finished) and leave the process group; a run stopped by a signal
+    (saved) raises SignalStop: exit 130/143, so `train && next_stage` does not go on from a stopped run."""
     plan = trainer.plan
     if not trainer.guard.stop:
         Logger(f"Done: {trainer.progress.global_step} steps, weights in {plan.stage.weights_path(plan)}")
     if dist.is_initialized():
         dist.destroy_process_group()
+    if trainer.guard.stop:
+        raise SignalStop(trainer.guard.stop_signal)
 
 
 def train_step(trainer, micro_batches, bar=None):
@@ -235,7 +242,7 @@ def accumulate_gradients(trainer, micro_batches, bar):
                 main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
             loss = main_loss + aux_loss * aux_weight
             scaler.scale(loss * grad_factor).backward()
-        ce, aux = ce + local_value(main_loss), aux + local_value(aux_loss) * aux_weight
+        ce, aux = ce + full_value(main_loss), aux + full_value(aux_loss) * aux_weight
         stats = add_stats(stats, micro_stats)
         if not device.startswith("cuda"):  # free on CPU; on CUDA the bar waits for the step's own sync
             bar.running_loss(ce, sum(counts[:i + 1]), num_items)
@@ -250,11 +257,13 @@ def clip_gradients(trainer, max_norm):
         pipeline.sync_tied_grads()
     params = [p for part in trainer.model_parts for p in part.parameters() if p.grad is not None]
     pp_group = trainer.dims.group("pp") if trainer.plan.layout.pp > 1 else None
-    ep = trainer.plan.layout.ep > 1  # each rank's experts are its own: their norms add up over the dp ranks
+    ep = trainer.plan.layout.ep > 1  # each ep rank's experts are its own: their norms add up over the ep ranks
     experts = [p for part in trainer.model_parts for _, p in expert_params(part)] if ep else None
+    if ep:  # ep < dp: the expert replicas' gradients summed first (as DDP did the dense ones)
+        reduce_expert_grads(trainer.model_parts, trainer.dims.group("ep_replica"))
     return clip_grad_norm_(params, max_norm, pp_group=pp_group,
                            exclude=pipeline.duplicate_params() if pipeline is not None else None,
-                           sharded=experts, sharded_group=trainer.dims.group("dp") if experts else None)
+                           sharded=experts, sharded_group=trainer.dims.group("ep") if experts else None)
 
 
 def reached_max_steps(trainer):

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from model.torch_compat import foreach_mul_
-from trainer.runtime.launch import local_tensor
+from trainer.runtime.launch import local_shard
 
 
 def _cpu_l2_norm(grads, error_if_nonfinite):
@@ -97,7 +97,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None, exclude=
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
     by_device = {}
     for p in params:  # scale the local shards in place; no communication needed
-        local = local_tensor(p.grad)
+        local = local_shard(p.grad)
         by_device.setdefault(local.device, []).append(local)
     for device, tensors in by_device.items():
         foreach_mul_(tensors, clip_coef.to(device))

@@ -78,7 +78,7 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
     param_dtype: FSDP2 gathers parameters in this dtype (the autocast dtype; None keeps fp32); gradients are
     always reduced in fp32. powersgd_*: the hook's rank and warm-up steps (--powersgd_rank, --powersgd_start_step).
     cpu_offload: FSDP2 keeps the sharded parameters, gradients and optimizer state in CPU memory (CPUOffloadPolicy).
-    ignored: names of parameters DDP leaves alone (expert-parallel experts: each rank holds its own).
+    ignored: names of parameters DDP / FSDP2 leave alone (expert-parallel experts: each rank holds its own).
     Returns the wrapped module (DDP) or the same module, now an FSDPModule. A size-1 mesh returns
     `model` unchanged.
     """
@@ -101,14 +101,17 @@ def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *
 
     reshard = zero_stage == 3  # ZeRO-2: keep gathered params from forward to backward
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    offload = dict(offload_policy=CPUOffloadPolicy()) if cpu_offload else {}  # needs CUDA (checked by resolve)
+    extra = dict(offload_policy=CPUOffloadPolicy()) if cpu_offload else {}  # needs CUDA (checked by resolve)
+    if ignored:  # plain local tensors, reduced by their owner (parallel/expert.py's reduce_expert_grads)
+        names = set(ignored)
+        extra["ignored_params"] = {p for n, p in model.named_parameters() if n in names}
     for block in decoder_blocks(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy, **offload)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy, **extra)
     # The root group takes everything left: embed_tokens, norm and lm_head. A tied lm_head.weight is
     # the same Parameter as embed_tokens.weight; FSDP2 manages it once and re-ties both attributes.
     # The root stays gathered from forward to backward (backward needs it at once): FSDP2's own default
     # for the root, which an explicit True would override with one more all-gather per micro-batch.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, **offload)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, **extra)
     model.keep_gathered_across_microbatches = zero_stage == 2  # read by gradient_sync
     return model
 

@@ -6,7 +6,10 @@ experts r*E/ep .. (r+1)*E/ep - 1, under their global names, so the state dict ke
 MOEFeedForward.experts_fn for `dispatch_to_experts`. The router, the aux loss and the shared experts stay local: every
 rank routes its own tokens. Per layer and micro-batch: one all-to-all of the (experts,) counts, one host read of the
 split sizes (all_to_all_single needs them on the host), then the rows out and the outputs back; autograd runs the
-reverse all-to-alls in backward, so an expert's gradient sums the contributions of every rank's tokens.
+reverse all-to-alls in backward, so an expert's gradient sums the contributions of its ep group's tokens.
+
+With ep < dp (ep carved out of dp: parallel/mesh.py) each expert is held by dp/ep ranks, one per ep group (its
+expert-replica group, ep_replica); `reduce_expert_grads` sums their gradients once per step, as DDP does the rest.
 """
 from functools import partial
 
@@ -50,6 +53,19 @@ def apply_expert_parallel(model, ep_group, grad_divide=1):
         for _, param in expert_params(model):
             param.register_hook(partial(torch.div, other=grad_divide))
     return model
+
+
+def reduce_expert_grads(model_parts, replica_group):
+    """Sum the experts' gradients over `replica_group` (the ranks holding the same experts; none when ep = dp): each
+    holds its ep group's tokens' share, already divided as the dense gradients are (apply_expert_parallel)."""
+    if replica_group is None or dist.get_world_size(replica_group) == 1:
+        return
+    grads = [p.grad for part in model_parts for _, p in expert_params(part) if p.grad is not None]
+    if grads:  # one flat buffer: one collective per step
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=replica_group)
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
+            grad.copy_(part.view_as(grad))
 
 
 def dispatch_to_experts(moe, group, rows, counts):

@@ -3,6 +3,10 @@ dimensions (DIMENSIONS): a new dimension is one entry here plus its module in pa
 
 Rank order follows torchtitan: the last dimension (tp) varies fastest, then cp, then pp, then dp, so the tp group of
 a rank is a run of consecutive ranks (one node, fast links) and dp spans the farthest ranks.
+
+A dimension `within` another (ep within dp, torchtitan's way) is carved out of that one's ranks instead of multiplying
+the world size: its groups are the consecutive ep-sized slices of each dp group, and its "replica" groups (ep_replica)
+join the ranks holding the same slice position, i.e. the same experts, across the slices.
 """
 from dataclasses import dataclass, field
 from math import prod
@@ -20,6 +24,7 @@ class Dimension:
     shards: str
     splits_data: bool = False  # its ranks read different samples (the data-parallel replicas)
     reduces_gradients: bool = False  # gradients are summed over its ranks (with dp: the gradient-reduction group)
+    within: str = None  # carved out of that dimension's ranks (its size divides it), not a dimension of the mesh
 
 
 # mesh order: the first varies slowest (dp spans the farthest ranks), the last fastest
@@ -28,13 +33,17 @@ DIMENSIONS = (
     Dimension("pp", "the layers, into pipeline stages"),
     Dimension("cp", "each sequence, into chunks (ring attention)", reduces_gradients=True),
     Dimension("tp", "each layer's heads and MLP columns (DTensor)"),
+    Dimension("ep", "each MoE layer's routed experts (tokens sent by all-to-all)", within="dp"),
 )
-MESH_DIMS = tuple(d.name for d in DIMENSIONS)
+MESH_DIMS = tuple(d.name for d in DIMENSIONS if d.within is None)
+CARVED = {d.name: d.within for d in DIMENSIONS if d.within}  # name -> the dimension it is carved from
+REPLICA_NAMES = tuple(f"{name}_replica" for name in CARVED)  # the ranks holding the same shard of a carved dimension
 # the flattened gradient-reduction dimension (dp x cp)
 REDUCE_DIMS = tuple(d.name for d in DIMENSIONS if d.reduces_gradients)
 REDUCE_NAME = "_".join(REDUCE_DIMS)
-GROUP_NAMES = MESH_DIMS + (REDUCE_NAME,)
+GROUP_NAMES = MESH_DIMS + (REDUCE_NAME,) + tuple(CARVED) + REPLICA_NAMES
 MODEL_DIMS = tuple(d.name for d in DIMENSIONS if not d.splits_data)  # the sizes a layout flag sets; dp follows
+PRODUCT_DIMS = tuple(name for name in MODEL_DIMS if name in MESH_DIMS)  # world size = dp * their product
 
 
 def validate_layout(world_size, dp=None, **sizes):
@@ -50,20 +59,30 @@ def validate_layout(world_size, dp=None, **sizes):
     for name, size in sizes.items():
         if not isinstance(size, int) or size < 1:
             return None, f"--{name} must be an integer >= 1, got {size}"
-    names, model_parallel = "*".join(MODEL_DIMS), prod(sizes.values())
-    values = "*".join(str(s) for s in sizes.values())
-    flags = "/".join(f"--{n}" for n in MODEL_DIMS)
+    names, model_parallel = "*".join(PRODUCT_DIMS), prod(sizes[n] for n in PRODUCT_DIMS)
+    values = "*".join(str(sizes[n]) for n in PRODUCT_DIMS)
+    flags = "/".join(f"--{n}" for n in PRODUCT_DIMS)
     if dp is None:
         if world_size % model_parallel != 0:
             return None, (f"world size {world_size} is not divisible by {names} = {values} = {model_parallel}; "
                           f"launch a multiple of {model_parallel} processes or change {flags}")
-        return world_size // model_parallel, None
-    if not isinstance(dp, int) or dp < 1:
+        dp = world_size // model_parallel
+    elif not isinstance(dp, int) or dp < 1:
         return None, f"--dp must be an integer >= 1, got {dp}"
-    if dp * model_parallel != world_size:
+    elif dp * model_parallel != world_size:
         return None, (f"dp*{names} = {dp}*{values} = {dp * model_parallel} but world size is {world_size}; "
                       f"launch {dp * model_parallel} processes or change --dp/{flags}")
-    return dp, None
+    message = _carved_message(dict(sizes, dp=dp))
+    return (None, message) if message else (dp, None)
+
+
+def _carved_message(sizes):
+    """One line if a carved dimension's size does not divide the size it is carved from (ep must divide dp)."""
+    for name, parent in CARVED.items():
+        if sizes[parent] % sizes[name]:
+            return (f"--{name} {sizes[name]} must divide the {parent} size {sizes[parent]} (its ranks are carved out "
+                    f"of the {parent} ranks); change --{name} or launch a multiple of {sizes[name]} {parent} ranks")
+    return None
 
 
 def _flatten_with_new_groups(mesh, dims, name):
@@ -123,10 +142,11 @@ def layout_summary(mesh):
 @dataclass
 class ParallelDims:
     """Sizes, this rank's coordinates, process groups and sub-meshes of one run, by dimension name (DIMENSIONS,
-    plus the flattened gradient-reduction dimension dp_cp). Single-process runs get size 1, rank 0 and None for
-    every group and mesh."""
-    sizes: dict = field(default_factory=lambda: dict.fromkeys(MESH_DIMS, 1))
-    coords: dict = field(default_factory=lambda: dict.fromkeys(MESH_DIMS, 0))
+    plus the flattened gradient-reduction dimension dp_cp and the carved dimensions' replica groups, ep_replica).
+    Single-process runs get size 1, rank 0 and None for every group and mesh; a carved dimension of size 1 has no
+    group (None) and its replica group is its parent's."""
+    sizes: dict = field(default_factory=lambda: dict.fromkeys(MESH_DIMS + tuple(CARVED), 1))
+    coords: dict = field(default_factory=lambda: dict.fromkeys(MESH_DIMS + tuple(CARVED), 0))
     meshes: dict = field(default_factory=dict)  # name (or "world") -> DeviceMesh
     groups: dict = field(default_factory=dict)  # name -> ProcessGroup
 
@@ -141,37 +161,63 @@ class ParallelDims:
         if world_size == 1:
             return cls()
         full = {name: (dp if name == "dp" else sizes.get(name, 1)) for name in MESH_DIMS}
-        return cls.from_mesh(*build_mesh(full, device_type))
+        dims = cls.from_mesh(*build_mesh(full, device_type))
+        for name in CARVED:
+            dims.carve(name, sizes.get(name, 1))
+        return dims
 
     @classmethod
     def from_mesh(cls, mesh, reduce_mesh):
-        """Fill sizes, coordinates, groups and sub-meshes from the two meshes build_mesh returns."""
+        """Fill sizes, coordinates, groups and sub-meshes from the two meshes build_mesh returns (carved sizes 1)."""
         meshes = {name: mesh[name] for name in MESH_DIMS}
         meshes.update({REDUCE_NAME: reduce_mesh, "world": mesh})
-        return cls(sizes={name: int(size) for name, size in zip(MESH_DIMS, mesh.mesh.shape)},
-                   coords=dict(zip(MESH_DIMS, mesh.get_coordinate())), meshes=meshes,
-                   groups={name: meshes[name].get_group() for name in GROUP_NAMES})
+        groups = {name: meshes[name].get_group() for name in MESH_DIMS + (REDUCE_NAME,)}
+        groups.update({f"{name}_replica": groups[parent] for name, parent in CARVED.items()})
+        sizes = {name: int(size) for name, size in zip(MESH_DIMS, mesh.mesh.shape)}
+        return cls(sizes=dict(sizes, **dict.fromkeys(CARVED, 1)), meshes=meshes, groups=groups,
+                   coords=dict(zip(MESH_DIMS, mesh.get_coordinate()), **dict.fromkeys(CARVED, 0)))
+
+    def carve(self, name, size):
+        """Split every group of the dimension `name` is carved from into consecutive `size`-rank slices (the groups
+        of `name`) and the groups of same-position ranks across the slices (`name`_replica). A collective: every
+        rank creates every group, in the same order (torch's new_subgroups_by_enumeration)."""
+        if size == 1:
+            return
+        parent = CARVED[name]
+        world = self.meshes["world"].mesh
+        rows = world.movedim(MESH_DIMS.index(parent), -1).reshape(-1, self.sizes[parent]).tolist()
+        slices = [row[i:i + size] for row in rows for i in range(0, len(row), size)]
+        replicas = [row[j::size] for row in rows for j in range(size)]
+        self.groups[name], _ = dist.new_subgroups_by_enumeration(slices)
+        self.groups[f"{name}_replica"], _ = dist.new_subgroups_by_enumeration(replicas)
+        self.sizes[name] = size
+        self.coords[name] = self.coords[parent] % size
 
     def size(self, name):
-        """The size of dimension `name` (or the flattened dp_cp); unknown names raise."""
+        """The size of dimension `name` (or the flattened dp_cp, or a replica group); unknown names raise."""
         if name == REDUCE_NAME:
             return prod(self.size(d) for d in REDUCE_DIMS)
-        self._known(name, MESH_DIMS)
+        carved = name.removesuffix("_replica")
+        if name in REPLICA_NAMES:
+            return self.size(CARVED[carved]) // self.size(carved)
+        self._known(name, MESH_DIMS + tuple(CARVED))
         return self.sizes[name]
 
     def rank(self, name):
         """This rank's coordinate along dimension `name`; unknown names raise."""
-        self._known(name, MESH_DIMS)
+        self._known(name, MESH_DIMS + tuple(CARVED))
         return self.coords[name]
 
     def group(self, name):
-        """The process group of dimension `name` (dp, pp, cp, tp, dp_cp); None on one process; unknown names raise."""
+        """The process group of dimension `name` (dp, pp, cp, tp, dp_cp, ep, ep_replica); None on one process;
+        unknown names raise."""
         self._known(name, GROUP_NAMES)
         return self.groups.get(name)
 
     def mesh(self, name):
-        """The 1-D DeviceMesh of dimension `name` (or "world"); None on one process; unknown names raise."""
-        self._known(name, GROUP_NAMES + ("world",))
+        """The 1-D DeviceMesh of mesh dimension `name` (or dp_cp, or "world"); None on one process; unknown names
+        raise."""
+        self._known(name, MESH_DIMS + (REDUCE_NAME, "world"))
         return self.meshes.get(name)
 
     @staticmethod
@@ -181,7 +227,7 @@ class ParallelDims:
 
     @property
     def world_size(self):
-        return prod(self.sizes.values())
+        return prod(self.sizes[name] for name in MESH_DIMS)
 
     @property
     def data_replicas(self):

@@ -31,8 +31,8 @@ def parallelize(model, dims, plan):
             # a pipeline schedule computes the loss itself: gather the last stage's logits there
             apply_tensor_parallel(part, dims.mesh("tp"), sequence_parallel=layout.sequence_parallel,
                                   loss_parallel=layout.pp == 1)
-        if layout.ep > 1:  # experts over the dp ranks; the trainer scales the loss by dp for DDP's average
-            apply_expert_parallel(part, dims.group("dp"), grad_divide=dims.size("dp"))
+        if layout.ep > 1:  # experts over the ep ranks; the trainer scales the loss by dp for DDP's average
+            apply_expert_parallel(part, dims.group("ep"), grad_divide=dims.size("dp"))
         if layout.cp > 1:
             apply_context_parallel(part, dims.mesh("cp"), doc_mask=plan.data.doc_mask)
         if model_plan.grad_checkpointing:

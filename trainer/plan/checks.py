@@ -81,29 +81,14 @@ def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compress
     return dp, zero_stage, mode
 
 
-# the smallest value each integer flag takes (None: the flag's "use the default rule" value, always allowed)
-AT_LEAST = dict(max_seq_len=2, batch_size=1, accumulation_steps=1, epochs=1, log_interval=1, save_interval=1,
-                hidden_size=1, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, intermediate_size=1,
-                moe_intermediate_size=1, head_dim=1, num_experts=1, num_experts_per_tok=1, eval_batches=1,
-                max_bad_steps=1, dist_timeout=1, dist_init_timeout=1, warmup_steps=0, num_workers=0, eval_interval=0,
-                max_steps=0, loss_chunk_size=0, check_replicas=0, seed=0, keep_checkpoints=0, save_weights_every=0,
-                num_proc=1, max_tokens=0, base_batch=1, early_stop_patience=0, powersgd_rank=1, powersgd_start_step=2,
-                ep=1)
-HINTS = dict(max_steps="0 runs all epochs", keep_checkpoints="0 keeps all",
-             save_weights_every="0 saves at the end only",
-             num_proc="leave it unset for the cores available", eval_interval="0 evaluates at the end only",
-             check_replicas="0 is off",
-             loss_chunk_size="0 is off", seed="numpy takes 0 to 2**32-1", max_tokens="0 is no token budget",
-             early_stop_patience="0 is off", powersgd_start_step="torch's PowerSGD runs 2 exact steps first")
-
-
-def check_numbers(args):
-    """Every numeric flag in its range: one line naming the flag, its value and what it takes."""
-    for name, low in AT_LEAST.items():
-        value = getattr(args, name)
-        if value is not None and value < low:
-            hint = f"; {HINTS[name]}" if name in HINTS else ""
-            raise ConfigError(f"--{name} must be at least {low} (got {value}{hint})")
+def check_numbers(args, declared):
+    """Every numeric flag in its range (`declared`: the Flags, trainer/plan/schema.py, their `min` and `hint`): one
+    line naming the flag, its value and what it takes."""
+    for flag in declared:
+        value = getattr(args, flag.name) if flag.min is not None else None
+        if value is not None and value < flag.min:
+            hint = f"; {flag.hint}" if flag.hint else ""
+            raise ConfigError(f"--{flag.name} must be at least {flag.min} (got {value}{hint})")
     if args.seed >= 2 ** 32:
         raise ConfigError(f"--seed must be below 2**32 (got {args.seed})")
     for name in ("grad_clip", "grace_seconds"):  # inf is allowed only for --grad_clip (no clipping)
@@ -156,17 +141,20 @@ def check_parallel_args(args, config):
 
 
 def check_expert_parallel(args, config, dp, zero_stage):
-    """--ep: a MoE model whose experts divide over ep; the layouts expert parallel composes with so far."""
+    """--ep: a MoE model whose experts divide over ep, ep dividing dp; the layouts expert parallel composes with."""
     message = ep_validate(config, args.ep)  # ep >= 1: check_numbers
     if message:
         raise ConfigError(message)
     if args.ep == 1:
         return
-    if args.ep != dp:
-        raise ConfigError(f"--ep {args.ep} must equal the data-parallel size ({dp}) for now: launch {args.ep} "
+    if dp % args.ep:
+        raise ConfigError(f"--ep {args.ep} must divide the data-parallel size ({dp}): launch a multiple of {args.ep} "
                           "processes per tp*pp*cp group, or change --ep")
-    if zero_stage != 0 or args.tp > 1 or args.pp > 1 or args.cp > 1:
-        raise ConfigError(f"--ep {args.ep} composes with DDP only so far: drop --zero_stage/--tp/--pp/--cp")
+    if zero_stage == 1 or args.tp > 1 or args.pp > 1 or args.cp > 1:
+        raise ConfigError(f"--ep {args.ep} composes with DDP and FSDP2 (--zero_stage 0/2/3) only so far: "
+                          "drop --zero_stage 1 (its optimizer shards would mix ranks' experts) and --tp/--pp/--cp")
+    if args.cpu_offload:  # the experts stay on the device, outside FSDP2's offloaded optimizer step
+        raise ConfigError(f"--ep {args.ep} keeps the experts on the device: drop --cpu_offload")
     if args.check_replicas:
         raise ConfigError("--check_replicas compares whole replicas; under --ep each rank holds other experts: "
                           "leave it out")

@@ -13,7 +13,7 @@ from model.atomic import atomic_write_text
 
 def config_argv(parser, argv):
     """`argv` with the --config file's flags in front (argv itself when there is no --config)."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --conf is not --config
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if not known.config:

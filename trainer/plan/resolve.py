@@ -29,6 +29,7 @@ from trainer.plan.checks import (
     data_parallel_mode,
     resolve_dtype,
 )
+from trainer.plan.flags import declared_flags
 from trainer.plan.model_config import build_config, weight_shapes
 from trainer.plan.schema import fill
 from trainer.plan.sections import DataPlan, GuardPlan, IOPlan, Layout, ModelPlan, Schedule, TrainPlan
@@ -46,7 +47,7 @@ def resolve(args, world_size, local_rank=0, stage=Stage):
 
     stage: the Stage class (trainer/core/stage.py) whose resolve(args, plan) gives the stage's checked plan,
     plan.stage."""
-    check_numbers(args)
+    check_numbers(args, declared_flags(stage))
     check_device(args.device)
     save_dir = typed_or_default(args.save_dir, "out")
     from_weight = weight_path(args.from_weight, save_dir, build_config(args))

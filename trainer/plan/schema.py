@@ -15,13 +15,16 @@ from typing import Optional
 @dataclass(frozen=True)
 class Flag:
     """--name: its type (int, float, str; bool: a 0/1 switch), default, help and choices; action: argparse's own
-    (store_true) instead of a typed value."""
+    (store_true) instead of a typed value; min: the smallest value it takes (None, the "unset" default, always passes),
+    hint: what to know about that range, said when a value is below it."""
     name: str
     type: type
     default: object
     help: str
     choices: Optional[tuple] = None
     action: Optional[str] = None
+    min: Optional[int] = None
+    hint: Optional[str] = None
 
     def add_to(self, parser):
         """The argparse argument."""
@@ -32,11 +35,11 @@ class Flag:
                                    choices=list(choices) if choices else None, help=self.help)
 
 
-def flag(default, help, type=None, choices=None, action=None):
+def flag(default, help, type=None, choices=None, action=None, min=None, hint=None):
     """A section field that is also the flag --<field name>; type: the flag's when the field's annotation is not it
-    (a field of the resolved value, e.g. a torch.dtype from a name)."""
+    (a field of the resolved value, e.g. a torch.dtype from a name); min, hint: as Flag's."""
     return dataclasses.field(metadata={"flag": dict(default=default, help=help, type=type, choices=choices,
-                                                    action=action)})
+                                                    action=action, min=min, hint=hint)})
 
 
 def field_flag(field):
@@ -47,7 +50,8 @@ def field_flag(field):
     kind = spec["type"] or field.type
     if typing.get_origin(kind) is typing.Union:  # Optional[X]: X, the flag's default None meaning "unset"
         kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
-    return Flag(field.name, kind, spec["default"], spec["help"], spec["choices"], spec["action"])
+    return Flag(field.name, kind, spec["default"], spec["help"], spec["choices"], spec["action"], spec["min"],
+                spec["hint"])
 
 
 def section_flags(section):

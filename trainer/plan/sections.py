@@ -27,21 +27,22 @@ class Layout:
     pp: int = flag(1, "pipeline-parallel degree (micro-batches = --accumulation_steps)")
     cp: int = flag(1, "context-parallel (ring attention) degree")
     ep: int = flag(1, "expert-parallel degree: each MoE layer's experts sharded over this many data-parallel ranks, "
-                   "tokens sent to them by all-to-all (so far: = the dp size, with DDP and no tp/pp/cp)")
+                   "tokens sent by all-to-all; must divide the dp size (--zero_stage 0/2/3, no tp/pp/cp so far)", min=1)
     zero_stage: int = flag(0, "0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")  # the one used
     dp_mode: str  # "none" (no data-parallel group), "ddp", "zero1" or "fsdp2"
     grad_compression: str = flag("none", "none|bf16|powersgd (DDP communication hook)")
-    powersgd_rank: int = flag(1, "--grad_compression powersgd: rank of the low-rank approximation")
+    powersgd_rank: int = flag(1, "--grad_compression powersgd: rank of the low-rank approximation", min=1)
     powersgd_start_step: int = flag(1000, "--grad_compression powersgd: optimizer steps of exact all-reduce before "
-                                    "compression starts (warm-up; a resumed run warms up again)")
+                                    "compression starts (warm-up; a resumed run warms up again)",
+                                    min=2, hint="torch's PowerSGD runs 2 exact steps first")
     pp_schedule: str = flag("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
     sequence_parallel: bool = flag(0, "shard norms along the sequence (tp > 1)")
     cpu_offload: bool = flag(0, "FSDP2 (--zero_stage 2/3): keep sharded parameters, gradients and optimizer state in "
                              "CPU memory (CUDA only; the optimizer step runs on the CPU)")
     device: str = flag("cuda:0" if torch.cuda.is_available() else "cpu", "cpu or cuda[:N]")  # cuda:<local rank>
-    dist_timeout: int = flag(600, "seconds a collective may hang once training runs (from step 2)")
+    dist_timeout: int = flag(600, "seconds a collective may hang once training runs (from step 2)", min=1)
     dist_init_timeout: int = flag(1800, "seconds for start-up to the end of the first step (rendezvous, token cache, "
-                                  "loading weights, compile) before a hung collective fails")
+                                  "loading weights, compile) before a hung collective fails", min=1)
     FLAGS = ()
 
     @property
@@ -82,22 +83,22 @@ class ModelPlan:
     deterministic: bool = flag(0, "torch.use_deterministic_algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG, no cuDNN "
                                "autotuning); an op without a deterministic kernel then raises")
     SHAPE_FLAGS = (  # MiniMindConfig's fields (model_config.build_config; a --from_weight file's shapes win)
-        Flag("hidden_size", int, 768, "model width"),
-        Flag("num_hidden_layers", int, 8, "decoder blocks"),
-        Flag("num_attention_heads", int, 8, "query heads"),
-        Flag("num_key_value_heads", int, 4, "key/value heads (GQA)"),
-        Flag("intermediate_size", int, None, "dense MLP width (default: the model's rule)"),
-        Flag("moe_intermediate_size", int, None, "expert MLP width (default: the model's rule)"),
-        Flag("head_dim", int, None, "attention head size (default: hidden_size / heads)"),
+        Flag("hidden_size", int, 768, "model width", min=1),
+        Flag("num_hidden_layers", int, 8, "decoder blocks", min=1),
+        Flag("num_attention_heads", int, 8, "query heads", min=1),
+        Flag("num_key_value_heads", int, 4, "key/value heads (GQA)", min=1),
+        Flag("intermediate_size", int, None, "dense MLP width (default: the model's rule)", min=1),
+        Flag("moe_intermediate_size", int, None, "expert MLP width (default: the model's rule)", min=1),
+        Flag("head_dim", int, None, "attention head size (default: hidden_size / heads)", min=1),
         Flag("use_moe", bool, 0, "mixture-of-experts MLPs"),
-        Flag("num_experts", int, 4, "experts per MoE layer"),
-        Flag("num_experts_per_tok", int, 1, "experts each token is routed to"),
+        Flag("num_experts", int, 4, "experts per MoE layer", min=1),
+        Flag("num_experts_per_tok", int, 1, "experts each token is routed to", min=1),
     )
     FLAGS = SHAPE_FLAGS + (
         Flag("dropout", float, 0.0, "dropout on the embeddings and each attention output (MiniMind's config.dropout; "
              "draws from each rank's RNG, so layouts differ from one process when > 0)"),
         Flag("loss_chunk_size", int, 1024, "lm_head + cross-entropy over chunks of this many tokens, never the full "
-             "logits (0: off)"),
+             "logits (0: off)", min=0, hint="0 is off"),
     )
 
     @property
@@ -121,19 +122,21 @@ class DataPlan:
     doc_mask: bool = flag(1, "with --packing 1: a token attends only to earlier tokens of its own document and "
                           "position ids restart at each document (0: the whole row is one sequence)")
     skip_bad_lines: bool = flag(0, "skip malformed data lines instead of stopping")
-    num_workers: int = flag(0, "DataLoader worker processes")
+    num_workers: int = flag(0, "DataLoader worker processes", min=0)
     num_proc: Optional[int] = flag(None, "tokenizer worker processes per rank while building the token cache "
-                                   "(default: the cores available / local ranks)")
+                                   "(default: the cores available / local ranks)",
+                                   min=1, hint="leave it unset for the cores available")
     cache_dir: str = flag(None, "token cache of the datasets (default: dataset/.cache in the repo)")
     tokenizer_path: str = flag(None, "Hugging Face tokenizer folder (default: the one the starting weights were "
                                "trained with, as their sidecar records; else model/ in the repo)")
     tokenizer_record: dict  # {"path", "sha256" of its tokenizer.json}: written beside the weights and checkpoints
-    seed: int = flag(42, "model init and data order (a pure function of seed and epoch)")
-    eval_batches: int = flag(50, "batches per validation run")
+    seed: int = flag(42, "model init and data order (a pure function of seed and epoch)",
+                     min=0, hint="numpy takes 0 to 2**32-1")
+    eval_batches: int = flag(50, "batches per validation run", min=1)
     FLAGS = (
-        Flag("max_seq_len", int, 340, "tokens per sample"),
-        Flag("batch_size", int, 32, "samples per micro-batch per data-parallel rank"),
-        Flag("accumulation_steps", int, 8, "micro-batches per optimizer step (pipeline: micro-batches)"),
+        Flag("max_seq_len", int, 340, "tokens per sample", min=2),
+        Flag("batch_size", int, 32, "samples per micro-batch per data-parallel rank", min=1),
+        Flag("accumulation_steps", int, 8, "micro-batches per optimizer step (pipeline: micro-batches)", min=1),
         Flag("force_tokenizer", bool, 0, "1: use the tokenizer folder given even where its tokenizer.json differs from "
              "the one the starting weights were trained with"),
     )
@@ -142,15 +145,18 @@ class DataPlan:
 @dataclass(frozen=True)
 class Schedule:
     """How long the run goes, and when it logs, evaluates and saves."""
-    epochs: int = flag(1, "passes over the training data")
-    max_steps: int = flag(0, "stop after this many optimizer steps, the lr schedule's length (0: run all epochs)")
+    epochs: int = flag(1, "passes over the training data", min=1)
+    max_steps: int = flag(0, "stop after this many optimizer steps, the lr schedule's length (0: run all epochs)",
+                          min=0, hint="0 runs all epochs")
     max_tokens: int = flag(0, "stop after the optimizer step that reaches this many target tokens (all ranks; 0: no "
-                           "token budget); the lr schedule keeps its length")
+                           "token budget); the lr schedule keeps its length", min=0, hint="0 is no token budget")
     log_interval: Optional[int] = flag(None, "optimizer steps between metrics records (default: 100, or fewer so "
-                                       "that an epoch has at least ten)")
-    eval_interval: int = flag(0, "optimizer steps between validation runs (0: only at the end)")
-    save_interval: int = flag(100, "optimizer steps between weights + resume checkpoints")
-    save_weights_every: int = flag(0, "also write the <save_weight>.pth weights every N steps (0: at the end only)")
+                                       "that an epoch has at least ten)", min=1)
+    eval_interval: int = flag(0, "optimizer steps between validation runs (0: only at the end)",
+                              min=0, hint="0 evaluates at the end only")
+    save_interval: int = flag(100, "optimizer steps between weights + resume checkpoints", min=1)
+    save_weights_every: int = flag(0, "also write the <save_weight>.pth weights every N steps (0: at the end only)",
+                                   min=0, hint="0 saves at the end only")
     save_every_minutes: float = flag(10, "also save a resume checkpoint at the step after which the next would end "
                                      "more than this many minutes after the last save, so that a slow run loses "
                                      "little (0: off)")
@@ -173,7 +179,8 @@ class IOPlan:
     resume_path: Optional[str]  # --from_resume <step dir>: that checkpoint instead of the newest
     overwrite: bool = flag(0, "1: start over although this run name has checkpoints or weights from an earlier run "
                            "(its checkpoints are removed, its weights replaced); without it such a run is refused")
-    keep_checkpoints: int = flag(3, "complete resume checkpoints kept; older ones are deleted (0: all)")
+    keep_checkpoints: int = flag(3, "complete resume checkpoints kept; older ones are deleted (0: all)",
+                                 min=0, hint="0 keeps all")
     async_save: bool = flag(0, "write resume checkpoints in the background (dcp.async_save)")
     metrics_file: str = flag(None, "JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
     tensorboard_dir: Optional[str] = flag(None, "also write TensorBoard scalars here (default: off)")
@@ -201,8 +208,9 @@ class GuardPlan:
     """Preemption, the non-finite step guard and the replica check (trainer/runtime/guard.py)."""
     grace_seconds: float = flag(60, "after SIGTERM/SIGINT: seconds to finish the step and save before exiting "
                                 "non-zero")
-    max_bad_steps: int = flag(5, "stop after this many non-finite (skipped) optimizer steps in a row")
-    check_replicas: int = flag(0, "every N steps compare parameter checksums across data-parallel replicas (0: off)")
+    max_bad_steps: int = flag(5, "stop after this many non-finite (skipped) optimizer steps in a row", min=1)
+    check_replicas: int = flag(0, "every N steps compare parameter checksums across data-parallel replicas (0: off)",
+                               min=0, hint="0 is off")
     FLAGS = ()
 
 

@@ -17,8 +17,7 @@ from transformers import AutoTokenizer
 
 from dataset.rlaif_dataset import RLAIFDataset
 from trainer.ckpt.checkpoint import latest_checkpoint
-from trainer.ckpt.rank_files import set_rng_state
-from trainer.ckpt.weights_file import save_weights
+from trainer.ckpt.weights_file import save_last_completed
 from trainer.core.batches import autocast
 from trainer.core.objective import LMObjective
 from trainer.core.stage import Stage
@@ -209,20 +208,12 @@ def save_completed_step(trainer):
     """Save the last completed step as a preempted run saves it (trainer/core/loop.py save_abandoned: its parameters,
     optimizer state, progress and the RNG state it ended with are untouched by the step in progress) and say where;
     several ranks cannot save without the others (collectives): they name the last complete checkpoint."""
-    plan, step, guard = trainer.plan, trainer.progress.global_step, trainer.guard
-    if plan.layout.world_size > 1 or step == 0:
+    plan = trainer.plan
+    step = save_last_completed(trainer) if plan.layout.world_size == 1 else 0
+    if step == 0:
         last = latest_checkpoint(plan.io.run_dir)
         return (f"the last complete checkpoint is {last}, continue with --from_resume 1" if last else
                 "no checkpoint saved yet")
-    trainer.optimizer.zero_grad(set_to_none=True)
-    if trainer.step_rng is not None:
-        set_rng_state(trainer.step_rng)
-    if guard.last_save != step:  # else that step's checkpoint is on disk already
-        trainer.checkpointer.save(step)
-        guard.saved(step)
-        trainer.callbacks.call("on_save", trainer, step)
-    trainer.checkpointer.wait()
-    save_weights(trainer)
     return f"step {step} saved in {plan.io.checkpoint_dir}; continue with --from_resume 1"
 
 

@@ -36,7 +36,7 @@ class CallbackPlan:
     save_best: bool = flag(0, "keep the checkpoint with the lowest eval_loss (never pruned, in "
                            "<checkpoint_dir>/<run>/best.json) and its weights as <save_weight>_<hidden>[_moe]_best.pth")
     early_stop_patience: int = flag(0, "stop after this many --eval_interval evals without an eval_loss below the best "
-                                    "by more than --early_stop_min_delta (0: off)")
+                                    "by more than --early_stop_min_delta (0: off)", min=0, hint="0 is off")
     early_stop_min_delta: float = flag(0.0, "the improvement early stopping asks for")
     user: tuple  # ((file, name), ...) of --callbacks
     FLAGS = (

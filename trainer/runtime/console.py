@@ -25,19 +25,36 @@ def effective_log_interval(plan, steps_per_epoch):
     return plan.schedule.log_interval or min(DEFAULT_LOG_INTERVAL, max(1, steps_per_epoch // 10))
 
 
+def run_steps(trainer):
+    """'3 optimizer steps (--max_steps 3; one epoch is 2044)' or '4088 optimizer steps (2 epochs x 2044)': the run's
+    length in one phrase, the number the bar counts to."""
+    schedule, per_epoch, total = trainer.plan.schedule, trainer.steps_per_epoch, trainer.total_steps
+    if schedule.max_steps and schedule.max_steps < per_epoch * schedule.epochs:
+        return f"{total} optimizer steps (--max_steps {schedule.max_steps}; one epoch is {per_epoch})"
+    return f"{total} optimizer steps ({schedule.epochs} epoch{'s' * (schedule.epochs > 1)} x {per_epoch})"
+
+
+def run_line(trainer):
+    """The line before the bar: the run's length, its batch, dtype, optimizer and schedule."""
+    plan = trainer.plan
+    return (f"{run_steps(trainer)}, global batch {plan.data.global_batch} x {plan.data.seq_len} tokens, dtype "
+            f"{str(plan.model.dtype)[6:]}; {plan.optim.name}, {plan.lr.describe(trainer.total_steps)}")
+
+
 class Bar:
     """One tqdm bar over the micro-batches of the whole run (all epochs, or up to --max_steps): its ETA is the run's.
+    Its label says what it counts ('3 steps x 8 mb' counts to 24), the same steps as the line before it.
 
     `running_loss` (one process: free) and `step_end` (the agreed step loss) set the loss it shows."""
 
     def __init__(self, trainer):
-        plan, progress, schedule = trainer.plan, trainer.progress, trainer.plan.schedule
-        steps = min(trainer.total_steps, schedule.max_steps) if schedule.max_steps else trainer.total_steps
+        plan, progress, steps = trainer.plan, trainer.progress, trainer.total_steps
         self.single = plan.layout.world_size == 1
         micro = plan.data.num_microbatches
-        self.tqdm = tqdm(total=steps * micro, initial=progress.global_step * micro,
-                         desc=f"{schedule.epochs} epoch{'s' * (schedule.epochs > 1)} x {trainer.steps_per_epoch} steps",
-                         unit="mb", disable=not is_main_process(), dynamic_ncols=True, mininterval=1.0)
+        label = f"{steps} steps" + (f" x {micro} mb" if micro > 1 else "")
+        self.tqdm = tqdm(total=steps * micro, initial=progress.global_step * micro, desc=label,
+                         unit="mb" if micro > 1 else "step", disable=not is_main_process(), dynamic_ncols=True,
+                         mininterval=1.0)
 
     def __enter__(self):
         return self

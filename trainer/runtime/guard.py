@@ -20,7 +20,8 @@ import torch.distributed as dist
 from model.torch_compat import scaler_found_inf_per_device
 from trainer.parallel.perf import decoder_blocks
 from trainer.parallel.state_dict import clean_fqn
-from trainer.runtime.launch import TrainingHalted, local_tensor
+from trainer.runtime.launch import TrainingHalted, local_shard
+from trainer.runtime.streams import write_fd
 from trainer.trainer_utils import Logger, say
 
 
@@ -101,7 +102,7 @@ def say_from_handler(text, file=None):
     except RuntimeError as e:
         if "reentrant" not in str(e):
             raise
-        os.write((file or sys.stdout).fileno(), f"\n{text}\n".encode())
+        write_fd((file or sys.stdout).fileno(), f"\n{text}\n")
 
 
 def add_signal_points(model_parts):
@@ -130,6 +131,7 @@ class StepGuard:
         self.max_bad_steps, self.preemption, self.save_every_s = max_bad_steps, preemption, save_every_s
         self.skipped_steps = self.in_a_row = 0
         self.stop = self.save_due = False
+        self.stop_signal = None  # the signal every rank agreed to stop on (SIGTERM where any rank had one)
         self.last_good_save = self.last_save = None  # global step of the last checkpoint (outside skipped steps)
         self.last_loss = None  # the step's loss summed over ranks, read with the check's flags (for the bar)
         self.saved_at = self.checked_at = time.monotonic()
@@ -145,7 +147,7 @@ class StepGuard:
         bad = ~torch.isfinite(loss)
         if check_norm:  # under the fp16 scaler an inf gradient norm is the scaler's (it skips and lowers the scale)
             bad = bad | ~torch.isfinite(torch.as_tensor(grad_norm, device=device))
-        signalled = self.preemption is not None and self.preemption.requested is not None
+        requested = self.preemption.requested if self.preemption is not None else None
         if self.preemption is not None:
             self.preemption.finishing = False  # a signal from here on drops the next step as it begins
         now = time.monotonic()  # due when the next step would end past --save_every_minutes since the last save
@@ -153,14 +155,16 @@ class StepGuard:
         self.checked_at = now
         inf = sum((t.to(device=device, dtype=torch.float32) for t in found_inf or ()), torch.zeros((), device=device))
         shown = torch.as_tensor(loss if shown_loss is None else shown_loss, dtype=torch.float32, device=device)
-        flags = torch.stack([bad.float(), torch.tensor(float(signalled), device=device), (inf > 0).float(),
-                             torch.tensor(float(due), device=device), shown.reshape(())])
+        flags = torch.tensor([float(requested is not None), float(requested == "SIGTERM"), float(due)], device=device)
+        flags = torch.cat([bad.float().reshape(1), (inf > 0).float().reshape(1), flags, shown.reshape(1)])
         if dist.is_initialized():
             dist.all_reduce(flags)  # sums: a flag is set on some rank when its sum is above 0
-        skip, stop, any_inf, save_due, self.last_loss = flags.tolist()  # the step's one host sync
+        skip, any_inf, stop, sigterm, save_due, self.last_loss = flags.tolist()  # the step's one host sync
         for tensor in found_inf or ():
             tensor.fill_(float(any_inf > 0))
         self.stop, self.save_due = stop > 0, save_due > 0
+        if self.stop:
+            self.stop_signal = signal.SIGTERM if sigterm > 0 else signal.SIGINT
         return skip > 0
 
     def record(self, skipped, progress, num_microbatches, loss, grad_norm):
@@ -202,7 +206,7 @@ def replica_checksums(model_parts):
     names, sums = [], []
     for part in model_parts:
         for name, param in part.named_parameters():
-            local = local_tensor(param.detach()).double()
+            local = local_shard(param.detach()).double()
             names.append(clean_fqn(name))
             sums.append(torch.stack([local.sum(), (local * local).sum()]))
     return names, torch.stack(sums)

@@ -2,7 +2,9 @@
 import atexit
 import os
 import random
+import signal
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from dataset.token_cache import CacheBuildInterrupted
 from model.torch_compat import set_default_pg_timeout
 from trainer.runtime import rank_log
+from trainer.runtime.streams import survive_closed_output
 
 RANK0_REPORT_SECONDS = 2
 
@@ -26,6 +29,32 @@ class TrainingHalted(Exception):
     """The run stopped itself (non-finite steps in a row, diverged replicas): one line, exit code 3."""
 
 
+class SignalStop(KeyboardInterrupt):
+    """SIGINT/SIGTERM stopped the run: exit code 128 + signum (130, 143), so `a && b` stops. `message`: the line to
+    print (None: the loop said it already, after saving)."""
+
+    def __init__(self, signum, message=None):
+        super().__init__(message or signal.Signals(signum).name)
+        self.signum, self.message = signum, message
+
+
+# what a signal outside the loop's own handler stops (the loop sets it once it has run)
+BEFORE_THE_LOOP = "before the first optimizer step; nothing was saved"
+OUTSIDE_LOOP = {"when": BEFORE_THE_LOOP}
+
+
+def stop_on_signals():
+    """Until the loop installs its own (trainer/runtime/guard.py Preemption): SIGINT/SIGTERM raise SignalStop, which
+    main_guard turns into one line and exit 130/143 instead of a traceback (SIGINT) or a silent death (SIGTERM)."""
+    OUTSIDE_LOOP["when"] = BEFORE_THE_LOOP  # a new run in this process (tests run main() in-process)
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handle(signum, frame):
+        raise SignalStop(signum, f"{signal.Signals(signum).name}: stopped {OUTSIDE_LOOP['when']}")
+    return {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
 def rank():
     """This process's global rank (0 without a process group)."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -35,12 +64,12 @@ def is_main_process():
     return rank() == 0
 
 
-def local_tensor(t):
+def local_shard(t):
     """This rank's plain tensor of a DTensor (its shard), or `t` itself."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def local_value(t):
+def full_value(t):
     """A detached plain tensor of a replicated value (a DTensor loss under tensor parallel): its full value, no
     communication; `t` itself, detached, otherwise."""
     t = t.detach()
@@ -49,7 +78,7 @@ def local_value(t):
 def add_stats(total, stats):
     """Sum an objective's per-micro-batch stats (tensors, detached here) into `total`, name by name."""
     for name, value in stats.items():
-        total[name] = total.get(name, 0.0) + local_value(value)
+        total[name] = total.get(name, 0.0) + full_value(value)
     return total
 
 
@@ -141,10 +170,19 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 def main_guard(main):
     """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank, a TrainingHalted (the run
-    stopped itself) one line and exit code 3."""
+    stopped itself) one line and exit code 3, a signal (SignalStop) exit 128 + signum; console output survives a
+    reader that left (trainer/runtime/streams.py)."""
     code = 0
+    survive_closed_output()
+    previous = stop_on_signals()
     try:
         main()
+    except SignalStop as e:
+        code = 128 + e.signum
+        if e.message:
+            rank_log.write(e.message)
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(e.message, file=sys.stderr, flush=True)
     except (ConfigError, TrainingHalted, CacheBuildInterrupted) as e:
         rank_log.write(f"error: {e}")
         own = getattr(e, "every_rank", False)  # an error of this rank alone (out of memory): it says it
@@ -169,6 +207,9 @@ def main_guard(main):
     except BaseException:
         rank_log.write(f"error:\n{traceback.format_exc()}")
         raise
+    finally:
+        for sig, handler in previous.items():  # main() run in-process (tests) leaves the handlers as they were
+            signal.signal(sig, handler)
     if int(os.environ.get("RANK", -1)) != -1:  # a torchrun worker
         leave_without_finalizing(code)
     sys.exit(code)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from trainer.parallel.data import data_parallel_optimizer
 from trainer.parallel.state_dict import clean_fqn
 from trainer.plan.schema import Flag, fill, flag
-from trainer.runtime.launch import ConfigError, local_tensor
+from trainer.runtime.launch import ConfigError, local_shard
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "muon")
 LARS_TRUST = 0.001  # LARS's trust coefficient eta (the paper's value)
@@ -146,8 +146,8 @@ class Lamb(torch.optim.Optimizer):
                 if not state:
                     state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 state["step"] += 1
-                g, w = local_tensor(p.grad), local_tensor(p)
-                m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+                g, w = local_shard(p.grad), local_shard(p)
+                m, v = local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])
                 m.lerp_(g, 1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 step = state["step"].item()  # a CPU tensor, as AdamW's: no device sync (a CUDA copy would be one)
@@ -179,7 +179,7 @@ class Lars(torch.optim.Optimizer):
             if not params:
                 continue
             wd, eta = group["weight_decay"], group["trust_coefficient"]
-            weights, grads = [local_tensor(p) for p in params], [local_tensor(p.grad) for p in params]
+            weights, grads = [local_shard(p) for p in params], [local_shard(p.grad) for p in params]
             norms = global_norms(weights + grads, params + params)
             for p, w, g, w_norm, g_norm in zip(params, weights, grads, norms[:len(params)], norms[len(params):]):
                 local_lr = trust_ratio(eta * w_norm, g_norm + wd * w_norm)  # 1 for a zero weight
@@ -187,7 +187,7 @@ class Lars(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["momentum_buffer"] = torch.zeros_like(p)
-                buf = local_tensor(state["momentum_buffer"])
+                buf = local_shard(state["momentum_buffer"])
                 buf.mul_(group["momentum"]).add_((g + wd * w) * (group["lr"] * local_lr).to(g.dtype))
                 w.sub_(buf)
         return loss

@@ -24,7 +24,7 @@ class LRSchedule:
     kind: str  # cosine | linear | wsd | constant
     peak: float  # --learning_rate after --lr_scaling
     floor_ratio: float  # the last value / peak (--min_lr / peak; MiniMind's 0.1 by default)
-    warmup_steps: int = flag(0, "linear warm-up steps before the --lr_schedule")
+    warmup_steps: int = flag(0, "linear warm-up steps before the --lr_schedule", min=0)
     decay_fraction: float  # wsd: the last fraction of the post-warm-up steps decays
     max_steps: int  # 0: the schedule spans every epoch (--max_steps)
     scaling_note: str = ""  # how the peak came from --learning_rate (printed at start)
@@ -39,7 +39,7 @@ class LRSchedule:
         Flag("lr_scaling", str, "none", "scale --learning_rate by global batch / --base_batch (linear) or its square "
              "root (sqrt)", choices=SCALINGS),
         Flag("base_batch", int, None, "the global batch in samples that --learning_rate was tuned for (with "
-             "--lr_scaling)"),
+             "--lr_scaling)", min=1),
     )
 
     def length(self, steps_per_epoch, epochs):

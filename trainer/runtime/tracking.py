@@ -31,7 +31,9 @@ CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", 
                    ("peak_mem_gb", "mem {:.2f}GB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}"),
                    ("ce", "ce {:.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:.4f}"),
                    ("rewards/accuracies", "acc {:.2f}"), ("reward", "reward {:.4f}"),
-                   ("completions/mean_length", "len {:.1f}"), ("rollout/time_share", "rollout {:.0%}")]
+                   ("ppo/mean_scores", "reward {:.4f}"),
+                   ("completions/mean_length", "len {:.1f}"), ("tokens/responses_len_mean", "len {:.1f}"),
+                   ("rollout/time_share", "rollout {:.0%} of the time")]
 
 
 def truncate_metrics(path, step):
@@ -87,6 +89,8 @@ def console_line(record):
     parts = [f"step {record['step']}"]
     shown = [(record[key], fmt) for key, fmt in CONSOLE_FORMATS if record.get(key) is not None]
     parts += [fmt.format(value) for value, fmt in shown if value is not False]  # grad_clipped: only when it was
+    if record.get("rollout/time_share") == 0:  # no generation since the last record: a rollout trained on again
+        parts[-1] = "rollout reused"
     return " | ".join(parts)
 
 

@@ -271,10 +271,10 @@ def full_distillation(logits, teacher_logits, targets, alpha, temperature):
     if isinstance(per_token, DTensor):  # the mask is the same on every tp rank
         mask = DTensor.from_local(mask, per_token.device_mesh, [Replicate()], run_check=False)
     kl_sum = (per_token.sum(-1) * mask).sum()
-    ce_sum, kl_sum = local(ce_sum), local(kl_sum)
+    ce_sum, kl_sum = replicated_sum(ce_sum), replicated_sum(kl_sum)
     return alpha * ce_sum + (1 - alpha) * temperature ** 2 * kl_sum, ce_sum.detach(), kl_sum.detach()
 
 
-def local(t):
+def replicated_sum(t):
     """A plain tensor of a (possibly partial) DTensor scalar: summed over tp ranks, autograd-aware."""
     return t.redistribute(t.device_mesh, [Replicate()]).to_local() if isinstance(t, DTensor) else t

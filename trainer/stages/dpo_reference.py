@@ -106,7 +106,8 @@ def load_reference(plan, dims):
     init (--from_weight none) equals a seeded reference."""
     setup_seed(plan.data.seed)
     try:
-        model = init_model(plan.model.config, plan.stage.ref_weight).to(plan.layout.device).eval()
+        model = init_model(plan.model.config, plan.stage.ref_weight, role="Reference model (frozen)")
+        model = model.to(plan.layout.device).eval()
     except ConfigError as e:
         raise ConfigError(f"--ref_weight: {e}") from None
     model_parts, pipeline = parallelize(model, dims, plan)
