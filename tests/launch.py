@@ -296,3 +296,18 @@ def build_pipeline(model, pp_mesh, schedule_name, num_microbatches, loss_fn, dev
     schedule = make_schedule(modules, stage_ids, num_stages, schedule_name, num_microbatches, loss_fn, device,
                              pp_group, micro_batch_shape, model.config)
     return schedule, modules, modules[0].is_first, modules[-1].is_last
+
+def preference_run_args(tmp_path, name, data, steps, dp=1, extra=()):
+    """A preference stage's run (DPO, KTO, reward model) on TINY_MODEL from the seeded init (--from_weight none, also
+    DPO's and KTO's reference): 4 rows per step in 2 micro-batches over `dp` ranks, every file under tmp_path/name."""
+    out = os.path.join(str(tmp_path), name)
+    return [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "64", "--batch_size",
+            str(2 // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3", "--save_dir", out,
+            "--checkpoint_dir", os.path.join(out, "ckpt"), "--cache_dir", os.path.join(out, "cache"),
+            "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1", "--max_steps", str(steps),
+            *extra]
+
+
+def metrics_of(argv):
+    """The records of the run `argv` describes (its --metrics_file)."""
+    return read_metrics(argv[argv.index("--metrics_file") + 1])

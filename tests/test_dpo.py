@@ -16,7 +16,7 @@ from dataset.lm_dataset import DPODataset, SFTDataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.launch import ROOT, demo_slice, forked, metrics_of, preference_run_args
 from trainer import train_dpo
 from trainer.core.batches import step_targets
 from trainer.parallel.pipeline import PipelineLoss
@@ -175,17 +175,7 @@ REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 
 
 def run_args(tmp_path, name, data, dp=1, extra=()):
-    """4 pairs per step (2 micro-batches), from the seeded init, which is also the reference (--from_weight none)."""
-    out = os.path.join(str(tmp_path), name)
-    return [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "64", "--batch_size",
-            str(2 // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3", "--save_dir", out,
-            "--checkpoint_dir", os.path.join(out, "ckpt"), "--cache_dir", os.path.join(out, "cache"),
-            "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1", "--max_steps", str(STEPS),
-            *extra]
-
-
-def metrics_of(argv):
-    return read_metrics(argv[argv.index("--metrics_file") + 1])
+    return preference_run_args(tmp_path, name, data, STEPS, dp, extra)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM
 from dataset.preference_data import KTODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.launch import ROOT, demo_slice, forked, metrics_of, preference_run_args
 from trainer import train_kto
 from trainer.core.batches import step_targets
 from trainer.runtime.launch import main_guard
@@ -122,17 +122,7 @@ def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenize
 
 # ----------------------------------------------------------------------------- end to end
 def run_args(tmp_path, name, data, dp=1, extra=()):
-    """4 rows per step (2 micro-batches) from the seeded init, which is also the reference."""
-    out = os.path.join(str(tmp_path), name)
-    return [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "64", "--batch_size",
-            str(2 // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3", "--save_dir", out,
-            "--checkpoint_dir", os.path.join(out, "ckpt"), "--cache_dir", os.path.join(out, "cache"),
-            "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1", "--max_steps", str(STEPS),
-            *extra]
-
-
-def metrics_of(argv):
-    return read_metrics(argv[argv.index("--metrics_file") + 1])
+    return preference_run_args(tmp_path, name, data, STEPS, dp, extra)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from dataset.preference_data import RewardPairs
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.eval_reward import pair_accuracy
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, metrics_of, preference_run_args
 from trainer import train_ppo, train_reward
 from trainer.core.batches import step_targets
 from trainer.rl.rewards import RewardModel
@@ -101,17 +101,7 @@ def test_a_bad_margin_names_its_line(tmp_path, tokenizer):
 
 # ----------------------------------------------------------------------------- end to end
 def run_args(tmp_path, name, data, dp=1, extra=()):
-    """4 pairs per step (2 micro-batches) from the seeded init."""
-    out = os.path.join(str(tmp_path), name)
-    return [*TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "64", "--batch_size",
-            str(2 // dp), "--accumulation_steps", "2", "--learning_rate", "1e-3", "--save_dir", out,
-            "--checkpoint_dir", os.path.join(out, "ckpt"), "--cache_dir", os.path.join(out, "cache"),
-            "--metrics_file", os.path.join(out, "metrics.jsonl"), "--log_interval", "1", "--max_steps", str(STEPS),
-            *extra]
-
-
-def metrics_of(argv):
-    return read_metrics(argv[argv.index("--metrics_file") + 1])
+    return preference_run_args(tmp_path, name, data, STEPS, dp, extra)
 
 
 @pytest.fixture(scope="module")

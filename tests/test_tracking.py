@@ -337,9 +337,10 @@ def test_a_disk_filled_mid_run_stops_at_the_metrics_write_and_the_resume_continu
     disk, data, steps = small_disk(1), demo_slice(tmp_path, "pretrain", 128), 24
     common = [*TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps",
               "1", "--log_interval", "1", "--max_steps", str(steps), "--save_dir", str(tmp_path / "out")]
-    whole = forked("trainer/train_pretrain.py", [*common, "--checkpoint_dir", str(tmp_path / "ckpt0")], timeout=300)
+    whole = forked("trainer/train_pretrain.py", [*common, "--checkpoint_dir", str(tmp_path / "ckpt0"), "--save_dir",
+                                                 str(tmp_path / "out0")], timeout=300)  # its own run: its own files
     assert whole.returncode == 0, whole.stderr[-3000:]
-    want = {r["step"]: r["loss"] for r in read_metrics(str(tmp_path / "out" / "pretrain_64_metrics.jsonl"))}
+    want = {r["step"]: r["loss"] for r in read_metrics(str(tmp_path / "out0" / "pretrain_64_metrics.jsonl"))}
 
     ckpt, metrics = str(tmp_path / "ckpt"), os.path.join(disk, "m.jsonl")
     args = [*common, "--checkpoint_dir", ckpt, "--save_interval", "1", "--metrics_file", metrics]
