@@ -489,13 +489,14 @@ class MOEFeedForward(nn.Module):
 
     def run_experts(self, rows, counts):
         """The held experts on `rows` sorted by expert, counts[i] rows each: grouped GEMMs or the loop, per
-        `expert_compute` (chosen at the first call where nobody set it)."""
-        if self.expert_compute is None:
+        `expert_compute` (where nobody set it, the probed choice for this call's device and dtype: a model cast to
+        float64 after an fp32 forward takes the loop, grouped_mm has no float64)."""
+        mode = self.expert_compute
+        if mode is None:
             device_type = rows.device.type
             dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
-            self.expert_compute = expert_compute_for(rows.device, dtype, rows.shape[-1],
-                                                     self.config.moe_intermediate_size)
-        if self.expert_compute == "grouped":
+            mode = expert_compute_for(rows.device, dtype, rows.shape[-1], self.config.moe_intermediate_size)
+        if mode == "grouped":
             return self.grouped_experts(rows, counts)
         # every expert runs, even on zero rows, so DDP/FSDP see no unused parameters
         parts = rows.split(counts.tolist())  # the layer's one host sync
