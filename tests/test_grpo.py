@@ -407,10 +407,10 @@ def test_a_reward_function_that_raises_is_named_and_the_last_step_saved(tmp_path
     code, err = run_in_process(monkeypatch, capsys, failing)
     assert code == 3, err
     checkpoint_dir = flags[flags.index("--checkpoint_dir") + 1]
-    assert err[-1] == ("error: step 3: reward function fails_at_step_3 raised KeyError: 'score_service'; step 2 saved "
-                       f"in {checkpoint_dir}; continue with --from_resume 1"), err
     saved = glob.glob(os.path.join(checkpoint_dir, "*", "step_*"))
     assert [os.path.basename(path) for path in saved] == ["step_2"]
+    assert err[-1] == ("error: step 3: reward function fails_at_step_3 raised KeyError: 'score_service'; step 2 saved "
+                       f"in {os.path.dirname(saved[0])}; continue with --from_resume 1"), err
     code, _ = run_in_process(monkeypatch, capsys, [*flags, "--from_resume", "1"])
     assert code in (0, None)
     assert [r["step"] for r in metrics_of(flags)] == [1, 2, 3, 4]

@@ -148,7 +148,7 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
     if last or (plan.schedule.save_weights_every and step % plan.schedule.save_weights_every == 0):
         save_weights(trainer)
     if guard.stop:
-        Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.io.checkpoint_dir}; "
+        Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.io.run_dir}; "
                "continue with --from_resume 1")
     elif stop_reason(trainer):
         Logger(f"stopped: {stop_reason(trainer)}")
@@ -163,7 +163,7 @@ def save_abandoned(trainer):
     if step == 0:
         Logger("preempted: no optimizer step completed yet; nothing to save")
         return
-    Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.io.checkpoint_dir}; "
+    Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.io.run_dir}; "
            "continue with --from_resume 1")
 
 

@@ -214,7 +214,7 @@ def save_completed_step(trainer):
         last = latest_checkpoint(plan.io.run_dir)
         return (f"the last complete checkpoint is {last}, continue with --from_resume 1" if last else
                 "no checkpoint saved yet")
-    return f"step {step} saved in {plan.io.checkpoint_dir}; continue with --from_resume 1"
+    return f"step {step} saved in {plan.io.run_dir}; continue with --from_resume 1"
 
 
 class RolloutObjective(LMObjective):
