@@ -27,95 +27,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from model.atomic import atomic_json, atomic_write, atomic_write_text, full_disk_reason  # noqa: E402
 from scripts.eval_llm import add_model_args, load_or_exit, parsed  # noqa: E402
+from trainer.runtime.bench import (  # noqa: E402, F401
+    INSTALL,
+    MINIMIND_TASKS,
+    BenchError,
+    check_tasks,
+    import_lm_eval,
+    run_tasks,
+    score_rows,
+    task_manager,
+    task_names,
+)
 from trainer.trainer_utils import typed_or_default  # noqa: E402
-
-# MiniMind's seven benchmarks: lm-eval's task (or group) name -> the label of the table and plot
-MINIMIND_TASKS = {"ceval-valid": "C-Eval", "cmmlu": "CMMLU", "arc_easy": "ARC-Easy", "piqa": "PIQA",
-                  "openbookqa": "OpenBookQA", "hellaswag": "HellaSwag", "social_iqa": "Social-IQa"}
-INSTALL = "pip install 'lm-eval>=0.4.13,<=0.4.13'"
-
-
-class BenchError(Exception):
-    """Bad input (exit 2) or a failing dependency (exit 3): the message is the one line to print."""
-
-    def __init__(self, message, code=2):
-        super().__init__(message)
-        self.code = code
-
-
-def import_lm_eval():
-    """lm_eval and its TaskManager; BenchError (exit 3) naming the install command when it is missing."""
-    try:  # optional dependency: only this script needs it
-        import lm_eval
-        from lm_eval.models.huggingface import HFLM
-        from lm_eval.tasks import TaskManager
-    except ImportError as e:
-        raise BenchError(f"lm-eval is not installed ({e}); {INSTALL}", code=3) from None
-    return lm_eval, HFLM, TaskManager
-
-
-def task_names(spec):
-    """--tasks as a list of lm-eval names, "minimind" expanded to MiniMind's seven."""
-    names = []
-    for name in (n.strip() for n in spec.split(",") if n.strip()):
-        names += list(MINIMIND_TASKS) if name == "minimind" else [name]
-    if not names:
-        raise BenchError("--tasks is empty; pass lm-eval task names (comma-separated) or minimind")
-    return names
-
-
-def task_manager(TaskManager, include_path, names):
-    """lm-eval's task index: --include_path's YAML tasks alone where they hold every name (indexing lm-eval's own
-    thousands of YAML files takes most of a minute), else lm-eval's built-in tasks plus them."""
-    if include_path and not os.path.isdir(include_path):
-        raise BenchError(f"--include_path {include_path} is not a folder of lm-eval task YAML files")
-    if include_path:
-        own = TaskManager(include_path=include_path, include_defaults=False)
-        if set(names) <= set(own.all_tasks) | set(own.all_groups) | set(own.all_tags):
-            return own
-    return TaskManager(include_path=include_path)
-
-
-def check_tasks(manager, names):
-    """Every name is an lm-eval task, group or tag: else one line naming it."""
-    known = set(manager.all_tasks) | set(manager.all_groups) | set(manager.all_tags)
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise BenchError(f"--tasks: {', '.join(unknown)} is not an lm-eval task or group (`lm-eval ls tasks` lists "
-                         "them; your own YAML tasks need --include_path)")
-
-
-def run_tasks(lm_eval, lm, manager, names, args):
-    """lm_eval.simple_evaluate on the wrapped model; a dataset that cannot be fetched is a BenchError (exit 3)."""
-    try:
-        return lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=args.limit,
-                                       num_fewshot=args.num_fewshot, log_samples=False, random_seed=args.seed,
-                                       numpy_random_seed=args.seed, torch_random_seed=args.seed,
-                                       fewshot_random_seed=args.seed)
-    except (ConnectionError, OSError) as e:
-        if full_disk_reason(e):
-            raise
-        raise BenchError(f"a task's dataset could not be loaded ({type(e).__name__}: {str(e)[:200]}); fetch it once "
-                         "with network access (it is cached after) or check the task's dataset_path", code=3) from None
-
-
-def score_rows(results, names):
-    """One row per requested task: label, acc, acc_norm (None where the task has none), their stderr, samples."""
-    rows = []
-    for name in names:
-        metrics = results["results"][name]
-        rows.append(dict(task=name, label=MINIMIND_TASKS.get(name, name), acc=metrics.get("acc,none"),
-                         acc_stderr=metrics.get("acc_stderr,none"), acc_norm=metrics.get("acc_norm,none"),
-                         acc_norm_stderr=metrics.get("acc_norm_stderr,none"), samples=samples_of(results, name)))
-    return rows
-
-
-def samples_of(results, name):
-    """Documents scored for a task, summed over a group's subtasks."""
-    counts = results.get("n-samples", {})
-    if name in counts:
-        return counts[name]["effective"]
-    return sum(samples_of(results, sub) for sub in results.get("group_subtasks", {}).get(name, []))
 
 
 def percent(value):
@@ -182,7 +105,7 @@ def evaluate(args):
     model, tokenizer = load_or_exit(args)
     weights = args.load_from or args.checkpoint or args.weight
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size, max_length=args.max_length)
-    results = run_tasks(lm_eval, lm, manager, names, args)
+    results = run_tasks(lm_eval, lm, manager, names, args.limit, args.num_fewshot, args.seed)
     rows = score_rows(results, names)
     table = write_report(rows, results, args, weights)
     print(table, flush=True)

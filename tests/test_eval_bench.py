@@ -12,9 +12,10 @@ from transformers import AutoTokenizer
 
 from model.hf_convert import save_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights import read_weights, save_weights_file
 from scripts.eval_bench import INSTALL, MINIMIND_TASKS, main
-from tests.launch import ROOT
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.ckpt.checkpoint import read_checkpoint_model
 
 lm_eval = pytest.importorskip("lm_eval")  # requirements.txt installs it; a bare environment skips, naming it
 
@@ -164,3 +165,68 @@ def test_missing_lm_eval_is_one_line_naming_the_install(monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 3 and err.startswith("error: lm-eval is not installed") and "\n" not in err
     assert err.endswith(INSTALL) and INSTALL.startswith("pip install 'lm-eval")
+
+
+def bench_run_args(tmp_path, tasks, *extra):
+    """A tiny pretraining run (TINY_MODEL, 2 steps, a checkpoint each step) scoring tiny_mc after every step."""
+    data = demo_slice(tmp_path, "pretrain", 64)
+    return [*TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps", "1",
+            "--learning_rate", "0.02", "--lr_schedule", "constant", "--log_interval", "1", "--save_interval", "1",
+            "--max_steps", "2", "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+            "--cache_dir", str(tmp_path / "cache"), "--metrics_file", str(tmp_path / "m.jsonl"),
+            "--eval_bench", "tiny_mc", "--eval_bench_include", str(tasks), "--eval_bench_interval", "1", *extra]
+
+
+def model_of(state, config):
+    model = MiniMindForCausalLM(MiniMindConfig(**config))
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def test_training_logs_the_scores_of_each_steps_weights(tmp_path, offline):
+    """--eval_bench tiny_mc --eval_bench_interval 1: the records of steps 1 and 2 carry bench/tiny_mc/acc and acc_norm,
+    equal to the hand computation from that step's checkpointed weights (step 2's also the final out/*.pth)."""
+    tasks = write_task(tmp_path / "tasks")
+    proc = forked("trainer/train_pretrain.py", bench_run_args(tmp_path, tasks), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with open(tmp_path / "m.jsonl") as f:
+        bench = {r["step"]: r for r in map(json.loads, f) if "bench/tiny_mc/acc" in r}
+    assert sorted(bench) == [1, 2]
+    assert bench[1]["bench/tiny_mc/acc"] != bench[2]["bench/tiny_mc/acc"]  # the check tells the steps' weights apart
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    (run_dir,) = {path.parent for path in (tmp_path / "ckpt").glob("*/step_1")}
+    for step in (1, 2):
+        state, config, _ = read_checkpoint_model(str(run_dir / f"step_{step}"))
+        acc, acc_norm = hand_accuracies(model_of(state, config), tokenizer, DOCS)
+        assert (bench[step]["bench/tiny_mc/acc"], bench[step]["bench/tiny_mc/acc_norm"]) == (acc, acc_norm)
+    (weights,) = (tmp_path / "out").glob("*.pth")
+    final, config = read_weights(str(weights))
+    assert hand_accuracies(model_of(final, config), tokenizer, DOCS) == (acc, acc_norm)
+    # scoring leaves training as it was (eval mode and the RNGs put back): the losses of the run without it
+    (tmp_path / "plain").mkdir()
+    plain = bench_run_args(tmp_path / "plain", tasks)[:-6]  # the last six: the --eval_bench flags
+    proc = forked("trainer/train_pretrain.py", plain, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["loss"] for r in read_metrics(tmp_path / "plain" / "m.jsonl")] == [
+        r["loss"] for r in read_metrics(tmp_path / "m.jsonl")]
+
+
+@pytest.mark.parametrize("extra, message, code, nproc", [
+    (["--eval_bench_limit", "0"], "--eval_bench_limit", 2, 1),
+    (["--eval_bench", " , "], "--eval_bench is empty", 2, 1),
+    (["--eval_bench_include", "/no/such/folder"], "--eval_bench_include /no/such/folder is not a folder", 2, 1),
+    ([], "--eval_bench scores in one process", 2, 2),
+])
+def test_bad_training_flags_are_one_error_line(tmp_path, offline, extra, message, code, nproc):
+    argv = bench_run_args(tmp_path, write_task(tmp_path / "tasks"), *extra)
+    proc = forked("trainer/train_pretrain.py", argv, nproc=nproc, timeout=120)
+    err = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == code and len(err) == 1 and message in err[0], proc.stderr[-2000:]
+    assert not (tmp_path / "m.jsonl").exists()  # refused before training
+
+
+def test_training_without_lm_eval_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # the forked run meets `import lm_eval` failing
+    proc = forked("trainer/train_pretrain.py", bench_run_args(tmp_path, write_task(tmp_path / "tasks")), timeout=120)
+    err = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 3 and len(err) == 1 and err[0].endswith(INSTALL), proc.stderr[-2000:]

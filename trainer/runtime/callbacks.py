@@ -10,12 +10,14 @@ Every rank calls every hook at the same point, so a hook may run collectives (al
 A callback stops the run after this step by setting `self.stop_reason` (a line the run prints), and asks for a
 checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
 travel in every checkpoint, so a resumed run continues with the same state.
-Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog.
+Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog, and
+bench.EvalBench (--eval_bench: lm-eval scores of the current model).
 """
 import importlib.util
 import json
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 from model.atomic import atomic_write_text
 from model.weights import save_weights_file
@@ -23,7 +25,8 @@ from trainer.ckpt.checkpoint import read_checkpoint_model
 from trainer.ckpt.step_dirs import BEST_INDEX, MANIFEST, best_checkpoint_step
 from trainer.ckpt.weights_file import save_weights
 from trainer.plan.schema import Flag, fill, flag
-from trainer.runtime.launch import ConfigError, is_main_process
+from trainer.runtime.bench import BenchError, EvalBench, import_lm_eval, task_names
+from trainer.runtime.launch import ConfigError, TrainingHalted, is_main_process
 from trainer.runtime.rank_log import RankLog
 from trainer.trainer_utils import Logger
 
@@ -38,6 +41,13 @@ class CallbackPlan:
     early_stop_patience: int = flag(0, "stop after this many --eval_interval evals without an eval_loss below the best "
                                     "by more than --early_stop_min_delta (0: off)", min=0, hint="0 is off")
     early_stop_min_delta: float = flag(0.0, "the improvement early stopping asks for")
+    eval_bench: Optional[str] = flag(None, "lm-eval task names, comma-separated (minimind: MiniMind's seven), scored "
+                                     "on the current model during training, logged as bench/<task>/<metric> "
+                                     "(one process; pip install lm-eval)")
+    eval_bench_interval: int = flag(0, "optimizer steps between --eval_bench scorings (0: the run's last step only; "
+                                    "the last step is always scored)", min=0, hint="0 is the last step only")
+    eval_bench_include: Optional[str] = flag(None, "a folder of your own lm-eval task YAML files for --eval_bench")
+    eval_bench_limit: Optional[int] = flag(None, "documents per --eval_bench task (default: all)", min=1)
     user: tuple  # ((file, name), ...) of --callbacks
     FLAGS = (
         Flag("callbacks", str, None, "comma list of FILE.py:NAME, a class (made with no arguments) or object with any "
@@ -62,7 +72,30 @@ def resolve_callbacks(args, has_eval):
         if not os.path.isfile(path):
             raise ConfigError(f"--callbacks {spec}: {path} does not exist")
         user.append((os.path.abspath(path), name))
-    return fill(CallbackPlan, args, user=tuple(user))
+    include = check_eval_bench(args)
+    return fill(CallbackPlan, args, user=tuple(user), eval_bench_include=include)
+
+
+def check_eval_bench(args):
+    """--eval_bench's flags: one process, lm-eval installed (else exit 3 naming the pip command), a task list;
+    returns the include folder as an absolute path."""
+    if args.eval_bench is None:
+        for name in ("eval_bench_interval", "eval_bench_include", "eval_bench_limit"):
+            if getattr(args, name):
+                raise ConfigError(f"--{name} sets up --eval_bench: give --eval_bench TASKS too")
+        return None
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise ConfigError("--eval_bench scores in one process: run without torchrun, or score the saved weights "
+                          "with scripts/eval_bench.py")
+    try:
+        task_names(args.eval_bench, flag="--eval_bench")
+        import_lm_eval()
+    except BenchError as e:
+        raise (TrainingHalted if e.code == 3 else ConfigError)(str(e)) from None
+    include = args.eval_bench_include
+    if include and not os.path.isdir(include):
+        raise ConfigError(f"--eval_bench_include {include} is not a folder of lm-eval task YAML files")
+    return os.path.abspath(include) if include else None
 
 
 class Callbacks(list):
@@ -208,5 +241,12 @@ def make_callbacks(plan):
         callbacks.append(BestCheckpoint(plan.io.run_dir, plan.stage.best_weights_path(plan)))
     if plan.io.log_dir:
         callbacks.append(RankLog())
+    if settings.eval_bench:
+        try:
+            callbacks.append(EvalBench(task_names(settings.eval_bench), settings.eval_bench_include,
+                                       settings.eval_bench_limit, settings.eval_bench_interval,
+                                       plan.data.tokenizer_path))
+        except BenchError as e:
+            raise (TrainingHalted if e.code == 3 else ConfigError)(str(e)) from None
     callbacks.extend(load_user_callbacks(settings.user))
     return callbacks
