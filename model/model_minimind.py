@@ -496,11 +496,17 @@ class MOEFeedForward(nn.Module):
             device_type = rows.device.type
             dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
             mode = expert_compute_for(rows.device, dtype, rows.shape[-1], self.config.moe_intermediate_size)
-        if mode == "grouped":
+        if mode == "grouped" and not self.experts_hooked():
             return self.grouped_experts(rows, counts)
         # every expert runs, even on zero rows, so DDP/FSDP see no unused parameters
         parts = rows.split(counts.tolist())  # the layer's one host sync
         return torch.cat([expert(part) for expert, part in zip(self.local_experts(), parts)])
+
+    def experts_hooked(self):
+        """An expert's projection carries a forward hook (LoRA adapters, a tracer): the grouped GEMMs would skip it, so
+        the loop runs those experts' own forwards."""
+        return any(linear._forward_hooks or linear._forward_pre_hooks for expert in self.local_experts()
+                   for linear in (expert.gate_proj, expert.up_proj, expert.down_proj))
 
     def grouped_experts(self, rows, counts):
         """The held experts' SwiGLU on their rows as three grouped GEMMs; the offsets stay on the device.

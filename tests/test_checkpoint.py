@@ -224,7 +224,8 @@ def registry_plan(tmp_path):
     io = SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), from_resume="1",
                          resume_path=None)
     return SimpleNamespace(io=io, layout=layout, flags={}, stage=SimpleNamespace(resume_fields=dict),
-                           data=SimpleNamespace(global_batch=8, tokenizer_record=None))
+                           data=SimpleNamespace(global_batch=8, tokenizer_record=None),
+                           model=SimpleNamespace(config=SimpleNamespace(use_moe=False)))
 
 
 def ema_part(model, start=EMA_START):

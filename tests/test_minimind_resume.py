@@ -25,6 +25,7 @@ from trainer.core.build import build_trainer, setup
 from trainer.core.loop import train_step
 from trainer.core.stage import Stage
 from trainer.plan.flags import add_train_args
+from trainer.plan.resolve import resolve
 from trainer.runtime.launch import ConfigError
 
 # ----------------------------------------------------------------------------- MiniMind's registration order
@@ -173,9 +174,11 @@ def test_the_resumed_step_equals_minimind_s_own_next_step(tmp_path, use_moe):
              "--learning_rate", "1e-2", "--from_resume", "1", "--save_dir", str(tmp_path / "out"),
              "--checkpoint_dir", str(tmp_path / "ckpt"), *(MOE_FLAGS if use_moe else [])]
     args = add_train_args(argparse.ArgumentParser()).parse_args(flags)
+    planned = resolve(args, 1)  # the file's path and config; it exists before the run starts, as a user's would
+    saved = minimind_run(planned.model.config, os.path.join(planned.io.checkpoint_dir,
+                                                            f"{planned.io.run_name}_resume.pth"))
     plan, dims = setup(args)
     config = plan.model.config
-    saved = minimind_run(config, os.path.join(plan.io.checkpoint_dir, f"{plan.io.run_name}_resume.pth"))
     assert list(saved["optimizer"]["state"]) == list(range(len(minimind_parameter_order(config))))  # every moment
     steps_per_epoch = 20
     trainer = build_trainer(plan, dims, steps_per_epoch)
