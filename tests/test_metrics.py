@@ -2,6 +2,7 @@
 the MFU peak is not below any matmul rate measured here. The timings in this file are written out apart from
 metrics.py's (nn.Linear forward and backward under torch.autocast, plain matmuls of other shapes)."""
 import json
+import os
 import time
 
 import pytest
@@ -54,9 +55,10 @@ TRIES = 3
 
 
 def measure_again():
-    """The next cpu_matmul_rates() measures anew, keeping the best rate seen (metrics.py's rule for a busy entry)."""
-    entries = json.loads(open(metrics.RATES_FILE).read())
-    entries[metrics.cpu_rates_key()]["busy"] = True
+    """The next cpu_matmul_rates() measures anew: the cached quiet entry, where one was written, and this process's
+    own (a busy measurement is kept in the process only) both go."""
+    entries = metrics._read_json(metrics.RATES_FILE)
+    entries.pop(metrics.cpu_rates_key(), None)
     with open(metrics.RATES_FILE, "w") as f:
         f.write(json.dumps(entries))
     metrics._PEAK_CACHE.clear()
@@ -80,20 +82,27 @@ def test_auto_dtype_is_the_one_a_training_layer_runs_faster_in(fresh_rates):
 
 
 def test_peak_is_not_below_any_matmul_measured_here(fresh_rates):
-    """MFU = model FLOPs / time / peak stays <= 1 when no matmul runs faster than the peak: square, training and
-    lm_head shapes timed here, best of five each, against the peak (x1.25: a best-of-five timing on a shared
-    machine still scatters by up to a fifth between two measurements). A peak measured under more load than these
-    timings (CI: bf16 113 GFLOP/s here vs a peak of 90) is measured again, as the trainer's next run would."""
+    """MFU = model FLOPs / time / peak stays <= 1 when no matmul runs faster than the peak. The peak is what
+    metrics.measure_cpu_rates measures on quiet cores (its training shape; a busy measurement is never the peak, and
+    the MFU line then says "provisional": test_a_busy_measurement_is_never_the_peak_and_the_mfu_line_says_provisional).
+    So the claim is checked on quiet rounds only: the peak routine and square, training and lm_head shapes timed in
+    turn, best of each over the rounds the routine found quiet (x1.25: a best-of timing still scatters by up to a
+    fifth). Where no round is quiet (a shared CI machine under load) the test says so and skips."""
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
     for dtype in (torch.float32, torch.bfloat16) if NATIVE_BF16 else (torch.float32,):
-        for _ in range(TRIES):
-            peak = metrics.peak_flops("cpu", dtype)
-            ratios = {}
+        peak, rates = 0.0, {}
+        for _ in range(3):
+            measured = metrics.measure_cpu_rates(torch.get_num_threads())
+            if not measured["quiet"]:
+                continue
+            peak = max(peak, measured[names[dtype]])
             for m, k, n in ((1024, 1024, 1024), (2048, 768, 2432), (2048, 768, 6400), (4096, 256, 704)):
                 a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-                ratios[m, k, n] = 2 * m * k * n / best_seconds(lambda: a @ b) / peak
-            if max(ratios.values()) <= 1.25:
-                break
-            measure_again()
+                rates[m, k, n] = max(rates.get((m, k, n), 0.0), 2 * m * k * n / best_seconds(lambda: a @ b))
+        if not rates:
+            pytest.skip(f"the cores were busy in every round (load average {os.getloadavg()[0]:.1f}): no quiet peak "
+                        "to check, the MFU line says provisional")
+        ratios = {shape: rate / peak for shape, rate in rates.items()}
         assert max(ratios.values()) <= 1.25, (dtype, ratios, peak / 1e9)
 
 
