@@ -89,8 +89,11 @@ def setup(args, stage=Stage):
 
 def check_resume_early(plan):
     """--from_resume 1 with nothing to resume fails here, before the data is built and tokenized (read_resume's own
-    check comes after them); files only, no collective: every rank sees the same directory and raises the same."""
+    check comes after them); one process only: ranks on nodes without a shared directory see different files, and
+    read_resume's collective agreement names each rank's view (files alone would let one rank leave the others)."""
     io = plan.io
+    if plan.layout.world_size > 1:
+        return
     minimind_path = minimind_resume_path(io.checkpoint_dir, os.path.basename(io.run_dir))
     if io.from_resume == "1" and not io.resume_path and latest_checkpoint(io.run_dir) is None \
             and not os.path.isfile(minimind_path):
