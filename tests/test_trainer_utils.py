@@ -11,6 +11,7 @@ from tests.test_minimind_resume import MiniMindOrder, batches, cosine_lr
 from trainer.core.build import build_trainer, setup
 from trainer.core.loop import train_step
 from trainer.plan.flags import add_train_args
+from trainer.plan.resolve import resolve
 from trainer.trainer_utils import SkipBatchSampler, get_lr, lm_checkpoint
 
 
@@ -110,11 +111,13 @@ def test_a_file_written_by_lm_checkpoint_resumes_in_the_trainer_exactly(tmp_path
     flags = [*TINY_MODEL, "--batch_size", "2", "--accumulation_steps", "1", "--max_seq_len", "16",
              "--learning_rate", "1e-2", "--from_resume", "1", "--save_dir", str(tmp_path / "out"),
              "--checkpoint_dir", str(tmp_path / "ckpt")]
-    plan, dims = setup(add_train_args(argparse.ArgumentParser()).parse_args(flags))
+    args = add_train_args(argparse.ArgumentParser()).parse_args(flags)
+    planned = resolve(args, 1)  # the config and checkpoint folder; the file exists before the run starts
+    model, optimizer = trained(planned.model.config, steps=3)
+    lm_checkpoint(planned.model.config, weight="pretrain", model=model, optimizer=optimizer, epoch=0, step=5,
+                  save_dir=planned.io.checkpoint_dir)
+    plan, dims = setup(args)
     config = plan.model.config
-    model, optimizer = trained(config, steps=3)
-    lm_checkpoint(config, weight="pretrain", model=model, optimizer=optimizer, epoch=0, step=5,
-                  save_dir=plan.io.checkpoint_dir)
     trainer = build_trainer(plan, dims, 20)
     assert trainer.progress.global_step == 5
     (input_ids,) = batches(config, 1, seed=9)
