@@ -64,7 +64,8 @@ def tiny_yarn_model(seed=0):
 def test_logits_equal_transformers_qwen3_with_yarn():
     model = tiny_yarn_model()
     hf_config, hf_sd = minimind_to_hf(model.state_dict(), model.config)
-    assert hf_config.to_dict()["rope_parameters"]["rope_type"] == "yarn"
+    written = hf_config.to_dict()
+    assert (written.get("rope_parameters") or written["rope_scaling"])["rope_type"] == "yarn"  # 5.x / 4.x key
     hf = Qwen3ForCausalLM(hf_config).eval()
     hf.load_state_dict(hf_sd, strict=False)
     ids = torch.randint(0, 6400, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -82,7 +83,8 @@ def test_logits_equal_transformers_qwen3_with_yarn():
 def test_other_rope_scaling_is_refused():
     model = tiny_yarn_model()
     hf_config, hf_sd = minimind_to_hf(model.state_dict(), model.config)
-    hf_config.rope_parameters = dict(hf_config.rope_parameters, factor=4.0)
+    key = "rope_parameters" if hasattr(hf_config, "rope_parameters") else "rope_scaling"  # transformers 5.x / 4.x
+    setattr(hf_config, key, dict(getattr(hf_config, key), factor=4.0))
     with pytest.raises(WeightsError, match="MiniMind-3's YaRN"):
         hf_to_minimind(hf_sd, hf_config)
 
