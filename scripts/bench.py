@@ -5,6 +5,8 @@
     python scripts/bench.py --nproc 2 --tp 2 --steps 5                         # under torchrun
     python scripts/bench.py --plan --nproc 64 --tp 4 --pp 4 --hidden_size 2048 --num_hidden_layers 32
     python scripts/bench.py --moe_layer --repeats 20                          # MoE MLP vs dense, loop vs grouped
+    python scripts/bench.py --moe_vs_dense --steps 3 --warmup 2 --repeats 2   # MoE vs dense trainer, 4/8 x top-1/2
+    python scripts/bench.py --ep_vs_dp --steps 3 --warmup 2 --repeats 2       # --ep 2 vs dp2 on 2 processes
     python scripts/bench.py --profile --dtype bfloat16 --steps 3     # + where the step's time goes (step_profile.py)
 
 A run launches trainer/train_pretrain.py (scripts/run_helper.py; `torchrun --nproc_per_node K` when K > 1)
@@ -26,8 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from scripts.bench_moe import print_moe_layer_bench  # noqa: E402
+from scripts.bench_moe_dense import run_moe_bench  # noqa: E402
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
-from scripts.run_helper import run_trainer, trainer_command  # noqa: E402
+from scripts.run_helper import run_trainer, trainer_args  # noqa: E402
 from scripts.step_profile import shares_line, step_shares  # noqa: E402
 from trainer.plan.flags import add_train_args  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
@@ -101,7 +104,7 @@ def bench_one(label, flags, args, peaks, world):
     profile_dir = os.path.join(os.path.dirname(args.results_path), f"profile_{label}")
     if args.profile:  # the measured steps traced; the trace is kept beside the results
         run_flags.update(profile_steps=f"{args.warmup + 1}:{args.warmup + args.steps}", save_dir=profile_dir)
-    records = run_trainer(run_flags, log_path, args.nproc)
+    records = run_trainer(run_flags, log_path, world)
     stats = step_stats(records, args.warmup)
     if args.profile:
         trace = sorted(glob.glob(os.path.join(profile_dir, "profile", "rank0.*.pt.trace.json")))[-1]
@@ -156,12 +159,6 @@ def print_plan(args, flags):
 
 
 # ---------------------------------------------------------------------------------------------- main
-def trainer_args(flags):
-    """The trainer's argument namespace for `flags` (a dict of trainer flags; --baseline_flags gives strings), parsed
-    as the trainer parses its command line, its defaults for the rest."""
-    return add_train_args(argparse.ArgumentParser()).parse_args(trainer_command(flags, nproc=1)[2:])
-
-
 def given_trainer_flags(parser, rest):
     """The trainer flags among `rest` (only those given, as a dict); anything else is a usage error."""
     trainer = add_train_args(argparse.ArgumentParser())
@@ -196,6 +193,11 @@ def parse_args(argv=None):
     a("--plan_table", action="store_true", help="print docs/scaling.md's tables (plan for 3 models x layouts)")
     a("--moe_layer", action="store_true", help="time the MoE MLP (loop and grouped experts) against the dense MLP at "
       "equal active parameters, forward + backward in this process, --repeats rounds (scripts/bench_moe.py)")
+    a("--moe_vs_dense", action="store_true", help="MoE step time over dense at equal active parameters through the "
+      "trainer, 4/8 experts x top-1/2, per expert compute (loop, grouped), --repeats alternations "
+      "(scripts/bench_moe_dense.py)")
+    a("--ep_vs_dp", action="store_true", help="the MoE model on 2 processes: --ep 2 against plain dp2 throughput, "
+      "--repeats alternations")
     a("--results", default=None, help="JSONL file the results are appended to (default: out/bench.jsonl in the repo)")
     a("--label", default="run")
     a("--profile", action="store_true", help="trace the measured steps (torch.profiler) and print the shares of "
@@ -228,6 +230,9 @@ def main(argv=None):
     print(f"machine: {machine_description(device)} | torch {torch.__version__} | measured matmul peak: "
           f"fp32 {peaks['float32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bfloat16'] / 1e9:.1f} GFLOP/s"
           + (" (provisional: measured on busy cores, so MFU reads high)" if provisional else ""), flush=True)
+    if args.moe_vs_dense or args.ep_vs_dp:
+        run_moe_bench(args, flags, lambda label, f, nproc: bench_one(label, f, args, peaks, nproc))
+        return
     pairs = []
     for repeat in range(args.repeats):  # alternate baseline and config: both see the same machine load
         suffix = f"-r{repeat + 1}" if args.repeats > 1 else ""

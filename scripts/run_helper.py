@@ -1,4 +1,5 @@
 """Run the real trainer in a temporary folder and return its metrics records (for bench and quality)."""
+import argparse
 import json
 import os
 import shutil
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 
+from trainer.plan.flags import add_train_args
 from trainer.trainer_utils import ROOT
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
@@ -20,6 +22,12 @@ def trainer_command(flags, nproc, script=TRAIN_SCRIPT):
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return launcher + [script] + argv
+
+
+def trainer_args(flags):
+    """The trainer's argument namespace for `flags` (a dict of trainer flags; --baseline_flags gives strings), parsed
+    as the trainer parses its command line, its defaults for the rest."""
+    return add_train_args(argparse.ArgumentParser()).parse_args(trainer_command(flags, nproc=1)[2:])
 
 
 def run_argv(argv, log_path):

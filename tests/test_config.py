@@ -155,6 +155,8 @@ def test_every_flag_has_help():
     (["--early_stop_patience", "2"], "--early_stop_patience follows the eval loss: give --eval_data_path"),
     (["--tracker", "x"], "--tracker x: x is not one of"),
     (["--log_dir", FORBIDDEN], "--log_dir /proc/forbidden is not writable"),
+    (["--expert_compute", "loop"], "--expert_compute loop runs MoE experts: add --use_moe 1"),
+    (["--use_moe", "1", "--expert_compute", "grouped", "--tp", "2"], "--expert_compute grouped: tensor parallel"),
 ])
 def test_bad_flag_values_are_config_errors(tmp_path, args, needle):
     with pytest.raises(ConfigError) as error:

@@ -11,6 +11,7 @@ from launch import TINY_MODEL, forked, read_metrics, spawn
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.runtime.expert_load import (
     ExpertLoad,
+    choose_expert_compute,
     enable_expert_bias,
     load_fields,
     moe_layers,
@@ -44,6 +45,13 @@ def routed_counts_f64(model, input_ids):
         probs = F.softmax(x.double() @ gate.weight.double().T, dim=-1)
         counts.append(torch.bincount(probs.topk(2, dim=-1).indices.reshape(-1), minlength=4))
     return torch.stack(counts).double()
+
+
+def test_expert_compute_loop_is_kept_over_the_probed_choice():
+    """--expert_compute loop: every layer runs the loop and the line says so (test_moe checks the loop's numerics)."""
+    model = tiny_moe()
+    assert "(loop)" in choose_expert_compute([model], "cpu", torch.float32, "loop")
+    assert {moe.expert_compute for _, moe in moe_layers([model])} == {"loop"}
 
 
 def test_loads_of_a_step_are_the_routed_tokens_of_its_micro_batches():

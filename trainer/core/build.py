@@ -128,7 +128,8 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     if plan.model.router_balance != "aux":
         enable_expert_bias([model])  # model state: there before the wrap and the resume
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
-    compute_line = choose_expert_compute(model_parts, plan.layout.device, plan.model.autocast_dtype or torch.float32)
+    compute_line = choose_expert_compute(model_parts, plan.layout.device, plan.model.autocast_dtype or torch.float32,
+                                         plan.model.expert_compute)
     if compute_line:
         Logger(compute_line)
     if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks

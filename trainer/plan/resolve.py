@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from dataset.mixture import absolute_data_spec
+from model.model_minimind import expert_compute_for
 from model.provenance import tokenizer_record
 from trainer.ckpt.step_dirs import MANIFEST
 from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for
@@ -112,6 +113,7 @@ def resolve_model(args, config, from_weight):
     """The ModelPlan section: the model config, its starting weights, the dtype (measured for --dtype auto)."""
     dtype, dtype_note = resolve_dtype(args.dtype, args.device)
     check_router_balance(args, config)
+    check_expert_compute(args, config, dtype)
     return fill(ModelPlan, args, config=config, from_weight=from_weight, dtype=dtype,
                 dtype_note=dtype_note if args.dtype == "auto" else "",
                 # chunked loss: not under tp (vocab-sharded logits) nor pp (the schedule takes the last stage's logits)
@@ -153,6 +155,22 @@ def check_router_balance(args, config):
         raise ConfigError(f"--router_bias_rate must be > 0 (got {args.router_bias_rate})")
     if args.router_balance == "bias":
         config.router_aux_loss_coef = 0.0  # the bias balances alone (recorded in the weights' sidecar)
+
+
+def check_expert_compute(args, config, dtype):
+    """--expert_compute grouped needs a MoE model, no tensor parallel (its sharded Linears run the loop) and a grouped
+    matmul that runs on this device and dtype (the model's probe)."""
+    if args.expert_compute == "auto":
+        return
+    if not config.use_moe:
+        raise ConfigError(f"--expert_compute {args.expert_compute} runs MoE experts: add --use_moe 1 or drop it")
+    if args.expert_compute == "grouped" and args.tp > 1:
+        raise ConfigError("--expert_compute grouped: tensor parallel runs the experts' sharded Linears in the loop; "
+                          "drop --tp or use --expert_compute loop/auto")
+    if args.expert_compute == "grouped" and expert_compute_for(
+            args.device, dtype, config.hidden_size, config.moe_intermediate_size) != "grouped":
+        raise ConfigError(f"--expert_compute grouped: torch {torch.__version__} has no grouped matmul for "
+                          f"{str(dtype)[6:]} on {args.device}; use --expert_compute loop or auto")
 
 
 def checkpoint_mode(value):

@@ -79,6 +79,9 @@ class ModelPlan:
                                "or both",
                                choices=("aux", "bias", "both"))
     router_bias_rate: float = flag(1e-3, "--router_balance bias/both: how far each step moves an expert's bias")
+    expert_compute: str = flag("auto", "MoE experts: grouped (torch's grouped matmul, no host sync), loop (one MLP "
+                               "call per expert, one host sync per layer) or auto (grouped where it runs on this "
+                               "device and dtype)", choices=("auto", "grouped", "loop"))
     tf32: bool = flag(1, "CUDA: fp32 matmuls in TF32 (0: strict fp32)")
     deterministic: bool = flag(0, "torch.use_deterministic_algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG, no cuDNN "
                                "autotuning); an op without a deterministic kernel then raises")

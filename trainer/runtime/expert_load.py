@@ -28,14 +28,16 @@ def enable_expert_bias(model_parts):
             moe.expert_bias = torch.zeros(moe.config.num_experts, dtype=torch.float32, device=moe.gate.weight.device)
 
 
-def choose_expert_compute(model_parts, device, dtype):
-    """Fix how every MoE layer runs its experts for this run (model_minimind.expert_compute_for, probed once) and
-    return the line that says it; None without MoE layers. Tensor parallel has set its layers to the loop."""
+def choose_expert_compute(model_parts, device, dtype, requested="auto"):
+    """Fix how every MoE layer runs its experts for this run (--expert_compute; auto: model_minimind.expert_compute_for,
+    probed once) and return the line that says it; None without MoE layers. Tensor parallel has set its layers to the
+    loop."""
     layers = moe_layers(model_parts)
     if not layers:
         return None
     config = layers[0][1].config
-    choice = expert_compute_for(device, dtype, config.hidden_size, config.moe_intermediate_size)
+    choice = requested if requested != "auto" else expert_compute_for(device, dtype, config.hidden_size,
+                                                                       config.moe_intermediate_size)
     for _, moe in layers:
         moe.expert_compute = moe.expert_compute or choice
     chosen = {moe.expert_compute for _, moe in layers}
