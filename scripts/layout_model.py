@@ -87,7 +87,8 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
 
     Bytes throughout. fp32 master weights, fp32 grads and two fp32 AdamW moments (what the trainer keeps);
     act_bytes = bytes per activation element (4 fp32, 2 under bf16 autocast). ep: routed experts / ep per rank
-    (carved out of dp, under DDP: the experts' gradients are reduced over their dp/ep replicas, not over dp).
+    (carved out of dp, under DDP: the experts' gradients are reduced over their dp/ep replicas, not over dp); with pp
+    the experts and all-to-alls of the rank's stage's layers only.
     """
     h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     total_params = L * layer_params(config) + V * h + h  # tied lm_head counted once, final norm
