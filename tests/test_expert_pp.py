@@ -75,3 +75,11 @@ def test_ep2_pp2_interleaved_equals_one_process(data, tmp_path):  # noqa: F811
     assert expert_names(4) <= weights.keys()
     assert_same_records(read_metrics(os.path.join(workdir, "m.jsonl")), read_metrics(os.path.join(single, "m.jsonl")),
                         sum(w.numel() for w in weights.values()))
+
+
+def test_ep_with_pp_needs_dp_ranks_to_carve(data, tmp_path):  # noqa: F811
+    """2 processes with --pp 2 leave one dp rank: --ep 2 is refused in one line naming that dp size, on every rank."""
+    proc = forked(SCRIPT, run_args(str(tmp_path), data, "moe", 1, EP_PP), 2, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "must divide the data-parallel size (1)" in errors[0]
