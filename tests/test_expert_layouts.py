@@ -105,7 +105,7 @@ def test_kill_and_resume_under_ep_is_exact(balance, tmp_path):
     """`--ep 2` on 2 processes, MoE: the killed-and-resumed run's every loss (and aux loss) equals the unkilled
     run's to fp32 rounding, tokens equal; under --router_balance bias the routers' bias state resumes too (the
     final expert_bias buffers equal the unkilled run's: a bias restarted at zero would lack the first steps' moves)."""
-    corpus = demo_slice(tmp_path, "pretrain", 200)  # test_preempt's: 100 steps an epoch, the kill lands early
+    corpus = demo_slice(tmp_path, "pretrain", 200)  # test_preempt's slice: 50 steps an epoch on 2 ranks
     flags = [*MODELS["moe"], "--ep", "2", "--router_balance", balance]
     split, full_argv, reached = killed_and_resumed(tmp_path, corpus, flags)
     ref = forked(SCRIPT, full_argv, 2, timeout=300)
