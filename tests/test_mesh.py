@@ -63,7 +63,7 @@ def _groups_worker(rank, world_size, out_dir):
     dims = ParallelDims.build(world_size, device_type="cpu", ep=2)  # dp 4, ep 2 carved out of it
     result["dp4_ep2"] = {"groups": {d: dist.get_process_group_ranks(dims.group(d)) for d in ("dp", "ep", "ep_replica")},
                          "sizes": [dims.size(d) for d in ("dp", "ep", "ep_replica")], "ep_rank": dims.rank("ep"),
-                         "world": dims.world_size}
+                         "world": dims.world_size, "summary": dims.summary()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -95,6 +95,8 @@ def test_mesh_groups(tmp_path):
         assert ep["sizes"] == [4, 2, 2] and ep["world"] == 4 and ep["ep_rank"] == rank % 2
         assert ep["groups"] == {"dp": [0, 1, 2, 3], "ep": [rank - rank % 2, rank - rank % 2 + 1],
                                 "ep_replica": [rank % 2, rank % 2 + 2]}
+        assert ep["summary"].startswith("world 4 = dp 4 x pp 1 x cp 1 x tp 1, ep 2 within dp\n")
+        assert ep["summary"].endswith(f"ep {ep['groups']['ep']}, ep_replica {ep['groups']['ep_replica']}")
     # Hand-computed lists for the record (rank 0's view).
     r0 = json.load(open(tmp_path / "rank0.json"))
     assert r0["dp2_tp2"]["groups"]["tp"] == [0, 1] and r0["dp2_tp2"]["groups"]["dp"] == [0, 2]

@@ -142,10 +142,10 @@ def group_ranks(mesh, dims):
 def layout_summary(mesh):
     """Two lines for rank 0 to print: world size, sizes, and the ranks in each of this rank's groups.
 
-    mesh: the world DeviceMesh (a ParallelDims stands for its world mesh).
+    mesh: the world DeviceMesh, or a ParallelDims (its world mesh, and the carved dimensions it has).
     """
-    if isinstance(mesh, ParallelDims):
-        mesh = mesh.mesh("world")
+    dims = mesh if isinstance(mesh, ParallelDims) else None
+    mesh = dims.mesh("world") if dims else mesh
     if mesh is None:
         return "world 1 (single process)"
     sizes = dict(zip(MESH_DIMS, mesh.mesh.shape))
@@ -153,6 +153,10 @@ def layout_summary(mesh):
     rank = dist.get_rank()
     groups = ", ".join(f"{d} {group_ranks(mesh, (d,))}" for d in MESH_DIMS)
     groups += f", {REDUCE_NAME} {group_ranks(mesh, REDUCE_DIMS)}"
+    for name, parent in CARVED.items():  # a carved dimension (ep) is not a mesh axis: named with its groups
+        if dims and dims.size(name) > 1:
+            head += f", {name} {dims.size(name)} within {parent}"
+            groups += "".join(f", {g} {dist.get_process_group_ranks(dims.group(g))}" for g in (name, f"{name}_replica"))
     return f"{head}\nrank {rank} coords {dict(zip(MESH_DIMS, mesh.get_coordinate()))} groups: {groups}"
 
 
