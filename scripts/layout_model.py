@@ -32,15 +32,15 @@ def routed_expert_params(config):
     return 3 * config.hidden_size * config.moe_intermediate_size * config.num_experts if config.use_moe else 0
 
 
-def expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, expert_params_rank):
-    """Bytes per rank per step of expert parallel: each MoE layer's token rows (top-k slots per token) out to their
-    experts' ranks and back, (ep-1)/ep of them leaving the rank, in forward and the same in backward; and the experts'
-    gradients all-reduced over their dp/ep replicas."""
+def expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, expert_params_rank, cp=1):
+    """Bytes per rank per step of expert parallel: each MoE layer's token rows (top-k slots per token; under cp the
+    rank's part of each sequence) out to their experts' ranks and back, (ep-1)/ep of them leaving the rank, in forward
+    and the same in backward; and the experts' gradients all-reduced over their dp*cp/ep replicas."""
     comm = {}
     if ep > 1:
         rows = tokens * config.num_experts_per_tok
         comm["ep_alltoall"] = 2 * (2 * rows * config.hidden_size * act_bytes * (ep - 1) / ep) * layers_rank * m
-    replicas = dp // ep
+    replicas = dp * cp // ep  # the cp peers hold the same experts and see the other parts of the sequences
     if replicas > 1:
         comm["ep_replica_allreduce"] = 2 * (replicas - 1) / replicas * 4 * expert_params_rank
     return comm
@@ -87,8 +87,8 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
 
     Bytes throughout. fp32 master weights, fp32 grads and two fp32 AdamW moments (what the trainer keeps);
     act_bytes = bytes per activation element (4 fp32, 2 under bf16 autocast). ep: routed experts / ep per rank
-    (carved out of dp, under DDP: the experts' gradients are reduced over their dp/ep replicas, not over dp); with pp
-    the experts and all-to-alls of the rank's stage's layers only.
+    (carved out of dp, under DDP: the experts' gradients are reduced over their dp*cp/ep replicas, not over dp*cp);
+    with pp the experts and all-to-alls of the rank's stage's layers only.
     """
     h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     total_params = L * layer_params(config) + V * h + h  # tied lm_head counted once, final norm
@@ -117,7 +117,7 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
     # under ep the dp all-reduce carries the dense parameters only
     comm = communication(config, dense, tokens, layers_rank, m, dp, tp, pp, cp, zero_stage,
                          act_bytes, virtual)
-    comm.update(expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, experts_rank))
+    comm.update(expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, experts_rank, cp))
     gb = 2 ** 30
     return dict(total_params=total_params, params_per_rank=params_rank,
                 memory_gb=dict(weights=weight_bytes / gb, grads=grad_bytes / gb, optimizer=optim_bytes / gb,
