@@ -127,3 +127,18 @@ def test_bad_ep_is_one_line(flags, needle, data, tmp_path):  # noqa: F811
     proc = forked(SCRIPT, args, 2, timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("sequence_parallel", ["0", "1"])
+def test_ep2_tp2_training_run_equals_one_process(sequence_parallel, data, reference, tmp_path):  # noqa: F811
+    """`--ep 2 --tp 2` on 4 processes (ep carved out of dp 2, per tp rank: experts 0-1 on ranks {0,1}, 2-3 on {2,3},
+    whole on both tp ranks, ETP=1; attention, dense and shared parts tensor-parallel; with and without sequence
+    parallel): every step's loss, aux loss, tokens and gradient norm equal the single process's (the norm within the
+    harness's loss bound: the same trajectory), and the checkpoint/resume checks of tests/test_layouts.assert_same_run
+    (the gathered weights are the run's checkpoint; one process resumed from it takes the layout's last step)."""
+    flags = ["--ep", "2", "--tp", "2", "--sequence_parallel", sequence_parallel]
+    workdir = run_layout(tmp_path, data, "moe", 4, flags, ["--max_steps", str(STEPS)])
+    records = read_metrics(os.path.join(workdir, "m.jsonl"))
+    for got, want in zip(records, reference["moe"]):
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (got["step"], got, want)
+    assert_same_run(workdir, data, "moe", reference["moe"])
