@@ -10,6 +10,13 @@ reverse all-to-alls in backward, so an expert's gradient sums the contributions 
 
 With ep < dp (ep carved out of dp: parallel/mesh.py) each expert is held by dp/ep ranks, one per ep group (its
 expert-replica group, ep_replica); `reduce_expert_grads` sums their gradients once per step, as DDP does the rest.
+
+With tensor parallel the routed experts stay whole (ETP=1, torchtitan's choice; parallel/tensor.py leaves them out of
+its plan): they remain plain tensors, so the replica reduction, the clipped norm, FSDP2's ignored parameters and the
+checkpoints work unchanged, and the grouped GEMMs still apply, where TP-sharded experts would need DTensor handling in
+each of those and a tp all-reduce per expert. Every tp rank of a tp group routes the same replicated tokens (the
+router is replicated) through its own ep group and gets the full loss gradient at the MoE output, so its experts'
+gradients are the single process's and none is reduced over tp; the price is expert compute repeated tp times.
 """
 from functools import partial
 
