@@ -311,3 +311,10 @@ def preference_run_args(tmp_path, name, data, steps, dp=1, extra=()):
 def metrics_of(argv):
     """The records of the run `argv` describes (its --metrics_file)."""
     return read_metrics(argv[argv.index("--metrics_file") + 1])
+
+
+def write_rows(path, rows):
+    """A JSONL file of `rows` (dicts, or lines already written as strings); returns its path as a string."""
+    with open(path, "w") as f:
+        f.writelines((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
+    return str(path)

@@ -2,7 +2,6 @@
 and the formula by hand, ln 2 at step 1, the layouts against one process, exact resume, bad input."""
 import glob
 import hashlib
-import json
 import math
 import os
 import sys
@@ -10,13 +9,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from dataset.lm_dataset import DPODataset, SFTDataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from tests.launch import ROOT, demo_slice, forked, metrics_of, preference_run_args
+from tests.launch import demo_slice, forked, metrics_of, preference_run_args, write_rows
 from trainer import train_dpo
 from trainer.core.batches import step_targets
 from trainer.parallel.pipeline import PipelineLoss
@@ -27,15 +26,6 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 BETA = 0.15
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    return str(path)
 
 
 def pair_rows(n):

@@ -1,19 +1,17 @@
 """KTO (trainer/stages/kto.py, trainer/train_kto.py, dataset/preference_data.KTODataset): the rows and their KL rows,
 the loss with its KL baseline and its gradient against transformers' Qwen3 and the formula by hand, the layouts
 against one process, exact resume, bad input."""
-import json
-import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from dataset.preference_data import KTODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import ROOT, demo_slice, forked, metrics_of, preference_run_args
+from tests.launch import demo_slice, forked, metrics_of, preference_run_args, write_rows
 from trainer import train_kto
 from trainer.core.batches import step_targets
 from trainer.runtime.launch import main_guard
@@ -24,15 +22,6 @@ SCRIPT = "trainer/train_kto.py"
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    return str(path)
 
 
 def labelled_rows(n):

@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, Qwen3ForCausalLM, Qwen3ForSequenceClassification
+from transformers import Qwen3ForCausalLM, Qwen3ForSequenceClassification
 
 from dataset.chat import chat_messages
 from dataset.preference_data import RewardPairs
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.eval_reward import pair_accuracy
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, metrics_of, preference_run_args
+from tests.launch import TINY_MODEL, demo_slice, forked, metrics_of, preference_run_args
 from trainer import train_ppo, train_reward
 from trainer.core.batches import step_targets
 from trainer.rl.rewards import RewardModel
@@ -28,10 +28,6 @@ SCRIPT = "trainer/train_reward.py"
 STEPS = 6
 METRICS = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
 def with_margins(src, dst, margins):
