@@ -54,9 +54,11 @@ def test_ep_groups_join_ranks_of_one_stage(tmp_path):
 
 # 4 ranks (ep = dp = 2), 1F1B: the default; 8 ranks (dp 4, each expert on two ranks of its stage, their gradients
 # summed by reduce_expert_grads over the stage's part), GPipe: every forward before any backward; 8 ranks with cp 2
-# (dp 2 x pp 2 x cp 2: each stage's experts replicated on its cp peers, which route the other half of each sequence)
+# (dp 2 x pp 2 x cp 2: each stage's experts replicated on its cp peers, which route the other half of each sequence);
+# 8 ranks with tp 2 (the experts whole on both tp ranks of a stage, ETP=1, each tp rank its own ep group)
 @pytest.mark.parametrize("nproc,flags", [(4, ["--pp_schedule", "1f1b"]), (8, ["--pp_schedule", "gpipe"]),
-                                         (8, ["--cp", "2"])], ids=["1f1b", "gpipe-dp4", "cp2"])
+                                         (8, ["--cp", "2"]), (8, ["--tp", "2"])],
+                         ids=["1f1b", "gpipe-dp4", "cp2", "tp2"])
 def test_ep2_pp2_training_run_equals_one_process(nproc, flags, data, reference, tmp_path):  # noqa: F811
     workdir = run_layout(tmp_path, data, "moe", nproc, [*EP_PP, *flags], ["--max_steps", str(STEPS)])
     assert expert_names(2) <= final_weights(workdir, "moe").keys()  # both stages' experts, from both ep ranks

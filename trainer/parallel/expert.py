@@ -13,6 +13,13 @@ expert-replica group, ep_replica); `reduce_expert_grads` sums their gradients on
 Under context parallel the ep groups join ranks at the same cp coordinate (the same sequence part of other samples;
 the MoE is token-wise, so each rank dispatches whatever tokens it holds) and ep_replica also holds the cp peers: each
 expert is held by dp*cp/ep ranks, and the loss scale the experts undo is dp*cp (data.grad_reduce_factor).
+
+With tensor parallel the routed experts stay whole (ETP=1, torchtitan's choice; parallel/tensor.py leaves them out of
+its plan): they remain plain tensors, so the replica reduction, the clipped norm, FSDP2's ignored parameters and the
+checkpoints work unchanged, and the grouped GEMMs still apply, where TP-sharded experts would need DTensor handling in
+each of those and a tp all-reduce per expert. Every tp rank of a tp group routes the same replicated tokens (the
+router is replicated) through its own ep group and gets the full loss gradient at the MoE output, so its experts'
+gradients are the single process's and none is reduced over tp; the price is expert compute repeated tp times.
 """
 from functools import partial
 

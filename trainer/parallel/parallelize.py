@@ -28,9 +28,10 @@ def parallelize(model, dims, plan):
                 part.document_mask = no_document_mask
     for part in parts:
         if layout.tp > 1:
-            # a pipeline schedule computes the loss itself: gather the last stage's logits there
+            # a pipeline schedule computes the loss itself: gather the last stage's logits there; under ep the routed
+            # experts stay whole (ETP=1: expert parallel shards them, tp ranks run the same tokens)
             apply_tensor_parallel(part, dims.mesh("tp"), sequence_parallel=layout.sequence_parallel,
-                                  loss_parallel=layout.pp == 1)
+                                  loss_parallel=layout.pp == 1, shard_experts=layout.ep == 1)
         if layout.ep > 1:  # experts over the ep ranks; the trainer scales the loss by dp*cp for DDP's average
             apply_expert_parallel(part, dims.group("ep"), grad_divide=grad_reduce_factor(layout.dp, layout.cp))
         if layout.cp > 1:
