@@ -32,32 +32,38 @@ def routed_expert_params(config):
     return 3 * config.hidden_size * config.moe_intermediate_size * config.num_experts if config.use_moe else 0
 
 
-def expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, expert_params_rank):
-    """Bytes per rank per step of expert parallel: each MoE layer's token rows (top-k slots per token) out to their
-    experts' ranks and back, (ep-1)/ep of them leaving the rank, in forward and the same in backward; and the experts'
-    gradients all-reduced over their dp/ep replicas."""
+def expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, expert_params_rank, cp=1):
+    """Bytes per rank per step of expert parallel: each MoE layer's token rows (top-k slots per token; under cp the
+    rank's part of each sequence) out to their experts' ranks and back, (ep-1)/ep of them leaving the rank, in forward
+    and the same in backward; and the experts' gradients all-reduced over their dp*cp/ep replicas."""
     comm = {}
     if ep > 1:
         rows = tokens * config.num_experts_per_tok
         comm["ep_alltoall"] = 2 * (2 * rows * config.hidden_size * act_bytes * (ep - 1) / ep) * layers_rank * m
-    replicas = dp // ep
+    replicas = dp * cp // ep  # the cp peers hold the same experts and see the other parts of the sequences
     if replicas > 1:
         comm["ep_replica_allreduce"] = 2 * (replicas - 1) / replicas * 4 * expert_params_rank
     return comm
 
 
-def activation_elements(config, tp, sequence_parallel):
+def activation_elements(config, tp, sequence_parallel, ep=1):
     """Saved activation elements per token per layer on one tp rank (measured on MiniMindBlock, within 1%).
 
-    12h + 2 kv + 4 I; the 4h of norm inputs/outputs stay replicated under tp unless sequence parallel.
+    12h + 2 kv + 4 I; the 4h of norm inputs/outputs stay replicated under tp unless sequence parallel; under ep the
+    routed experts' 4 I per slot are whole on every tp rank (ETP=1: not tensor-parallel).
     """
     h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
-    mlp_width = (config.moe_intermediate_size * (config.num_experts_per_tok + config.n_shared_experts)
-                 if config.use_moe else config.intermediate_size)
-    return 4 * h / (tp if sequence_parallel else 1) + (8 * h + 2 * kv_dim + 4 * mlp_width) / tp
+    if not config.use_moe:
+        split_width, whole_width = config.intermediate_size, 0
+    else:
+        routed = config.moe_intermediate_size * config.num_experts_per_tok
+        split_width = config.moe_intermediate_size * config.n_shared_experts + (routed if ep == 1 else 0)
+        whole_width = routed if ep > 1 else 0
+    return 4 * h / (tp if sequence_parallel else 1) + (8 * h + 2 * kv_dim + 4 * split_width) / tp + 4 * whole_width
 
 
-def communication(config, params_rank, tokens, layers_rank, m, dp, tp, pp, cp, zero_stage, act_bytes, virtual):
+def communication(config, params_rank, tokens, layers_rank, m, dp, tp, pp, cp, zero_stage, act_bytes, virtual,
+                  ep=1):
     """Bytes per rank per optimizer step by dimension (ring collectives: all-reduce 2(n-1)/n, the others (n-1)/n)."""
     h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
     comm, shard, grad_buffer = {}, dp * cp, 4 * params_rank
@@ -70,8 +76,10 @@ def communication(config, params_rank, tokens, layers_rank, m, dp, tp, pp, cp, z
             # ZeRO-2 gathers weights once per step, ZeRO-3 in forward and again in backward
             comm["dp_allgather"] = ring * grad_buffer * (2 if zero_stage >= 3 else 1)
     if tp > 1:  # 2 all-reduces forward (attention and MLP outputs) + 2 backward per layer per micro-batch
-        comm["tp_allreduces_per_layer"] = 4
-        comm["tp_allreduce"] = 4 * layers_rank * m * 2 * (tp - 1) / tp * tokens * h * act_bytes
+        # under ep the routed experts are whole on each tp rank (ETP=1): only attention and shared experts reduce
+        per_layer = 2 + 2 * config.n_shared_experts if config.use_moe and ep > 1 else 4
+        comm["tp_allreduces_per_layer"] = per_layer
+        comm["tp_allreduce"] = per_layer * layers_rank * m * 2 * (tp - 1) / tp * tokens * h * act_bytes
     if pp > 1:  # each micro-batch sends its hidden state forward and its gradient backward per boundary
         comm["pp_p2p"] = 2 * m * tokens * h * act_bytes * virtual
     if cp > 1:  # ring attention: K and V pass cp-1 hops forward; backward passes K, V and dK, dV
@@ -87,14 +95,18 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
 
     Bytes throughout. fp32 master weights, fp32 grads and two fp32 AdamW moments (what the trainer keeps);
     act_bytes = bytes per activation element (4 fp32, 2 under bf16 autocast). ep: routed experts / ep per rank
-    (carved out of dp, under DDP: the experts' gradients are reduced over their dp/ep replicas, not over dp).
+    (carved out of dp, under DDP: the experts' gradients are reduced over their dp*cp/ep replicas, not over dp*cp);
+    with tp they are whole on every tp rank (ETP=1), each tp rank sending its (replicated) tokens' rows by all-to-all;
+    with pp the experts and all-to-alls of the rank's stage's layers only.
     """
     h, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
     total_params = L * layer_params(config) + V * h + h  # tied lm_head counted once, final norm
     layers_rank = math.ceil(L / pp)
-    experts_rank = layers_rank * routed_expert_params(config) / ep / tp if ep > 1 else 0
+    # under ep the routed experts are whole, not tensor-parallel (ETP=1): 1/ep of them on every tp rank
+    routed = layers_rank * routed_expert_params(config) if ep > 1 else 0
+    experts_rank = routed / ep
     # worst pipeline stage: L/pp layers + one vocab matrix (first stage embeds, last stage projects)
-    params_rank = (layers_rank * layer_params(config) + V * h) / tp - experts_rank * (ep - 1)
+    params_rank = (layers_rank * layer_params(config) + V * h - routed) / tp + experts_rank
     shard = dp * cp  # the data-parallel group (cp ranks hold the same weights)
     dense = params_rank - experts_rank  # ZeRO shards these; ep's experts stay whole on their ranks
     weight_bytes = 4 * (dense / (shard if zero_stage >= 3 else 1) + experts_rank)
@@ -102,7 +114,7 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
     optim_bytes = 8 * (dense / (shard if zero_stage >= 1 else 1) + experts_rank)
 
     tokens = micro_batch * seq_len / cp  # tokens of one micro-batch on one rank
-    per_token_layer = activation_elements(config, tp, sequence_parallel) * act_bytes
+    per_token_layer = activation_elements(config, tp, sequence_parallel, ep) * act_bytes
     if grad_checkpointing:  # keep each block's input, recompute one block at a time in backward
         act_microbatch = tokens * (layers_rank * h * act_bytes + per_token_layer)
     else:
@@ -115,8 +127,8 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, dp=1, tp=1, pp=1
     act_bytes_rank = in_flight * act_microbatch + logits_bytes
     # under ep the dp all-reduce carries the dense parameters only
     comm = communication(config, dense, tokens, layers_rank, m, dp, tp, pp, cp, zero_stage,
-                         act_bytes, virtual)
-    comm.update(expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, experts_rank))
+                         act_bytes, virtual, ep)
+    comm.update(expert_communication(config, tokens, layers_rank, m, dp, ep, act_bytes, experts_rank, cp))
     gb = 2 ** 30
     return dict(total_params=total_params, params_per_rank=params_rank,
                 memory_gb=dict(weights=weight_bytes / gb, grads=grad_bytes / gb, optimizer=optim_bytes / gb,

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 import tqdm
+from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -25,6 +26,13 @@ SUBPROCESS_CALLS = {"run", "Popen", "call", "check_call", "check_output", "start
 LAUNCH_HELPERS = {"spawn", "torchrun", "python", "forked"}  # tests/launch.py's, when a test imports them in its body
 # torch.compile on CPU runs the C++ compiler in worker processes (tens of seconds on 2 cores)
 COMPILERS = (torch.compile,)
+
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The repo's real tokenizer (model/tokenizer.json), loaded once per test session."""
+    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
 def calls_torch_compile(code):

@@ -311,3 +311,28 @@ def preference_run_args(tmp_path, name, data, steps, dp=1, extra=()):
 def metrics_of(argv):
     """The records of the run `argv` describes (its --metrics_file)."""
     return read_metrics(argv[argv.index("--metrics_file") + 1])
+
+
+def write_rows(path, rows):
+    """A JSONL file of `rows` (dicts, or lines already written as strings); returns its path as a string."""
+    with open(path, "w") as f:
+        f.writelines((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
+    return str(path)
+
+
+def kill_at_step(stage, run, step=3, timeout=300):
+    """trainer/<stage>.py with `run`'s arguments through tests/fault_entry.py, SIGKILLed right after optimizer step
+    `step` (what it saved by then stays on disk); asserts that it died there."""
+    env = {"MINIMIND_TEST_STAGE": stage, "MINIMIND_TEST_KILL_AT_STEP": str(step)}
+    killed = forked("tests/fault_entry.py", args=run, timeout=timeout, env=env)
+    assert killed.returncode != 0 and f"SIGKILL rank 0 at step {step}" in killed.stdout + killed.stderr, \
+        killed.stderr[-3000:]
+
+
+def resume_run(script, run, step, timeout=300):
+    """`script` with `run`'s arguments and --from_resume 1; asserts that it finished and says it resumed from `step`
+    (a resume that trained nothing would not say so)."""
+    resumed = forked(script, [*run, "--from_resume", "1"], timeout=timeout)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Resumed from epoch 0, step {step}" in resumed.stdout, resumed.stdout[-3000:]
+    return resumed

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from dataset.rlaif_dataset import RLAIFDataset
 from dataset.tools import TOOL_CASES, agent_rows, tool_schemas
 from model.model_minimind import MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
+from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run, spawn
 from trainer import train_agent
 from trainer.core.batches import step_targets
 from trainer.plan.resolve import resolve
@@ -228,15 +228,11 @@ def test_the_demo_command_runs_offline_and_resumes_bitwise_after_a_kill(tmp_path
     proc = forked(SCRIPT, straight)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = run_flags(tmp_path, "killed")
-    killed = forked("tests/fault_entry.py", args=run, env={"MINIMIND_TEST_STAGE": "train_agent",
-                                                           "MINIMIND_TEST_KILL_AT_STEP": "3"})
-    assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
+    kill_at_step("train_agent", run, 3)
     saved = {os.path.basename(os.path.dirname(path)) for path in
              glob.glob(os.path.join(run[run.index("--checkpoint_dir") + 1], "*", "step_*", "objective_0.pt"))}
     assert saved == {"step_1", "step_3"}  # the rollout the next step trains on again
-    resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Resumed from epoch 0, step 3" in resumed.stdout  # a resume that trained nothing would not say so
+    resume_run(SCRIPT, run, 3)
     got, expected = (read_metrics(argv[argv.index("--metrics_file") + 1]) for argv in (run, straight))
     assert [r["step"] for r in expected] == [1, 2, 3, 4] and "rewards/rule_agent/mean" in expected[0]
     assert [r["step"] for r in got] == [1, 2, 3, 4]  # zip below compares every step, none left out

@@ -62,6 +62,33 @@ def test_layout_model_counts_expert_parallel_by_hand():
     assert zero3["weights"] * gb == pytest.approx(4 * (dense / 4 + routed / 2), rel=1e-12)
 
 
+def test_layout_model_counts_expert_parallel_with_tensor_parallel_by_hand():
+    """--ep 2 --tp 2 on 4 ranks (ETP=1): each rank holds half the routed experts whole and half of the rest (counted
+    on the real model), sends its tp group's full token rows by all-to-all, and tp all-reduces attention only (no
+    shared expert; the routed experts' outputs are whole on every tp rank): hand counts."""
+    h, inter, layers = 64, 96, 2
+    config = MiniMindConfig(hidden_size=h, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                            use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=inter)
+    params = dict(MiniMindForCausalLM(config).named_parameters())
+    routed = sum(p.numel() for name, p in params.items() if ".experts." in name)
+    rest = sum(p.numel() for name, p in params.items() if ".experts." not in name) - h  # the final norm: not per rank
+    plan = plan_layout(config, seq_len=32, micro_batch=2, num_microbatches=3, dp=2, tp=2, ep=2, act_bytes=2)
+    assert plan["params_per_rank"] == rest / 2 + routed / 2
+    assert plan["memory_gb"]["weights"] * 2 ** 30 == pytest.approx(4 * (rest / 2 + routed / 2), rel=1e-12)
+    comm = {k: v * 2 ** 30 for k, v in plan["comm_gb_per_step"].items()}
+    # 2 layers x 3 micro-batches x (forward + backward) x (out + back) x 64 tokens x 2 slots x h 64 x 2 bytes x 1/2
+    assert comm["ep_alltoall"] == pytest.approx(2 * 3 * 2 * 2 * 64 * 2 * 64 * 2 / 2, rel=1e-12)
+    assert "ep_replica_allreduce" not in comm  # dp = ep: every expert on one rank per tp rank
+    assert comm["dp_allreduce"] == pytest.approx(2 * (1 / 2) * 4 * rest / 2, rel=1e-12)  # the dense half, fp32
+    assert plan["comm_gb_per_step"]["tp_allreduces_per_layer"] == 2  # o_proj forward, the q/k/v input backward
+    # 2 per layer x 2 layers x 3 micro-batches x ring 2 (1/2) x 64 tokens x h 64 x 2 bytes
+    assert comm["tp_allreduce"] == pytest.approx(2 * 2 * 3 * 2 * (1 / 2) * 64 * 64 * 2, rel=1e-12)
+    # saved activations per token per layer: 4h norms + (8h + 2 kv 32 x 2) / tp + 4 x 96 x 2 slots whole, bf16
+    per_token = 4 * 64 + (8 * 64 + 2 * 32) / 2 + 4 * 96 * 2
+    assert plan["memory_gb"]["activations_per_microbatch"] * 2 ** 30 == pytest.approx(64 * 2 * per_token * 2,
+                                                                                        rel=1e-12)
+
+
 # the measured model: big enough that activations dominate the batch-size delta, small enough for 2 cores
 MEASURED = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                 max_seq_len=256, dtype="float32", device="cpu", packing=1, accumulation_steps=1, max_steps=2,

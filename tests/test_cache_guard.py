@@ -5,17 +5,11 @@ import os
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from dataset.cache_guard import cache_problem
 from dataset.lm_dataset import PretrainDataset, SFTDataset
-from tests.launch import ROOT, demo_slice
+from tests.launch import demo_slice
 from tests.test_storage import small_disk  # noqa: F401  (the tmpfs fixture)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
 def items(ds):

@@ -1,28 +1,14 @@
 """dataset/data_notes.py: what a chat or preference dataset loses or lacks is counted in one line each, and DPO pairs
 that teach nothing (chosen == rejected) are counted, or refused when every pair is one."""
-import json
-import os
 import sys
 
 import pytest
-from transformers import AutoTokenizer
 
 from dataset.data_notes import dataset_notes, identical_pairs
 from dataset.lm_dataset import DPODataset, SFTDataset
-from tests.launch import ROOT, TINY_MODEL
+from tests.launch import TINY_MODEL, write_rows
 from trainer import train_dpo
 from trainer.runtime.launch import main_guard
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    return str(path)
 
 
 def conversation(question, answer):

@@ -2,7 +2,6 @@
 and the formula by hand, ln 2 at step 1, the layouts against one process, exact resume, bad input."""
 import glob
 import hashlib
-import json
 import math
 import os
 import sys
@@ -10,13 +9,13 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from dataset.lm_dataset import DPODataset, SFTDataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from tests.launch import ROOT, demo_slice, forked, metrics_of, preference_run_args
+from tests.launch import demo_slice, forked, kill_at_step, metrics_of, preference_run_args, resume_run, write_rows
 from trainer import train_dpo
 from trainer.core.batches import step_targets
 from trainer.parallel.pipeline import PipelineLoss
@@ -27,15 +26,6 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 BETA = 0.15
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    return str(path)
 
 
 def pair_rows(n):
@@ -227,14 +217,10 @@ def test_layouts_equal_the_single_process(single_run, tmp_path, layout):
 def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path):
     argv, records, data = single_run
     run = run_args(tmp_path, "killed", data, extra=["--save_interval", "1"])
-    env = {"MINIMIND_TEST_STAGE": "train_dpo", "MINIMIND_TEST_KILL_AT_STEP": "3"}
-    killed = forked("tests/fault_entry.py", args=run, timeout=300, env=env)
-    assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
+    kill_at_step("train_dpo", run, 3)
     for path in glob.glob(os.path.join(run[run.index("--cache_dir") + 1], "*.dpo_ref.*.pt")):
         os.remove(path)  # the resumed run computes the reference again: from the reference weights, not the policy
-    resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Resumed from epoch 0, step 3" in resumed.stdout
+    resume_run(SCRIPT, run, 3)
     got = metrics_of(run)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(got, records):  # same process count, same reduction order

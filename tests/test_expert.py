@@ -127,3 +127,23 @@ def test_bad_ep_is_one_line(flags, needle, data, tmp_path):  # noqa: F811
     proc = forked(SCRIPT, args, 2, timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+
+
+# nproc, flags: the 4-process ep = dp case; 8 processes add sequence parallel, expert replicas (dp 4, ep 2: the
+# replica group of each tp rank) and FSDP2 on the 2-D dp x tp mesh with the experts left out
+EP_TP_LAYOUTS = {"ep2_tp2": (4, []), "ep2_tp2_dp4_sp_zero2": (8, ["--sequence_parallel", "1", "--zero_stage", "2"])}
+
+
+@pytest.mark.parametrize("layout", list(EP_TP_LAYOUTS))
+def test_ep2_tp2_training_run_equals_one_process(layout, data, reference, tmp_path):  # noqa: F811
+    """`--ep 2 --tp 2` (ep carved out of dp per tp rank; on 4 processes experts 0-1 on ranks {0,1}, 2-3 on {2,3},
+    whole on both tp ranks, ETP=1; attention, dense and shared parts tensor-parallel): every step's loss, aux loss,
+    tokens and gradient norm equal the single process's (the norm within the harness's loss bound: the same
+    trajectory), and the checkpoint/resume checks of tests/test_layouts.assert_same_run (the gathered weights are the
+    run's checkpoint; one process resumed from its step-9 checkpoint takes the layout's last step)."""
+    nproc, flags = EP_TP_LAYOUTS[layout]
+    workdir = run_layout(tmp_path, data, "moe", nproc, ["--ep", "2", "--tp", "2", *flags], ["--max_steps", str(STEPS)])
+    records = read_metrics(os.path.join(workdir, "m.jsonl"))
+    for got, want in zip(records, reference["moe"]):
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (got["step"], got, want)
+    assert_same_run(workdir, data, "moe", reference["moe"])

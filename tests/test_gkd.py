@@ -11,7 +11,7 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run
 from tests.rollout_server import LAYOUT_OPTIMIZER, RolloutServer
 from tests.test_distillation import sft_batch
 from trainer import train_gkd
@@ -188,13 +188,9 @@ def test_resume_after_a_kill_repeats_the_steps_exactly(files):
     straight = run_flags(files, "straight", extra)
     assert forked(SCRIPT, straight).returncode == 0
     run = run_flags(files, "killed", extra)
-    killed = forked("tests/fault_entry.py", args=run, env={"MINIMIND_TEST_STAGE": "train_gkd",
-                                                           "MINIMIND_TEST_KILL_AT_STEP": "3"})
-    assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
+    kill_at_step("train_gkd", run, 3)
     assert glob.glob(os.path.join(run[run.index("--checkpoint_dir") + 1], "*", "step_2"))
-    resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Resumed from epoch 0, step 2" in resumed.stdout
+    resume_run(SCRIPT, run, 2)
     got, want = metrics_of(run), metrics_of(straight)
     assert [r["step"] for r in got] == list(range(1, 7)) and {r["on_policy"] for r in want} == {0.0, 1.0}
     for a, b in zip(got, want):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, kill_at_step, resume_run
 from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_grpo
 from trainer.core.batches import step_targets
@@ -347,15 +347,11 @@ def test_resume_after_a_kill_repeats_the_rollouts_and_losses(tmp_path):
     straight = run_flags(tmp_path, "straight", data, extra=extra)
     assert forked(SCRIPT, straight).returncode == 0
     run = run_flags(tmp_path, "killed", data, extra=extra)
-    env = {"MINIMIND_TEST_STAGE": "train_grpo", "MINIMIND_TEST_KILL_AT_STEP": "3"}
-    killed = forked("tests/fault_entry.py", args=run, env=env)
-    assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
+    kill_at_step("train_grpo", run, 3)
     saved = {os.path.basename(os.path.dirname(path)) for path in
              glob.glob(os.path.join(run[run.index("--checkpoint_dir") + 1], "*", "step_*", "objective_0.pt"))}
     assert saved == {"step_1", "step_3"}  # only where the next step trains on the same rollout
-    resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Resumed from epoch 0, step 3" in resumed.stdout
+    resume_run(SCRIPT, run, 3)
     got, expected = metrics_of(run), metrics_of(straight)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == list(range(1, 7))  # zip compares all 6
     for a, b in zip(got, expected):

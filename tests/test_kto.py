@@ -1,19 +1,17 @@
 """KTO (trainer/stages/kto.py, trainer/train_kto.py, dataset/preference_data.KTODataset): the rows and their KL rows,
 the loss with its KL baseline and its gradient against transformers' Qwen3 and the formula by hand, the layouts
 against one process, exact resume, bad input."""
-import json
-import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 from dataset.preference_data import KTODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import ROOT, demo_slice, forked, metrics_of, preference_run_args
+from tests.launch import demo_slice, forked, kill_at_step, metrics_of, preference_run_args, resume_run, write_rows
 from trainer import train_kto
 from trainer.core.batches import step_targets
 from trainer.runtime.launch import main_guard
@@ -24,15 +22,6 @@ SCRIPT = "trainer/train_kto.py"
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    return str(path)
 
 
 def labelled_rows(n):
@@ -160,12 +149,8 @@ def test_layouts_equal_the_single_process(single_run, tmp_path, layout):
 def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path):
     argv, records, data = single_run
     run = run_args(tmp_path, "killed", data, extra=["--save_interval", "1"])
-    env = {"MINIMIND_TEST_STAGE": "train_kto", "MINIMIND_TEST_KILL_AT_STEP": "3"}
-    killed = forked("tests/fault_entry.py", args=run, timeout=300, env=env)
-    assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
-    resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Resumed from epoch 0, step 3" in resumed.stdout
+    kill_at_step("train_kto", run, 3)
+    resume_run(SCRIPT, run, 3)
     got = metrics_of(run)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(got, records):  # same process count, same reduction order: the same values

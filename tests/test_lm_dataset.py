@@ -64,10 +64,6 @@ TOOL_CONVERSATION_PIECES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
 
 def write_jsonl(path, records):
     with open(path, "w", encoding="utf-8") as f:

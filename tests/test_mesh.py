@@ -3,10 +3,11 @@ import json
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.launch import spawn
-from trainer.parallel.mesh import ParallelDims, validate_layout
+from trainer.parallel.mesh import ParallelDims, carved_groups, validate_layout
 
 
 def test_validate_layout():
@@ -62,7 +63,7 @@ def _groups_worker(rank, world_size, out_dir):
     dims = ParallelDims.build(world_size, device_type="cpu", ep=2)  # dp 4, ep 2 carved out of it
     result["dp4_ep2"] = {"groups": {d: dist.get_process_group_ranks(dims.group(d)) for d in ("dp", "ep", "ep_replica")},
                          "sizes": [dims.size(d) for d in ("dp", "ep", "ep_replica")], "ep_rank": dims.rank("ep"),
-                         "world": dims.world_size}
+                         "world": dims.world_size, "summary": dims.summary()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -94,6 +95,8 @@ def test_mesh_groups(tmp_path):
         assert ep["sizes"] == [4, 2, 2] and ep["world"] == 4 and ep["ep_rank"] == rank % 2
         assert ep["groups"] == {"dp": [0, 1, 2, 3], "ep": [rank - rank % 2, rank - rank % 2 + 1],
                                 "ep_replica": [rank % 2, rank % 2 + 2]}
+        assert ep["summary"].startswith("world 4 = dp 4 x pp 1 x cp 1 x tp 1, ep 2 within dp\n")
+        assert ep["summary"].endswith(f"ep {ep['groups']['ep']}, ep_replica {ep['groups']['ep_replica']}")
     # Hand-computed lists for the record (rank 0's view).
     r0 = json.load(open(tmp_path / "rank0.json"))
     assert r0["dp2_tp2"]["groups"]["tp"] == [0, 1] and r0["dp2_tp2"]["groups"]["dp"] == [0, 2]
@@ -101,3 +104,19 @@ def test_mesh_groups(tmp_path):
     assert r0["pp2_cp2"]["groups"]["dp_cp"] == [0, 1]
     assert r0["dp2_tp2"]["summary"].startswith("world 4 = dp 2 x pp 1 x cp 1 x tp 2")
     assert "tp [0, 1]" in r0["dp2_tp2"]["summary"]
+
+
+def test_carved_groups_with_context_parallel():
+    """ep 2 carved out of dp with cp (and tp): the ep slices stay at one cp (and tp) coordinate, and each expert's
+    replicas are every dp_cp rank at its slice position. Hand lists; rank = ((d*PP + p)*CP + c)*TP + t."""
+    def world(dp, pp, cp, tp):
+        return torch.arange(dp * pp * cp * tp).reshape(dp, pp, cp, tp)
+    # dp2 x cp2, rank = 2d + c: ep joins the two dp ranks of one cp coordinate; the cp peers hold the same experts
+    assert carved_groups(world(2, 1, 2, 1), "dp", 2) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+    # dp4 x cp2: ep slices of dp groups [0, 2, 4, 6] and [1, 3, 5, 7]; experts of position 0 on d in {0, 2}, any c
+    assert carved_groups(world(4, 1, 2, 1), "dp", 2) == ([[0, 2], [4, 6], [1, 3], [5, 7]],
+                                                         [[0, 1, 4, 5], [2, 3, 6, 7]])
+    # dp2 x cp2 x tp2, rank = 4d + 2c + t: every group at one tp coordinate
+    assert carved_groups(world(2, 1, 2, 2), "dp", 2) == ([[0, 4], [1, 5], [2, 6], [3, 7]],
+                                                         [[0, 2], [4, 6], [1, 3], [5, 7]])
+    assert carved_groups(world(4, 1, 1, 1), "dp", 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])  # no cp: as before

@@ -7,7 +7,6 @@ from collections import Counter
 import pandas as pd
 import pytest
 from torch.utils.data import ConcatDataset, Dataset
-from transformers import AutoTokenizer
 
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from dataset.mixture import (
@@ -35,10 +34,6 @@ class Rows(Dataset):
     def __getitem__(self, i):
         return self.source, i
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
 def write_texts(path, texts):

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer
 
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, chunked_cross_entropy
@@ -176,10 +175,6 @@ def test_compiled_blocks_under_bf16_autocast_keep_the_eager_loss():
 
 
 # ---------------------------------------------------------------------------------------------- pretokenized
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
 
 def write_corpus(path, n=40):
     rng = np.random.default_rng(0)

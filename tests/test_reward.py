@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, Qwen3ForCausalLM, Qwen3ForSequenceClassification
+from transformers import Qwen3ForCausalLM, Qwen3ForSequenceClassification
 
 from dataset.chat import chat_messages
 from dataset.preference_data import RewardPairs
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.eval_reward import pair_accuracy
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, metrics_of, preference_run_args
+from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, metrics_of, preference_run_args, resume_run
 from trainer import train_ppo, train_reward
 from trainer.core.batches import step_targets
 from trainer.rl.rewards import RewardModel
@@ -28,10 +28,6 @@ SCRIPT = "trainer/train_reward.py"
 STEPS = 6
 METRICS = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
 def with_margins(src, dst, margins):
@@ -171,12 +167,8 @@ def test_layouts_equal_the_single_process(single_run, tmp_path, layout):
 def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path):
     argv, records, data = single_run
     run = run_args(tmp_path, "killed", data, extra=["--save_interval", "1"])
-    env = {"MINIMIND_TEST_STAGE": "train_reward", "MINIMIND_TEST_KILL_AT_STEP": "3"}
-    killed = forked("tests/fault_entry.py", args=run, timeout=300, env=env)
-    assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
-    resumed = forked(SCRIPT, [*run, "--from_resume", "1"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Resumed from epoch 0, step 3" in resumed.stdout
+    kill_at_step("train_reward", run, 3)
+    resume_run(SCRIPT, run, 3)
     got = metrics_of(run)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(got, records):  # same process count, same reduction order: the same values

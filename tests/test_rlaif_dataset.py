@@ -1,26 +1,13 @@
 """RLAIFDataset (dataset/rlaif_dataset.py): prompts rendered as the chat template renders them, think blocks opened
 by --thinking_ratio from the seed, left padding and truncation, the row's columns, bad rows."""
 import json
-import os
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from dataset.data_notes import dataset_notes
 from dataset.rlaif_dataset import RLAIFDataset
-from tests.launch import ROOT
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
-
-def write_rows(path, rows):
-    with open(path, "w") as f:
-        f.writelines((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows)
-    return str(path)
+from tests.launch import write_rows
 
 
 def rows(n):

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import ROOT, spawn
+from tests.launch import spawn
 from tests.rollout_server import EOS, RolloutServer, fixed_completion
 from trainer.parallel.mesh import ParallelDims
 from trainer.rl.rollout import HttpEngine, repeat_prompts, rollout_seed, sample, sample_tokens, whole_model
@@ -93,10 +93,6 @@ def test_nucleus_sampling_keeps_to_the_smallest_set_reaching_top_p():
     assert set(tokens.tolist()) == nucleus and len(nucleus) < 6
     assert torch.allclose(log_probs, probs.log()[tokens])
 
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
 @pytest.mark.parametrize("ids_as,drop_eos", [("token_ids", False), ("logprob_tokens", True)])

@@ -31,10 +31,6 @@ DATASETS = {"pretrain": PretrainDataset, "sft": SFTDataset}
 BIG_REPEAT = 16  # copies of a 5000-line demo slice: ~30 MB, over 10 s of tokenizing on two busy cores
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
-
 
 def cache_bytes(cache_path):
     """{file name: bytes} of a complete cache (mask.bin only where there is one)."""

@@ -1,11 +1,9 @@
 """dataset/tools.py: tool-call parsing against hand-written texts and the chat template's own rendering; the mock
 tools against hand-computed results; episodes and agent rows."""
 import json
-import os
 import random
 
 import pytest
-from transformers import AutoTokenizer
 
 from dataset.chat import chat_messages
 from dataset.tools import (
@@ -19,12 +17,6 @@ from dataset.tools import (
     tool_schemas,
     valid_call,
 )
-from tests.launch import ROOT
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
 def calls(turn):

@@ -10,6 +10,16 @@ reverse all-to-alls in backward, so an expert's gradient sums the contributions 
 
 With ep < dp (ep carved out of dp: parallel/mesh.py) each expert is held by dp/ep ranks, one per ep group (its
 expert-replica group, ep_replica); `reduce_expert_grads` sums their gradients once per step, as DDP does the rest.
+Under context parallel the ep groups join ranks at the same cp coordinate (the same sequence part of other samples;
+the MoE is token-wise, so each rank dispatches whatever tokens it holds) and ep_replica also holds the cp peers: each
+expert is held by dp*cp/ep ranks, and the loss scale the experts undo is dp*cp (data.grad_reduce_factor).
+
+With tensor parallel the routed experts stay whole (ETP=1, torchtitan's choice; parallel/tensor.py leaves them out of
+its plan): they remain plain tensors, so the replica reduction, the clipped norm, FSDP2's ignored parameters and the
+checkpoints work unchanged, and the grouped GEMMs still apply, where TP-sharded experts would need DTensor handling in
+each of those and a tp all-reduce per expert. Every tp rank of a tp group routes the same replicated tokens (the
+router is replicated) through its own ep group and gets the full loss gradient at the MoE output, so its experts'
+gradients are the single process's and none is reduced over tp; the price is expert compute repeated tp times.
 """
 from functools import partial
 
@@ -39,8 +49,8 @@ def expert_params(model):
 
 def apply_expert_parallel(model, ep_group, grad_divide=1):
     """Shard every MoE layer of `model` (a plain MiniMindForCausalLM, or a pipeline stage) over `ep_group` in place;
-    return it. grad_divide: the experts' gradients are divided by it (the trainer scales the loss by the dp size for
-    data parallel's average, which the experts, reduced by their all-to-all instead, do not go through)."""
+    return it. grad_divide: the experts' gradients are divided by it (the trainer scales the loss by dp*cp for data
+    parallel's average, which the experts, reduced by their all-to-all and replica sum instead, do not go through)."""
     ep_size, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for module in model.modules():
         if not isinstance(module, MOEFeedForward):

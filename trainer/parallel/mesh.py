@@ -6,7 +6,8 @@ a rank is a run of consecutive ranks (one node, fast links) and dp spans the far
 
 A dimension `within` another (ep within dp, torchtitan's way) is carved out of that one's ranks instead of multiplying
 the world size: its groups are the consecutive ep-sized slices of each dp group, and its "replica" groups (ep_replica)
-join the ranks holding the same slice position, i.e. the same experts, across the slices.
+join the ranks holding the same slice position, i.e. the same experts, across the slices and the cp ranks (every
+gradient-reducing dimension: those ranks see other tokens of the same experts).
 """
 from dataclasses import dataclass, field
 from math import prod
@@ -85,6 +86,22 @@ def _carved_message(sizes):
     return None
 
 
+def carved_groups(world, parent, size):
+    """(slices, replicas): the rank lists of a dimension of `size` carved out of `parent`, from the world mesh tensor
+    (sizes in MESH_DIMS order). slices: consecutive size-rank runs of each parent group; replicas: in each dp_cp
+    group, the ranks at the same position in their slice (the same shard), whatever their cp coordinate."""
+    parent_size = world.shape[MESH_DIMS.index(parent)]
+    rows = world.movedim(MESH_DIMS.index(parent), -1).reshape(-1, parent_size).tolist()
+    slices = [row[i:i + size] for row in rows for i in range(0, len(row), size)]
+    # (other dims, other reducing dims, parent): each block is one dp_cp group, the parent's ranks last
+    kept = [MESH_DIMS.index(d) for d in MESH_DIMS if d not in REDUCE_DIMS]
+    reducing = [MESH_DIMS.index(d) for d in REDUCE_DIMS if d != parent] + [MESH_DIMS.index(parent)]
+    peers = prod(world.shape[i] for i in reducing) // parent_size  # the other reducing dims (cp) per parent rank
+    blocks = world.permute(*kept, *reducing).reshape(-1, peers, parent_size)
+    replicas = [sorted(block[:, j::size].flatten().tolist()) for block in blocks for j in range(size)]
+    return slices, replicas
+
+
 def _flatten_with_new_groups(mesh, dims, name):
     """Fallback for torch without DeviceMesh._flatten: one dist.new_group per flattened group."""
     keep = [MESH_DIMS.index(d) for d in dims]
@@ -125,10 +142,10 @@ def group_ranks(mesh, dims):
 def layout_summary(mesh):
     """Two lines for rank 0 to print: world size, sizes, and the ranks in each of this rank's groups.
 
-    mesh: the world DeviceMesh (a ParallelDims stands for its world mesh).
+    mesh: the world DeviceMesh, or a ParallelDims (its world mesh, and the carved dimensions it has).
     """
-    if isinstance(mesh, ParallelDims):
-        mesh = mesh.mesh("world")
+    dims = mesh if isinstance(mesh, ParallelDims) else None
+    mesh = dims.mesh("world") if dims else mesh
     if mesh is None:
         return "world 1 (single process)"
     sizes = dict(zip(MESH_DIMS, mesh.mesh.shape))
@@ -136,6 +153,10 @@ def layout_summary(mesh):
     rank = dist.get_rank()
     groups = ", ".join(f"{d} {group_ranks(mesh, (d,))}" for d in MESH_DIMS)
     groups += f", {REDUCE_NAME} {group_ranks(mesh, REDUCE_DIMS)}"
+    for name, parent in CARVED.items():  # a carved dimension (ep) is not a mesh axis: named with its groups
+        if dims and dims.size(name) > 1:
+            head += f", {name} {dims.size(name)} within {parent}"
+            groups += "".join(f", {g} {dist.get_process_group_ranks(dims.group(g))}" for g in (name, f"{name}_replica"))
     return f"{head}\nrank {rank} coords {dict(zip(MESH_DIMS, mesh.get_coordinate()))} groups: {groups}"
 
 
@@ -144,7 +165,7 @@ class ParallelDims:
     """Sizes, this rank's coordinates, process groups and sub-meshes of one run, by dimension name (DIMENSIONS,
     plus the flattened gradient-reduction dimension dp_cp and the carved dimensions' replica groups, ep_replica).
     Single-process runs get size 1, rank 0 and None for every group and mesh; a carved dimension of size 1 has no
-    group (None) and its replica group is its parent's."""
+    group (None) and its replica group is dp_cp's."""
     sizes: dict = field(default_factory=lambda: dict.fromkeys(MESH_DIMS + tuple(CARVED), 1))
     coords: dict = field(default_factory=lambda: dict.fromkeys(MESH_DIMS + tuple(CARVED), 0))
     meshes: dict = field(default_factory=dict)  # name (or "world") -> DeviceMesh
@@ -172,22 +193,20 @@ class ParallelDims:
         meshes = {name: mesh[name] for name in MESH_DIMS}
         meshes.update({REDUCE_NAME: reduce_mesh, "world": mesh})
         groups = {name: meshes[name].get_group() for name in MESH_DIMS + (REDUCE_NAME,)}
-        groups.update({f"{name}_replica": groups[parent] for name, parent in CARVED.items()})
+        groups.update({f"{name}_replica": groups[REDUCE_NAME] for name in CARVED})  # uncarved: every peer holds all
         sizes = {name: int(size) for name, size in zip(MESH_DIMS, mesh.mesh.shape)}
         return cls(sizes=dict(sizes, **dict.fromkeys(CARVED, 1)), meshes=meshes, groups=groups,
                    coords=dict(zip(MESH_DIMS, mesh.get_coordinate()), **dict.fromkeys(CARVED, 0)))
 
     def carve(self, name, size):
         """Split every group of the dimension `name` is carved from into consecutive `size`-rank slices (the groups
-        of `name`) and the groups of same-position ranks across the slices (`name`_replica). A collective: every
-        rank creates every group, in the same order (torch's new_subgroups_by_enumeration)."""
+        of `name`) and the groups of same-position ranks across the slices and the other gradient-reducing
+        dimensions (`name`_replica; with cp: the cp peers too). A collective: every rank creates every group, in the
+        same order (torch's new_subgroups_by_enumeration)."""
         if size == 1:
             return
         parent = CARVED[name]
-        world = self.meshes["world"].mesh
-        rows = world.movedim(MESH_DIMS.index(parent), -1).reshape(-1, self.sizes[parent]).tolist()
-        slices = [row[i:i + size] for row in rows for i in range(0, len(row), size)]
-        replicas = [row[j::size] for row in rows for j in range(size)]
+        slices, replicas = carved_groups(self.meshes["world"].mesh, parent, size)
         self.groups[name], _ = dist.new_subgroups_by_enumeration(slices)
         self.groups[f"{name}_replica"], _ = dist.new_subgroups_by_enumeration(replicas)
         self.sizes[name] = size
@@ -198,8 +217,8 @@ class ParallelDims:
         if name == REDUCE_NAME:
             return prod(self.size(d) for d in REDUCE_DIMS)
         carved = name.removesuffix("_replica")
-        if name in REPLICA_NAMES:
-            return self.size(CARVED[carved]) // self.size(carved)
+        if name in REPLICA_NAMES:  # the gradient-reducing ranks holding the same shard
+            return self.size(REDUCE_NAME) // self.size(carved)
         self._known(name, MESH_DIMS + tuple(CARVED))
         return self.sizes[name]
 

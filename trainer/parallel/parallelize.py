@@ -4,7 +4,7 @@ Order: pipeline split -> tensor parallel -> expert parallel -> context parallel 
 -> data parallel (DDP / ZeRO / FSDP2). For one process every step is skipped: the plain model trains.
 """
 from trainer.parallel.context import apply_context_parallel, no_document_mask
-from trainer.parallel.data import apply_data_parallel
+from trainer.parallel.data import apply_data_parallel, grad_reduce_factor
 from trainer.parallel.expert import apply_expert_parallel, expert_params
 from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks
 from trainer.parallel.pipeline import Pipeline
@@ -28,11 +28,12 @@ def parallelize(model, dims, plan):
                 part.document_mask = no_document_mask
     for part in parts:
         if layout.tp > 1:
-            # a pipeline schedule computes the loss itself: gather the last stage's logits there
+            # a pipeline schedule computes the loss itself: gather the last stage's logits there; under ep the routed
+            # experts stay whole (ETP=1: expert parallel shards them, tp ranks run the same tokens)
             apply_tensor_parallel(part, dims.mesh("tp"), sequence_parallel=layout.sequence_parallel,
-                                  loss_parallel=layout.pp == 1)
-        if layout.ep > 1:  # experts over the ep ranks; the trainer scales the loss by dp for DDP's average
-            apply_expert_parallel(part, dims.group("ep"), grad_divide=dims.size("dp"))
+                                  loss_parallel=layout.pp == 1, shard_experts=layout.ep == 1)
+        if layout.ep > 1:  # experts over the ep ranks; the trainer scales the loss by dp*cp for DDP's average
+            apply_expert_parallel(part, dims.group("ep"), grad_divide=grad_reduce_factor(layout.dp, layout.cp))
         if layout.cp > 1:
             apply_context_parallel(part, dims.mesh("cp"), doc_mask=plan.data.doc_mask)
         if model_plan.grad_checkpointing:

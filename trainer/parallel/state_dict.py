@@ -72,9 +72,9 @@ def _pp_size(pp_group):
     return dist.get_world_size(pp_group) if pp_group is not None and dist.is_initialized() else 1
 
 
-def _full_options(pp_group):
-    # cpu_offload keeps the gathered copy on global rank 0 only, which never holds a later stage.
-    return StateDictOptions(full_state_dict=True, cpu_offload=_pp_size(pp_group) == 1)
+def _full_options(pp_group, ep_group=None):
+    # cpu_offload keeps the gathered copy on global rank 0 only, which never holds a later stage or other experts.
+    return StateDictOptions(full_state_dict=True, cpu_offload=_pp_size(pp_group) == 1 and _pp_size(ep_group) == 1)
 
 
 def _cpu_fp32(obj):
@@ -100,22 +100,37 @@ def _gather_pp(obj, pp_group):
     return out
 
 
+def _gather_experts(local, ep_group):
+    """`local` with the experts of every rank of `ep_group` added on its rank 0 (expert parallel: each holds its own
+    share of this stage's experts under their global names); only the experts travel."""
+    if _pp_size(ep_group) == 1:
+        return local
+    experts = {name: value for name, value in local.items() if ".experts." in name}
+    root = dist.get_global_rank(ep_group, 0)
+    shares = [None] * dist.get_world_size(ep_group) if dist.get_rank() == root else None
+    dist.gather_object(experts, shares, dst=root, group=ep_group)
+    for share in shares or ():
+        local.update(share)
+    return local
+
+
 def clean_fqn(name):
     """Drop wrapper prefixes (DDP, torch.compile, activation checkpointing, FSDP1) from a parameter name."""
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_NAMES)
 
 
-def full_model_state_dict(model_parts, pp_group=None):
+def full_model_state_dict(model_parts, pp_group=None, ep_group=None):
     """Full fp32 CPU model state keyed by FQN on global rank 0 (None on other ranks).
 
     model_parts: a module or the list of this rank's pipeline model parts (each keeps the full
-    model's FQNs). A collective: every rank must call it.
+    model's FQNs). ep_group: the expert-parallel ranks of this stage, whose experts are gathered first (global rank 0
+    is ep rank 0 of its group, and so is every rank of its pp group). A collective: every rank must call it.
     """
-    options = _full_options(pp_group)
+    options = _full_options(pp_group, ep_group)
     local = {}
     for part in _as_list(model_parts):
         local.update(_cpu_fp32(get_model_state_dict(part, options=options)))
-    stages = _gather_pp(local, pp_group)
+    stages = _gather_pp(_gather_experts(local, ep_group), pp_group)
     if not is_main_process():
         return None
     merged = {}

@@ -7,6 +7,8 @@ torchtitan's `parallelize_llama`. Per block:
   self_attn.o_proj        RowwiseParallel   (all-reduce, or reduce-scatter to the sequence with SP)
   mlp.{gate,up}_proj      ColwiseParallel,  mlp.down_proj RowwiseParallel
   MoE: every expert (and shared expert) sharded like the dense MLP; router `mlp.gate` replicated.
+  Under expert parallel (shard_experts=False) the routed experts stay plain, whole modules (ETP=1, as torchtitan):
+  parallel/expert.py shards them over the ep ranks, each tp rank of a tp group running the same tokens through them.
 Embedding is vocab-parallel (RowwiseParallel) and lm_head column-parallel with vocab-sharded
 logits, so cross-entropy runs under `loss_parallel()` without gathering the full logits.
 With sequence_parallel the norms run on sequence shards (SequenceParallel), attention/MLP inputs are
@@ -115,8 +117,9 @@ def _mlp_plan(prefix, sequence_parallel):
             f"{prefix}.down_proj": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate())}
 
 
-def _block_plan(prefix, block, sequence_parallel):
-    """Plan for one MiniMindBlock, keyed by FQN relative to the root model."""
+def _block_plan(prefix, block, sequence_parallel, shard_experts=True):
+    """Plan for one MiniMindBlock, keyed by FQN relative to the root model (routed experts left out unless
+    shard_experts)."""
     seq = Shard(1)
     plan = {}
     if sequence_parallel:
@@ -146,9 +149,10 @@ def _block_plan(prefix, block, sequence_parallel):
                 input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
                 output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
         plan[f"{prefix}.mlp.gate"] = ReplicateParallel()
-        mlp.expert_compute = "loop"  # the sharded Linears run their TP hooks; a grouped GEMM bypasses them
-        for e in range(len(mlp.experts)):
-            plan.update(_mlp_plan(f"{prefix}.mlp.experts.{e}", False))
+        if shard_experts:
+            mlp.expert_compute = "loop"  # the sharded Linears run their TP hooks; a grouped GEMM bypasses them
+            for e in range(len(mlp.experts)):
+                plan.update(_mlp_plan(f"{prefix}.mlp.experts.{e}", False))
         for s in range(len(getattr(mlp, "shared_experts", None) or [])):
             plan.update(_mlp_plan(f"{prefix}.mlp.shared_experts.{s}", False))
     else:
@@ -173,9 +177,11 @@ def _loss_to_local(module, inputs, output):
     return output
 
 
-def apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel=True):
+def apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel=True, shard_experts=True):
     """Shard `model` (a plain MiniMindForCausalLM) over the 1-D `tp_mesh` in place; return it.
 
+    shard_experts=False (expert parallel) leaves the routed experts plain and whole on every tp rank (ETP=1): their
+    input is the replicated MoE input, their gradients the full, equal ones of every tp rank, so none is reduced.
     With loss_parallel=True `output.logits` is a vocab-sharded DTensor and forward+backward must run
     inside `tp_loss_context(True)`; with False the logits are gathered (Replicate, plain tensor).
     `output.loss` is always a plain tensor.
@@ -199,7 +205,7 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel
                                           use_local_output=not loss_parallel)
     layers = inner.layers.items() if isinstance(inner.layers, nn.ModuleDict) else enumerate(inner.layers)
     for i, block in layers:
-        plan.update(_block_plan(f"model.layers.{i}", block, sequence_parallel))
+        plan.update(_block_plan(f"model.layers.{i}", block, sequence_parallel, shard_experts))
     plan.update(lora_tp_plan(model, plan))  # LoRA adapters (if any) sharded to match their base layers
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
@@ -207,12 +213,13 @@ def apply_tensor_parallel(model, tp_mesh, sequence_parallel=False, loss_parallel
     if tied:
         # each style made its own Parameter; re-tie so both uses accumulate into one Shard(0) grad
         model.lm_head.weight = model.model.embed_tokens.weight
-    missed = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+    missed = [name for name, p in model.named_parameters()
+              if not isinstance(p, DTensor) and (shard_experts or ".experts." not in name)]
     if missed:  # a model change the plan does not know about; fail loudly rather than train wrong
         raise RuntimeError(f"tensor-parallel plan does not cover parameters: {missed}")
     for name, param in model.named_parameters():
         param.requires_grad_(trainable[name])  # the styles make new Parameters, trainable; a frozen base stays frozen
-        if param.requires_grad and param.placements == (Replicate(),):
+        if param.requires_grad and getattr(param, "placements", None) == (Replicate(),):  # plain: routed experts
             param.register_post_accumulate_grad_hook(_reduce_partial_grad)
     model.register_forward_hook(_loss_to_local)
     return model

@@ -150,9 +150,9 @@ def check_expert_parallel(args, config, dp, zero_stage):
     if dp % args.ep:
         raise ConfigError(f"--ep {args.ep} must divide the data-parallel size ({dp}): launch a multiple of {args.ep} "
                           "processes per tp*pp*cp group, or change --ep")
-    if zero_stage == 1 or args.tp > 1 or args.pp > 1 or args.cp > 1:
+    if zero_stage == 1:  # --tp, --pp and --cp compose: each stage's experts over its ep ranks, whole per tp rank
         raise ConfigError(f"--ep {args.ep} composes with DDP and FSDP2 (--zero_stage 0/2/3) only so far: "
-                          "drop --zero_stage 1 (its optimizer shards would mix ranks' experts) and --tp/--pp/--cp")
+                          "drop --zero_stage 1 (its optimizer shards would mix ranks' experts)")
     if args.cpu_offload:  # the experts stay on the device, outside FSDP2's offloaded optimizer step
         raise ConfigError(f"--ep {args.ep} keeps the experts on the device: drop --cpu_offload")
     if args.check_replicas:

@@ -158,15 +158,15 @@ def check_router_balance(args, config):
 
 
 def check_expert_compute(args, config, dtype):
-    """--expert_compute grouped needs a MoE model, no tensor parallel (its sharded Linears run the loop) and a grouped
-    matmul that runs on this device and dtype (the model's probe)."""
+    """--expert_compute grouped needs a MoE model, experts not sharded by tensor parallel (tp without --ep: their
+    sharded Linears run the loop) and a grouped matmul that runs on this device and dtype (the model's probe)."""
     if args.expert_compute == "auto":
         return
     if not config.use_moe:
         raise ConfigError(f"--expert_compute {args.expert_compute} runs MoE experts: add --use_moe 1 or drop it")
-    if args.expert_compute == "grouped" and args.tp > 1:
-        raise ConfigError("--expert_compute grouped: tensor parallel runs the experts' sharded Linears in the loop; "
-                          "drop --tp or use --expert_compute loop/auto")
+    if args.expert_compute == "grouped" and args.tp > 1 and args.ep == 1:
+        raise ConfigError("--expert_compute grouped: tensor parallel without --ep shards each expert's Linears, "
+                          "which run in the loop; add --ep, drop --tp or use --expert_compute loop/auto")
     if args.expert_compute == "grouped" and expert_compute_for(
             args.device, dtype, config.hidden_size, config.moe_intermediate_size) != "grouped":
         raise ConfigError(f"--expert_compute grouped: torch {torch.__version__} has no grouped matmul for "

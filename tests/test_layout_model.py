@@ -1,0 +1,86 @@
+"""scripts/layout_model.py: plan_layout's expert-parallel counts composed with other dimensions, against hand counts
+(the rest of the layout model: tests/test_bench.py)."""
+import pytest
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from scripts.bench import parse_args, print_plan
+from scripts.layout_model import plan_layout
+
+GB = 2 ** 30
+
+
+def moe_config():
+    return MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
+                          n_shared_experts=1)
+
+
+def routed_params(config):
+    """The routed experts' parameters, counted on the real model."""
+    return sum(p.numel() for name, p in MiniMindForCausalLM(config).named_parameters() if ".experts." in name)
+
+
+def test_plan_layout_counts_ep_with_cp_by_hand():
+    """--ep 2 --cp 2 on 4 ranks (ep carved out of dp 2): each rank holds half the routed experts; its all-to-all
+    carries its half of every sequence; each expert's gradient is all-reduced over its 2 replicas (the cp peers), and
+    the dense gradients over dp*cp = 4 ranks."""
+    config = moe_config()
+    routed = routed_params(config)
+    shape = dict(seq_len=32, micro_batch=2, num_microbatches=3, dp=2, cp=2, act_bytes=2)
+    whole, split = plan_layout(config, **shape), plan_layout(config, **shape, ep=2)
+    assert split["params_per_rank"] == whole["params_per_rank"] - routed / 2
+    comm = {k: v * GB for k, v in split["comm_gb_per_step"].items()}
+    # 2 layers x 3 micro-batches x (forward + backward) x (out + back) x 32 tokens (2 x 32 / cp) x 2 slots x h 64
+    # x 2 bytes x 1/2 leaving the rank
+    assert comm["ep_alltoall"] == pytest.approx(2 * 3 * 2 * 2 * 32 * 2 * 64 * 2 / 2, rel=1e-12)
+    # fp32 gradients of this rank's experts, ring all-reduce over 2 replicas: 2 (2-1)/2 x 4 bytes x routed/2
+    assert comm["ep_replica_allreduce"] == pytest.approx(2 * (1 / 2) * 4 * routed / 2, rel=1e-12)
+    dense = whole["params_per_rank"] - routed
+    assert comm["dp_allreduce"] == pytest.approx(2 * (3 / 4) * 4 * dense, rel=1e-12)
+    no_cp = plan_layout(config, **dict(shape, cp=1), ep=2)["comm_gb_per_step"]
+    assert "ep_replica_allreduce" not in no_cp  # ep = dp without cp: every expert on one rank
+
+
+MOE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, use_moe=True,
+           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, n_shared_experts=1)
+
+
+def first_stage_params(model, ep_rank, ep):
+    """Parameters pipeline stage 0 of 2 holds on ep rank `ep_rank`: the embedding, layers 0-1, and of their routed
+    experts only this rank's contiguous share (trainer/parallel/expert.py), counted on the real model."""
+    per_rank, count = model.config.num_experts // ep, 0
+    for name, param in model.named_parameters():
+        if name.startswith("model.embed_tokens."):
+            count += param.numel()
+        elif name.startswith(("model.layers.0.", "model.layers.1.")):
+            expert = int(name.split(".experts.")[1].split(".")[0]) if ".experts." in name else None
+            if expert is None or expert // per_rank == ep_rank:
+                count += param.numel()
+    return count
+
+
+def test_ep2_pp2_counts_each_stages_experts_by_hand():
+    """--ep 2 --pp 2 with dp 4: a rank holds its stage's 2 layers with half their routed experts (the real model's
+    stage 0), the all-to-alls run for its stage's 2 MoE layers only, and the experts' gradients go to their 2
+    replicas (dp 4 / ep 2); hand counts."""
+    config = MiniMindConfig(**MOE)
+    shape = dict(seq_len=32, micro_batch=2, num_microbatches=4, dp=4, pp=2, zero_stage=2, act_bytes=2)
+    plan = plan_layout(config, **shape, ep=2)
+    assert plan["params_per_rank"] == first_stage_params(MiniMindForCausalLM(config), 0, 2)
+    routed_rank = 2 * (3 * 64 * 96 * 4) / 2  # 2 layers x (gate, up, down of 4 experts) / ep
+    assert plan_layout(config, **shape)["params_per_rank"] - plan["params_per_rank"] == routed_rank
+    comm = {name: value * GB for name, value in plan["comm_gb_per_step"].items()}
+    # 2 layers x 4 micro-batches x (forward + backward) x (out + back) x 64 tokens x 2 slots x h 64 x 2 bytes x 1/2
+    assert comm["ep_alltoall"] == pytest.approx(2 * 4 * 2 * 2 * 64 * 2 * 64 * 2 / 2, rel=1e-12)
+    assert comm["ep_replica_allreduce"] == pytest.approx(2 * (1 / 2) * 4 * routed_rank, rel=1e-12)
+    dense = plan["params_per_rank"] - routed_rank  # FSDP2 (zero 2) shards these over dp 4; the experts stay whole
+    assert plan["memory_gb"]["grads"] * GB == pytest.approx(4 * (dense / 4 + routed_rank), rel=1e-12)
+
+
+def test_bench_plans_ep_with_pp():
+    """bench.py --plan resolves --ep 2 --pp 2 as the trainer does (FSDP2 on the dense parts) and prints its estimate."""
+    args, flags = parse_args(["--plan", "--nproc", "4", "--pp", "2", "--ep", "2", "--use_moe", "1",
+                              "--num_hidden_layers", "4", "--hidden_size", "64", "--num_attention_heads", "4",
+                              "--num_key_value_heads", "2", "--max_seq_len", "32", "--accumulation_steps", "2"])
+    plan = print_plan(args, flags)
+    assert plan["comm_gb_per_step"]["ep_alltoall"] > 0 and "ep_replica_allreduce" not in plan["comm_gb_per_step"]
