@@ -339,6 +339,24 @@ def test_in_process_rollouts_under_zero3_equal_ddp(tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=2e-6)
 
 
+def test_in_process_rollouts_under_expert_parallel_equal_ddp(tmp_path):
+    """A MoE policy with its experts over 2 ranks (--ep 2: every decoding step is an all-to-all) samples what DDP's
+    whole MoE model samples: the same completions and lengths, so the same rewards, and losses to fp32 rounding (the
+    experts' rows summed in another order). Ranks that finish at different steps: tests/test_rollout.py."""
+    data = demo_slice(tmp_path, "rlaif", 40)
+    moe = ["--use_moe", "1", "--num_experts", "4", "--num_experts_per_tok", "2", "--max_gen_len", "24"]
+    runs = {}
+    for name, layout in (("ddp", []), ("ep2", ["--ep", "2"])):
+        argv = run_flags(tmp_path, name, data, dp=2, extra=[*moe, *layout])
+        proc = forked(SCRIPT, argv, nproc=2)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = metrics_of(argv)
+    assert [r["step"] for r in runs["ep2"]] == [r["step"] for r in runs["ddp"]] == [1, 2, 3]
+    for a, b in zip(runs["ep2"], runs["ddp"]):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=2e-6)
+
+
 def test_resume_after_a_kill_repeats_the_rollouts_and_losses(tmp_path):
     """Killed after step 3, between the two steps on one rollout: the resumed run restores that rollout and rolls
     out the next ones with the same seeds, so every later record equals the uninterrupted run's."""

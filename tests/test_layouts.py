@@ -227,7 +227,9 @@ SIXTEEN_TIMEOUT = 900  # its 16 ranks on a few cores; pytest.ini's 600 s is rais
 @pytest.mark.timeout(SIXTEEN_TIMEOUT + len(MODELS) * REFERENCE_TIMEOUT + 60)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_16_process_layout(model, data, reference, tmp_path):
+    """dp2 x tp2 x pp2 x cp2; the MoE model adds expert parallel (--ep 2 within dp): all five dimensions at once."""
     nproc, flags = SLOW_LAYOUTS["dp2xtp2xpp2xcp2"]
+    flags = [*flags, "--ep", "2"] if model == "moe" else flags
     workdir = run_layout(tmp_path, data, model, nproc, flags, ["--max_steps", str(STEPS)], timeout=SIXTEEN_TIMEOUT)
     assert_same_run(workdir, data, model, reference[model])
 

@@ -5,11 +5,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import spawn
 from tests.rollout_server import EOS, RolloutServer, fixed_completion
+from trainer.parallel.expert import apply_expert_parallel
 from trainer.parallel.mesh import ParallelDims
 from trainer.rl.rollout import HttpEngine, repeat_prompts, rollout_seed, sample, sample_tokens, whole_model
 
@@ -163,6 +165,39 @@ def _zero3_rollout_worker(rank, world_size, out_dir):
     sharded(x).logits.sum().backward()  # training works again after the rollout: resharded, hooks intact
     torch.save(dict(gathered=gathered, reference=reference, grad=sharded.lm_head.weight.grad is not None),
                os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _ep_rollout_worker(rank, world_size, out_dir):
+    """Each rank samples its own prompts from a MoE model whose experts are split over the 2 ranks (every forward an
+    all-to-all), decoding in step with the other rank (stop_group), then from a plain copy of the same weights."""
+    torch.manual_seed(0)
+    config = MiniMindConfig(**{**CONFIG.to_dict(), "use_moe": True, "num_experts": 4, "num_experts_per_tok": 2})
+    plain = MiniMindForCausalLM(config).eval()
+    sharded = MiniMindForCausalLM(config).eval()
+    sharded.load_state_dict(plain.state_dict())
+    apply_expert_parallel(sharded, dist.group.WORLD)
+    ids, lengths = repeat_prompts(*prompts(), 2)
+    ids, lengths = ids[rank::world_size], lengths[rank::world_size]
+    seed = rollout_seed(42, 1, rank)
+    sharded_out = sample(EosBiased(sharded, 5.0), ids, lengths, 60, 0.7, 1.0, EOS, 0,
+                         torch.Generator().manual_seed(seed), stop_group=dist.group.WORLD)
+    reference = sample(EosBiased(plain, 5.0), ids, lengths, 60, 0.7, 1.0, EOS, 0, torch.Generator().manual_seed(seed))
+    torch.save(dict(sharded=sharded_out, reference=reference), os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_expert_parallel_rollouts_decode_in_step_and_equal_the_whole_model(tmp_path):
+    """Under --ep each rank's completions are the whole model's, though the ranks finish at different steps (the one
+    done first keeps joining the all-to-alls until the other is done; without that it would wait forever)."""
+    spawn(_ep_rollout_worker, 2, str(tmp_path), timeout=120, start_method="fork")
+    steps = set()
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        got, reference = saved["sharded"], saved["reference"]
+        assert torch.equal(got.completion_ids, reference.completion_ids)
+        assert torch.equal(got.completion_lengths, reference.completion_lengths)
+        assert torch.allclose(got.logprobs, reference.logprobs, atol=1e-5)
+        steps.add(int(reference.completion_lengths.max()))
+    assert len(steps) == 2  # the ranks' own rows finish at different steps
 
 
 def test_zero3_rollouts_run_on_the_gathered_weights(tmp_path):

@@ -13,7 +13,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 
 from trainer.parallel.ring_blocks import block_backward, block_forward, expand_kv, finite_lse, reduce_kv_grad
 
@@ -201,9 +200,27 @@ def make_ring_attn_fn(cp_group):
     return ring_attn_fn
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a group whose backward sums the gradients over it too (torch's autograd all_reduce in
+    torch.distributed.nn is deprecated; its replacement is private)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
 def _all_reduce_sum(tensor, group):
     """Autograd-aware sum over the cp group (its backward all-reduces the gradients too)."""
-    return dist_nn.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return _AllReduceSum.apply(tensor, group)
 
 
 def apply_context_parallel(model, cp_mesh, doc_mask=True):

@@ -25,7 +25,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_autograd
 from torch import nn
 
 from model.model_minimind import MOEFeedForward
@@ -88,12 +87,32 @@ def dispatch_to_experts(moe, group, rows, counts):
     dist.all_to_all_single(received, counts, group=group)
     send_sizes, recv_sizes = torch.stack([counts.view(ep_size, per_rank).sum(1),
                                           received.view(ep_size, per_rank).sum(1)]).tolist()  # one host read
-    inbound = dist_autograd.all_to_all_single(rows.new_empty(sum(recv_sizes), rows.shape[-1]), rows,
-                                              recv_sizes, send_sizes, group=group)
+    inbound = AllToAll.apply(rows, recv_sizes, send_sizes, group)
     # inbound is ordered by (source rank, local expert); the experts want it by local expert, sources in rank order
     local_expert = torch.arange(per_rank, device=rows.device).repeat(ep_size).repeat_interleave(received.long())
     order = local_expert.argsort(stable=True)
     out = moe.run_experts(inbound[order], received.view(ep_size, per_rank).sum(0))
     out = out[order.argsort()]  # back to (source rank, local expert)
-    return dist_autograd.all_to_all_single(out.new_empty(rows.shape[0], out.shape[-1]), out, send_sizes, recv_sizes,
-                                           group=group)
+    return AllToAll.apply(out, send_sizes, recv_sizes, group)
+
+
+def all_to_all_rows(rows, recv_sizes, send_sizes, group):
+    """all_to_all_single of (N, H) rows: send_sizes[r] rows to rank r, recv_sizes[r] from it, in rank order."""
+    out = rows.new_empty(sum(recv_sizes), rows.shape[-1])
+    dist.all_to_all_single(out, rows.contiguous(), recv_sizes, send_sizes, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_rows with its gradient: the same exchange backwards (torch's autograd all_to_all_single is
+    deprecated; its replacement is private)."""
+
+    @staticmethod
+    def forward(ctx, rows, recv_sizes, send_sizes, group):
+        ctx.sizes, ctx.group = (recv_sizes, send_sizes), group
+        return all_to_all_rows(rows, recv_sizes, send_sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv_sizes, send_sizes = ctx.sizes
+        return all_to_all_rows(grad, send_sizes, recv_sizes, ctx.group), None, None, None

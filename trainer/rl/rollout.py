@@ -98,11 +98,13 @@ def sample_tokens(logits, temperature, top_p, generator):
 
 
 @torch.no_grad()
-def sample(model, prompt_ids, prompt_lengths, max_new_tokens, temperature, top_p, eos_id, pad_id, generator):
+def sample(model, prompt_ids, prompt_lengths, max_new_tokens, temperature, top_p, eos_id, pad_id, generator,
+           stop_group=None):
     """Sample completions of left-padded prompts with the model's KV cache; returns a Rollout (one per row).
 
     The prompt runs once (its padding masked out), then one token per step for every unfinished row;
-    a row that emits EOS is finished and gets `pad_id` after it. Stops when every row is finished."""
+    a row that emits EOS is finished and gets `pad_id` after it. Stops when every row is finished; with `stop_group`
+    (expert parallel: every forward is an all-to-all over it) when every row of every rank in it is finished."""
     rows, width = prompt_ids.shape
     device = prompt_ids.device
     cache = DynamicCache()
@@ -120,7 +122,7 @@ def sample(model, prompt_ids, prompt_lengths, max_new_tokens, temperature, top_p
         tokens[:, t], log_probs[:, t] = new, torch.where(done, 0.0, new_log_probs)
         lengths += (~done).long()
         done |= new == eos_id
-        if t == max_new_tokens - 1 or bool(done.all()):
+        if t == max_new_tokens - 1 or all_finished(done, stop_group):
             break
         attention = torch.cat([attention, torch.ones_like(new)[:, None]], dim=1)  # the new key: a real token
         logits = model(new[:, None], position_ids=next_position[:, None], past_key_values=cache, use_cache=True,
@@ -129,6 +131,15 @@ def sample(model, prompt_ids, prompt_lengths, max_new_tokens, temperature, top_p
     width_out = int(lengths.max()) if rows else 0
     return Rollout(prompt_ids, prompt_lengths, tokens[:, :width_out], lengths, log_probs[:, :width_out],
                    ~done)
+
+
+def all_finished(done, group=None):
+    """Whether every row is finished, here and (a collective) on every rank of `group`."""
+    finished = done.all()
+    if group is not None:
+        finished = finished.to(torch.int32)
+        dist.all_reduce(finished, op=dist.ReduceOp.MIN, group=group)
+    return bool(finished)
 
 
 @contextmanager
@@ -159,10 +170,10 @@ def whole_model(model_parts):
 class InProcessEngine:
     """Generation by the policy itself (see `sample`), under the training autocast."""
 
-    def __init__(self, max_gen_len, temperature, top_p, eos_id, pad_id, autocast=None):
+    def __init__(self, max_gen_len, temperature, top_p, eos_id, pad_id, autocast=None, stop_group=None):
         self.max_gen_len, self.temperature, self.top_p = max_gen_len, temperature, top_p
         self.eos_id, self.pad_id, self.autocast = eos_id, pad_id, autocast
-        self.generator = None
+        self.generator, self.stop_group = None, stop_group  # the ep group: its ranks decode in step
 
     def sync(self, trainer):
         """Nothing to do: the engine reads the policy's own parameters."""
@@ -178,7 +189,7 @@ class InProcessEngine:
             try:
                 with self.autocast():
                     return sample(model, ids, lengths, self.max_gen_len, self.temperature, self.top_p, self.eos_id,
-                                  self.pad_id, self.generator)
+                                  self.pad_id, self.generator, self.stop_group)
             finally:
                 model.train(was_training)
 
@@ -239,7 +250,8 @@ class HttpEngine:
         if self.synced_step == step:
             return
         pp_group = self.dims.group("pp") if self.dims.size("pp") > 1 else None
-        state = full_model_state_dict(trainer.model_parts, pp_group=pp_group)
+        ep_group = self.dims.group("ep") if self.dims.size("ep") > 1 else None  # each ep rank holds its experts
+        state = full_model_state_dict(trainer.model_parts, pp_group=pp_group, ep_group=ep_group)
         if is_main_process():
             folder = os.path.abspath(self.folder)
             save_hf_folder(state, trainer.config, folder, self.save_dtype)
@@ -288,7 +300,7 @@ def make_engine(plan, tokenizer, dims, autocast):
     stage = plan.stage
     if stage.rollout_engine == "torch":
         return InProcessEngine(stage.max_gen_len, stage.temperature, stage.top_p, tokenizer.eos_token_id,
-                               tokenizer.pad_token_id, autocast)
+                               tokenizer.pad_token_id, autocast, dims.group("ep") if dims.size("ep") > 1 else None)
     folder = os.path.join(plan.io.save_dir, f"{plan.io.run_name}_rollout_hf")
     return HttpEngine(stage.rollout_engine, stage.rollout_url, folder, tokenizer, stage.max_gen_len,
                       stage.temperature, stage.top_p, stage.rollout_timeout, dims, plan.io.save_dtype)
