@@ -102,8 +102,8 @@ def killed_and_resumed(tmp_path, corpus, flags):
 
 @pytest.mark.parametrize("balance", ["aux", "bias"])
 def test_kill_and_resume_under_ep_is_exact(balance, tmp_path):
-    """`--ep 2` on 2 processes, MoE: the killed-and-resumed run's every loss (and aux loss) equals the unkilled
-    run's to fp32 rounding, tokens equal; under --router_balance bias the routers' bias state resumes too (the
+    """`--ep 2` on 2 processes, MoE: the killed-and-resumed run's every loss, aux loss and token count and its final
+    weights equal the unkilled run's bit for bit; under --router_balance bias the routers' bias state resumes too (the
     final expert_bias buffers equal the unkilled run's: a bias restarted at zero would lack the first steps' moves)."""
     corpus = demo_slice(tmp_path, "pretrain", 200)  # test_preempt's slice: 50 steps an epoch on 2 ranks
     flags = [*MODELS["moe"], "--ep", "2", "--router_balance", balance]
@@ -112,10 +112,12 @@ def test_kill_and_resume_under_ep_is_exact(balance, tmp_path):
     assert ref.returncode == 0, ref.stderr[-3000:]
     full = read_metrics(metrics_path(full_argv))
     assert [r["step"] for r in split] == [r["step"] for r in full] == list(range(1, reached + 4))
-    for a, b in zip(full, split):  # same process count, same reduction order: equal to fp32 rounding
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["tokens"] == b["tokens"], (a, b)
-        assert abs(a["aux_loss"] - b["aux_loss"]) <= 1e-6, (a, b)
+    for a, b in zip(full, split):  # same process count, same reduction order, same state: bit for bit
+        assert a["loss"] == b["loss"] and a["aux_loss"] == b["aux_loss"] and a["tokens"] == b["tokens"], (a, b)
     weights = [torch.load(os.path.join(str(tmp_path), run, "pretrain_64_moe.pth")) for run in ("split", "full")]
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[1]:  # every weight of the resumed run equals the unkilled run's, experts included
+        assert torch.equal(weights[0][key], weights[1][key]), key
     biases = [key for key in weights[1] if key.endswith("expert_bias")]
     assert len(biases) == (2 if balance == "bias" else 0), sorted(weights[1])
     for key in biases:
