@@ -161,7 +161,7 @@ def print_plan(args, flags):
 # ---------------------------------------------------------------------------------------------- main
 def given_trainer_flags(parser, rest):
     """The trainer flags among `rest` (only those given, as a dict); anything else is a usage error."""
-    trainer = add_train_args(argparse.ArgumentParser())
+    trainer = add_train_args(argparse.ArgumentParser(allow_abbrev=False))
     for action in trainer._actions:
         action.default = argparse.SUPPRESS  # keep only the trainer flags given on the command line
     given, unknown = trainer.parse_known_args(rest)
@@ -181,7 +181,8 @@ def baseline_flags(args):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)  # --ep is a trainer flag, not short for --ep_vs_dp
     a = parser.add_argument
     a("--steps", type=int, default=10, help="measured optimizer steps (after the warm-up)")
     a("--warmup", type=int, default=3, help="optimizer steps not measured (allocator, compile)")
