@@ -60,8 +60,8 @@ def save_weights(trainer, path=None):
     (DiskFullError)."""
     plan, stage = trainer.plan, trainer.plan.stage
     pp_group = trainer.dims.group("pp") if plan.layout.pp > 1 else None
-    ep_group = trainer.dims.group("ep") if plan.layout.ep > 1 else None  # each ep rank holds its stage's experts
-    model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group, ep_group=ep_group)
+    # each ep rank holds its stage's experts (group("ep") is None without expert parallel)
+    model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group, ep_group=trainer.dims.group("ep"))
     path = path or stage.weights_path(plan)
     record = dict(tokenizer=plan.data.tokenizer_record, step=trainer.progress.global_step)
     needed = stage.weights_bytes(model_sd, plan.io.save_dtype, record) if is_main_process() else 0

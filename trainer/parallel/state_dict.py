@@ -68,13 +68,15 @@ def _optimizer_pairs(model_parts, optimizers):
     return list(zip(parts, optims))
 
 
-def _pp_size(pp_group):
-    return dist.get_world_size(pp_group) if pp_group is not None and dist.is_initialized() else 1
+def _group_size(group):
+    """Ranks in `group` (a pp or ep group); 1 for none or one process."""
+    return dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
 
 
 def _full_options(pp_group, ep_group=None):
     # cpu_offload keeps the gathered copy on global rank 0 only, which never holds a later stage or other experts.
-    return StateDictOptions(full_state_dict=True, cpu_offload=_pp_size(pp_group) == 1 and _pp_size(ep_group) == 1)
+    return StateDictOptions(full_state_dict=True,
+                            cpu_offload=_group_size(pp_group) == 1 and _group_size(ep_group) == 1)
 
 
 def _cpu_fp32(obj):
@@ -90,7 +92,7 @@ def _cpu_fp32(obj):
 
 def _gather_pp(obj, pp_group):
     """List of every pipeline stage's obj on global rank 0 (None elsewhere)."""
-    if _pp_size(pp_group) == 1:
+    if _group_size(pp_group) == 1:
         return [obj]
     if 0 not in dist.get_process_group_ranks(pp_group):
         return None  # only global rank 0's pp group carries the state anyone keeps
@@ -103,7 +105,7 @@ def _gather_pp(obj, pp_group):
 def _gather_experts(local, ep_group):
     """`local` with the experts of every rank of `ep_group` added on its rank 0 (expert parallel: each holds its own
     share of this stage's experts under their global names); only the experts travel."""
-    if _pp_size(ep_group) == 1:
+    if _group_size(ep_group) == 1:
         return local
     experts = {name: value for name, value in local.items() if ".experts." in name}
     root = dist.get_global_rank(ep_group, 0)

@@ -250,8 +250,8 @@ class HttpEngine:
         if self.synced_step == step:
             return
         pp_group = self.dims.group("pp") if self.dims.size("pp") > 1 else None
-        ep_group = self.dims.group("ep") if self.dims.size("ep") > 1 else None  # each ep rank holds its experts
-        state = full_model_state_dict(trainer.model_parts, pp_group=pp_group, ep_group=ep_group)
+        # each ep rank holds its experts (group("ep") is None without expert parallel)
+        state = full_model_state_dict(trainer.model_parts, pp_group=pp_group, ep_group=self.dims.group("ep"))
         if is_main_process():
             folder = os.path.abspath(self.folder)
             save_hf_folder(state, trainer.config, folder, self.save_dtype)
@@ -300,7 +300,7 @@ def make_engine(plan, tokenizer, dims, autocast):
     stage = plan.stage
     if stage.rollout_engine == "torch":
         return InProcessEngine(stage.max_gen_len, stage.temperature, stage.top_p, tokenizer.eos_token_id,
-                               tokenizer.pad_token_id, autocast, dims.group("ep") if dims.size("ep") > 1 else None)
+                               tokenizer.pad_token_id, autocast, dims.group("ep"))
     folder = os.path.join(plan.io.save_dir, f"{plan.io.run_name}_rollout_hf")
     return HttpEngine(stage.rollout_engine, stage.rollout_url, folder, tokenizer, stage.max_gen_len,
                       stage.temperature, stage.top_p, stage.rollout_timeout, dims, plan.io.save_dtype)
