@@ -308,6 +308,16 @@ def preference_run_args(tmp_path, name, data, steps, dp=1, extra=()):
             *extra]
 
 
+def preference_single_run(tmp_path, script, corpus, steps):
+    """The single-process run a preference stage's other runs are compared with, on 40 rows of the demo `corpus`:
+    (its argv, its records, the data file, its stdout)."""
+    data = demo_slice(tmp_path, corpus, 40)
+    argv = preference_run_args(tmp_path, "single", data, steps)
+    proc = forked(script, argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return argv, metrics_of(argv), data, proc.stdout
+
+
 def metrics_of(argv):
     """The records of the run `argv` describes (its --metrics_file)."""
     return read_metrics(argv[argv.index("--metrics_file") + 1])

@@ -15,7 +15,16 @@ from dataset.lm_dataset import DPODataset, SFTDataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from tests.launch import demo_slice, forked, kill_at_step, metrics_of, preference_run_args, resume_run, write_rows
+from tests.launch import (
+    demo_slice,
+    forked,
+    kill_at_step,
+    metrics_of,
+    preference_run_args,
+    preference_single_run,
+    resume_run,
+    write_rows,
+)
 from trainer import train_dpo
 from trainer.core.batches import step_targets
 from trainer.parallel.pipeline import PipelineLoss
@@ -171,13 +180,10 @@ def run_args(tmp_path, name, data, dp=1, extra=()):
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory):
     """The single-process run every other run is compared with: (its argv, its records, the data file)."""
-    tmp_path = tmp_path_factory.mktemp("dpo_single")
-    data = demo_slice(tmp_path, "dpo", 40)
-    argv = run_args(tmp_path, "single", data)
-    proc = forked(SCRIPT, argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "--from_weight none" in proc.stdout and "reference" in proc.stdout
-    return argv, metrics_of(argv), data
+    argv, records, data, stdout = preference_single_run(tmp_path_factory.mktemp("dpo_single"), SCRIPT, "dpo",
+                                                        STEPS)
+    assert "--from_weight none" in stdout and "reference" in stdout
+    return argv, records, data
 
 
 def test_first_step_is_ln2_and_the_reference_is_the_starting_model(single_run, tokenizer):

@@ -11,7 +11,16 @@ from transformers import Qwen3ForCausalLM
 from dataset.preference_data import KTODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import demo_slice, forked, kill_at_step, metrics_of, preference_run_args, resume_run, write_rows
+from tests.launch import (
+    demo_slice,
+    forked,
+    kill_at_step,
+    metrics_of,
+    preference_run_args,
+    preference_single_run,
+    resume_run,
+    write_rows,
+)
 from trainer import train_kto
 from trainer.core.batches import step_targets
 from trainer.runtime.launch import main_guard
@@ -116,12 +125,8 @@ def run_args(tmp_path, name, data, dp=1, extra=()):
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("kto_single")
-    data = demo_slice(tmp_path, "kto", 40)
-    argv = run_args(tmp_path, "single", data)
-    proc = forked(SCRIPT, argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return argv, metrics_of(argv), data
+    argv, records, data, _ = preference_single_run(tmp_path_factory.mktemp("kto_single"), SCRIPT, "kto", STEPS)
+    return argv, records, data
 
 
 def test_first_step_is_one_half_with_no_kl(single_run):

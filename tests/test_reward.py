@@ -16,7 +16,16 @@ from dataset.preference_data import RewardPairs
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.eval_reward import pair_accuracy
-from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, metrics_of, preference_run_args, resume_run
+from tests.launch import (
+    TINY_MODEL,
+    demo_slice,
+    forked,
+    kill_at_step,
+    metrics_of,
+    preference_run_args,
+    preference_single_run,
+    resume_run,
+)
 from trainer import train_ppo, train_reward
 from trainer.core.batches import step_targets
 from trainer.rl.rewards import RewardModel
@@ -102,12 +111,8 @@ def run_args(tmp_path, name, data, dp=1, extra=()):
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("reward_single")
-    data = demo_slice(tmp_path, "dpo", 40)
-    argv = run_args(tmp_path, "single", data)
-    proc = forked(SCRIPT, argv)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return argv, metrics_of(argv), data
+    argv, records, data, _ = preference_single_run(tmp_path_factory.mktemp("reward_single"), SCRIPT, "dpo", STEPS)
+    return argv, records, data
 
 
 def test_the_run_learns_and_its_export_scores_as_the_model(single_run, tokenizer):
