@@ -250,6 +250,14 @@ class _PreferenceSide(SFTDataset):
         return np.diff(self.offsets)
 
 
+def reference_log_probs(log_probs, rows):
+    """A preference dataset's reference log-probs as float32 of shape (rows, 2); any other shape is a ValueError."""
+    log_probs = np.asarray(log_probs, dtype=np.float32)
+    if log_probs.shape != (rows, 2):
+        raise ValueError(f"reference log-probs of shape {log_probs.shape}, expected {(rows, 2)}")
+    return log_probs
+
+
 class DPODataset(Dataset):
     """Preference pairs, MiniMind's dpo.jsonl ({"chosen": [messages], "rejected": [messages]}, JSONL or parquet).
 
@@ -285,10 +293,7 @@ class DPODataset(Dataset):
 
     def set_reference(self, log_probs):
         """The reference model's summed log-probs of every pair, shape (len(self), 2): chosen, rejected."""
-        log_probs = np.asarray(log_probs, dtype=np.float32)
-        if log_probs.shape != (len(self), 2):
-            raise ValueError(f"reference log-probs of shape {log_probs.shape}, expected {(len(self), 2)}")
-        self.reference = log_probs
+        self.reference = reference_log_probs(log_probs, len(self))
 
     def no_target_line(self):
         """The one info line about sides without an assistant token within max_length; None when every row has one."""

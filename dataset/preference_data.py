@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dataset.file_ranges import extent, is_parquet, iter_records
-from dataset.lm_dataset import DPODataset, _PreferenceSide
+from dataset.lm_dataset import DPODataset, _PreferenceSide, reference_log_probs
 
 
 def column_values(path, field, number):
@@ -100,10 +100,8 @@ class KTODataset(Dataset):
         return [self.rows.cache_path, self.max_length, "kl: next row"]
 
     def set_reference(self, log_probs):
-        log_probs = np.asarray(log_probs, dtype=np.float32)
-        if log_probs.shape != (len(self), 2):
-            raise ValueError(f"reference log-probs of shape {log_probs.shape}, expected {(len(self), 2)}")
-        self.reference = log_probs
+        """The reference model's summed log-probs of every row and its KL row, shape (len(self), 2)."""
+        self.reference = reference_log_probs(log_probs, len(self))
 
     def no_target_line(self):
         return None
