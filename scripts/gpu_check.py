@@ -3,6 +3,8 @@
     python scripts/gpu_check.py --out gpu_report              # one CUDA GPU, the repository, no network: < 9 min
     python scripts/gpu_check.py --dry_run --out /tmp/check    # the same plan on CPU with tiny shapes (CI runs it)
     python scripts/gpu_check.py --sections attention,bench    # a part of the plan
+    python scripts/gpu_check.py --quick --out $OUT            # the 8-minute plan (scripts/gpu_quick.py), written
+                                                              # row by row; --only NAME,... reruns some of its rows
 
 Sections, in order:
   tests      pytest -m cuda: the tests that take the GPU when there is one (model parity, chunked loss, masks, resume)
@@ -21,6 +23,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -33,6 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from dataset.demo_data import pydoc_topic_texts, reasoning_records, stdlib_docstrings, tool_records  # noqa: E402
 from model.torch_compat import cpu_bf16_native  # noqa: E402
+from scripts.gpu_quick import quick_items, quick_markdown  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("tests", "smoke", "attention", "bench")
@@ -58,14 +62,15 @@ def write_data(data_dir, dry_run):
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def run(argv, log_path, timeout):
-    """Run argv from the repo root; (exit code, seconds, log tail)."""
+def run(argv, log_path, timeout, env=None):
+    """Run argv from the repo root (`env` added to the environment); (exit code, seconds, log tail)."""
     start = time.time()
     with open(log_path, "w") as log:
         log.write(" ".join(argv) + "\n")
         log.flush()
         try:
-            code = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            code = subprocess.run(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                  env=dict(os.environ, **(env or {}))).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     with open(log_path, errors="replace") as log:
@@ -117,10 +122,21 @@ def dry_run_dtype():
     return "bfloat16" if cpu_bf16_native() else "float32"
 
 
-def smoke_run(ctx, name, script, extra, torchrun=False, steps=4, expect=None):
-    """One short trainer run of --max_steps `steps` in its own folder (`expect` step records: default `steps`); its
-    result row (exit code, losses, token counts, speed, memory, checks)."""
+def fresh_folder(ctx, name):
+    """out/runs/<name>, emptied: every run of the check starts afresh, so a second check in the same folder (a warm
+    GPU machine keeps the first one's outputs) runs the same plan instead of meeting `error: run ... exists`."""
     folder = os.path.join(ctx.out, "runs", name)
+    shutil.rmtree(folder, ignore_errors=True)
+    if os.path.exists(folder + ".log"):
+        os.remove(folder + ".log")
+    return folder
+
+
+def smoke_run(ctx, name, script, extra, torchrun=False, steps=4, expect=None, fresh=True):
+    """One short trainer run of --max_steps `steps` in its own folder (`expect` step records: default `steps`); its
+    result row (exit code, losses, token counts, speed, memory, checks). `fresh`: start from an empty folder (False
+    only to continue the run that folder holds)."""
+    folder = fresh_folder(ctx, name) if fresh else os.path.join(ctx.out, "runs", name)
     flags = dict(ctx.model, data_path=ctx.data["pretrain"], packing=1, max_steps=steps, log_interval=1,
                  save_interval=steps, save_dir=os.path.join(folder, "out"), checkpoint_dir=os.path.join(folder, "ckpt"),
                  metrics_file=os.path.join(folder, "metrics.jsonl"), cache_dir=ctx.cache_dir, device=ctx.device)
@@ -154,7 +170,7 @@ def resume_check(ctx):
     part_dir = os.path.join(ctx.out, "runs", "resume_part")
     flags = dict(dtype="float32", from_resume=1, save_dir=os.path.join(part_dir, "out"),
                  checkpoint_dir=os.path.join(part_dir, "ckpt"), metrics_file=os.path.join(part_dir, "metrics.jsonl"))
-    resumed = smoke_run(ctx, "resume_part", "train_pretrain.py", flags)
+    resumed = smoke_run(ctx, "resume_part", "train_pretrain.py", flags, fresh=False)
     a, b = straight["losses"], resumed["losses"]
     # TF32 off is not promised on every path, so the GPU compares at fp32 accumulation-order level, the CPU exactly
     tolerance = 1e-3 if ctx.device.startswith("cuda") else 1e-6
@@ -174,7 +190,12 @@ def section_smoke(ctx):
 def section_tests(ctx):
     """pytest -m cuda (on this machine's device: tests pick CUDA when it is there)."""
     xml = os.path.join(ctx.out, "cuda_tests.xml")
-    argv = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests", f"--junitxml={xml}"]
+    # only the files that hold cuda-marked tests: collecting the rest imports the server's and exports' packages,
+    # which a GPU machine may not have
+    files = sorted(os.path.join("tests", name) for name in os.listdir(os.path.join(ROOT, "tests"))
+                   if name.startswith("test_") and name.endswith(".py")
+                   and "mark.cuda" in open(os.path.join(ROOT, "tests", name), encoding="utf-8").read())
+    argv = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", *files, f"--junitxml={xml}"]
     code, seconds, tail = run(argv, os.path.join(ctx.out, "cuda_tests.log"), ctx.timeout * 3)
     summary = tail.strip().splitlines()[-1] if tail.strip() else ""
     return [dict(name="pytest -m cuda", seconds=seconds, exit=code, summary=summary, ok=code == 0,
@@ -343,6 +364,11 @@ def parse_args(argv=None):
     parser.add_argument("--dry_run", action="store_true", help="the same plan on CPU with tiny shapes")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per trainer run before it counts as failed")
+    parser.add_argument("--quick", action="store_true", help="the 8-minute plan instead of the sections: cuda tests, "
+                        "speed/MFU/memory of the issue's configs, kill + resume, top kernels (scripts/gpu_quick.py)")
+    parser.add_argument("--only", default="", help="with --quick: comma list of its items to run (e.g. those that "
+                        "failed the first time)")
+    parser.add_argument("--budget_s", type=int, default=450, help="with --quick: start no item after this many seconds")
     args = parser.parse_args(argv)
     unknown = set(args.sections.split(",")) - set(SECTIONS)
     if unknown:
@@ -361,6 +387,13 @@ def main(argv=None):
     os.makedirs(os.path.join(ctx.out, "runs"), exist_ok=True)
     ctx.cache_dir = os.path.join(ctx.out, "cache")
     ctx.data = write_data(os.path.join(ctx.out, "data"), args.dry_run)
+    # what the quick plan's items call (looked up now, so a test's replacement of `run` is the one they use)
+    ctx.run, ctx.trainer_argv, ctx.read_metrics, ctx.fresh_folder = run, trainer_argv, read_metrics, fresh_folder
+    ctx.table_peak, ctx.matmul_peak = matmul_peaks(ctx)
+    ctx.environment = dict(environment(ctx), bf16_dense_peak_tflops=ctx.table_peak and ctx.table_peak / 1e12,
+                           bf16_matmul_8192_tflops=ctx.matmul_peak and round(ctx.matmul_peak / 1e12, 1))
+    if args.quick:
+        return run_quick(ctx, set(filter(None, args.only.split(","))), args.budget_s)
     start, sections = time.time(), {}
     for name in (s for s in SECTIONS if s in args.sections.split(",")):
         print(f"[gpu_check] {name} ...", flush=True)
@@ -371,15 +404,73 @@ def main(argv=None):
         for row in sections[name]:
             print(f"[gpu_check]   {row['name']}: {'ok' if row['ok'] else 'FAILED ' + str(row.get('log_tail'))}",
                   flush=True)
+    report = write_report(ctx, sections, start)
+    print(f"gpu_check report: {report['passed']} ok, {report['failed']} failed ({ctx.out}/gpu_check.md)", flush=True)
+    return 0 if report["failed"] == 0 else 1
+
+
+def write_report(ctx, sections, start):
+    """<out>/gpu_check.json and .md of the rows so far (rewritten after each quick row: a time-out keeps them)."""
     rows = [row for section in sections.values() for row in section]
-    report = dict(environment=environment(ctx), sections=sections, passed=sum(r["ok"] for r in rows),
+    report = dict(environment=ctx.environment, sections=sections, passed=sum(r["ok"] for r in rows),
                   failed=sum(not r["ok"] for r in rows), seconds=time.time() - start)
     with open(os.path.join(ctx.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
+    text = markdown(report)
+    if "quick" in sections:
+        text += "\n## quick: speed, memory, profile\n\n" + quick_markdown(sections["quick"])
     with open(os.path.join(ctx.out, "gpu_check.md"), "w") as f:
-        f.write(markdown(report))
+        f.write(text)
+    return report
+
+
+def run_quick(ctx, only, budget_s):
+    """The quick plan's items in order (those named in `only`, when given), each written to the report when done;
+    an item that would start after `budget_s` seconds is recorded as not run."""
+    start, rows, items = time.time(), [], quick_items(ctx, section_tests)
+    unknown = only - {name for name, _ in items}
+    if unknown:
+        print(f"error: --only {','.join(sorted(unknown))}: not an item of the quick plan here; use "
+              f"{','.join(name for name, _ in items)}", file=sys.stderr)
+        return 2
+    for name, measure in items:
+        if only and name not in only:
+            continue
+        if time.time() - start > budget_s:
+            rows.append(dict(name=name, ok=False, checks={f"started within --budget_s {budget_s}": False}))
+            continue
+        print(f"[gpu_check] {name} ...", flush=True)
+        try:
+            row = measure()
+        except Exception:  # one item failing must not hide the others
+            row = dict(name=name, ok=False, checks={"ran": False}, log_tail=traceback.format_exc())
+        rows.append(row)
+        figures = ", ".join(f"{k} {row[k]:.4g}" for k in ("tokens_per_sec", "mfu", "peak_mem_gb")
+                            if isinstance(row.get(k), (int, float)))
+        print(f"[gpu_check]   {name}: {'ok' if row['ok'] else 'FAILED ' + str(row.get('log_tail'))} {figures}",
+              flush=True)
+        write_report(ctx, {"quick": rows}, start)
+    report = write_report(ctx, {"quick": rows}, start)
+    print(quick_markdown(rows), flush=True)
     print(f"gpu_check report: {report['passed']} ok, {report['failed']} failed ({ctx.out}/gpu_check.md)", flush=True)
     return 0 if report["failed"] == 0 else 1
+
+
+def matmul_peaks(ctx):
+    """(the datasheet's dense bf16 peak, a measured 8192^3 bf16 matmul rate) on CUDA; (None, None) on CPU."""
+    if not ctx.device.startswith("cuda"):
+        return None, None
+    from trainer.runtime.metrics import cuda_table_peak  # CUDA only: the trainer's table of datasheet peaks
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    rate = 10 * 2 * 8192 ** 3 / (time.perf_counter() - begin)
+    return cuda_table_peak(torch.cuda.get_device_name(0), torch.bfloat16, True), rate
 
 
 if __name__ == "__main__":

@@ -249,15 +249,16 @@ def forked_nodes(script, args_by_node, timeout=300):
     return code, outputs[0], outputs[1]
 
 
-def forked_argv(argv, log_path, timeout=300):
+def forked_argv(argv, log_path, timeout=300, env=None):
     """Run the argv of `python script ...` or `python -m torch.distributed.run [--nproc_per_node N] script ...` with
-    forked(), its output appended to log_path; the exit code. Tests put it in place of a script's trainer launcher."""
+    forked() (`env` added to the environment), its output appended to log_path; the exit code. Tests put it in place
+    of a script's trainer launcher."""
     script_at = next(i for i, arg in enumerate(argv) if arg.endswith(".py"))
     launcher, nproc = argv[1:script_at], 1
     for i, arg in enumerate(launcher):
         if arg.startswith("--nproc_per_node"):
             nproc = int(arg.split("=", 1)[1] if "=" in arg else launcher[i + 1])
-    proc = forked(os.path.relpath(argv[script_at], ROOT), argv[script_at + 1:], nproc, timeout,
+    proc = forked(os.path.relpath(argv[script_at], ROOT), argv[script_at + 1:], nproc, timeout, env=env,
                   torchrun_env=launcher[:2] == ["-m", "torch.distributed.run"])
     with open(log_path, "a") as log:
         log.write(proc.stdout + proc.stderr)

@@ -68,3 +68,20 @@ def test_document_mask_equals_each_document_alone():
     assert max_diff(packed, alone) < 1e-4
     grads = [torch.autograd.grad(logits.square().sum(), model.lm_head.weight)[0] for logits in (packed, alone)]
     assert max_diff(*grads) <= 1e-5 * grads[1].abs().max().item()
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_greedy_generate_equals_full_forward_loop(use_moe):
+    """generate() (KV cache, transformers' GenerationMixin) greedy: the tokens of a loop that runs the whole sequence
+    through the model at every step and appends the argmax (fp32, TF32 off; no cache involved in the reference)."""
+    model = minimind(tiny_config(use_moe=use_moe, num_experts_per_tok=2)).to(DEVICE)
+    prompt = batch(bsz=2, seq=10).to(DEVICE)
+    new_tokens = 16
+    with torch.no_grad():
+        generated = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                                   min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ids = prompt
+        for _ in range(new_tokens):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert generated.shape == ids.shape == (2, 10 + new_tokens)
+    assert torch.equal(generated, ids)

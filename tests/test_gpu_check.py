@@ -6,6 +6,7 @@ import time
 import pytest
 
 from scripts import gpu_check
+from scripts import gpu_quick as gpu_check_quick
 from tests.launch import forked_argv
 
 # the first loss of a bf16-autocast run against fp32 on the same weights: matmul operands rounded to bf16 (unit
@@ -14,14 +15,14 @@ from tests.launch import forked_argv
 BF16_LOSS_BOUND = 2 ** -7
 
 
-def forked_run(argv, log_path, timeout):
+def forked_run(argv, log_path, timeout, env=None):
     """gpu_check.run with the trainer runs forked from this process (tests/launch.py forked): the same runs,
     without ~8 s of imports each."""
     start = time.time()
     with open(log_path, "w") as log:
         log.write(" ".join(argv) + "\n")
     try:
-        code = forked_argv(argv, log_path, timeout)
+        code = forked_argv(argv, log_path, timeout, env)
     except subprocess.TimeoutExpired:
         code = "timeout"
     with open(log_path, errors="replace") as log:
@@ -59,3 +60,33 @@ def test_refuses_without_cuda_or_unknown_sections(tmp_path, capsys):
         gpu_check.main(["--dry_run", "--sections", "smoke,nope", "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --sections nope")
+
+
+def test_quick_plan_runs_twice_in_one_folder(tmp_path, monkeypatch):
+    """--quick --dry_run twice in the same --out (a warm GPU machine keeps the first check's outputs): the second
+    check runs every item afresh and measures what the first measured. Losses: the same fp32 runs on the same CPU
+    are bit-identical; the killed-and-resumed run's steps 3-4 equal the straight run's exactly."""
+    monkeypatch.setattr(gpu_check, "run", forked_run)
+    reports = []
+    for _ in range(2):
+        assert gpu_check.main(["--quick", "--dry_run", "--out", str(tmp_path)]) == 0
+        reports.append({row["name"]: row for row in json.loads((tmp_path / "gpu_check.json").read_text())
+                        ["sections"]["quick"]})
+    first, second = reports
+    assert set(first) == set(second) == {"m3_seq340_eager", "h768x16_seq2048_compile", "kill_resume"}
+    for name in first:
+        assert first[name]["ok"] and second[name]["ok"], (name, second[name].get("log_tail"))
+    for name in ("m3_seq340_eager", "h768x16_seq2048_compile"):
+        assert first[name]["final_loss"] == second[name]["final_loss"]
+    resumed = second["kill_resume"]
+    assert len(resumed["losses"]) == len(resumed["straight_losses"]) == 4
+    assert resumed["losses"][2:] == resumed["straight_losses"][2:] == first["kill_resume"]["straight_losses"][2:]
+    # the profiled config names its top operators (a CPU trace: operators; CUDA: kernels), shares in (0, 1]
+    top = second["h768x16_seq2048_compile"]["top_kernels"]
+    assert len(top) == gpu_check_quick.TOP_KERNELS and all(0 < share <= 1 for *_, share in top)
+    assert sum(share for *_, share in top) <= 1 + 1e-9
+
+
+def test_quick_refuses_unknown_items(tmp_path, capsys):
+    assert gpu_check.main(["--quick", "--dry_run", "--out", str(tmp_path), "--only", "m3_seq340_eager,nope"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --only nope")
