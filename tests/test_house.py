@@ -9,17 +9,10 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDERS = ("core", "plan", "ckpt", "runtime", "stages", "rl", "parallel")
-# folder -> the trainer folders it must never import (the layering of docs/design.md, "Layout")
-FORBIDDEN = {
-    "core": ("stages", "rl"),
-    "plan": ("stages", "rl"),
-    "ckpt": ("core", "stages", "rl"),
-    "runtime": ("core", "stages", "rl"),
-    "parallel": ("core", "plan", "ckpt", "stages", "rl"),
-    "stages": ("rl",),
-    "rl": (),
-}
+# the floors, bottom first (docs/design.md, "Floors"): each imports only the floors below it, no exceptions; model/ and
+# dataset/ sit under the trainer; the top floor is trainer/'s entry scripts and trainer_utils.py
+FLOORS = ("model", "dataset", "base", "parallel", "ckpt", "runtime", "plan", "core", "stages", "rl", "top")
+FOLDERS = FLOORS[2:-1]
 
 
 def python_files(*folders):
@@ -43,30 +36,100 @@ def relative(path):
     return os.path.relpath(path, ROOT)
 
 
-def test_imports_follow_the_layering():
-    broken = []
+def floor_of(path):
+    """The floor of a file under trainer/, model/ or dataset/ (FLOORS)."""
+    where = relative(path).split(os.sep)
+    if where[0] != "trainer":
+        return where[0]
+    return where[1] if len(where) == 3 else "top"
+
+
+def module_files():
+    """{dotted module name: path} of every module in trainer/, model/ and dataset/ (a package by its own name)."""
+    files = {}
     for path in python_files("trainer", "model", "dataset"):
-        where = relative(path).split(os.sep)
-        for name in set(imported_modules(path)):
-            parts = name.split(".")
-            if parts[0] == "trainer" and where[0] in ("model", "dataset"):
-                broken.append(f"{relative(path)} imports {name}: model/ and dataset/ know nothing of the trainer")
-            if parts[0] != "trainer" or len(parts) < 2:
+        name = relative(path)[:-3].replace(os.sep, ".")
+        files[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    return files
+
+
+def import_graph():
+    """{module: the project modules it imports}, from the source, imports inside functions included."""
+    files = module_files()
+    graph = {}
+    for name, path in files.items():
+        found = set()
+        for imported in imported_modules(path):
+            parts = imported.split(".")
+            found.update(next(([".".join(parts[:k])] for k in range(len(parts), 0, -1)
+                               if ".".join(parts[:k]) in files), []))
+        graph[name] = found - {name}
+    return graph, files
+
+
+def test_imports_follow_the_floors():
+    """Each floor imports only the floors below it (a package's __init__ belongs to no floor: it imports nothing)."""
+    graph, files = import_graph()
+    broken = []
+    for name, imported in graph.items():
+        if files[name].endswith("__init__.py"):
+            continue
+        for other in imported:
+            if files[other].endswith("__init__.py"):
                 continue
-            if parts[1].startswith("train_") and not where[-1].startswith("train_"):
-                broken.append(f"{relative(path)} imports the entry script {name}")
-            if len(where) == 3 and parts[1] in FORBIDDEN.get(where[1], ()):
-                broken.append(f"{relative(path)} imports {name}: {where[1]}/ sits below {parts[1]}/")
-            if len(where) == 3 and where[1] in ("stages", "rl") and name.startswith("trainer.core.loop"):
-                broken.append(f"{relative(path)} imports the loop: stages import core's helpers, never the loop")
-    assert broken == [], "\n".join(broken)
+            here, there = floor_of(files[name]), floor_of(files[other])
+            if there == "top" and here == "top" and not os.path.basename(files[name]).startswith("train_"):
+                broken.append(f"{relative(files[name])} imports {other}: only an entry script imports an entry script")
+            elif FLOORS.index(there) > FLOORS.index(here):
+                broken.append(f"{relative(files[name])} imports {other}: {here}/ sits below {there}/")
+            if here in ("stages", "rl") and other == "trainer.core.loop":
+                broken.append(f"{relative(files[name])} imports the loop: stages import core's helpers, never the loop")
+    assert broken == [], "\n".join(sorted(broken))
 
 
-def test_layering_check_sees_a_violation(tmp_path):
-    """The check above reads imports from source: a forbidden one written in a file is found."""
+def cycles(graph):
+    """The import cycles of `graph` (strongly connected components of more than one module), Tarjan's algorithm."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_between_files():
+    graph, _ = import_graph()
+    assert cycles(graph) == []
+
+
+def test_cycle_check_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_floor_check_sees_a_violation(tmp_path):
+    """The floor check reads imports from source: an upward one written in a file is found."""
     bad = tmp_path / "bad.py"
     bad.write_text("from trainer.rl.grpo import GRPOPlan\nimport trainer.core.loop\n")
     assert {"trainer.rl.grpo", "trainer.rl.grpo.GRPOPlan", "trainer.core.loop"} <= set(imported_modules(bad))
+    assert FLOORS.index("rl") > FLOORS.index("ckpt")
 
 
 def test_trainer_top_level_holds_entry_scripts_only():

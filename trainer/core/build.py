@@ -8,6 +8,10 @@ from typing import Optional
 import torch
 
 from model.model_minimind import MiniMindConfig
+from trainer.base.errors import ConfigError
+from trainer.base.launch import init_distributed_mode, rank, setup_seed
+from trainer.base.log import Logger
+from trainer.base.rank_log import open_rank_log
 from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.minimind_resume import minimind_resume_path
@@ -16,14 +20,14 @@ from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.step_dirs import latest_checkpoint
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import init_model
-from trainer.core.objective import LMObjective
-from trainer.core.stage import Stage
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.pipeline import Pipeline
 from trainer.plan.checks import check_same_dtype
+from trainer.plan.objective import LMObjective
 from trainer.plan.resolve import resolve
 from trainer.plan.sections import TrainPlan
+from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import Callbacks, make_callbacks
 from trainer.runtime.expert_load import ExpertLoad, choose_expert_compute, enable_expert_bias
 from trainer.runtime.guard import (
@@ -31,17 +35,9 @@ from trainer.runtime.guard import (
     StepGuard,
     add_signal_points,
 )
-from trainer.runtime.launch import (
-    ConfigError,
-    init_distributed_mode,
-    rank,
-    setup_seed,
-)
 from trainer.runtime.metrics import enable_tf32
 from trainer.runtime.optim import build_optimizer
-from trainer.runtime.rank_log import open_rank_log
 from trainer.runtime.schedule import resume_note
-from trainer.trainer_utils import Logger
 
 
 @dataclass
@@ -68,7 +64,7 @@ class Trainer:
 
 
 def setup(args, stage=Stage):
-    """Phase 1: check the flags into a TrainPlan (with the checked plan of `stage`, a trainer/core/stage.py Stage
+    """Phase 1: check the flags into a TrainPlan (with the checked plan of `stage`, a trainer/plan/stage.py Stage
     class), start the process group and mesh, seed. Returns (plan, dims)."""
     plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), stage)
     layout, model = plan.layout, plan.model
@@ -113,7 +109,7 @@ def build_model(config, plan, model_state=None, resumed=False):
 def build_trainer(plan, dims, steps_per_epoch, objective=None):
     """Phases 4-7: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once.
 
-    objective: what the stage minimises (plan.stage.objective(...), trainer/core/objective.py); None: LMObjective."""
+    objective: what the stage minimises (plan.stage.objective(...), trainer/plan/objective.py); None: LMObjective."""
     config = plan.model.config
     claim_run(plan)  # one run per checkpoint directory; an earlier run's results are not replaced unasked
     ckpt = read_resume(config, plan)

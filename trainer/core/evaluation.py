@@ -8,9 +8,9 @@ import math
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from trainer.base.launch import full_value, world_sum
 from trainer.core.batches import pipeline_forward_only, shard_for_context, step_targets
 from trainer.parallel.tensor import tp_loss_context
-from trainer.runtime.launch import full_value, world_sum
 
 
 def evaluate(trainer, eval_ds):

@@ -14,17 +14,20 @@ import time
 import torch
 import torch.distributed as dist
 
+from trainer.base.errors import SignalStop
+from trainer.base.launch import OUTSIDE_LOOP, add_stats, count_sum, full_value, is_main_process, set_collective_timeout
+from trainer.base.log import Logger
 from trainer.ckpt.rank_files import rng_state
 from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed, save_weights
 from trainer.core.batches import autocast, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader
 from trainer.core.evaluation import evaluate
-from trainer.core.objective import target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
 from trainer.parallel.expert import expert_params, reduce_expert_grads
 from trainer.parallel.tensor import tp_loss_context
 from trainer.plan.config_file import write_run_config
+from trainer.plan.objective import target_tokens
 from trainer.runtime.console import (
     NO_BAR,
     Bar,
@@ -39,20 +42,10 @@ from trainer.runtime.guard import (
     check_replicas,
     scaler_found_inf,
 )
-from trainer.runtime.launch import (
-    OUTSIDE_LOOP,
-    SignalStop,
-    add_stats,
-    count_sum,
-    full_value,
-    is_main_process,
-    set_collective_timeout,
-)
 from trainer.runtime.metrics import step_timer, trim_heap
 from trainer.runtime.oom import out_of_memory_as_one_line
 from trainer.runtime.schedule import lr_at
 from trainer.runtime.tracking import StepProfiler
-from trainer.trainer_utils import Logger
 
 
 def train(trainer, train_ds, eval_ds=None):
@@ -182,7 +175,7 @@ def finish(trainer):
 def train_step(trainer, micro_batches, bar=None):
     """One optimizer step over `micro_batches` [(input_ids, labels[, position_ids])]; returns its measurements.
 
-    The objective (trainer/core/objective.py; LM: CE over target tokens) gives each micro-batch's share of the step's
+    The objective (trainer/plan/objective.py; LM: CE over target tokens) gives each micro-batch's share of the step's
     mean, main loss / num_items (num_items: the step's denominator over all dp ranks, e.g. target tokens), plus
     aux * samples/global samples, so the sums over micro-batches and ranks are the step loss. The
     gradient is multiplied by dp*cp because DDP/FSDP average over those ranks. `bar`, a progress bar, advances

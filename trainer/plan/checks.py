@@ -7,13 +7,14 @@ import tempfile
 import torch
 
 from dataset.mixture import resolve_data_spec
+from trainer.base.errors import ConfigError
+from trainer.base.launch import per_rank
 from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.expert import ep_validate
 from trainer.parallel.mesh import validate_layout
 from trainer.parallel.pipeline import pp_validate
 from trainer.parallel.tensor import tp_validate
 from trainer.runtime import metrics
-from trainer.runtime.launch import ConfigError, per_rank
 from trainer.runtime.metrics import cpu_bf16_native, cpu_matmul_rates, cpu_name
 
 # bf16 is picked only this much faster than fp32 on the matmul: autocast also casts outside it (gradients, norms)
@@ -82,7 +83,7 @@ def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compress
 
 
 def check_numbers(args, declared):
-    """Every numeric flag in its range (`declared`: the Flags, trainer/plan/schema.py, their `min` and `hint`): one
+    """Every numeric flag in its range (`declared`: the Flags, trainer/base/schema.py, their `min` and `hint`): one
     line naming the flag, its value and what it takes."""
     for flag in declared:
         value = getattr(args, flag.name) if flag.min is not None else None

@@ -1,8 +1,8 @@
 """The plan: one frozen TrainPlan of frozen sections, and every flag of the training scripts declared once in its
-section (trainer/plan/schema.py says how); trainer/plan/flags.py builds the parser from these,
+section (trainer/base/schema.py says how); trainer/plan/flags.py builds the parser from these,
 trainer/plan/resolve.py's resolve fills them. The engine's sections live beside their code: `optim`
 (trainer/runtime/optim.py), `lr` (trainer/runtime/schedule.py), `callbacks` (trainer/runtime/callbacks.py); a stage's
-plan (trainer/core/stage.py) is `stage`, its flags in its own FLAGS.
+plan (trainer/plan/stage.py) is `stage`, its flags in its own FLAGS.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 
 from model.model_minimind import MiniMindConfig
-from trainer.core.stage import Stage
+from trainer.base.schema import Flag, flag
 from trainer.parallel.mesh import MODEL_DIMS
-from trainer.plan.schema import Flag, flag
+from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import CallbackPlan
 from trainer.runtime.optim import OptimizerPlan
 from trainer.runtime.schedule import LRSchedule
@@ -235,7 +235,7 @@ class TrainPlan:
     guard: GuardPlan
     callbacks: CallbackPlan  # trainer/runtime/callbacks.py: best checkpoint, early stopping, the user's
     flags: dict
-    stage: Stage = Stage()  # the stage's own checked plan (trainer/core/stage.py): its hooks, objective and datasets
+    stage: Stage = Stage()  # the stage's own checked plan (trainer/plan/stage.py): its hooks, objective and datasets
 
     @property
     def micro_batch_shape(self):

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dataset.tools import MOCKS, gt_matches, parse_assistant, tool_message, valid_call
-from trainer.plan.schema import Flag
+from trainer.base.errors import ConfigError, TrainingHalted
+from trainer.base.launch import count_sum
+from trainer.base.schema import Flag
 from trainer.rl.base import check_positions, resolve_rollout
 from trainer.rl.grpo import GRPOObjective, GRPOPlan, describe, resolve_group
 from trainer.rl.rewards import THINK_END, answer_of, completion_texts, repetition_penalty
 from trainer.rl.rollout import rollout_seed
 from trainer.rl.rows import training_rows
-from trainer.runtime.launch import ConfigError, TrainingHalted, count_sum
 
 REWARD_CLIP = 3.0  # MiniMind clips an episode's rule reward to [-3, 3]
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.core.objective import target_tokens
-from trainer.plan.schema import Flag
+from trainer.base.errors import ConfigError
+from trainer.base.schema import Flag
+from trainer.plan.objective import target_tokens
 from trainer.rl.base import (
     ROW_STATS,
     RolloutObjective,
@@ -27,7 +28,6 @@ from trainer.rl.base import (
 )
 from trainer.rl.policy_loss import LOSSES, GroupExtras, k3_kl, token_entropy
 from trainer.rl.rows import scoring_log_probs, tempered_log_probs
-from trainer.runtime.launch import ConfigError
 from trainer.runtime.metrics import step_flops
 
 GROUP_FLAGS = (  # GRPO's group-relative loss, which the agent stage trains with too; TRL's names
@@ -113,7 +113,7 @@ def describe(plan, objective, name="GRPO"):
 
 
 class GRPOObjective(RolloutObjective):
-    """The GRPO loss for train_step (see trainer/core/objective.py); `prepare` makes the step's rollout."""
+    """The GRPO loss for train_step (see trainer/plan/objective.py); `prepare` makes the step's rollout."""
 
     def __init__(self, stage, plan, dims, engine, tokenizer, functions, weights, reference=(None, None)):
         super().__init__(stage, plan, dims, engine, tokenizer, functions, weights, reference)

@@ -28,8 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from model.weight_shapes import clean_state_dict
+from trainer.base.errors import ConfigError
+from trainer.base.launch import world_sum
+from trainer.base.schema import Flag
 from trainer.core.batches import step_targets
-from trainer.plan.schema import Flag
 from trainer.rl.base import (
     RolloutObjective,
     RolloutPlan,
@@ -40,7 +42,6 @@ from trainer.rl.base import (
 )
 from trainer.rl.policy_loss import PPOExtras, gae, last_token_positions, token_entropy, unbiased_var, value_loss
 from trainer.rl.rows import scoring_forward, scoring_log_probs, tempered_log_probs
-from trainer.runtime.launch import ConfigError, world_sum
 from trainer.runtime.metrics import step_flops
 
 # per-row stats of a rollout, summed over the step's rows in the loss's stats
@@ -173,7 +174,7 @@ class ValueHead(nn.Linear):
 
 
 class PPOObjective(RolloutObjective):
-    """The PPO loss for train_step (see trainer/core/objective.py); `prepare` rolls out, scores and runs GAE."""
+    """The PPO loss for train_step (see trainer/plan/objective.py); `prepare` rolls out, scores and runs GAE."""
 
     def __init__(self, stage, plan, dims, engine, tokenizer, functions, weights, reference=(None, None)):
         super().__init__(stage, plan, dims, engine, tokenizer, functions, weights, reference)

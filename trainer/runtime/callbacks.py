@@ -21,14 +21,15 @@ from typing import Optional
 
 from model.atomic import atomic_write_text
 from model.weights import save_weights_file
+from trainer.base.errors import ConfigError, TrainingHalted
+from trainer.base.launch import is_main_process
+from trainer.base.log import Logger
+from trainer.base.rank_log import RankLog
+from trainer.base.schema import Flag, fill, flag
 from trainer.ckpt.checkpoint import read_checkpoint_model
 from trainer.ckpt.step_dirs import BEST_INDEX, MANIFEST, best_checkpoint_step
 from trainer.ckpt.weights_file import save_weights
-from trainer.plan.schema import Flag, fill, flag
 from trainer.runtime.bench import BenchError, EvalBench, import_lm_eval, task_names
-from trainer.runtime.launch import ConfigError, TrainingHalted, is_main_process
-from trainer.runtime.rank_log import RankLog
-from trainer.trainer_utils import Logger
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
 

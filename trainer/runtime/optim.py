@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from trainer.base.errors import ConfigError
+from trainer.base.launch import local_shard
+from trainer.base.schema import Flag, fill, flag
 from trainer.parallel.data import data_parallel_optimizer
 from trainer.parallel.state_dict import clean_fqn
-from trainer.plan.schema import Flag, fill, flag
-from trainer.runtime.launch import ConfigError, local_shard
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "muon")
 LARS_TRUST = 0.001  # LARS's trust coefficient eta (the paper's value)

@@ -1,4 +1,4 @@
-"""The LoRA stage's plan (trainer/core/stage.py): checked flags, the adapters put on the loaded base, and the adapter
+"""The LoRA stage's plan (trainer/plan/stage.py): checked flags, the adapters put on the loaded base, and the adapter
 files it writes.
 
 The loss, data and evaluation are SFT's unchanged; what differs is the model (base frozen, adapters trained) and the
@@ -15,10 +15,11 @@ from model.lora import TARGETS, LoraError, apply_lora, lora_state_dict, lora_tar
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import tokenizer_files
 from model.weights import save_weights_file
-from trainer.core.stage import SIDECAR_BYTES, SFTStage
-from trainer.plan.schema import Flag
-from trainer.runtime.launch import ConfigError
-from trainer.trainer_utils import Logger, weight_name
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
+from trainer.base.paths import weight_name
+from trainer.base.schema import Flag
+from trainer.plan.stage import SIDECAR_BYTES, SFTStage
 
 
 @dataclass(frozen=True)
