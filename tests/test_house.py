@@ -119,6 +119,36 @@ def test_no_import_cycle_between_files():
     assert cycles(graph) == []
 
 
+def closure(graph, start):
+    """Every module `start` reaches through imports (itself included)."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    return seen
+
+
+# pretraining's reading path (trainer/train_pretrain.py's static import closure, package __init__ files included): a
+# dimension, the MoE loads, lm-eval scoring, PowerSGD, HF folders and the agent's tools are read when used only (a
+# module named in a table, imported by name). Issue #44 asks for 45 modules and 7,000 lines; this is where it stands.
+PRETRAIN_MODULES, PRETRAIN_LINES = 66, 9500
+
+
+def test_pretraining_reads_a_short_path(capsys):
+    graph, files = import_graph()
+    reached = closure(graph, "trainer.train_pretrain")
+    lines = {name: sum(1 for _ in open(files[name])) for name in reached}
+    with capsys.disabled():
+        print(f"\npretraining's closure: {len(reached)} modules, {sum(lines.values())} lines")
+    assert len(reached) <= PRETRAIN_MODULES and sum(lines.values()) <= PRETRAIN_LINES, sorted(lines.items())
+
+
+def test_closure_follows_imports():
+    assert closure({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}, "a") == {"a", "b", "c"}
+
+
 def test_cycle_check_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -150,7 +180,7 @@ def test_every_folder_says_what_lives_there(folder):
 
 def test_no_function_over_60_lines():
     long = []
-    for path in python_files("trainer"):
+    for path in python_files("trainer", "model", "dataset", "scripts"):
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
                 long.append(f"{relative(path)}:{node.name} {node.end_lineno - node.lineno + 1} lines")

@@ -169,7 +169,7 @@ class Checkpointer:
         plan = self.plan
         layout = plan.layout
         record = dict(world_size=layout.world_size, global_batch=plan.data.global_batch,
-                      layout=dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage),
+                      layout=dict(dp=layout.dp, **layout.model_sizes, zero_stage=layout.zero_stage),
                       args=dict(plan.flags), config=self.config.to_dict(), format_version=FORMAT_VERSION,
                       tokenizer=plan.data.tokenizer_record, resume_fields=resume_fields(plan),
                       parts={part.name: part.scope for part in self.parts.values()})

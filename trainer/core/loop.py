@@ -19,13 +19,12 @@ from trainer.base.launch import OUTSIDE_LOOP, add_stats, count_sum, full_value, 
 from trainer.base.log import Logger
 from trainer.ckpt.rank_files import rng_state
 from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed, save_weights
-from trainer.core.batches import autocast, shard_for_context, step_targets, to_device
+from trainer.core.batches import autocast, loss_context, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader
 from trainer.core.evaluation import evaluate
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
-from trainer.parallel.expert import expert_params, reduce_expert_grads
-from trainer.parallel.tensor import tp_loss_context
+from trainer.parallel.mesh import dimension_module
 from trainer.plan.config_file import write_run_config
 from trainer.plan.objective import target_tokens
 from trainer.runtime.console import (
@@ -230,7 +229,7 @@ def accumulate_gradients(trainer, micro_batches, bar):
     for i, (x, t, p, extra) in enumerate(zip(inputs, targets, doc_positions, extras)):
         (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
         # DDP and FSDP2 reduce gradients on the last micro-batch only
-        with gradient_sync(trainer.model_parts, i == len(inputs) - 1), tp_loss_context(layout.tp > 1):
+        with gradient_sync(trainer.model_parts, i == len(inputs) - 1), loss_context(layout.tp):
             with autocast(plan):
                 main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
             loss = main_loss + aux_loss * aux_weight
@@ -251,9 +250,10 @@ def clip_gradients(trainer, max_norm):
     params = [p for part in trainer.model_parts for p in part.parameters() if p.grad is not None]
     pp_group = trainer.dims.group("pp") if trainer.plan.layout.pp > 1 else None
     ep = trainer.plan.layout.ep > 1  # each ep rank's experts are its own: their norms add up over the ep ranks
-    experts = [p for part in trainer.model_parts for _, p in expert_params(part)] if ep else None
+    expert = dimension_module("ep") if ep else None
+    experts = [p for part in trainer.model_parts for _, p in expert.expert_params(part)] if ep else None
     if ep:  # ep < dp: the expert replicas' gradients summed first (as DDP did the dense ones)
-        reduce_expert_grads(trainer.model_parts, trainer.dims.group("ep_replica"))
+        expert.reduce_expert_grads(trainer.model_parts, trainer.dims.group("ep_replica"))
     return clip_grad_norm_(params, max_norm, pp_group=pp_group,
                            exclude=pipeline.duplicate_params() if pipeline is not None else None,
                            sharded=experts, sharded_group=trainer.dims.group("ep") if experts else None)

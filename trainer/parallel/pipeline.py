@@ -37,6 +37,12 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": Sc
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
 
 
+
+def validate(args, config, zero_stage):
+    """The dimension's check (parallel/mesh.py DIMENSIONS): one line saying what to change, else None."""
+    return pp_validate(config.num_hidden_layers, args.pp, args.pp_schedule, args.accumulation_steps)
+
+
 # ----------------------------------------------------------------------------- layout and validation
 def pipeline_stage_ranges(num_layers, num_stages):
     """Contiguous, balanced [start, end) layer ranges, one per stage; earlier stages take the remainder."""

@@ -19,10 +19,10 @@ from trainer.base.schema import fill
 from trainer.ckpt.step_dirs import MANIFEST
 from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from trainer.ckpt.weights_file import any_weights_record
+from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.checks import (
     check_combinations,
     check_device,
-    check_expert_parallel,
     check_metrics_file,
     check_model_args,
     check_numbers,
@@ -97,10 +97,9 @@ def resolve(args, world_size, local_rank=0, stage=Stage):
 
 def resolve_layout(args, world_size, local_rank, config):
     """The Layout section: the data-parallel degree and mode a layout gives, its checks, this rank's device."""
-    dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.tp, args.pp, args.cp, args.zero_stage,
-                                                 args.grad_compression)
-    check_parallel_args(args, config)
-    check_expert_parallel(args, config, dp, zero_stage)
+    dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.zero_stage, args.grad_compression,
+                                                 **{name: getattr(args, name) for name in MODEL_DIMS})
+    check_parallel_args(args, config, zero_stage)
     check_combinations(args)
     check_replica_layout(args.check_replicas, dp_mode)
     check_offload(args, dp_mode)

@@ -55,7 +55,7 @@ class RolloutPlan(Stage):
     reward_rules = RULES  # the rule functions of --reward rule
     mock_tools = None  # the names of the tools episodes can call (the agent stage's)
     FLAGS = (  # MiniMind's defaults
-        Flag("max_gen_len", int, 1024, "tokens generated at most per completion (agent: per turn)"),
+        Flag("max_gen_len", int, 1024, "tokens generated at most per completion (agent: per turn)", min=1),
         Flag("temperature", float, 0.8, "sampling temperature; the log-probs are taken at it too"),
         Flag("top_p", float, 1.0, "nucleus sampling mass (1: the whole vocabulary)"),
         Flag("thinking_ratio", float, 0.9, "share of prompts that open the think block"),
@@ -106,8 +106,6 @@ class RolloutPlan(Stage):
 
 def resolve_rollout(args, plan, stage_name, rules=RULES):
     """The checked RolloutPlan fields (a dict) of the shared flags; ConfigError (one line) on bad input."""
-    if args.max_gen_len < 1:
-        raise ConfigError(f"--max_gen_len must be at least 1 (got {args.max_gen_len})")
     for name in ("temperature", "rollout_timeout"):  # plain checks, as trainer/plan/checks.py check_numbers
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")

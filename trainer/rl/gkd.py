@@ -104,8 +104,6 @@ def resolve_gkd(args, plan):
         value = getattr(args, name)
         if not 0 <= value <= 1:
             raise ConfigError(f"--{name} must lie in [0, 1] (got {value})")
-    if args.max_gen_len < 1:
-        raise ConfigError(f"--max_gen_len must be at least 1 (got {args.max_gen_len})")
     for name in ("temperature", "rollout_timeout"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")

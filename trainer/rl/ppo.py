@@ -73,7 +73,7 @@ class PPOPlan(RolloutPlan):
         Flag("gamma", float, 1.0, "GAE's discount"),
         Flag("lam", float, 0.95, "GAE's lambda"),
         Flag("ppo_update_iters", int, 2, "optimizer steps on each rollout (each over the step's whole rollout: "
-             "MiniMind's mini_batch_size = batch_size)"),
+             "MiniMind's mini_batch_size = batch_size)", min=1),
         Flag("early_stop_kl", float, 0.25, "roll out anew once the policy's approx KL to the rollout's exceeds this "
              "(checked before each further update on a rollout; 0: off)"),
     )
@@ -108,8 +108,6 @@ class PPOPlan(RolloutPlan):
 
 def resolve_ppo(args, plan):
     """Check PPO's flags against the TrainPlan; ConfigError (one line) on bad input."""
-    if args.ppo_update_iters < 1:
-        raise ConfigError(f"--ppo_update_iters must be at least 1 (got {args.ppo_update_iters})")
     for name in ("clip_epsilon", "cliprange_value"):  # plain checks, as trainer/plan/checks.py check_numbers
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")
