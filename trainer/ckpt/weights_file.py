@@ -50,7 +50,7 @@ def any_weights_record(path):
 
 def load_any_weights(model, path):
     """Read `path`, check it against `model` and load it strict (fp32 copy); WeightsError (with its fix) if it does not
-    fit (trainer/weight_flags.weights_line words it)."""
+    fit (trainer/ckpt/weight_flags.py words it)."""
     state_dict, _, _ = read_any_weights(path)
     return load_checked(model, state_dict, path)
 

@@ -2,10 +2,12 @@
 Trainer that trainer/core/build.py's `setup` and `build_trainer` make. Entry scripts import it; stage modules never do
 (they sit below it).
 
-Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in plan.py
-(resolved by config.py), what a stage gives the loop in stage.py and objective.py, data in data_loading.py, a batch's
-way into the model in batches.py, checkpoints in checkpoint.py, the console and records in progress.py, evaluation in
-evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/ (applied by parallel/parallelize.py).
+Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in
+trainer/plan/sections.py (resolved by trainer/plan/resolve.py), what a stage gives the loop in trainer/plan/stage.py and
+trainer/plan/objective.py, data in trainer/core/data_loading.py, a batch's way into the model in
+trainer/core/batches.py, checkpoints in trainer/ckpt/checkpointer.py, the console and records in
+trainer/runtime/console.py, evaluation in trainer/core/evaluation.py, the callbacks in trainer/runtime/callbacks.py,
+the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parallelize.py).
 """
 import os
 import signal
@@ -48,7 +50,7 @@ from trainer.runtime.tracking import StepProfiler
 
 
 def train(trainer, train_ds, eval_ds=None):
-    """Phase 7, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
+    """Phase 8, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
 
     SIGTERM/SIGINT stop it with a checkpoint of the last completed step (guard.py Preemption: one process drops
     the step in progress, several ranks finish it and stop together)."""
