@@ -3,22 +3,20 @@ target within --max_seq_len, conversations cut at --max_seq_len, preference pair
 prompts whose start is dropped at --max_seq_len, prompts offering tools the mock tools lack (the agent stage)."""
 import numpy as np
 
-from dataset.lm_dataset import DPODataset, SFTDataset
-from dataset.rlaif_dataset import RLAIFDataset
+from dataset.lm_dataset import DPODataset
+
+# the notes of each dataset class, by its name (a pretraining run reads no module of the others): the nearest in the
+# class's MRO applies
+NOTES = {"DPODataset": lambda ds: [ds.no_target_line(), truncation_line(ds), identical_pairs_line(ds)],
+         "SFTDataset": lambda ds: [ds.no_target_line(), truncation_line(ds)],
+         "RLAIFDataset": lambda ds: [ds.no_target_line(), ds.unknown_tools_line()]}
 
 
 def dataset_notes(ds):
     """The info lines about `ds` (an SFTDataset, DPODataset or RLAIFDataset; none for others). ValueError when no pair
     teaches."""
-    if isinstance(ds, DPODataset):
-        lines = [ds.no_target_line(), truncation_line(ds), identical_pairs_line(ds)]
-    elif isinstance(ds, SFTDataset):
-        lines = [ds.no_target_line(), truncation_line(ds)]
-    elif isinstance(ds, RLAIFDataset):
-        lines = [ds.no_target_line(), ds.unknown_tools_line()]
-    else:
-        lines = []
-    return [line for line in lines if line]
+    notes = next((NOTES[cls.__name__] for cls in type(ds).__mro__ if cls.__name__ in NOTES), lambda ds: [])
+    return [line for line in notes(ds) if line]
 
 
 def _longer(side, rows, max_length):

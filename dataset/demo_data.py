@@ -23,6 +23,7 @@ Run `python dataset/demo_data.py` to build them all, or call `ensure_demo_data("
 """
 import ast
 import datetime
+import importlib
 import json
 import math
 import os
@@ -30,8 +31,6 @@ import random
 import sysconfig
 import unicodedata
 import warnings
-
-from dataset.tools import RATES, TIMES, TOOL_NAMES, TRANSLATIONS, WEATHER, agent_rows, execute_tool
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 PRETRAIN_DEMO = os.path.join(DATASET_DIR, "pretrain_demo.jsonl")
@@ -44,12 +43,12 @@ DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl", "dp
 BUILD_NOTES = {"pretrain": "Python's docs and docstrings, ~20 s", "sft": "dialogues and computed tool calls, a few s",
                "dpo": "computed preference pairs, a few s", "rlaif": "RL prompts, a few s",
                "agent": "tool questions, a few s"}
+BUILT_ELSEWHERE = {"agent": "dataset.demo_agent"}  # rows over the mock tools: their module is read for that corpus only
 CHATTERBOT_LANGUAGES = ("english", "chinese")
 NUM_TOOL_CONVERSATIONS = 48       # tool-call rows in the SFT demo: enough that every short run meets some
 NUM_REASONING_CONVERSATIONS = 48  # rows with reasoning_content
 NUM_DPO_PAIRS = 600  # preference pairs: a few epochs of the default DPO batch on a CPU in minutes
 NUM_RLAIF_SUMS = 200  # arithmetic prompts among the RL prompts (the rest: chatterbot questions)
-NUM_AGENT_ROWS = 120  # tool questions for the agent stage
 MIN_DOCSTRING_CHARS = 200   # shorter docstrings are mostly one-line signatures, not prose
 MAX_CHUNK_CHARS = 2000      # pydoc topics are cut into paragraph chunks of at most about this size
 # stdlib folders that hold tests, third-party code, GUIs demos or binaries rather than documentation
@@ -286,46 +285,6 @@ def rlaif_records(n_sums=NUM_RLAIF_SUMS, seed=3):
     return [{"conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
 
 
-def _agent_case(rng, kind):
-    """A question for mock tool `kind`: (prompt, its call's arguments, the answer and the gt over the tool's result)."""
-    if kind == "calculate_math":
-        a, b = rng.randrange(12, 1000), rng.randrange(12, 100)
-        return f"What is {a} times {b}?", {"expression": f"{a}*{b}"}, f"{a} times {b} is {{result}}.", "{result}"
-    if kind == "unit_converter":
-        value = rng.randrange(1, 200)
-        source, target = rng.choice([("km", "miles"), ("miles", "km"), ("kg", "pounds"), ("celsius", "fahrenheit")])
-        return (f"Convert {value} {source} to {target}.", {"value": value, "from_unit": source, "to_unit": target},
-                f"{value} {source} is {{result}} {target}.", "{result}")
-    if kind == "get_current_weather":
-        city = rng.choice(sorted(WEATHER))
-        return f"What is the weather in {city}?", {"location": city}, f"{city}: {{temperature}}, {{condition}}.", \
-            "{temperature}"
-    if kind == "get_current_time":
-        zone = rng.choice(sorted(TIMES))
-        return f"What time is it in {zone}?", {"timezone": zone}, f"In {zone} it is {{datetime}}.", "{time}"
-    if kind == "get_exchange_rate":
-        source, target = rng.choice(sorted(RATES))
-        return (f"What is the exchange rate from {source} to {target}?", {"from_currency": source,
-                "to_currency": target}, f"1 {source} is {{rate}} {target}.", "{rate}")
-    text, language = rng.choice(sorted(TRANSLATIONS))
-    return f"Translate '{text}' into {language}.", {"text": text, "target_language": language}, \
-        "{translated_text}", "{translated_text}"
-
-
-def agent_records(n=NUM_AGENT_ROWS, seed=4):
-    """Agent RL rows: each question offers the tool it needs and another; gt is what the mock tool answers (a
-    product, a conversion, a city's temperature, the time of day, a rate, a translation)."""
-    rng, cases = random.Random(seed), []
-    for _ in range(n):
-        tool = rng.choice(TOOL_NAMES)
-        prompt, arguments, answer, truth = _agent_case(rng, tool)
-        result = execute_tool(tool, arguments)
-        result["time"] = str(result.get("datetime", ""))[11:16]  # HH:MM, as TOOL_CASES states a time
-        cases.append(dict(prompt=prompt, tools=[tool, rng.choice([t for t in TOOL_NAMES if t != tool])], tool=tool,
-                          gt=[truth.format(**result)], answer=answer.format(**result)))
-    return agent_rows(cases)
-
-
 def _write_jsonl_atomic(records, path):
     """Write records as JSONL to a temporary file, then rename it over `path`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -346,8 +305,9 @@ def build_demo_data(kind, out_dir=DATASET_DIR, stdlib_dir=None):
     """
     if kind not in DEMO_FILES:
         raise ValueError(f"unknown demo data kind {kind!r}, expected one of {sorted(DEMO_FILES)}")
-    records = {"pretrain": lambda: pretrain_records(stdlib_dir), "sft": sft_records, "dpo": dpo_records,
-               "rlaif": rlaif_records, "agent": agent_records, "kto": kto_records}[kind]()
+    makers = {"pretrain": lambda: pretrain_records(stdlib_dir), "sft": sft_records, "dpo": dpo_records,
+              "rlaif": rlaif_records, "kto": kto_records}
+    records = makers[kind]() if kind in makers else importlib.import_module(BUILT_ELSEWHERE[kind]).agent_records()
     return _write_jsonl_atomic(records, os.path.join(out_dir, DEMO_FILES[kind]))
 
 

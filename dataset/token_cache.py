@@ -253,82 +253,106 @@ def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_l
         raise ValueError(f"num_proc must be a positive integer, got {num_proc}")
     if not (isinstance(rank, int) and isinstance(num_parts, int) and 0 <= rank < num_parts):
         raise ValueError(f"part must be (local_rank, local_world_size) with 0 <= local_rank < size, got {part}")
-    meta_path = os.path.join(out_dir, "meta.json")
     if discard_if_damaged(out_dir, quiet=rank != 0):  # a damaged one is built again
         return False
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
-    lock_path, error_path, parts_dir = f"{out_dir}.lock", f"{out_dir}.error", f"{out_dir}.parts{num_parts}"
-    part_dir = os.path.join(parts_dir, f"part{rank}")
     me = {"node": node or default_node(), "host": socket.gethostname(), "pid": os.getpid(), "parts": num_parts,
           "since": time.time()}
     task = (data_path, field, encode, token_dtype, skip_bad_lines)
-    holding = tokenized = False
-    last_beat, deadline = time.monotonic(), time.monotonic() + wait_timeout
+    return _Build(out_dir, task, part, num_proc, me, wait_timeout).run()
 
-    def heartbeat():
-        nonlocal last_beat
-        if holding and time.monotonic() - last_beat > HEARTBEAT_S:
+
+class _Build:
+    """One rank's share of building the cache `out_dir`: the lock it may hold (rank 0), its heartbeat, its part, the
+    wait's deadline."""
+
+    def __init__(self, out_dir, task, part, num_proc, me, wait_timeout):
+        self.out_dir, self.task, (self.rank, self.num_parts), self.num_proc, self.me = out_dir, task, part, num_proc, me
+        self.wait_timeout, self.meta_path = wait_timeout, os.path.join(out_dir, "meta.json")
+        self.lock_path, self.error_path = f"{out_dir}.lock", f"{out_dir}.error"
+        self.parts_dir = f"{out_dir}.parts{self.num_parts}"
+        self.part_dir = os.path.join(self.parts_dir, f"part{self.rank}")
+        self.holding = self.tokenized = False
+        self.last_beat = time.monotonic()
+        self.deadline = self.last_beat + wait_timeout
+
+    def heartbeat(self):
+        if self.holding and time.monotonic() - self.last_beat > HEARTBEAT_S:
             try:
-                os.utime(lock_path)
+                os.utime(self.lock_path)
             except FileNotFoundError:
                 pass  # taken over by someone who thought it stale: both finish the same bytes
-            last_beat = time.monotonic()
+            self.last_beat = time.monotonic()
 
-    with _interrupted_by_signals(out_dir):
-        try:
-            while not os.path.exists(meta_path):
-                holder = _read_json(lock_path)
-                if holder and _lock_is_stale(lock_path, holder) and not holding:
-                    holder = None  # its builder died: its error and its lock no longer count
-                    if rank == 0:
-                        try:
-                            os.remove(lock_path)
-                        except FileNotFoundError:
-                            pass
-                if holder is None and rank == 0 and _try_lock(lock_path, me):
-                    holding, holder = True, me
-                    if os.path.exists(error_path):
-                        os.remove(error_path)  # an earlier failed build's: this build tries again
-                since = (holder or me).get("since", 0)  # an error file older than this build's start is a past one's
-                if os.path.exists(error_path) and os.stat(error_path).st_mtime >= since - 1:
-                    with open(error_path) as f:
-                        raise _ReportedError(f.read())
-                ours = bool(holder) and holder.get("node") == me["node"] and holder.get("parts") == num_parts
-                if ours and not os.path.exists(os.path.join(part_dir, "meta.json")):
-                    _write_part(part_dir, task, split_range(data_path, *extent(data_path), num_parts)[rank],
-                                num_proc, heartbeat, show=rank == 0)
-                    tokenized = True
-                elif holding and all(os.path.exists(os.path.join(parts_dir, f"part{r}", "meta.json"))
-                                     for r in range(num_parts)):
-                    _join_parts(out_dir, parts_dir, num_parts, data_path, token_dtype)
-                elif time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {wait_timeout:.0f}s for the token cache {out_dir} (lock: {holder}); "
-                                       f"if no build is running, remove {lock_path}")
-                else:
-                    heartbeat()
-                    time.sleep(POLL_S)
-        except _ReportedError as e:
-            raise ValueError(str(e)) from None
-        except CacheBuildInterrupted as e:
-            _abandon(str(e), error_path, lock_path if holding else None, parts_dir if holding else None)
-            raise
-        except Exception as e:
-            full = disk_full_line(e, out_dir)
-            if full and holding:  # what the build wrote goes, so the space it took is free again
-                shutil.rmtree(parts_dir, ignore_errors=True)
-                os.remove(lock_path)
-            if not isinstance(e, TimeoutError):  # tell the other ranks, so they stop with this line, not a timeout
+    def run(self):
+        """Build or wait until the cache is complete; whether this process tokenized."""
+        with _interrupted_by_signals(self.out_dir):
+            try:
+                while not os.path.exists(self.meta_path):
+                    self.step()
+            except _ReportedError as e:
+                raise ValueError(str(e)) from None
+            except CacheBuildInterrupted as e:
+                _abandon(str(e), self.error_path, self.lock_path if self.holding else None,
+                         self.parts_dir if self.holding else None)
+                raise
+            except Exception as e:
+                full = self.fail(e)
+                if full:
+                    raise ValueError(full) from None
+                raise
+            if self.holding:
+                os.remove(self.lock_path)
+        return self.tokenized
+
+    def step(self):
+        """One look at the build: take a free or stale lock, tokenize this rank's part, join the parts, or wait."""
+        rank, num_parts, data_path = self.rank, self.num_parts, self.task[0]
+        holder = _read_json(self.lock_path)
+        if holder and _lock_is_stale(self.lock_path, holder) and not self.holding:
+            holder = None  # its builder died: its error and its lock no longer count
+            if rank == 0:
                 try:
-                    _write_error(error_path, full or (str(e) if isinstance(e, ValueError) else
-                                                      f"{type(e).__name__}: {e}"))
-                except OSError:
-                    pass  # a full disk takes no error file either: the other ranks meet it themselves
-            if full:
-                raise ValueError(full) from None
-            raise
-        if holding:
-            os.remove(lock_path)
-    return tokenized
+                    os.remove(self.lock_path)
+                except FileNotFoundError:
+                    pass
+        if holder is None and rank == 0 and _try_lock(self.lock_path, self.me):
+            self.holding, holder = True, self.me
+            if os.path.exists(self.error_path):
+                os.remove(self.error_path)  # an earlier failed build's: this build tries again
+        since = (holder or self.me).get("since", 0)  # an error file older than this build's start is a past one's
+        if os.path.exists(self.error_path) and os.stat(self.error_path).st_mtime >= since - 1:
+            with open(self.error_path) as f:
+                raise _ReportedError(f.read())
+        ours = bool(holder) and holder.get("node") == self.me["node"] and holder.get("parts") == num_parts
+        if ours and not os.path.exists(os.path.join(self.part_dir, "meta.json")):
+            _write_part(self.part_dir, self.task, split_range(data_path, *extent(data_path), num_parts)[rank],
+                        self.num_proc, self.heartbeat, show=rank == 0)
+            self.tokenized = True
+        elif self.holding and all(os.path.exists(os.path.join(self.parts_dir, f"part{r}", "meta.json"))
+                                  for r in range(num_parts)):
+            _join_parts(self.out_dir, self.parts_dir, num_parts, data_path, self.task[3])
+        elif time.monotonic() > self.deadline:
+            raise TimeoutError(f"waited {self.wait_timeout:.0f}s for the token cache {self.out_dir} (lock: {holder}); "
+                               f"if no build is running, remove {self.lock_path}")
+        else:
+            self.heartbeat()
+            time.sleep(POLL_S)
+
+    def fail(self, e):
+        """After an error: a full disk frees what the build wrote; the other ranks are told (an error file); the
+        full-disk line, or None."""
+        full = disk_full_line(e, self.out_dir)
+        if full and self.holding:  # what the build wrote goes, so the space it took is free again
+            shutil.rmtree(self.parts_dir, ignore_errors=True)
+            os.remove(self.lock_path)
+        if not isinstance(e, TimeoutError):  # tell the other ranks, so they stop with this line, not a timeout
+            try:
+                _write_error(self.error_path, full or (str(e) if isinstance(e, ValueError) else
+                                                       f"{type(e).__name__}: {e}"))
+            except OSError:
+                pass  # a full disk takes no error file either: the other ranks meet it themselves
+        return full
 
 
 def _abandon(message, error_path, lock_path, parts_dir):

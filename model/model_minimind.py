@@ -93,17 +93,24 @@ class MiniMindConfig(PretrainedConfig):
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
-        self.use_moe = use_moe
-        self.num_experts = num_experts
-        self.num_experts_per_tok = num_experts_per_tok
-        self.moe_intermediate_size = moe_intermediate_size if moe_intermediate_size is not None else intermediate_size
-        self.norm_topk_prob = norm_topk_prob
-        self.router_aux_loss_coef = router_aux_loss_coef
-        self.n_shared_experts = n_shared_experts
+        self._set_moe(use_moe, num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+                      router_aux_loss_coef, n_shared_experts)
         # > 0: with labels, lm_head + cross-entropy run over chunks of this many tokens and `logits` is None
         self.loss_chunk_size = loss_chunk_size
         # MiniMind-3's switch for YaRN (YARN_ROPE_SCALING); a plain bool so config.json round-trips it
         self.inference_rope_scaling = bool(inference_rope_scaling)
+
+    def _set_moe(self, use_moe, num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob,
+                 router_aux_loss_coef, n_shared_experts):
+        """The MoE fields (ignored when use_moe is False); the experts' size defaults to intermediate_size."""
+        self.use_moe = use_moe
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size if moe_intermediate_size is not None \
+            else self.intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.n_shared_experts = n_shared_experts
 
     def validate(self):
         """Return a one-line message saying what to change, or None if the config is usable."""

@@ -168,7 +168,7 @@ def plan_table():
             for layout in layouts:
                 tp, pp, cp = layout.get("tp", 1), layout.get("pp", 1), layout.get("cp", 1)
                 # as the trainer runs it
-                dp, zero, _ = data_parallel_mode(gpus, tp, pp, cp, layout.get("zero_stage", 0))
+                dp, zero, _ = data_parallel_mode(gpus, layout.get("zero_stage", 0), tp=tp, pp=pp, cp=cp)
                 schedule = layout.get("pp_schedule", "1f1b")
                 plan = plan_layout(config, seq_len, micro_batch, micro_batches, dp, tp, pp, cp, zero, schedule,
                                    act_bytes=2)

@@ -119,7 +119,7 @@ def test_ep2_dp2_training_run_equals_one_process(zero, data, reference, tmp_path
 
 
 @pytest.mark.parametrize("flags,needle", [(["--ep", "2", "--use_moe", "0"], "--use_moe 1"),
-                                          (["--ep", "3"], "num_experts=4"),
+                                          (["--ep", "2", "--num_experts", "3"], "num_experts=3"),
                                           (["--ep", "4"], "must divide the data-parallel size (2)"),
                                           (["--ep", "2", "--zero_stage", "1"], "--zero_stage 0/2/3")])
 def test_bad_ep_is_one_line(flags, needle, data, tmp_path):  # noqa: F811

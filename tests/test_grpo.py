@@ -431,7 +431,7 @@ def test_a_reward_function_that_raises_is_named_and_the_last_step_saved(tmp_path
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--num_generations", "1"], "--num_generations must be at least 2 (got 1): the advantages compare"),
+    (["--num_generations", "1"], "--num_generations must be at least 2 (got 1; the advantages compare"),
     (["--reward_fn", "missing.py:f"], "--reward_fn missing.py:f: missing.py does not exist"),
     (["--reward_weights", "1,2"], "--reward_weights has 2 values for 1 reward functions"),
     (["--rollout_engine", "vllm"], "--rollout_engine vllm needs --rollout_url"),

@@ -9,17 +9,10 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDERS = ("core", "plan", "ckpt", "runtime", "stages", "rl", "parallel")
-# folder -> the trainer folders it must never import (the layering of docs/design.md, "Layout")
-FORBIDDEN = {
-    "core": ("stages", "rl"),
-    "plan": ("stages", "rl"),
-    "ckpt": ("core", "stages", "rl"),
-    "runtime": ("core", "stages", "rl"),
-    "parallel": ("core", "plan", "ckpt", "stages", "rl"),
-    "stages": ("rl",),
-    "rl": (),
-}
+# the floors, bottom first (docs/design.md, "Floors"): each imports only the floors below it, no exceptions; model/ and
+# dataset/ sit under the trainer; the top floor is trainer/'s entry scripts and trainer_utils.py
+FLOORS = ("model", "dataset", "base", "parallel", "ckpt", "runtime", "plan", "core", "stages", "rl", "top")
+FOLDERS = FLOORS[2:-1]
 
 
 def python_files(*folders):
@@ -43,30 +36,140 @@ def relative(path):
     return os.path.relpath(path, ROOT)
 
 
-def test_imports_follow_the_layering():
-    broken = []
+def floor_of(path):
+    """The floor of a file under trainer/, model/ or dataset/ (FLOORS)."""
+    where = relative(path).split(os.sep)
+    if where[0] != "trainer":
+        return where[0]
+    return where[1] if len(where) == 3 else "top"
+
+
+def module_files():
+    """{dotted module name: path} of every module in trainer/, model/ and dataset/ (a package by its own name)."""
+    files = {}
     for path in python_files("trainer", "model", "dataset"):
-        where = relative(path).split(os.sep)
-        for name in set(imported_modules(path)):
-            parts = name.split(".")
-            if parts[0] == "trainer" and where[0] in ("model", "dataset"):
-                broken.append(f"{relative(path)} imports {name}: model/ and dataset/ know nothing of the trainer")
-            if parts[0] != "trainer" or len(parts) < 2:
+        name = relative(path)[:-3].replace(os.sep, ".")
+        files[name[:-len(".__init__")] if name.endswith(".__init__") else name] = path
+    return files
+
+
+def import_graph():
+    """{module: the project modules it imports}, from the source, imports inside functions included."""
+    files = module_files()
+    graph = {}
+    for name, path in files.items():
+        found = set()
+        for imported in imported_modules(path):
+            parts = imported.split(".")
+            found.update(next(([".".join(parts[:k])] for k in range(len(parts), 0, -1)
+                               if ".".join(parts[:k]) in files), []))
+        graph[name] = found - {name}
+    return graph, files
+
+
+def test_imports_follow_the_floors():
+    """Each floor imports only the floors below it (a package's __init__ belongs to no floor: it imports nothing)."""
+    graph, files = import_graph()
+    broken = []
+    for name, imported in graph.items():
+        if files[name].endswith("__init__.py"):
+            continue
+        for other in imported:
+            if files[other].endswith("__init__.py"):
                 continue
-            if parts[1].startswith("train_") and not where[-1].startswith("train_"):
-                broken.append(f"{relative(path)} imports the entry script {name}")
-            if len(where) == 3 and parts[1] in FORBIDDEN.get(where[1], ()):
-                broken.append(f"{relative(path)} imports {name}: {where[1]}/ sits below {parts[1]}/")
-            if len(where) == 3 and where[1] in ("stages", "rl") and name.startswith("trainer.core.loop"):
-                broken.append(f"{relative(path)} imports the loop: stages import core's helpers, never the loop")
-    assert broken == [], "\n".join(broken)
+            here, there = floor_of(files[name]), floor_of(files[other])
+            if there == "top" and here == "top" and not os.path.basename(files[name]).startswith("train_"):
+                broken.append(f"{relative(files[name])} imports {other}: only an entry script imports an entry script")
+            elif FLOORS.index(there) > FLOORS.index(here):
+                broken.append(f"{relative(files[name])} imports {other}: {here}/ sits below {there}/")
+            if here in ("stages", "rl") and other == "trainer.core.loop":
+                broken.append(f"{relative(files[name])} imports the loop: stages import core's helpers, never the loop")
+    assert broken == [], "\n".join(sorted(broken))
 
 
-def test_layering_check_sees_a_violation(tmp_path):
-    """The check above reads imports from source: a forbidden one written in a file is found."""
+def cycles(graph):
+    """The import cycles of `graph` (strongly connected components of more than one module), Tarjan's algorithm."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle_between_files():
+    graph, _ = import_graph()
+    assert cycles(graph) == []
+
+
+def closure(graph, start):
+    """Every module `start` reaches through imports (itself included)."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    return seen
+
+
+# pretraining's reading path (trainer/train_pretrain.py's static import closure, package __init__ files included): a
+# dimension, the MoE loads, lm-eval scoring, PowerSGD, HF folders and the agent's tools are read when used only (a
+# module named in a table, imported by name). Issue #44 asks for 45 modules and 7,000 lines; this is where it stands.
+PRETRAIN_MODULES, PRETRAIN_LINES = 66, 9400
+
+
+def test_pretraining_reads_a_short_path(capsys):
+    graph, files = import_graph()
+    reached = closure(graph, "trainer.train_pretrain")
+    lines = {name: sum(1 for _ in open(files[name])) for name in reached}
+    with capsys.disabled():
+        print(f"\npretraining's closure: {len(reached)} modules, {sum(lines.values())} lines")
+    assert len(reached) <= PRETRAIN_MODULES and sum(lines.values()) <= PRETRAIN_LINES, sorted(lines.items())
+
+
+def test_design_opens_with_pretrainings_reading_order():
+    """docs/design.md opens with the reading order (scripts/module_map.py --write): every file of the closure."""
+    graph, files = import_graph()
+    design = docs()[os.path.join("docs", "design.md")]
+    start, stop = design.find("<!-- reading order: begin"), design.find("<!-- reading order: end -->")
+    assert 0 <= start < design.find("\n## "), "docs/design.md opens with the reading order for pretraining"
+    listed = set(re.findall(r"((?:trainer|model|dataset)/[\w/]+\.py) \(\d+\)", design[start:stop]))
+    assert listed == {relative(files[name]) for name in closure(graph, "trainer.train_pretrain")}
+
+
+def test_closure_follows_imports():
+    assert closure({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}, "a") == {"a", "b", "c"}
+
+
+def test_cycle_check_sees_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_floor_check_sees_a_violation(tmp_path):
+    """The floor check reads imports from source: an upward one written in a file is found."""
     bad = tmp_path / "bad.py"
     bad.write_text("from trainer.rl.grpo import GRPOPlan\nimport trainer.core.loop\n")
     assert {"trainer.rl.grpo", "trainer.rl.grpo.GRPOPlan", "trainer.core.loop"} <= set(imported_modules(bad))
+    assert FLOORS.index("rl") > FLOORS.index("ckpt")
 
 
 def test_trainer_top_level_holds_entry_scripts_only():
@@ -85,9 +188,15 @@ def test_every_folder_says_what_lives_there(folder):
     assert doc and "import" in doc, f"trainer/{folder}/__init__.py: a docstring: what lives there, what it imports"
 
 
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_no_folder_holds_more_than_12_modules(folder):
+    names = [n for n in os.listdir(os.path.join(ROOT, "trainer", folder)) if n.endswith(".py") and n != "__init__.py"]
+    assert len(names) <= 12, f"trainer/{folder}/ holds {len(names)} modules: split it by concern"
+
+
 def test_no_function_over_60_lines():
     long = []
-    for path in python_files("trainer"):
+    for path in python_files("trainer", "model", "dataset", "scripts"):
         for node in ast.walk(ast.parse(open(path).read())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
                 long.append(f"{relative(path)}:{node.name} {node.end_lineno - node.lineno + 1} lines")

@@ -21,7 +21,7 @@ def test_validate_layout():
     assert dp is None and "--cp must be an integer >= 1" in message
     assert validate_layout(8, tp=2, ep=2) == (4, None)  # ep is carved out of dp: not in the world-size product
     dp, message = validate_layout(6, ep=4)
-    assert dp is None and "--ep 4 must divide the dp size 6" in message and "\n" not in message
+    assert dp is None and "--ep 4 must divide the data-parallel size (6)" in message and "\n" not in message
 
 
 def test_single_process_dims():

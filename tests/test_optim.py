@@ -1,6 +1,6 @@
-"""trainer/runtime/optim.py: LAMB and LARS against the papers' updates worked out by hand here in float64, Muon + AdamW
-against torch's two optimizers run side by side, and every optimizer in a sharded layout of the real trainer against
-the single process, resumed from a checkpoint (of another layout for LAMB)."""
+"""trainer/runtime/optim.py and optimizers.py: LAMB and LARS against the papers' updates worked out by hand here in
+float64, Muon + AdamW against torch's two optimizers run side by side, and every optimizer in a sharded layout of the
+real trainer against the single process, resumed from a checkpoint (of another layout for LAMB)."""
 import argparse
 import math
 import os
@@ -15,7 +15,8 @@ from trainer.parallel.mesh import ParallelDims
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 from trainer.runtime.launch import ConfigError
-from trainer.runtime.optim import Lamb, Lars, MuonWithAdamW, build_optimizer
+from trainer.runtime.optim import build_optimizer
+from trainer.runtime.optimizers import Lamb, Lars, MuonWithAdamW
 
 W0 = [[0.5, -1.0, 2.0], [0.0, 0.25, -0.75]]  # one weight matrix
 B0 = [0.0, 0.0, 0.0]  # a zero-initialised vector: its trust ratio is 1

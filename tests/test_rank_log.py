@@ -1,4 +1,4 @@
-"""trainer/runtime/rank_log.py: every rank writes its own timestamped log; the lines rank 0 alone prints are there on
+"""trainer/base/rank_log.py: every rank writes its own timestamped log; the lines rank 0 alone prints are there on
 every rank, each logged step carries this rank's own values, and a resumed run appends to the same file."""
 import json
 import os

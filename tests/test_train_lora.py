@@ -206,7 +206,7 @@ def test_bad_lora_rank_is_one_error_line_before_training(data, base, monkeypatch
     with pytest.raises(SystemExit) as caught:
         main_guard(train_lora.main)
     err = capsys.readouterr().err.strip()
-    assert caught.value.code == 2 and err == "error: --lora_rank must be at least 1 (got 0); MiniMind uses 16"
+    assert caught.value.code == 2 and err == "error: --lora_rank must be at least 1 (got 0; MiniMind uses 16)"
     assert not os.path.exists(os.path.join(str(tmp_path), "m.jsonl"))  # no step ran
 
 

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
-from trainer.runtime.launch import main_guard
+from trainer.base.launch import main_guard
 from trainer.train_sft import main
 
 if __name__ == "__main__":

@@ -6,11 +6,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
+from trainer.base.launch import main_guard
 from trainer.core.build import build_trainer, setup, steps_per_epoch
 from trainer.core.data_loading import load_datasets
 from trainer.core.loop import train
 from trainer.plan.flags import parse_args
-from trainer.runtime.launch import main_guard
 from trainer.stages.kto import KTOPlan
 
 

@@ -8,13 +8,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
+from trainer.base.launch import main_guard
+from trainer.base.log import Logger
 from trainer.core.build import build_trainer, setup, steps_per_epoch
 from trainer.core.data_loading import load_datasets
 from trainer.core.loop import train
 from trainer.plan.flags import parse_args
-from trainer.runtime.launch import main_guard
 from trainer.stages.lora import LoraPlan
-from trainer.trainer_utils import Logger
 
 
 def main():

@@ -25,6 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from model.weight_shapes import WeightsError, clean_state_dict, config_fields
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
 from trainer.ckpt.minimind_resume import minimind_resume_path, read_minimind_resume
 from trainer.ckpt.resume_fields import check_resume_fields
 from trainer.ckpt.step_dirs import (
@@ -35,8 +37,6 @@ from trainer.ckpt.step_dirs import (
     load_train_state,
 )
 from trainer.parallel.state_dict import TIED_EMBEDDING
-from trainer.runtime.launch import ConfigError
-from trainer.trainer_utils import Logger
 
 # one process saves and loads without a process group, as intended: DCP warns about it on every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

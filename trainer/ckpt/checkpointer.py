@@ -10,6 +10,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from model.atomic import atomic_json, atomic_save
+from trainer.base.errors import ConfigError
+from trainer.base.launch import rank
+from trainer.base.log import Logger
 from trainer.ckpt.parts import LEGACY_PARTS, PER_RANK, RANK0, SHARDED, missing_parts_line, note_unused_parts
 from trainer.ckpt.rank_files import read_rank_state, save_rank_state
 from trainer.ckpt.resume_fields import resume_fields
@@ -23,8 +26,6 @@ from trainer.ckpt.step_dirs import (
     latest_checkpoint,
 )
 from trainer.ckpt.storage import check_room, disk_full_as_one_line, from_rank0, tree_bytes
-from trainer.runtime.launch import ConfigError, rank
-from trainer.trainer_utils import Logger
 
 RECORD_KEYS = ("format_version", "parts", "world_size", "global_batch", "layout", "args", "config", "tokenizer",
                "resume_fields")  # train_state.pt's own keys beside the rank-0 parts
@@ -168,7 +169,7 @@ class Checkpointer:
         plan = self.plan
         layout = plan.layout
         record = dict(world_size=layout.world_size, global_batch=plan.data.global_batch,
-                      layout=dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, zero_stage=layout.zero_stage),
+                      layout=dict(dp=layout.dp, **layout.model_sizes, zero_stage=layout.zero_stage),
                       args=dict(plan.flags), config=self.config.to_dict(), format_version=FORMAT_VERSION,
                       tokenizer=plan.data.tokenizer_record, resume_fields=resume_fields(plan),
                       parts={part.name: part.scope for part in self.parts.values()})

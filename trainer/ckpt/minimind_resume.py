@@ -14,9 +14,9 @@ import torch
 from model.model_minimind import MiniMindForCausalLM
 from model.weight_shapes import clean_state_dict
 from model.weights import numpy_rng_globals
-from trainer import trainer_utils  # the module, not its names: trainer_utils.lm_checkpoint imports this file
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
 from trainer.ckpt.weight_flags import mismatch_line
-from trainer.runtime.launch import ConfigError
 
 LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df0373; resume it with that commit "
                "(its next save writes a step directory this trainer reads) or pass --from_resume 0")
@@ -116,11 +116,10 @@ def read_minimind_resume(path, config, plan):
     saved_world = int(ckpt.get("world_size", 1))
     samples = int(ckpt["step"]) * saved_world * plan.data.micro_batch
     step_in_epoch = samples // plan.data.global_batch
-    log = trainer_utils.Logger
-    log(f"{path}: MiniMind's step {ckpt['step']} x {saved_world} processes x --batch_size {plan.data.micro_batch} = "
-        f"{samples} samples of epoch {ckpt['epoch']}; at this run's global batch {plan.data.global_batch} that is "
-        f"step {step_in_epoch} of the epoch (MiniMind's data order differs, so the position continues, not the "
-        "samples)")
+    Logger(f"{path}: MiniMind's step {ckpt['step']} x {saved_world} processes x --batch_size {plan.data.micro_batch} = "
+           f"{samples} samples of epoch {ckpt['epoch']}; at this run's global batch {plan.data.global_batch} that is "
+           f"step {step_in_epoch} of the epoch (MiniMind's data order differs, so the position continues, not the "
+           "samples)")
     scaler = ckpt.get("scaler") or (_fresh_scaler_state() if plan.model.dtype == torch.float16 else {})
     # global_step counts this epoch's steps only: the epochs before have the data's length, not known here
     train_state = dict(epoch=int(ckpt["epoch"]), step_in_epoch=step_in_epoch, global_step=step_in_epoch,

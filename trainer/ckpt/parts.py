@@ -14,11 +14,11 @@ checkpoint is refused in one line: it cannot be continued exactly.
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
 from trainer.ckpt.rank_files import rng_state, set_rng_state
-from trainer.parallel.powersgd import comm_hooks
+from trainer.parallel.data import comm_hooks
 from trainer.parallel.state_dict import load_full_state, load_sharded_state, sharded_state_dict
-from trainer.runtime.launch import ConfigError
-from trainer.trainer_utils import Logger
 
 SHARDED, RANK0, PER_RANK = "sharded", "rank 0", "per rank"
 # what every checkpoint held before checkpoints listed their parts

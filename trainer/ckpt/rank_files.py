@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from model.atomic import atomic_save
-from trainer.runtime.launch import rank
+from trainer.base.launch import rank
 
 
 def rng_state():

@@ -6,7 +6,7 @@ dropout; DPO: beta and the reference; distillation: the teacher, alpha, temperat
 `resume_fields` in train_state.pt; a value that differs now is one line naming the flag and both values.
 """
 from model.provenance import short
-from trainer.runtime.launch import ConfigError
+from trainer.base.errors import ConfigError
 
 
 def resume_fields(plan):

@@ -12,11 +12,12 @@ import shutil
 import socket
 import time
 
+from trainer.base.errors import ConfigError
+from trainer.base.launch import rank
+from trainer.base.log import Logger
 from trainer.ckpt.minimind_resume import minimind_resume_path
 from trainer.ckpt.step_dirs import BEST_INDEX, checkpoints, latest_checkpoint
 from trainer.ckpt.storage import from_rank0
-from trainer.runtime.launch import ConfigError, rank
-from trainer.trainer_utils import Logger
 
 LOCK = "run.lock"
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
+from trainer.base import launch
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
 from trainer.ckpt.rank_files import rank_file
-from trainer.runtime import launch
-from trainer.runtime.launch import ConfigError
-from trainer.trainer_utils import Logger
 
 # 1 and 2: one gathered file (read up to commit 4df0373); 3: a DCP directory per save. It names the layout only:
 # the parts are versioned by key (train_state.pt "parts", trainer/ckpt/parts.py), so a new part does not change it

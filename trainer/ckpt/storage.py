@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from model.atomic import full_disk_reason
-from trainer.runtime.launch import TrainingHalted
+from trainer.base.errors import TrainingHalted
 
 NEARLY_FULL_BYTES = 1 << 20  # free space below this after a failed write: the write filled the disk
 FP32_WEIGHT_BYTES, ADAM_MOMENT_BYTES = 4, 8  # per parameter in a resume checkpoint: fp32 weight, exp_avg + exp_avg_sq

@@ -1,7 +1,7 @@
 """The run's weights file, and any weights a flag names (init_model: MiniMind's model, from --from_weight).
 
 Out: save_weights gathers the full model (a collective) and rank 0 writes what the stage's weights hooks say
-(trainer/core/stage.py: MiniMind's plain `.pth` + sidecar, or LoRA's adapters); ensure_final_weights rewrites them on a
+(trainer/plan/stage.py: MiniMind's plain `.pth` + sidecar, or LoRA's adapters); ensure_final_weights rewrites them on a
 resume that finds the last step's missing. In: read_any_weights / any_weights_record / load_any_weights take what
 --from_weight, --ref_weight, --teacher_path, eval_llm and convert_model name: a checkpoint directory (read by
 trainer/ckpt/checkpoint.py, its owner), else a .pth, a single-file resume or an HF folder (model/weights.py).
@@ -11,13 +11,15 @@ import os
 from model.model_minimind import MiniMindForCausalLM
 from model.weight_shapes import WeightsError, load_checked
 from model.weights import is_checkpoint_dir, read_record, read_weights_and_args
+from trainer.base.errors import ConfigError
+from trainer.base.launch import count_sum, is_main_process
+from trainer.base.log import Logger
+from trainer.base.paths import file_digest
 from trainer.ckpt.checkpoint import latest_checkpoint, read_checkpoint_model, read_checkpoint_record
 from trainer.ckpt.rank_files import set_rng_state
 from trainer.ckpt.storage import rank0_write
 from trainer.ckpt.weight_flags import weights_line
 from trainer.parallel.state_dict import full_model_state_dict
-from trainer.runtime.launch import ConfigError, count_sum, is_main_process
-from trainer.trainer_utils import Logger, file_digest
 
 
 def init_model(config, from_weight="none", device="cpu", role="Model", note=None):
@@ -48,13 +50,13 @@ def any_weights_record(path):
 
 def load_any_weights(model, path):
     """Read `path`, check it against `model` and load it strict (fp32 copy); WeightsError (with its fix) if it does not
-    fit (trainer/weight_flags.weights_line words it)."""
+    fit (trainer/ckpt/weight_flags.py words it)."""
     state_dict, _, _ = read_any_weights(path)
     return load_checked(model, state_dict, path)
 
 
 def save_weights(trainer, path=None):
-    """Gather the full model (a collective) and write the stage's weights on rank 0 (trainer/core/stage.py: MiniMind's
+    """Gather the full model (a collective) and write the stage's weights on rank 0 (trainer/plan/stage.py: MiniMind's
     plain weights file in --save_dtype, or the stage's own files, LoRA's adapters) at `path` (default: the stage's
     weights path), its sidecar recording the tokenizer and the step. A disk without room stops every rank with one line
     (DiskFullError)."""

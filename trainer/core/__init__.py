@@ -1,3 +1,3 @@
-"""The loop and the step (loop.py), building the Trainer (build.py), the Stage/Objective contract (stage.py,
-objective.py), batches, evaluation, data loading and log-probs. May import plan/, ckpt/, runtime/, parallel/,
-model/, dataset/; never stages/ or rl/ (stages sit above the loop and import its helpers) nor an entry script."""
+"""The loop and the step (loop.py), building the Trainer (build.py), batches, evaluation, data loading and
+log-probs (stage.py and objective.py are the old paths of plan/'s stage contract). Floor 6: may import plan/,
+runtime/, ckpt/, parallel/, base/, model/, dataset/."""

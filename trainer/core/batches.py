@@ -5,7 +5,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from trainer.parallel.context import context_position_ids, shard_sequence
+from trainer.parallel.mesh import dimension_module
 
 
 def to_device(tensor, device):
@@ -24,12 +24,17 @@ def shard_for_context(dims, tensors, position_ids=None):
     position_ids: a packed batch's per-document positions (--doc_mask), sharded like the tokens, else None."""
     if dims.size("cp") == 1:
         return tensors, position_ids
-    rank, size = dims.rank("cp"), dims.size("cp")
+    rank, size, context = dims.rank("cp"), dims.size("cp"), dimension_module("cp")
     if position_ids is not None:
-        positions = shard_sequence(position_ids, rank, size, dim=1)
+        positions = context.shard_sequence(position_ids, rank, size, dim=1)
     else:
-        positions = context_position_ids(tensors[0].shape[1], rank, size, tensors[0].device)  # (1, L/cp)
-    return [shard_sequence(t, rank, size, dim=1) for t in tensors], positions
+        positions = context.context_position_ids(tensors[0].shape[1], rank, size, tensors[0].device)  # (1, L/cp)
+    return [context.shard_sequence(t, rank, size, dim=1) for t in tensors], positions
+
+
+def loss_context(tp):
+    """Tensor parallel's loss-parallel context when `tp` > 1 (its module read only then), else a no-op."""
+    return dimension_module("tp").tp_loss_context(True) if tp > 1 else nullcontext()
 
 
 def autocast(plan):

@@ -1,6 +1,7 @@
 """Phases 1 and 4-7 of every stage: `setup` (the flags checked into the plan, the process group, the mesh, the seed)
 and `build_trainer` (resume state, model, parallel wrap, optimizer, restore) into the `Trainer` the loop runs
 (trainer/core/loop.py)."""
+import importlib
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -8,6 +9,10 @@ from typing import Optional
 import torch
 
 from model.model_minimind import MiniMindConfig
+from trainer.base.errors import ConfigError
+from trainer.base.launch import init_distributed_mode, rank, setup_seed
+from trainer.base.log import Logger
+from trainer.base.rank_log import open_rank_log
 from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.minimind_resume import minimind_resume_path
@@ -16,32 +21,24 @@ from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.step_dirs import latest_checkpoint
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import init_model
-from trainer.core.objective import LMObjective
-from trainer.core.stage import Stage
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
-from trainer.parallel.pipeline import Pipeline
 from trainer.plan.checks import check_same_dtype
+from trainer.plan.objective import LMObjective
 from trainer.plan.resolve import resolve
 from trainer.plan.sections import TrainPlan
+from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import Callbacks, make_callbacks
-from trainer.runtime.expert_load import ExpertLoad, choose_expert_compute, enable_expert_bias
 from trainer.runtime.guard import (
     Preemption,
     StepGuard,
     add_signal_points,
 )
-from trainer.runtime.launch import (
-    ConfigError,
-    init_distributed_mode,
-    rank,
-    setup_seed,
-)
 from trainer.runtime.metrics import enable_tf32
 from trainer.runtime.optim import build_optimizer
-from trainer.runtime.rank_log import open_rank_log
 from trainer.runtime.schedule import resume_note
-from trainer.trainer_utils import Logger
+
+MOE_MODULE = "trainer.runtime.expert_load"  # a MoE model's expert loads and routing bias: read by MoE runs only
 
 
 @dataclass
@@ -51,7 +48,7 @@ class Trainer:
     config: MiniMindConfig
     dims: ParallelDims
     model_parts: list  # this rank's pipeline stages, or [model]
-    pipeline: Optional[Pipeline]  # when pp > 1
+    pipeline: Optional[object]  # trainer/parallel/pipeline.py Pipeline when pp > 1
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     progress: TrainState
@@ -62,13 +59,13 @@ class Trainer:
     objective: Optional[LMObjective] = None  # what train_step minimises (a stage's subclass); build_trainer sets it
     callbacks: Optional[Callbacks] = None  # sinks, early stopping, best checkpoint, a user's
     resumed: bool = False
-    expert_load: Optional[ExpertLoad] = None  # a MoE model's per-expert loads and routing bias (runtime/expert_load.py)
+    expert_load: Optional[object] = None  # a MoE model's per-expert loads and routing bias (runtime/expert_load.py)
     started: bool = False  # the first step is done: collectives run under the per-step timeout
     step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
 
 
 def setup(args, stage=Stage):
-    """Phase 1: check the flags into a TrainPlan (with the checked plan of `stage`, a trainer/core/stage.py Stage
+    """Phase 1: check the flags into a TrainPlan (with the checked plan of `stage`, a trainer/plan/stage.py Stage
     class), start the process group and mesh, seed. Returns (plan, dims)."""
     plan = resolve(args, int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)), stage)
     layout, model = plan.layout, plan.model
@@ -113,7 +110,7 @@ def build_model(config, plan, model_state=None, resumed=False):
 def build_trainer(plan, dims, steps_per_epoch, objective=None):
     """Phases 4-7: resume state, model, parallel wrap, optimizer, restore; the Trainer can run train_step at once.
 
-    objective: what the stage minimises (plan.stage.objective(...), trainer/core/objective.py); None: LMObjective."""
+    objective: what the stage minimises (plan.stage.objective(...), trainer/plan/objective.py); None: LMObjective."""
     config = plan.model.config
     claim_run(plan)  # one run per checkpoint directory; an earlier run's results are not replaced unasked
     ckpt = read_resume(config, plan)
@@ -125,11 +122,13 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     warning = room_warning(plan.io.checkpoint_dir, estimate)
     if warning:
         Logger(warning)
-    if plan.model.router_balance != "aux":
-        enable_expert_bias([model])  # model state: there before the wrap and the resume
+    moe = importlib.import_module(MOE_MODULE) if config.use_moe else None
+    if moe and plan.model.router_balance != "aux":
+        moe.enable_expert_bias([model])  # model state: there before the wrap and the resume
     model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
-    compute_line = choose_expert_compute(model_parts, plan.layout.device, plan.model.autocast_dtype or torch.float32,
-                                         plan.model.expert_compute)
+    compute_line = moe and moe.choose_expert_compute(model_parts, plan.layout.device,
+                                                     plan.model.autocast_dtype or torch.float32,
+                                                     plan.model.expert_compute)
     if compute_line:
         Logger(compute_line)
     if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
@@ -147,8 +146,8 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
                       plan.lr.length(steps_per_epoch, plan.schedule.epochs), checkpointer, guard,
                       objective=objective, callbacks=callbacks, resumed=ckpt is not None,
-                      expert_load=ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance,
-                                             plan.model.router_bias_rate) if config.use_moe else None)
+                      expert_load=moe.ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance,
+                                                 plan.model.router_bias_rate) if moe else None)
     if ckpt is not None:
         checkpointer.load(ckpt)
         trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy

@@ -1,13 +1,13 @@
 """Phase 2 of every stage, the data: the datasets of --data_path (or the embedded demo corpus), checked, and the
 DataLoader of one data-parallel rank's micro-batches of an epoch."""
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from transformers import AutoTokenizer
 
 from dataset.data_notes import dataset_notes
 from dataset.demo_data import ensure_demo_data
 from dataset.mixture import describe_mixture, load_data_spec
-from trainer.runtime.launch import ConfigError
-from trainer.trainer_utils import Logger, SkipBatchSampler
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
 
 
 def load_datasets(plan):
@@ -75,3 +75,24 @@ def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_worker
         train_ds.set_epoch(epoch)
     return DataLoader(train_ds, batch_sampler=SkipBatchSampler(sampler, micro_batch, skip_batches),
                       num_workers=num_workers, pin_memory=pin_memory)
+
+
+class SkipBatchSampler(Sampler):
+    """Groups sampler indices into full batches, skipping the first `skip_batches` (for mid-epoch resume)."""
+
+    def __init__(self, sampler, batch_size, skip_batches=0):
+        self.sampler, self.batch_size, self.skip_batches = sampler, batch_size, skip_batches
+
+    def __iter__(self):
+        batch, seen = [], 0
+        for idx in self.sampler:
+            batch.append(idx)
+            if len(batch) == self.batch_size:
+                if seen >= self.skip_batches:
+                    yield batch
+                seen += 1
+                batch = []
+        # a partial last batch is dropped: every layout then sees the same global batches
+
+    def __len__(self):
+        return max(0, len(self.sampler) // self.batch_size - self.skip_batches)

@@ -8,9 +8,8 @@ import math
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from trainer.core.batches import pipeline_forward_only, shard_for_context, step_targets
-from trainer.parallel.tensor import tp_loss_context
-from trainer.runtime.launch import full_value, world_sum
+from trainer.base.launch import full_value, world_sum
+from trainer.core.batches import loss_context, pipeline_forward_only, shard_for_context, step_targets
 
 
 def evaluate(trainer, eval_ds):
@@ -43,7 +42,7 @@ def plain_eval(trainer, batches):
         targets = step_targets(labels)
         (x, t), positions = shard_for_context(dims, [input_ids.to(plan.layout.device), targets.to(plan.layout.device)],
                                               None if positions is None else positions.to(plan.layout.device))
-        with tp_loss_context(plan.layout.tp > 1):
+        with loss_context(plan.layout.tp):
             loss = objective.eval_loss(model, x, t, positions, tuple(e.to(plan.layout.device) for e in extra))
         loss_sum += float(full_value(loss)) if dims.counts_loss else 0.0
         count += float(objective.count(labels, extra)) if dims.counts_items else 0.0

@@ -2,10 +2,12 @@
 Trainer that trainer/core/build.py's `setup` and `build_trainer` make. Entry scripts import it; stage modules never do
 (they sit below it).
 
-Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in plan.py
-(resolved by config.py), what a stage gives the loop in stage.py and objective.py, data in data_loading.py, a batch's
-way into the model in batches.py, checkpoints in checkpoint.py, the console and records in progress.py, evaluation in
-evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/ (applied by parallel/parallelize.py).
+Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in
+trainer/plan/sections.py (resolved by trainer/plan/resolve.py), what a stage gives the loop in trainer/plan/stage.py and
+trainer/plan/objective.py, data in trainer/core/data_loading.py, a batch's way into the model in
+trainer/core/batches.py, checkpoints in trainer/ckpt/checkpointer.py, the console and records in
+trainer/runtime/console.py, evaluation in trainer/core/evaluation.py, the callbacks in trainer/runtime/callbacks.py,
+the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parallelize.py).
 """
 import os
 import signal
@@ -14,17 +16,19 @@ import time
 import torch
 import torch.distributed as dist
 
+from trainer.base.errors import SignalStop
+from trainer.base.launch import OUTSIDE_LOOP, add_stats, count_sum, full_value, is_main_process, set_collective_timeout
+from trainer.base.log import Logger
 from trainer.ckpt.rank_files import rng_state
 from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed, save_weights
-from trainer.core.batches import autocast, shard_for_context, step_targets, to_device
+from trainer.core.batches import autocast, loss_context, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader
 from trainer.core.evaluation import evaluate
-from trainer.core.objective import target_tokens
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import grad_reduce_factor, gradient_sync
-from trainer.parallel.expert import expert_params, reduce_expert_grads
-from trainer.parallel.tensor import tp_loss_context
+from trainer.parallel.mesh import dimension_module
 from trainer.plan.config_file import write_run_config
+from trainer.plan.objective import target_tokens
 from trainer.runtime.console import (
     NO_BAR,
     Bar,
@@ -39,24 +43,14 @@ from trainer.runtime.guard import (
     check_replicas,
     scaler_found_inf,
 )
-from trainer.runtime.launch import (
-    OUTSIDE_LOOP,
-    SignalStop,
-    add_stats,
-    count_sum,
-    full_value,
-    is_main_process,
-    set_collective_timeout,
-)
 from trainer.runtime.metrics import step_timer, trim_heap
 from trainer.runtime.oom import out_of_memory_as_one_line
 from trainer.runtime.schedule import lr_at
 from trainer.runtime.tracking import StepProfiler
-from trainer.trainer_utils import Logger
 
 
 def train(trainer, train_ds, eval_ds=None):
-    """Phase 7, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
+    """Phase 8, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
 
     SIGTERM/SIGINT stop it with a checkpoint of the last completed step (guard.py Preemption: one process drops
     the step in progress, several ranks finish it and stop together)."""
@@ -182,7 +176,7 @@ def finish(trainer):
 def train_step(trainer, micro_batches, bar=None):
     """One optimizer step over `micro_batches` [(input_ids, labels[, position_ids])]; returns its measurements.
 
-    The objective (trainer/core/objective.py; LM: CE over target tokens) gives each micro-batch's share of the step's
+    The objective (trainer/plan/objective.py; LM: CE over target tokens) gives each micro-batch's share of the step's
     mean, main loss / num_items (num_items: the step's denominator over all dp ranks, e.g. target tokens), plus
     aux * samples/global samples, so the sums over micro-batches and ranks are the step loss. The
     gradient is multiplied by dp*cp because DDP/FSDP average over those ranks. `bar`, a progress bar, advances
@@ -237,7 +231,7 @@ def accumulate_gradients(trainer, micro_batches, bar):
     for i, (x, t, p, extra) in enumerate(zip(inputs, targets, doc_positions, extras)):
         (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
         # DDP and FSDP2 reduce gradients on the last micro-batch only
-        with gradient_sync(trainer.model_parts, i == len(inputs) - 1), tp_loss_context(layout.tp > 1):
+        with gradient_sync(trainer.model_parts, i == len(inputs) - 1), loss_context(layout.tp):
             with autocast(plan):
                 main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
             loss = main_loss + aux_loss * aux_weight
@@ -258,9 +252,10 @@ def clip_gradients(trainer, max_norm):
     params = [p for part in trainer.model_parts for p in part.parameters() if p.grad is not None]
     pp_group = trainer.dims.group("pp") if trainer.plan.layout.pp > 1 else None
     ep = trainer.plan.layout.ep > 1  # each ep rank's experts are its own: their norms add up over the ep ranks
-    experts = [p for part in trainer.model_parts for _, p in expert_params(part)] if ep else None
+    expert = dimension_module("ep") if ep else None
+    experts = [p for part in trainer.model_parts for _, p in expert.expert_params(part)] if ep else None
     if ep:  # ep < dp: the expert replicas' gradients summed first (as DDP did the dense ones)
-        reduce_expert_grads(trainer.model_parts, trainer.dims.group("ep_replica"))
+        expert.reduce_expert_grads(trainer.model_parts, trainer.dims.group("ep_replica"))
     return clip_grad_norm_(params, max_norm, pp_group=pp_group,
                            exclude=pipeline.duplicate_params() if pipeline is not None else None,
                            sharded=experts, sharded_group=trainer.dims.group("ep") if experts else None)

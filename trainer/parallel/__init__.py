@@ -1,3 +1,2 @@
-"""One module per parallel dimension (data, tensor, pipeline, context) plus the mesh, applied from outside to a
-plain model (parallelize.py calls them in a fixed order). May import runtime/launch.py's collectives and model/;
-never core/, stages/, rl/ or an entry script."""
+"""One module per parallel dimension (data, tensor, pipeline, context, expert) plus the mesh, applied from outside
+to a plain model (parallelize.py calls them in a fixed order). Floor 2: may import base/ and model/."""

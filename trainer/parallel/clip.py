@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from model.torch_compat import foreach_mul_
-from trainer.runtime.launch import local_shard
+from trainer.base.launch import local_shard
 
 
 def _cpu_l2_norm(grads, error_if_nonfinite):

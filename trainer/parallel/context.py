@@ -22,6 +22,14 @@ warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.
 
 
 # ----------------------------------------------------------------------------- sequence sharding
+def validate(args, config, zero_stage):
+    """The dimension's check (parallel/mesh.py DIMENSIONS): one line saying what to change, else None."""
+    if args.max_seq_len % (2 * args.cp):
+        return (f"--max_seq_len {args.max_seq_len} must be divisible by 2*cp = {2 * args.cp} "
+                "(each rank holds a head and a tail chunk); change --max_seq_len or --cp")
+    return None
+
+
 def shard_sequence(tensor, cp_rank, cp_size, dim=1):
     """Return this cp rank's part of `tensor` along `dim`: chunk cp_rank and chunk 2*cp_size-1-cp_rank."""
     if cp_size == 1:

@@ -6,6 +6,7 @@ batch, i.e. the SUM of the per-rank gradients of `ce_sum / num_items` (num_items
 ranks). So the trainer multiplies each rank's loss by `grad_reduce_factor(dp, cp)` = dp * cp; the
 average of the scaled gradients is then exactly the single-process gradient.
 """
+import importlib
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -16,10 +17,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.parallel.perf import decoder_blocks
-from trainer.parallel.powersgd import ResumablePowerSGD
 
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_COMPRESSIONS = ("none", "bf16", "powersgd")
+POWERSGD_MODULE = "trainer.parallel.powersgd"  # read by --grad_compression powersgd runs only
 
 
 def grad_reduce_factor(dp, cp=1):
@@ -58,10 +59,17 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
         ddp_model.register_comm_hook(group, default_hooks.bf16_compress_hook if nccl else _bf16_compress_hook)
     elif grad_compression == "powersgd":
         # Until start_powerSGD_iter the hook does a plain (exact) all-reduce: the warm-up phase.
-        hook = ResumablePowerSGD(group, powersgd_rank, powersgd_start_iter,
-                                 {id(p): name for name, p in ddp_model.module.named_parameters()})
+        powersgd = importlib.import_module(POWERSGD_MODULE)
+        hook = powersgd.ResumablePowerSGD(group, powersgd_rank, powersgd_start_iter,
+                                          {id(p): name for name, p in ddp_model.module.named_parameters()})
         ddp_model.register_comm_hook(hook.state, hook.hook)
         ddp_model.comm_hook = hook  # its state goes into resume checkpoints (trainer/ckpt/checkpoint.py)
+
+
+def comm_hooks(model_parts):
+    """The resumable (PowerSGD) hooks of the DDP-wrapped parts (one per pipeline stage this rank holds), in part
+    order: _register_compression sets `comm_hook` for those only."""
+    return [part.comm_hook for part in model_parts if getattr(part, "comm_hook", None) is not None]
 
 
 def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,

@@ -41,6 +41,21 @@ def ep_validate(config, ep_size):
     return None
 
 
+def validate(args, config, zero_stage):
+    """The dimension's check (parallel/mesh.py DIMENSIONS; that ep divides dp is the mesh's): one line, else None."""
+    message = ep_validate(config, args.ep)
+    if message:
+        return message
+    if zero_stage == 1:  # --tp, --pp and --cp compose: each stage's experts over its ep ranks, whole per tp rank
+        return (f"--ep {args.ep} composes with DDP and FSDP2 (--zero_stage 0/2/3) only so far: "
+                "drop --zero_stage 1 (its optimizer shards would mix ranks' experts)")
+    if args.cpu_offload:  # the experts stay on the device, outside FSDP2's offloaded optimizer step
+        return f"--ep {args.ep} keeps the experts on the device: drop --cpu_offload"
+    if args.check_replicas:
+        return "--check_replicas compares whole replicas; under --ep each rank holds other experts: leave it out"
+    return None
+
+
 def expert_params(model):
     """[(name, parameter)] of the routed experts (under expert parallel, this rank's own: no replica to reduce with)."""
     return [(name, param) for name, param in model.named_parameters() if ".experts." in name]

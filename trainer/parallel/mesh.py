@@ -9,6 +9,7 @@ the world size: its groups are the consecutive ep-sized slices of each dp group,
 join the ranks holding the same slice position, i.e. the same experts, across the slices and the cp ranks (every
 gradient-reducing dimension: those ranks see other tokens of the same experts).
 """
+import importlib
 from dataclasses import dataclass, field
 from math import prod
 
@@ -22,20 +23,27 @@ from model.torch_compat import flatten_mesh
 class Dimension:
     """One parallel dimension: its name (the flag --<name> and the mesh dimension) and what it splits."""
     name: str
+    title: str  # in one-line messages: "the <title> size"
     shards: str
     splits_data: bool = False  # its ranks read different samples (the data-parallel replicas)
     reduces_gradients: bool = False  # gradients are summed over its ranks (with dp: the gradient-reduction group)
     within: str = None  # carved out of that dimension's ranks (its size divides it), not a dimension of the mesh
+    module: str = None  # the module applying it, with its check validate(args, config, zero_stage): read when used
 
 
 # mesh order: the first varies slowest (dp spans the farthest ranks), the last fastest
 DIMENSIONS = (
-    Dimension("dp", "the batch: DDP replicas or ZeRO/FSDP2 shards", splits_data=True, reduces_gradients=True),
-    Dimension("pp", "the layers, into pipeline stages"),
-    Dimension("cp", "each sequence, into chunks (ring attention)", reduces_gradients=True),
-    Dimension("tp", "each layer's heads and MLP columns (DTensor)"),
-    Dimension("ep", "each MoE layer's routed experts (tokens sent by all-to-all)", within="dp"),
+    Dimension("dp", "data-parallel", "the batch: DDP replicas or ZeRO/FSDP2 shards", splits_data=True,
+              reduces_gradients=True, module="trainer.parallel.data"),
+    Dimension("pp", "pipeline", "the layers, into pipeline stages", module="trainer.parallel.pipeline"),
+    Dimension("cp", "context-parallel", "each sequence, into chunks (ring attention)", reduces_gradients=True,
+              module="trainer.parallel.context"),
+    Dimension("tp", "tensor-parallel", "each layer's heads and MLP columns (DTensor)",
+              module="trainer.parallel.tensor"),
+    Dimension("ep", "expert-parallel", "each MoE layer's routed experts (tokens sent by all-to-all)", within="dp",
+              module="trainer.parallel.expert"),
 )
+BY_NAME = {d.name: d for d in DIMENSIONS}
 MESH_DIMS = tuple(d.name for d in DIMENSIONS if d.within is None)
 CARVED = {d.name: d.within for d in DIMENSIONS if d.within}  # name -> the dimension it is carved from
 REPLICA_NAMES = tuple(f"{name}_replica" for name in CARVED)  # the ranks holding the same shard of a carved dimension
@@ -45,6 +53,12 @@ REDUCE_NAME = "_".join(REDUCE_DIMS)
 GROUP_NAMES = MESH_DIMS + (REDUCE_NAME,) + tuple(CARVED) + REPLICA_NAMES
 MODEL_DIMS = tuple(d.name for d in DIMENSIONS if not d.splits_data)  # the sizes a layout flag sets; dp follows
 PRODUCT_DIMS = tuple(name for name in MODEL_DIMS if name in MESH_DIMS)  # world size = dp * their product
+
+
+def dimension_module(name):
+    """The module of dimension `name` (its DIMENSIONS entry), imported on first use: a run reads the code of the
+    dimensions it uses only."""
+    return importlib.import_module(BY_NAME[name].module)
 
 
 def validate_layout(world_size, dp=None, **sizes):
@@ -81,8 +95,9 @@ def _carved_message(sizes):
     """One line if a carved dimension's size does not divide the size it is carved from (ep must divide dp)."""
     for name, parent in CARVED.items():
         if sizes[parent] % sizes[name]:
-            return (f"--{name} {sizes[name]} must divide the {parent} size {sizes[parent]} (its ranks are carved out "
-                    f"of the {parent} ranks); change --{name} or launch a multiple of {sizes[name]} {parent} ranks")
+            return (f"--{name} {sizes[name]} must divide the {BY_NAME[parent].title} size ({sizes[parent]}): its "
+                    f"ranks are carved out of the {parent} ranks; launch a multiple of {sizes[name]} {parent} ranks "
+                    f"per {'*'.join(PRODUCT_DIMS)} group, or change --{name}")
     return None
 
 
@@ -247,11 +262,6 @@ class ParallelDims:
     @property
     def world_size(self):
         return prod(self.sizes[name] for name in MESH_DIMS)
-
-    @property
-    def data_replicas(self):
-        """How many ranks read different samples (the product of the dimensions that split the data)."""
-        return prod(self.sizes[d.name] for d in DIMENSIONS if d.splits_data)
 
     @property
     def is_last_stage(self):

@@ -31,10 +31,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from model.model_minimind import packed_document_mask
-from trainer.runtime.launch import add_stats
+from trainer.base.launch import add_stats
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
 VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "interleaved1f1b": 2}
+
+
+
+def validate(args, config, zero_stage):
+    """The dimension's check (parallel/mesh.py DIMENSIONS): one line saying what to change, else None."""
+    return pp_validate(config.num_hidden_layers, args.pp, args.pp_schedule, args.accumulation_steps)
 
 
 # ----------------------------------------------------------------------------- layout and validation
@@ -127,7 +133,7 @@ class PipelineLoss:
     """Last-stage loss_fn(output, targets) for the schedule: `(main + aux * aux_weight) * grad_scale`, then scaled by
     `scaler` (a torch.amp.GradScaler, fp16) as the non-pipeline path's scaler.scale(loss) does.
 
-    main: the objective's share of the step's mean (trainer/core/objective.py; LM: ce_sum / num_items, num_items the
+    main: the objective's share of the step's mean (trainer/plan/objective.py; LM: ce_sum / num_items, num_items the
     step's target tokens over all dp ranks); aux_weight: micro-batch samples / global samples; grad_scale: the dp*cp
     factor when gradients are averaged. Update the attributes before each step. Records each micro-batch's main
     loss, weighted aux and stats for logging; read them with `pop_step`. The objective's extra tensors (one entry
@@ -137,7 +143,7 @@ class PipelineLoss:
 
     def __init__(self, num_items=1, aux_weight=0.0, grad_scale=1.0, scaler=None, objective=None):
         self.num_items, self.aux_weight, self.grad_scale, self.scaler = num_items, aux_weight, grad_scale, scaler
-        self.objective = objective  # the stage's (core/objective.py); the parallel layer never builds one
+        self.objective = objective  # the stage's (plan/objective.py); the parallel layer never builds one
         self.ce_parts, self.aux_parts, self.stats_parts = [], [], []
         self.extra_layout = []  # (dtype, shape of one row) of each extra tensor packed behind the targets
         self.forward_only = None  # fn(logits, targets) -> what schedule.eval collects per micro-batch, or None
@@ -268,7 +274,7 @@ class Pipeline:
         stacked along the batch (already sharded for context parallel). `position_ids`: (samples or 1, tokens),
         this rank's context-parallel positions or packed rows' per-document ones; None means 0..L-1.
         scaler: the step's GradScaler (fp16), which then unscales gradients the scaled loss made.
-        objective: the stage's (trainer/core/objective.py); extras: its per-micro-batch extra
+        objective: the stage's (trainer/plan/objective.py); extras: its per-micro-batch extra
         tensors. Returns (main loss, aux, stats) summed over the micro-batches (zeros and {} off the last stage)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)

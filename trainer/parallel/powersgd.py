@@ -129,7 +129,3 @@ class ResumablePowerSGD:
         self.pieces = dict(saved["pieces"])
         self._clear()
 
-
-def comm_hooks(model_parts):
-    """The resumable hooks of the DDP-wrapped parts (one per pipeline stage this rank holds), in part order."""
-    return [part.comm_hook for part in model_parts if isinstance(getattr(part, "comm_hook", None), ResumablePowerSGD)]

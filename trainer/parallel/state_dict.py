@@ -25,7 +25,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from model.torch_compat import flatten_optim_state_dict
-from trainer.runtime.launch import is_main_process
+from trainer.base.launch import is_main_process
 
 # alias -> canonical FQN of a weight a pipeline stage keeps a synchronised copy of (tied embeddings).
 TIED_EMBEDDING = {"lm_head.weight": "model.embed_tokens.weight"}

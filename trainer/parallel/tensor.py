@@ -105,6 +105,11 @@ def tp_validate(config, tp_size, seq_len=None):
     return None
 
 
+def validate(args, config, zero_stage):
+    """The dimension's check (parallel/mesh.py DIMENSIONS): one line saying what to change, else None."""
+    return tp_validate(config, args.tp, seq_len=args.max_seq_len // args.cp if args.sequence_parallel else None)
+
+
 def tp_loss_context(enabled):
     """Context for forward+backward: `loss_parallel()` when logits are vocab-sharded, else a no-op."""
     return loss_parallel() if enabled else nullcontext()

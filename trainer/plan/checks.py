@@ -7,13 +7,11 @@ import tempfile
 import torch
 
 from dataset.mixture import resolve_data_spec
+from trainer.base.errors import ConfigError
+from trainer.base.launch import per_rank
 from trainer.parallel.data import validate_data_parallel
-from trainer.parallel.expert import ep_validate
-from trainer.parallel.mesh import validate_layout
-from trainer.parallel.pipeline import pp_validate
-from trainer.parallel.tensor import tp_validate
+from trainer.parallel.mesh import MODEL_DIMS, REDUCE_DIMS, dimension_module, validate_layout
 from trainer.runtime import metrics
-from trainer.runtime.launch import ConfigError, per_rank
 from trainer.runtime.metrics import cpu_bf16_native, cpu_matmul_rates, cpu_name
 
 # bf16 is picked only this much faster than fp32 on the matmul: autocast also casts outside it (gradients, norms)
@@ -66,23 +64,26 @@ def check_same_dtype(dtype, device):
                           "on the others (their CPUs differ); pass --dtype float32 or --dtype bfloat16")
 
 
-def data_parallel_mode(world_size, tp=1, pp=1, cp=1, zero_stage=0, grad_compression="none"):
-    """(dp, zero stage used, dp mode) of a layout; raises ConfigError naming what to change."""
-    dp, message = validate_layout(world_size, tp=tp, pp=pp, cp=cp)
+def data_parallel_mode(world_size, zero_stage=0, grad_compression="none", **sizes):
+    """(dp, zero stage used, dp mode) of a layout; sizes: the model dimensions by name (tp=2, ep=2; missing ones are
+    1); raises ConfigError naming what to change."""
+    dp, message = validate_layout(world_size, **sizes)
     if message:
         raise ConfigError(message)
-    if (tp > 1 or pp > 1) and dp * cp > 1 and zero_stage == 0 and grad_compression == "none":
+    tp, pp = sizes.get("tp", 1), sizes.get("pp", 1)
+    replicas = dp * math.prod(sizes.get(name, 1) for name in REDUCE_DIMS if name != "dp")  # the gradient reducers
+    if (tp > 1 or pp > 1) and replicas > 1 and zero_stage == 0 and grad_compression == "none":
         # DDP handles neither DTensor (tp) parameters nor a pipeline schedule's backward; FSDP2 does both
         zero_stage = 2
-    message = validate_data_parallel(zero_stage, grad_compression, dp=dp * cp, tp=tp, pp=pp)
+    message = validate_data_parallel(zero_stage, grad_compression, dp=replicas, tp=tp, pp=pp)
     if message:
         raise ConfigError(message)
-    mode = "none" if dp * cp == 1 else {0: "ddp", 1: "zero1"}.get(zero_stage, "fsdp2")
+    mode = "none" if replicas == 1 else {0: "ddp", 1: "zero1"}.get(zero_stage, "fsdp2")
     return dp, zero_stage, mode
 
 
 def check_numbers(args, declared):
-    """Every numeric flag in its range (`declared`: the Flags, trainer/plan/schema.py, their `min` and `hint`): one
+    """Every numeric flag in its range (`declared`: the Flags, trainer/base/schema.py, their `min` and `hint`): one
     line naming the flag, its value and what it takes."""
     for flag in declared:
         value = getattr(args, flag.name) if flag.min is not None else None
@@ -125,39 +126,14 @@ def check_model_args(args, config):
         raise ConfigError(message)
 
 
-def check_parallel_args(args, config):
-    """Per-dimension layout checks (the sizes themselves are checked in data_parallel_mode)."""
-    if args.tp > 1:
-        message = tp_validate(config, args.tp, seq_len=args.max_seq_len // args.cp if args.sequence_parallel else None)
-        if message:
-            raise ConfigError(message)
-    if args.cp > 1 and args.max_seq_len % (2 * args.cp):
-        raise ConfigError(f"--max_seq_len {args.max_seq_len} must be divisible by 2*cp = {2 * args.cp} "
-                          "(each rank holds a head and a tail chunk); change --max_seq_len or --cp")
-    if args.pp > 1:
-        message = pp_validate(config.num_hidden_layers, args.pp, args.pp_schedule, args.accumulation_steps)
-        if message:
-            raise ConfigError(message)
-
-
-def check_expert_parallel(args, config, dp, zero_stage):
-    """--ep: a MoE model whose experts divide over ep, ep dividing dp; the layouts expert parallel composes with."""
-    message = ep_validate(config, args.ep)  # ep >= 1: check_numbers
-    if message:
-        raise ConfigError(message)
-    if args.ep == 1:
-        return
-    if dp % args.ep:
-        raise ConfigError(f"--ep {args.ep} must divide the data-parallel size ({dp}): launch a multiple of {args.ep} "
-                          "processes per tp*pp*cp group, or change --ep")
-    if zero_stage == 1:  # --tp, --pp and --cp compose: each stage's experts over its ep ranks, whole per tp rank
-        raise ConfigError(f"--ep {args.ep} composes with DDP and FSDP2 (--zero_stage 0/2/3) only so far: "
-                          "drop --zero_stage 1 (its optimizer shards would mix ranks' experts)")
-    if args.cpu_offload:  # the experts stay on the device, outside FSDP2's offloaded optimizer step
-        raise ConfigError(f"--ep {args.ep} keeps the experts on the device: drop --cpu_offload")
-    if args.check_replicas:
-        raise ConfigError("--check_replicas compares whole replicas; under --ep each rank holds other experts: "
-                          "leave it out")
+def check_parallel_args(args, config, zero_stage):
+    """Each dimension's own check (its module's validate, parallel/mesh.py DIMENSIONS), read only when the dimension
+    is used; the sizes themselves are checked in data_parallel_mode."""
+    for name in MODEL_DIMS:
+        if getattr(args, name) > 1:
+            message = dimension_module(name).validate(args, config, zero_stage)
+            if message:
+                raise ConfigError(message)
 
 
 def check_combinations(args):

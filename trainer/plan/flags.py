@@ -1,5 +1,5 @@
 """The flag schema: the training scripts' parser, built from the flags the plan's sections declare
-(trainer/plan/sections.py, trainer/plan/schema.py) and the stage's own (Stage.FLAGS); nothing else.
+(trainer/plan/sections.py, trainer/base/schema.py) and the stage's own (Stage.FLAGS); nothing else.
 --help lists them by section with their defaults.
 """
 import argparse
@@ -7,22 +7,22 @@ import difflib
 import sys
 from dataclasses import fields
 
-from trainer.core.stage import Stage
+from trainer.base.schema import section_flags
 from trainer.plan.config_file import config_argv
-from trainer.plan.schema import section_flags
 from trainer.plan.sections import SECTIONS, ModelPlan, TrainPlan
+from trainer.plan.stage import Stage
 
 MODEL_FLAGS = tuple(f.name for f in ModelPlan.SHAPE_FLAGS)  # the flags that are MiniMindConfig fields
 PLAN_NAMES = {f.type: f.name for f in fields(TrainPlan)}  # section class -> its name in the plan
 
 
 def declared_flags(stage=Stage):
-    """Every Flag of the sections and of `stage` (a trainer/core/stage.py Stage class), in --help's order."""
+    """Every Flag of the sections and of `stage` (a trainer/plan/stage.py Stage class), in --help's order."""
     return [declared for section in SECTIONS for declared in section_flags(section)] + list(stage.FLAGS)
 
 
 def add_train_args(parser, stage=Stage, **defaults):
-    """Every section's flags, one argument group each, then the stage's (a trainer/core/stage.py Stage class);
+    """Every section's flags, one argument group each, then the stage's (a trainer/plan/stage.py Stage class);
     `defaults` sets the script-specific values."""
     for section in SECTIONS:
         group = parser.add_argument_group(f"plan.{PLAN_NAMES[section]}", section.__doc__.split("\n")[0])

@@ -12,14 +12,17 @@ import torch
 from dataset.mixture import absolute_data_spec
 from model.model_minimind import expert_compute_for
 from model.provenance import tokenizer_record
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
+from trainer.base.paths import repo_path, typed_or_default, weight_name
+from trainer.base.schema import fill
 from trainer.ckpt.step_dirs import MANIFEST
 from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from trainer.ckpt.weights_file import any_weights_record
-from trainer.core.stage import Stage
+from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.checks import (
     check_combinations,
     check_device,
-    check_expert_parallel,
     check_metrics_file,
     check_model_args,
     check_numbers,
@@ -32,21 +35,19 @@ from trainer.plan.checks import (
 )
 from trainer.plan.flags import declared_flags
 from trainer.plan.model_config import build_config, weight_shapes
-from trainer.plan.schema import fill
 from trainer.plan.sections import DataPlan, GuardPlan, IOPlan, Layout, ModelPlan, Schedule, TrainPlan
+from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import resolve_callbacks
-from trainer.runtime.launch import ConfigError
 from trainer.runtime.optim import resolve_optimizer
 from trainer.runtime.schedule import resolve_schedule
 from trainer.runtime.tracking import parse_profile_steps, resolve_trackers
-from trainer.trainer_utils import Logger, repo_path, typed_or_default, weight_name
 
 
 def resolve(args, world_size, local_rank=0, stage=Stage):
     """Check the flags and derive the frozen TrainPlan, section by section (trainer/plan/sections.py); raises
     ConfigError before any collective.
 
-    stage: the Stage class (trainer/core/stage.py) whose resolve(args, plan) gives the stage's checked plan,
+    stage: the Stage class (trainer/plan/stage.py) whose resolve(args, plan) gives the stage's checked plan,
     plan.stage."""
     check_numbers(args, declared_flags(stage))
     check_device(args.device)
@@ -96,10 +97,9 @@ def resolve(args, world_size, local_rank=0, stage=Stage):
 
 def resolve_layout(args, world_size, local_rank, config):
     """The Layout section: the data-parallel degree and mode a layout gives, its checks, this rank's device."""
-    dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.tp, args.pp, args.cp, args.zero_stage,
-                                                 args.grad_compression)
-    check_parallel_args(args, config)
-    check_expert_parallel(args, config, dp, zero_stage)
+    dp, zero_stage, dp_mode = data_parallel_mode(world_size, args.zero_stage, args.grad_compression,
+                                                 **{name: getattr(args, name) for name in MODEL_DIMS})
+    check_parallel_args(args, config, zero_stage)
     check_combinations(args)
     check_replica_layout(args.check_replicas, dp_mode)
     check_offload(args, dp_mode)

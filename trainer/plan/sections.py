@@ -1,8 +1,8 @@
 """The plan: one frozen TrainPlan of frozen sections, and every flag of the training scripts declared once in its
-section (trainer/plan/schema.py says how); trainer/plan/flags.py builds the parser from these,
+section (trainer/base/schema.py says how); trainer/plan/flags.py builds the parser from these,
 trainer/plan/resolve.py's resolve fills them. The engine's sections live beside their code: `optim`
 (trainer/runtime/optim.py), `lr` (trainer/runtime/schedule.py), `callbacks` (trainer/runtime/callbacks.py); a stage's
-plan (trainer/core/stage.py) is `stage`, its flags in its own FLAGS.
+plan (trainer/plan/stage.py) is `stage`, its flags in its own FLAGS.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -10,9 +10,9 @@ from typing import Optional
 import torch
 
 from model.model_minimind import MiniMindConfig
-from trainer.core.stage import Stage
+from trainer.base.schema import Flag, flag
 from trainer.parallel.mesh import MODEL_DIMS
-from trainer.plan.schema import Flag, flag
+from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import CallbackPlan
 from trainer.runtime.optim import OptimizerPlan
 from trainer.runtime.schedule import LRSchedule
@@ -27,7 +27,8 @@ class Layout:
     pp: int = flag(1, "pipeline-parallel degree (micro-batches = --accumulation_steps)")
     cp: int = flag(1, "context-parallel (ring attention) degree")
     ep: int = flag(1, "expert-parallel degree: each MoE layer's experts sharded over this many data-parallel ranks, "
-                   "tokens sent by all-to-all; must divide the dp size (--zero_stage 0/2/3, no tp/pp/cp so far)", min=1)
+                   "tokens sent by all-to-all; must divide the dp size (--zero_stage 0/2/3; composes with tp, pp, cp)",
+                   min=1)
     zero_stage: int = flag(0, "0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")  # the one used
     dp_mode: str  # "none" (no data-parallel group), "ddp", "zero1" or "fsdp2"
     grad_compression: str = flag("none", "none|bf16|powersgd (DDP communication hook)")
@@ -235,7 +236,7 @@ class TrainPlan:
     guard: GuardPlan
     callbacks: CallbackPlan  # trainer/runtime/callbacks.py: best checkpoint, early stopping, the user's
     flags: dict
-    stage: Stage = Stage()  # the stage's own checked plan (trainer/core/stage.py): its hooks, objective and datasets
+    stage: Stage = Stage()  # the stage's own checked plan (trainer/plan/stage.py): its hooks, objective and datasets
 
     @property
     def micro_batch_shape(self):

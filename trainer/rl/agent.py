@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from dataset.tools import MOCKS, gt_matches, parse_assistant, tool_message, valid_call
-from trainer.plan.schema import Flag
+from trainer.base.errors import ConfigError, TrainingHalted
+from trainer.base.launch import count_sum
+from trainer.base.schema import Flag
 from trainer.rl.base import check_positions, resolve_rollout
 from trainer.rl.grpo import GRPOObjective, GRPOPlan, describe, resolve_group
 from trainer.rl.rewards import THINK_END, answer_of, completion_texts, repetition_penalty
 from trainer.rl.rollout import rollout_seed
 from trainer.rl.rows import training_rows
-from trainer.runtime.launch import ConfigError, TrainingHalted, count_sum
 
 REWARD_CLIP = 3.0  # MiniMind clips an episode's rule reward to [-3, 3]
 
@@ -83,7 +84,7 @@ class AgentPlan(GRPOPlan):
     mock_tools = tuple(MOCKS)
     FLAGS = GRPOPlan.FLAGS + (  # MiniMind's defaults
         Flag("max_turns", int, 3, "model turns per episode (a turn that calls a tool gets the mock tool's answer and a "
-             "next turn)"),
+             "next turn)", min=1),
         Flag("max_total_len", int, 2500, "tokens of a whole episode at most (prompt, turns, tool answers); a turn that "
              "would pass it is cut there"),
     )
@@ -106,8 +107,6 @@ class AgentPlan(GRPOPlan):
 def resolve_agent(args, plan):
     """Check the agent stage's flags against the TrainPlan; ConfigError (one line) on bad input."""
     group = resolve_group(args)
-    if args.max_turns < 1:
-        raise ConfigError(f"--max_turns must be at least 1 (got {args.max_turns})")
     if args.max_total_len <= args.max_seq_len:
         raise ConfigError(f"--max_total_len {args.max_total_len} must exceed --max_seq_len {args.max_seq_len} (the "
                           "prompt's tokens): the episode's turns and tool answers come after the prompt")

@@ -2,7 +2,7 @@
 the prompts, and the objective's parts: reward functions, reference, rollout engine), and RolloutObjective, the base
 of their objectives.
 
-A RolloutObjective's `prepare` hook (trainer/core/objective.py) turns the step's prompts into training rows: each
+A RolloutObjective's `prepare` hook (trainer/plan/objective.py) turns the step's prompts into training rows: each
 micro-batch's prompts are completed by the rollout engine (trainer/rl/rollout.py) on the current policy, the completions
 scored by the reward functions (trainer/rl/rewards.py), and laid out as rows of prompt + completion tokens
 (trainer/rl/rows.py). It times the generation, for the log's rollout/tokens_per_sec and rollout/time_share.
@@ -16,19 +16,19 @@ from typing import Optional
 from transformers import AutoTokenizer
 
 from dataset.rlaif_dataset import RLAIFDataset
+from trainer.base.errors import ConfigError, TrainingHalted
+from trainer.base.log import Logger
+from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import latest_checkpoint
 from trainer.ckpt.weights_file import save_last_completed
 from trainer.core.batches import autocast
-from trainer.core.objective import LMObjective
-from trainer.core.stage import Stage
-from trainer.plan.schema import Flag
+from trainer.plan.objective import LMObjective
+from trainer.plan.stage import Stage
 from trainer.rl.policy_loss import group_advantages
 from trainer.rl.rewards import RULES, RewardFailed, RewardModel, check_reward_model, load_reward_fn, reward_name
 from trainer.rl.rollout import ENGINES, make_engine, rollout_seed
 from trainer.rl.rows import decode_completions, rollout_sequences, score_completions, training_rows
-from trainer.runtime.launch import ConfigError, TrainingHalted
 from trainer.stages.dpo_reference import load_reference
-from trainer.trainer_utils import Logger
 
 ROW_STATS = ("reward_sum", "reward_std_sum", "zero_std_sum", "length_sum", "truncated_sum")  # score_completions'
 
@@ -36,7 +36,7 @@ ROW_STATS = ("reward_sum", "reward_std_sum", "zero_std_sum", "length_sum", "trun
 @dataclass(frozen=True)
 class RolloutPlan(Stage):
     """The checked flags every RL stage has: generation, rewards, the rollout engine and the reference. A subclass
-    gives num_generations, uses_reference, rollout_objective and start_line (trainer/core/stage.py for the rest)."""
+    gives num_generations, uses_reference, rollout_objective and start_line (trainer/plan/stage.py for the rest)."""
     max_prompt_len: int
     max_gen_len: int
     temperature: float
@@ -55,7 +55,7 @@ class RolloutPlan(Stage):
     reward_rules = RULES  # the rule functions of --reward rule
     mock_tools = None  # the names of the tools episodes can call (the agent stage's)
     FLAGS = (  # MiniMind's defaults
-        Flag("max_gen_len", int, 1024, "tokens generated at most per completion (agent: per turn)"),
+        Flag("max_gen_len", int, 1024, "tokens generated at most per completion (agent: per turn)", min=1),
         Flag("temperature", float, 0.8, "sampling temperature; the log-probs are taken at it too"),
         Flag("top_p", float, 1.0, "nucleus sampling mass (1: the whole vocabulary)"),
         Flag("thinking_ratio", float, 0.9, "share of prompts that open the think block"),
@@ -106,8 +106,6 @@ class RolloutPlan(Stage):
 
 def resolve_rollout(args, plan, stage_name, rules=RULES):
     """The checked RolloutPlan fields (a dict) of the shared flags; ConfigError (one line) on bad input."""
-    if args.max_gen_len < 1:
-        raise ConfigError(f"--max_gen_len must be at least 1 (got {args.max_gen_len})")
     for name in ("temperature", "rollout_timeout"):  # plain checks, as trainer/plan/checks.py check_numbers
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")

@@ -23,17 +23,18 @@ from transformers import AutoTokenizer
 from dataset.lm_dataset import SFTDataset
 from model.model_minimind import MiniMindConfig
 from model.provenance import content_sha256
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
+from trainer.base.paths import file_digest, weight_name
+from trainer.base.schema import Flag
 from trainer.core.batches import autocast
-from trainer.core.objective import LMObjective
-from trainer.core.stage import SFTStage
-from trainer.plan.schema import Flag
+from trainer.plan.objective import LMObjective
+from trainer.plan.stage import SFTStage
 from trainer.rl.base import RolloutObjective, RolloutPlan, check_layout, check_positions, engine_line
 from trainer.rl.rollout import make_engine, rollout_seed
 from trainer.rl.rows import rollout_sequences, training_rows
-from trainer.runtime.launch import ConfigError
 from trainer.runtime.metrics import step_flops
 from trainer.stages.distillation import DistillationPlan, build_teacher, teacher_fields, teacher_path
-from trainer.trainer_utils import Logger, file_digest, weight_name
 
 SHARED = ("max_gen_len", "temperature", "top_p", "rollout_engine", "rollout_url", "rollout_timeout")  # RolloutPlan's
 
@@ -103,8 +104,6 @@ def resolve_gkd(args, plan):
         value = getattr(args, name)
         if not 0 <= value <= 1:
             raise ConfigError(f"--{name} must lie in [0, 1] (got {value})")
-    if args.max_gen_len < 1:
-        raise ConfigError(f"--max_gen_len must be at least 1 (got {args.max_gen_len})")
     for name in ("temperature", "rollout_timeout"):
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.core.objective import target_tokens
-from trainer.plan.schema import Flag
+from trainer.base.errors import ConfigError
+from trainer.base.schema import Flag
+from trainer.plan.objective import target_tokens
 from trainer.rl.base import (
     ROW_STATS,
     RolloutObjective,
@@ -27,11 +28,11 @@ from trainer.rl.base import (
 )
 from trainer.rl.policy_loss import LOSSES, GroupExtras, k3_kl, token_entropy
 from trainer.rl.rows import scoring_log_probs, tempered_log_probs
-from trainer.runtime.launch import ConfigError
 from trainer.runtime.metrics import step_flops
 
 GROUP_FLAGS = (  # GRPO's group-relative loss, which the agent stage trains with too; TRL's names
-    Flag("num_generations", int, 6, "completions per prompt (a group, on one data-parallel rank)"),
+    Flag("num_generations", int, 6, "completions per prompt (a group, on one data-parallel rank)", min=2,
+         hint="the advantages compare a prompt's completions with each other"),
     Flag("loss_type", str, "cispo", "policy loss, its ratio, normaliser and advantages (trainer/rl/policy_loss.py): "
          "TRL's grpo, dapo, dr_grpo, bnpo, cispo; gspo (TRL's importance_sampling_level sequence); rloo "
          "(leave-one-out advantages, TRL's RLOO ratio)",
@@ -40,7 +41,8 @@ GROUP_FLAGS = (  # GRPO's group-relative loss, which the agent stage trains with
     Flag("epsilon", float, None, "lower clip of the ratio: 1 - epsilon (default: 3e-4 for gspo, 0.2 otherwise)"),
     Flag("epsilon_high", float, None, "upper clip of the ratio: 1 + epsilon_high (cispo: the ratio's cap; default: "
          "5.0 for cispo, 4e-4 for gspo, --epsilon otherwise)"),
-    Flag("num_iterations", int, 1, "optimizer steps on each rollout (> 1: the ratio moves from 1 and clipping acts)"),
+    Flag("num_iterations", int, 1, "optimizer steps on each rollout (> 1: the ratio moves from 1 and clipping acts)",
+         min=1),
 )
 
 
@@ -73,11 +75,6 @@ class GRPOPlan(RolloutPlan):
 
 def resolve_group(args):
     """The checked group-loss fields (GRPO's, the agent stage's) as a dict; ConfigError (one line) on bad input."""
-    if args.num_generations < 2:  # one completion is its own group's mean: advantage 0, loss 0 all run (TRL: >= 2)
-        raise ConfigError(f"--num_generations must be at least 2 (got {args.num_generations}): the advantages "
-                          "compare a prompt's completions with each other")
-    if args.num_iterations < 1:
-        raise ConfigError(f"--num_iterations must be at least 1 (got {args.num_iterations})")
     if not (math.isfinite(args.beta) and args.beta >= 0):
         raise ConfigError(f"--beta must be a non-negative number (got {args.beta})")
     variant = LOSSES[args.loss_type]
@@ -113,7 +110,7 @@ def describe(plan, objective, name="GRPO"):
 
 
 class GRPOObjective(RolloutObjective):
-    """The GRPO loss for train_step (see trainer/core/objective.py); `prepare` makes the step's rollout."""
+    """The GRPO loss for train_step (see trainer/plan/objective.py); `prepare` makes the step's rollout."""
 
     def __init__(self, stage, plan, dims, engine, tokenizer, functions, weights, reference=(None, None)):
         super().__init__(stage, plan, dims, engine, tokenizer, functions, weights, reference)

@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from trainer.core.log_probs import log_softmax
-from trainer.core.objective import target_tokens
+from trainer.plan.objective import target_tokens
 
 
 # ----------------------------------------------------------------------------- the extras a micro-batch carries

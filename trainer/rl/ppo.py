@@ -28,8 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from model.weight_shapes import clean_state_dict
+from trainer.base.errors import ConfigError
+from trainer.base.launch import world_sum
+from trainer.base.schema import Flag
 from trainer.core.batches import step_targets
-from trainer.plan.schema import Flag
 from trainer.rl.base import (
     RolloutObjective,
     RolloutPlan,
@@ -40,7 +42,6 @@ from trainer.rl.base import (
 )
 from trainer.rl.policy_loss import PPOExtras, gae, last_token_positions, token_entropy, unbiased_var, value_loss
 from trainer.rl.rows import scoring_forward, scoring_log_probs, tempered_log_probs
-from trainer.runtime.launch import ConfigError, world_sum
 from trainer.runtime.metrics import step_flops
 
 # per-row stats of a rollout, summed over the step's rows in the loss's stats
@@ -72,7 +73,7 @@ class PPOPlan(RolloutPlan):
         Flag("gamma", float, 1.0, "GAE's discount"),
         Flag("lam", float, 0.95, "GAE's lambda"),
         Flag("ppo_update_iters", int, 2, "optimizer steps on each rollout (each over the step's whole rollout: "
-             "MiniMind's mini_batch_size = batch_size)"),
+             "MiniMind's mini_batch_size = batch_size)", min=1),
         Flag("early_stop_kl", float, 0.25, "roll out anew once the policy's approx KL to the rollout's exceeds this "
              "(checked before each further update on a rollout; 0: off)"),
     )
@@ -107,8 +108,6 @@ class PPOPlan(RolloutPlan):
 
 def resolve_ppo(args, plan):
     """Check PPO's flags against the TrainPlan; ConfigError (one line) on bad input."""
-    if args.ppo_update_iters < 1:
-        raise ConfigError(f"--ppo_update_iters must be at least 1 (got {args.ppo_update_iters})")
     for name in ("clip_epsilon", "cliprange_value"):  # plain checks, as trainer/plan/checks.py check_numbers
         if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
             raise ConfigError(f"--{name} must be a positive number (got {getattr(args, name)})")
@@ -173,7 +172,7 @@ class ValueHead(nn.Linear):
 
 
 class PPOObjective(RolloutObjective):
-    """The PPO loss for train_step (see trainer/core/objective.py); `prepare` rolls out, scores and runs GAE."""
+    """The PPO loss for train_step (see trainer/plan/objective.py); `prepare` rolls out, scores and runs GAE."""
 
     def __init__(self, stage, plan, dims, engine, tokenizer, functions, weights, reference=(None, None)):
         super().__init__(stage, plan, dims, engine, tokenizer, functions, weights, reference)

@@ -19,7 +19,7 @@ import re
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from trainer.runtime.launch import ConfigError
+from trainer.base.errors import ConfigError
 
 THINK_END = "</think>"
 

@@ -28,8 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers.cache_utils import DynamicCache
 
 from model.hf_convert import save_hf_folder
+from trainer.base.errors import TrainingHalted
+from trainer.base.launch import is_main_process
 from trainer.parallel.state_dict import full_model_state_dict
-from trainer.runtime.launch import TrainingHalted, is_main_process
 
 ENGINES = ("torch", "sglang", "vllm")
 

@@ -1,3 +1,3 @@
-"""What runs around the step: launch and collectives, the guard (non-finite steps, signals), out-of-memory, rank logs,
-optimizers, schedules, callbacks, the console (bar and records), tracking and metrics. May import parallel/,
-ckpt/ and model/; never core/'s loop, stages/, rl/ or an entry script."""
+"""What runs around the step: the guard (non-finite steps, signals), out-of-memory, optimizers, schedules,
+callbacks, the console (bar and records), tracking and metrics (launch.py is the old path of base/launch.py).
+Floor 4: may import ckpt/, parallel/, base/, model/ and dataset/."""

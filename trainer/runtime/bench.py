@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from model.atomic import full_disk_reason
-from trainer.runtime.launch import is_main_process
-from trainer.trainer_utils import Logger
+from trainer.base.launch import is_main_process
+from trainer.base.log import Logger
 
 # MiniMind's seven benchmarks: lm-eval's task (or group) name -> the label of the table and plot
 MINIMIND_TASKS = {"ceval-valid": "C-Eval", "cmmlu": "CMMLU", "arc_easy": "ARC-Easy", "piqa": "PIQA",

@@ -13,6 +13,7 @@ travel in every checkpoint, so a resumed run continues with the same state.
 Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog, and
 bench.EvalBench (--eval_bench: lm-eval scores of the current model).
 """
+import importlib
 import importlib.util
 import json
 import os
@@ -21,16 +22,17 @@ from typing import Optional
 
 from model.atomic import atomic_write_text
 from model.weights import save_weights_file
+from trainer.base.errors import ConfigError, TrainingHalted
+from trainer.base.launch import is_main_process
+from trainer.base.log import Logger
+from trainer.base.rank_log import RankLog
+from trainer.base.schema import Flag, fill, flag
 from trainer.ckpt.checkpoint import read_checkpoint_model
 from trainer.ckpt.step_dirs import BEST_INDEX, MANIFEST, best_checkpoint_step
 from trainer.ckpt.weights_file import save_weights
-from trainer.plan.schema import Flag, fill, flag
-from trainer.runtime.bench import BenchError, EvalBench, import_lm_eval, task_names
-from trainer.runtime.launch import ConfigError, TrainingHalted, is_main_process
-from trainer.runtime.rank_log import RankLog
-from trainer.trainer_utils import Logger
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
+BENCH_MODULE = "trainer.runtime.bench"  # lm-eval scoring (--eval_bench): read by the runs that ask for it only
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,11 @@ def check_eval_bench(args):
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ConfigError("--eval_bench scores in one process: run without torchrun, or score the saved weights "
                           "with scripts/eval_bench.py")
+    bench = importlib.import_module(BENCH_MODULE)
     try:
-        task_names(args.eval_bench, flag="--eval_bench")
-        import_lm_eval()
-    except BenchError as e:
+        bench.task_names(args.eval_bench, flag="--eval_bench")
+        bench.import_lm_eval()
+    except bench.BenchError as e:
         raise (TrainingHalted if e.code == 3 else ConfigError)(str(e)) from None
     include = args.eval_bench_include
     if include and not os.path.isdir(include):
@@ -242,11 +245,12 @@ def make_callbacks(plan):
     if plan.io.log_dir:
         callbacks.append(RankLog())
     if settings.eval_bench:
+        bench = importlib.import_module(BENCH_MODULE)
         try:
-            callbacks.append(EvalBench(task_names(settings.eval_bench), settings.eval_bench_include,
-                                       settings.eval_bench_limit, settings.eval_bench_interval,
-                                       plan.data.tokenizer_path))
-        except BenchError as e:
+            callbacks.append(bench.EvalBench(bench.task_names(settings.eval_bench), settings.eval_bench_include,
+                                             settings.eval_bench_limit, settings.eval_bench_interval,
+                                             plan.data.tokenizer_path))
+        except bench.BenchError as e:
             raise (TrainingHalted if e.code == 3 else ConfigError)(str(e)) from None
     callbacks.extend(load_user_callbacks(settings.user))
     return callbacks

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from model.model_minimind import MOEFeedForward, expert_compute_for
-from trainer.trainer_utils import Logger
+from trainer.base.log import Logger
 
 BALANCE_MODES = ("aux", "bias", "both")  # MiniMind's aux loss; the routing bias; both
 DEAD_EXPERT_LOGS = 5  # logged steps in a row with no tokens before an expert is reported

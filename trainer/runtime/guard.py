@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 
 from model.torch_compat import scaler_found_inf_per_device
+from trainer.base.errors import TrainingHalted
+from trainer.base.launch import local_shard
+from trainer.base.log import Logger, say
+from trainer.base.streams import write_fd
 from trainer.parallel.perf import decoder_blocks
 from trainer.parallel.state_dict import clean_fqn
-from trainer.runtime.launch import TrainingHalted, local_shard
-from trainer.runtime.streams import write_fd
-from trainer.trainer_utils import Logger, say
 
 
 class StepAbandoned(Exception):

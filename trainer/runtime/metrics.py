@@ -1,5 +1,5 @@
 """What a step measures: FLOPs and peak FLOP/s (MFU), peak memory, tokens/s over a window. The collectives that sum
-them over ranks are in trainer/runtime/launch.py; where the figures go (JSONL, TensorBoard, swanlab),
+them over ranks are in trainer/base/launch.py; where the figures go (JSONL, TensorBoard, swanlab),
 trainer/runtime/tracking.py."""
 import ctypes
 import ctypes.util

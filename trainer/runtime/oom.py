@@ -7,8 +7,9 @@ from contextlib import contextmanager
 
 import torch
 
+from trainer.base.errors import TrainingHalted
+from trainer.base.launch import rank
 from trainer.ckpt.checkpoint import latest_checkpoint
-from trainer.runtime.launch import TrainingHalted, rank
 from trainer.runtime.metrics import peak_mem_gb
 
 CPU_MESSAGES = ("can't allocate memory", "not enough memory", "out of memory")

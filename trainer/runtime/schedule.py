@@ -9,8 +9,8 @@ the peak, so the default curve is bit for bit MiniMind's (0.1 + (1 - 0.1) / 2 * 
 import math
 from dataclasses import dataclass
 
-from trainer.plan.schema import Flag, flag
-from trainer.runtime.launch import ConfigError
+from trainer.base.errors import ConfigError
+from trainer.base.schema import Flag, flag
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 SCALINGS = ("none", "linear", "sqrt")

@@ -17,9 +17,10 @@ import torch
 from tqdm import tqdm
 
 from model.atomic import full_disk_reason
+from trainer.base.errors import ConfigError
+from trainer.base.launch import is_main_process
+from trainer.base.launch import rank as launch_rank
 from trainer.ckpt.storage import DiskFullError
-from trainer.runtime.launch import ConfigError, is_main_process
-from trainer.runtime.launch import rank as launch_rank
 
 TRACKERS = ("swanlab", "wandb", "tensorboard", "none")
 

@@ -1,4 +1,3 @@
-"""Post-training stages on the stage contract (core/stage.py): LoRA, the DPO family and its reference pass, KTO, the
-reward model, distillation.
-May import core/ (below the loop: stage, objective, batches, log-probs), plan/, ckpt/, runtime/, parallel/;
-never core/loop.py, rl/ or an entry script."""
+"""Post-training stages on the stage contract (plan/stage.py): LoRA, the DPO family and its reference pass, KTO, the
+reward model, distillation. Floor 7: may import core/'s helpers (batches, log-probs, data loading; never
+core/loop.py) and every floor below."""

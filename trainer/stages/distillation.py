@@ -16,18 +16,19 @@ from transformers import AutoTokenizer
 from model.model_minimind import CrossEntropyChunks, MiniMindConfig, MiniMindForCausalLM, chunked_head
 from model.provenance import content_sha256
 from model.weight_shapes import WeightsError, weight_fields
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
+from trainer.base.paths import file_digest, typed_or_default, weight_name
+from trainer.base.schema import Flag
 from trainer.ckpt.weight_flags import weights_line
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights
 from trainer.core.log_probs import log_softmax
-from trainer.core.objective import LMObjective
-from trainer.core.stage import SFTStage
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
 from trainer.plan.checks import other_sizes
-from trainer.plan.schema import Flag
-from trainer.runtime.launch import ConfigError
+from trainer.plan.objective import LMObjective
+from trainer.plan.stage import SFTStage
 from trainer.runtime.metrics import step_flops
-from trainer.trainer_utils import Logger, file_digest, typed_or_default, weight_name
 
 
 @dataclass(frozen=True)

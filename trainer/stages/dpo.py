@@ -19,28 +19,28 @@ from dataset.token_cache import local_part
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.weight_shapes import WeightsError
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
+from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import saved_resume_fields
 from trainer.ckpt.resume_fields import check_resume_fields
 from trainer.ckpt.weight_flags import mismatch_line, weights_line
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.core.log_probs import sequence_log_probs
-from trainer.core.objective import LMObjective
-from trainer.core.stage import Stage
 from trainer.plan.checks import other_sizes
 from trainer.plan.model_config import flag_error
+from trainer.plan.objective import LMObjective
 from trainer.plan.resolve import weight_path
-from trainer.plan.schema import Flag
-from trainer.runtime.launch import ConfigError
+from trainer.plan.stage import Stage
 from trainer.stages.dpo_losses import LOSSES, LossParams, pair_losses
 from trainer.stages.dpo_reference import attach_reference
-from trainer.trainer_utils import Logger
 
 DEFAULT_BETA = LOSSES["sigmoid"].beta  # MiniMind's train_dpo.py
 
 
 @dataclass(frozen=True)
 class DPOPlan(Stage):
-    """The DPO stage's checked flags (trainer/core/stage.py: chosen/rejected pairs, the preference objective)."""
+    """The DPO stage's checked flags (trainer/plan/stage.py: chosen/rejected pairs, the preference objective)."""
     beta: float
     loss_type: str  # a row of dpo_losses.LOSSES
     label_smoothing: float
@@ -161,7 +161,7 @@ def check_reference(path, config):
 # ----------------------------------------------------------------------------- the objective
 
 class DPOObjective(LMObjective):
-    """The preference loss for trainer/core/loop.py's train_step (see trainer/core/objective.py for the methods)."""
+    """The preference loss for trainer/core/loop.py's train_step (see trainer/plan/objective.py for the methods)."""
 
     items_are_tokens = False  # count() gives pairs
 

@@ -19,6 +19,9 @@ from tqdm import tqdm
 from model.atomic import atomic_save
 from model.provenance import short
 from model.weight_shapes import config_fields
+from trainer.base.errors import ConfigError
+from trainer.base.launch import count_sum, is_main_process, setup_seed
+from trainer.base.log import Logger
 from trainer.ckpt.storage import rank0_write
 from trainer.ckpt.weights_file import init_model
 from trainer.core.batches import autocast, pipeline_forward_only, step_targets
@@ -26,8 +29,6 @@ from trainer.core.data_loading import leaf_datasets
 from trainer.core.log_probs import sequence_log_probs
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
-from trainer.runtime.launch import ConfigError, count_sum, is_main_process, setup_seed
-from trainer.trainer_utils import Logger
 
 REFERENCE_FORMAT_VERSION = 2  # 2: keyed by the reference's content; the file holds its shape and a checksum
 CACHE_SLACK_BYTES = 64 << 10  # torch.save's headers around the values

@@ -18,22 +18,22 @@ import torch.distributed as dist
 
 from dataset.preference_data import KTODataset
 from dataset.token_cache import local_part
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
+from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import saved_resume_fields
 from trainer.ckpt.resume_fields import check_resume_fields
 from trainer.core.batches import step_targets
 from trainer.core.log_probs import sequence_log_probs
-from trainer.core.objective import LMObjective
-from trainer.core.stage import Stage
-from trainer.plan.schema import Flag
-from trainer.runtime.launch import ConfigError
+from trainer.plan.objective import LMObjective
+from trainer.plan.stage import Stage
 from trainer.stages.dpo import check_pairs_layout, resolve_reference
 from trainer.stages.dpo_reference import attach_reference, forward_log_probs
-from trainer.trainer_utils import Logger
 
 
 @dataclass(frozen=True)
 class KTOPlan(Stage):
-    """KTO's checked flags (trainer/core/stage.py): unpaired labelled rows, the reference as DPO's."""
+    """KTO's checked flags (trainer/plan/stage.py): unpaired labelled rows, the reference as DPO's."""
     beta: float
     desirable_weight: float
     undesirable_weight: float
@@ -100,7 +100,7 @@ def kto_losses(log_ratios, desirable, kl, beta, desirable_weight, undesirable_we
 
 
 class KTOObjective(LMObjective):
-    """KTO's loss for train_step (see trainer/core/objective.py); `prepare` estimates the step's KL baseline."""
+    """KTO's loss for train_step (see trainer/plan/objective.py); `prepare` estimates the step's KL baseline."""
 
     stat_names = ("chosen_reward_sum", "chosen_count", "rejected_reward_sum", "rejected_count")
     items_are_tokens = False  # count() gives rows

@@ -1,4 +1,4 @@
-"""The LoRA stage's plan (trainer/core/stage.py): checked flags, the adapters put on the loaded base, and the adapter
+"""The LoRA stage's plan (trainer/plan/stage.py): checked flags, the adapters put on the loaded base, and the adapter
 files it writes.
 
 The loss, data and evaluation are SFT's unchanged; what differs is the model (base frozen, adapters trained) and the
@@ -15,10 +15,11 @@ from model.lora import TARGETS, LoraError, apply_lora, lora_state_dict, lora_tar
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import tokenizer_files
 from model.weights import save_weights_file
-from trainer.core.stage import SIDECAR_BYTES, SFTStage
-from trainer.plan.schema import Flag
-from trainer.runtime.launch import ConfigError
-from trainer.trainer_utils import Logger, weight_name
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
+from trainer.base.paths import weight_name
+from trainer.base.schema import Flag
+from trainer.plan.stage import SIDECAR_BYTES, SFTStage
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class LoraPlan(SFTStage):
     FLAGS = (
         Flag("lora_name", str, "lora_identity", "adapter name: <save_dir>/lora/<lora_name>_<hidden>[_moe].pth "
              "(MiniMind's format) and a PEFT folder <lora_name>_<hidden>[_moe]_peft beside it"),
-        Flag("lora_rank", int, 16, "rank of each adapter (A: in -> rank, B: rank -> out)"),
+        Flag("lora_rank", int, 16, "rank of each adapter (A: in -> rank, B: rank -> out)", min=1,
+             hint="MiniMind uses 16"),
         Flag("lora_alpha", float, None, "scale = alpha / rank (default: alpha = rank, MiniMind's scale 1)"),
         Flag("lora_dropout", float, 0.0, "dropout on the adapters' input"),
         Flag("lora_targets", str, None, "comma list of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (MoE "
@@ -110,8 +112,6 @@ def parse_targets(spec):
 
 def resolve_lora(args, plan):
     """The checked LoraPlan; a bad --lora_* flag, or targets no layer of the model matches, is a ConfigError."""
-    if args.lora_rank < 1:
-        raise ConfigError(f"--lora_rank must be at least 1 (got {args.lora_rank}); MiniMind uses 16")
     if args.lora_alpha is not None and not args.lora_alpha > 0:
         raise ConfigError(f"--lora_alpha must be positive (got {args.lora_alpha}); leave it out for alpha = rank")
     if not 0 <= args.lora_dropout < 1:

@@ -25,12 +25,12 @@ from model.hf_convert import save_hf_classifier
 from model.provenance import tokenizer_files
 from model.weight_shapes import clean_state_dict
 from model.weights import save_weights_file
+from trainer.base.errors import ConfigError
+from trainer.base.log import Logger
 from trainer.core.data_loading import leaf_datasets
-from trainer.core.objective import LMObjective
-from trainer.core.stage import SIDECAR_BYTES, Stage
-from trainer.runtime.launch import ConfigError
+from trainer.plan.objective import LMObjective
+from trainer.plan.stage import SIDECAR_BYTES, Stage
 from trainer.stages.dpo import check_pairs_layout
-from trainer.trainer_utils import Logger
 
 HEAD_KEY = "model.norm.score_head.weight"  # the head in the model's state dict (checkpoints)
 SCORE_KEY = "score.weight"  # transformers' name of a sequence classifier's head, used in the weights file
@@ -67,7 +67,7 @@ class ScoreHead(nn.Linear):
 
 @dataclass(frozen=True)
 class RewardPlan(Stage):
-    """The reward-model stage (trainer/core/stage.py): pairs in, a scalar head on the trunk, Bradley-Terry."""
+    """The reward-model stage (trainer/plan/stage.py): pairs in, a scalar head on the trunk, Bradley-Terry."""
     seed: int  # the head's initialisation
     name = "reward model"
     demo_kind = "dpo"
@@ -139,7 +139,7 @@ def bradley_terry(scores, last, margins):
 
 
 class RewardObjective(LMObjective):
-    """Bradley-Terry on the score head for train_step (see trainer/core/objective.py for the methods)."""
+    """Bradley-Terry on the score head for train_step (see trainer/plan/objective.py for the methods)."""
 
     stat_names = ("chosen_sum", "rejected_sum", "accuracy_sum", "margin_sum")
     items_are_tokens = False  # count() gives pairs

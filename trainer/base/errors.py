@@ -1,0 +1,19 @@
+"""The errors every floor raises, each with its exit code (trainer/base/launch.py main_guard reports them)."""
+import signal
+
+
+class ConfigError(Exception):
+    """Bad user input: reported as one line, exit code 2, before training starts."""
+
+
+class TrainingHalted(Exception):
+    """The run stopped itself (non-finite steps in a row, diverged replicas): one line, exit code 3."""
+
+
+class SignalStop(KeyboardInterrupt):
+    """SIGINT/SIGTERM stopped the run: exit code 128 + signum (130, 143), so `a && b` stops. `message`: the line to
+    print (None: the loop said it already, after saving)."""
+
+    def __init__(self, signum, message=None):
+        super().__init__(message or signal.Signals(signum).name)
+        self.signum, self.message = signum, message
