@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dataset.demo_data import pydoc_topic_texts, reasoning_records, stdlib_docstrings, tool_records  # noqa: E402
+from dataset.demo_records import pydoc_topic_texts, reasoning_records, stdlib_docstrings, tool_records  # noqa: E402
 from model.torch_compat import cpu_bf16_native  # noqa: E402
 from scripts.gpu_quick import quick_items, quick_markdown  # noqa: E402
 

@@ -220,7 +220,8 @@ def test_from_resume_a_chosen_step_directory(tmp_path):
 
 def registry_plan(tmp_path):
     """The plan sections Checkpointer.train_state and read_resume read, for one process."""
-    layout = SimpleNamespace(world_size=1, dp=1, tp=1, pp=1, cp=1, zero_stage=0)
+    layout = SimpleNamespace(world_size=1, dp=1, tp=1, pp=1, cp=1, zero_stage=0,
+                             model_sizes=dict(pp=1, cp=1, tp=1, ep=1))
     io = SimpleNamespace(checkpoint_dir=str(tmp_path), run_dir=str(tmp_path / "pretrain_64"), from_resume="1",
                          resume_path=None)
     return SimpleNamespace(io=io, layout=layout, flags={}, stage=SimpleNamespace(resume_fields=dict),

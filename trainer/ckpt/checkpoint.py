@@ -15,6 +15,7 @@ DCP reshards on load, so a run may resume under another layout. The weights file
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
 (trainer/ckpt/minimind_resume.py).
 """
+import importlib
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -27,7 +28,6 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 from model.weight_shapes import WeightsError, clean_state_dict, config_fields
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
-from trainer.ckpt.minimind_resume import minimind_resume_path, read_minimind_resume
 from trainer.ckpt.resume_fields import check_resume_fields
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
@@ -35,6 +35,7 @@ from trainer.ckpt.step_dirs import (
     agreed_checkpoint,
     latest_checkpoint,
     load_train_state,
+    minimind_resume_path,
 )
 from trainer.parallel.state_dict import TIED_EMBEDDING
 
@@ -42,6 +43,8 @@ from trainer.parallel.state_dict import TIED_EMBEDDING
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 CHECK_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "num_attention_heads",
               "num_key_value_heads", "num_experts")
+
+MINIMIND_RESUME = "trainer.ckpt.minimind_resume"  # MiniMind's own resume file: read when one is there
 
 
 @dataclass
@@ -106,7 +109,8 @@ def read_resume(config, plan):
     path = plan.io.resume_path or agreed_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
     minimind_path = minimind_resume_path(plan.io.checkpoint_dir, os.path.basename(plan.io.run_dir))
     ckpt = _read_train_state(path, config) if path else \
-        read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None
+        importlib.import_module(MINIMIND_RESUME).read_minimind_resume(minimind_path, config, plan) \
+        if os.path.isfile(minimind_path) else None
     if ckpt is None:
         if plan.io.from_resume == "1":
             raise ConfigError(f"--from_resume 1 but {plan.io.run_dir} holds no complete checkpoint; pass --from_resume "

@@ -7,7 +7,6 @@ of the parameter that order puts at its index. `step` counts the batches of --ba
 took in `epoch`; MiniMind skips that many on resume. Its data order is not ours, so the same position (samples
 consumed in the epoch) continues here, not the same samples.
 """
-import os
 
 import torch
 
@@ -16,6 +15,7 @@ from model.weight_shapes import clean_state_dict
 from model.weights import numpy_rng_globals
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
+from trainer.ckpt.step_dirs import minimind_resume_path  # noqa: F401 (MiniMind's path, named here too)
 from trainer.ckpt.weight_flags import mismatch_line
 
 LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df0373; resume it with that commit "
@@ -126,11 +126,6 @@ def read_minimind_resume(path, config, plan):
                        tokens_seen=0, tracker_id=ckpt.get("wandb_id"))
     return dict(model=model, optimizer=_optimizer_by_name(ckpt["optimizer"], config, path), scaler=scaler,
                 train_state=train_state, world_size=saved_world, global_batch=plan.data.global_batch)
-
-
-def minimind_resume_path(checkpoint_dir, stem):
-    """Where MiniMind's lm_checkpoint keeps the resume file of weights `stem` (<weight>_<hidden>[_moe])."""
-    return os.path.join(checkpoint_dir, stem + "_resume.pth")
 
 
 def our_parameter_order(config):

@@ -15,8 +15,7 @@ import time
 from trainer.base.errors import ConfigError
 from trainer.base.launch import rank
 from trainer.base.log import Logger
-from trainer.ckpt.minimind_resume import minimind_resume_path
-from trainer.ckpt.step_dirs import BEST_INDEX, checkpoints, latest_checkpoint
+from trainer.ckpt.step_dirs import BEST_INDEX, checkpoints, latest_checkpoint, minimind_resume_path
 from trainer.ckpt.storage import from_rank0
 
 LOCK = "run.lock"

@@ -99,3 +99,9 @@ def agreed_checkpoint(run_dir):
                         "must see one --checkpoint_dir (a shared filesystem); or --from_resume 0 --overwrite 1")
     error.every_rank = True  # each rank's own view: every console shows it
     raise error
+
+
+def minimind_resume_path(checkpoint_dir, stem):
+    """Where MiniMind's lm_checkpoint keeps the resume file of weights `stem` (<weight>_<hidden>[_moe]); read by
+    trainer/ckpt/minimind_resume.py, which a run loads only when that file is there."""
+    return os.path.join(checkpoint_dir, stem + "_resume.pth")

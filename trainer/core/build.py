@@ -15,10 +15,9 @@ from trainer.base.log import Logger
 from trainer.base.rank_log import open_rank_log
 from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
 from trainer.ckpt.checkpointer import Checkpointer
-from trainer.ckpt.minimind_resume import minimind_resume_path
 from trainer.ckpt.parts import standard_parts
 from trainer.ckpt.run_lock import claim_run
-from trainer.ckpt.step_dirs import latest_checkpoint
+from trainer.ckpt.step_dirs import latest_checkpoint, minimind_resume_path
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import init_model
 from trainer.parallel.mesh import ParallelDims

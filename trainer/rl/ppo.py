@@ -24,14 +24,13 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from model.weight_shapes import clean_state_dict
 from trainer.base.errors import ConfigError
 from trainer.base.launch import world_sum
 from trainer.base.schema import Flag
 from trainer.core.batches import step_targets
+from trainer.core.trunk_head import TrunkHead, fill_uniform
 from trainer.rl.base import (
     RolloutObjective,
     RolloutPlan,
@@ -140,35 +139,14 @@ def describe(plan, objective):
     return line
 
 
-class ValueHead(nn.Linear):
+class ValueHead(TrunkHead):
     """The critic: one linear unit on the final norm's output, attached from outside (see the module docstring).
     nn.Linear's initialisation, drawn from its own generator (the global RNG stays the policy's)."""
+    ATTRIBUTE = "value_head"  # model/weight_shapes.VALUE_HEAD: left out of the LM's weights
 
     def __init__(self, hidden_size, seed):
-        super().__init__(hidden_size, 1, device="meta")  # its init draws nothing from the global RNG
-        self.to_empty(device="cpu")
-        generator, bound = torch.Generator().manual_seed(seed), 1 / math.sqrt(hidden_size)
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound, generator=generator)
-            self.bias.uniform_(-bound, bound, generator=generator)
-        self.values = None
-
-    def attach(self, model):
-        """Make this head `model.model.norm.value_head` and record V on every forward of the trunk."""
-        norm = model.model.norm
-        norm.value_head = self.to(norm.weight.device)  # model/weight_shapes.VALUE_HEAD: left out of the LM's weights
-        norm.register_forward_hook(self.capture)
-        return self
-
-    def capture(self, norm, inputs, output):
-        # under tensor parallel the norm's output is still a Replicate DTensor here, as are this head's parameters
-        values = self(output).squeeze(-1)
-        self.values = values.to_local() if isinstance(values, DTensor) else values
-
-    def take(self):
-        """(N, L) fp32 values of the trunk's last forward (consumed)."""
-        values, self.values = self.values, None
-        return values.float()
+        super().__init__(hidden_size, bias=True)
+        fill_uniform(self, seed)
 
 
 class PPOObjective(RolloutObjective):

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dataset.preference_data import RewardPairs
 from dataset.token_cache import local_part
@@ -28,6 +26,7 @@ from model.weights import save_weights_file
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.core.data_loading import leaf_datasets
+from trainer.core.trunk_head import TrunkHead
 from trainer.plan.objective import LMObjective
 from trainer.plan.stage import SIDECAR_BYTES, Stage
 from trainer.stages.dpo import check_pairs_layout
@@ -36,33 +35,15 @@ HEAD_KEY = "model.norm.score_head.weight"  # the head in the model's state dict 
 SCORE_KEY = "score.weight"  # transformers' name of a sequence classifier's head, used in the weights file
 
 
-class ScoreHead(nn.Linear):
+class ScoreHead(TrunkHead):
     """One linear unit without bias on the final norm's output (transformers' `score`), attached from outside; drawn
     from its own generator (the global RNG stays the trunk's), N(0, initializer_range) as transformers draws it."""
+    ATTRIBUTE = "score_head"
 
     def __init__(self, hidden_size, seed, std=0.02):
-        super().__init__(hidden_size, 1, bias=False, device="meta")
-        self.to_empty(device="cpu")
+        super().__init__(hidden_size, bias=False)
         with torch.no_grad():
             self.weight.normal_(0, std, generator=torch.Generator().manual_seed(seed))
-        self.scores = None
-
-    def attach(self, model):
-        """Make this head `model.model.norm.score_head` and record the scores on every forward of the trunk."""
-        norm = model.model.norm
-        norm.score_head = self.to(norm.weight.device)
-        norm.register_forward_hook(self.capture)
-        return self
-
-    def capture(self, norm, inputs, output):
-        # under tensor parallel the norm's output is still a Replicate DTensor here, as is this head's weight
-        scores = self(output).squeeze(-1)
-        self.scores = scores.to_local() if isinstance(scores, DTensor) else scores
-
-    def take(self):
-        """(N, L) fp32 scores of the trunk's last forward (consumed)."""
-        scores, self.scores = self.scores, None
-        return scores.float()
 
 
 @dataclass(frozen=True)
