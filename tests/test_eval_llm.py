@@ -9,8 +9,10 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_shapes import WeightsError
 from model.weights import save_weights_file
 from scripts.convert_model import main as convert_main
-from scripts.eval_llm import check_args, load_model, parse_args, render_prompt
 from scripts.eval_llm import main as eval_main
+from scripts.eval_llm import parse_args
+from scripts.inference.generate import render_prompt
+from scripts.inference.load import check_args, load_model
 from tests.launch import ROOT, forked
 from tests.test_convert_model import hand_folded, lora_adapter
 from trainer.runtime.launch import ConfigError
@@ -209,7 +211,7 @@ def test_lora_for_another_shape_exits_2_with_one_line(tmp_path, capsys):
 def test_a_reply_starts_with_its_first_word_not_blank_lines(capsys):
     """A small model's reply often opens with newlines (the issue saw about four blank lines): the streamed reply
     drops the leading whitespace, and only that, as the model's tokens arrive one by one."""
-    from scripts.eval_llm import ReplyStreamer
+    from scripts.inference.generate import ReplyStreamer
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     ids = tokenizer("\n\n\n\n Hello there,\n\n  friend.", add_special_tokens=False).input_ids
     streamer = ReplyStreamer(tokenizer, skip_special_tokens=True)

@@ -15,9 +15,10 @@ from transformers.generation import LogitsProcessor, LogitsProcessorList
 from dataset.tools import parse_assistant, tool_schemas
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from scripts.eval_llm import load_chat_model
 from scripts.eval_llm import main as eval_main
-from scripts.serve_openai_api import create_app, parse_args
+from scripts.inference.load import load_chat_model
+from scripts.serve.app import create_app
+from scripts.serve_openai_api import parse_args
 from tests.launch import free_port
 
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -12,10 +12,10 @@ import os
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
+from model.weight_flags import mismatch_line
 from model.weight_shapes import clean_state_dict
 from model.weights import numpy_rng_globals
 from trainer import trainer_utils  # the module, not its names: trainer_utils.lm_checkpoint imports this file
-from trainer.ckpt.weight_flags import mismatch_line
 from trainer.runtime.launch import ConfigError
 
 LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df0373; resume it with that commit "

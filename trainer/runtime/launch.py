@@ -14,15 +14,12 @@ import torch
 import torch.distributed as dist
 
 from dataset.token_cache import CacheBuildInterrupted
+from model.errors import ConfigError  # its home is the bottom (scripts/inference raises it too); importers find it here
 from model.torch_compat import set_default_pg_timeout
 from trainer.runtime import rank_log
 from trainer.runtime.streams import survive_closed_output
 
 RANK0_REPORT_SECONDS = 2
-
-
-class ConfigError(Exception):
-    """Bad user input: reported as one line, exit code 2, before training starts."""
 
 
 class TrainingHalted(Exception):

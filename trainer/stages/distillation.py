@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from model.model_minimind import CrossEntropyChunks, MiniMindConfig, MiniMindForCausalLM, chunked_head
 from model.provenance import content_sha256
+from model.weight_flags import weights_line
 from model.weight_shapes import WeightsError, weight_fields
-from trainer.ckpt.weight_flags import weights_line
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights
 from trainer.core.log_probs import log_softmax
 from trainer.core.objective import LMObjective
