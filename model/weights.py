@@ -98,7 +98,7 @@ def read_record(path):
     """What weights record besides the model: {"tokenizer": {"path", "sha256"}, "step": N, ...}, as far as known.
 
     A .pth: its sidecar; an HF folder: its own tokenizer files; MiniMind's bare .pth or resume file: nothing (a
-    checkpoint directory: trainer/checkpoint.read_checkpoint_record)."""
+    checkpoint directory: trainer/ckpt/checkpoint.read_checkpoint_record)."""
     if os.path.isdir(path):
         return {"tokenizer": tokenizer_record(path)} if tokenizer_sha256(path) else {}
     side = sidecar_path(path)

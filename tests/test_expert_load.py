@@ -1,4 +1,4 @@
-"""trainer/expert_load.py: per-expert loads read from a real MoE model, their record fields against a hand
+"""trainer/runtime/expert_load.py: per-expert loads read from a real MoE model, their record fields against a hand
 computation, DeepSeek-V3's bias rule, the empty-expert warning, and the bias equal on every data-parallel rank."""
 import math
 import os

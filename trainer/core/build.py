@@ -127,7 +127,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
         Logger(warning)
     if plan.model.router_balance != "aux":
         enable_expert_bias([model])  # model state: there before the wrap and the resume
-    model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
+    model_parts, pipeline = parallelize(model, dims, plan)  # in the order its docstring states
     compute_line = choose_expert_compute(model_parts, plan.layout.device, plan.model.autocast_dtype or torch.float32,
                                          plan.model.expert_compute)
     if compute_line:

@@ -2,10 +2,11 @@
 Trainer that trainer/core/build.py's `setup` and `build_trainer` make. Entry scripts import it; stage modules never do
 (they sit below it).
 
-Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in plan.py
-(resolved by config.py), what a stage gives the loop in stage.py and objective.py, data in data_loading.py, a batch's
-way into the model in batches.py, checkpoints in checkpoint.py, the console and records in progress.py, evaluation in
-evaluation.py, the callbacks in callbacks.py, the parallel dimensions in parallel/ (applied by parallel/parallelize.py).
+Read `train()` for the loop and `train_step()` for one optimizer step. The plan and its sections live in
+plan/sections.py (resolved by plan/resolve.py), what a stage gives the loop in core/stage.py and core/objective.py, data
+in core/data_loading.py, a batch's way into the model in core/batches.py, checkpoints in ckpt/checkpointer.py, the
+console in runtime/console.py and the records in runtime/tracking.py, evaluation in core/evaluation.py, the callbacks
+in runtime/callbacks.py, the parallel dimensions in parallel/ (applied by parallel/parallelize.py).
 """
 import os
 import signal
@@ -56,7 +57,7 @@ from trainer.trainer_utils import Logger
 
 
 def train(trainer, train_ds, eval_ds=None):
-    """Phase 7, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
+    """Phase 8, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
 
     SIGTERM/SIGINT stop it with a checkpoint of the last completed step (guard.py Preemption: one process drops
     the step in progress, several ranks finish it and stop together)."""

@@ -24,7 +24,7 @@ class Stage:
     demo_kind = "pretrain"  # the embedded demo data without --data_path (dataset/demo_data.py)
     rows_per_sample = 1  # model rows one sample makes (DPO: a chosen/rejected pair; GRPO: its completions)
     has_eval = True  # a held-out metric: the objective's eval loss (else --eval_data_path is refused in one line)
-    FLAGS = ()  # the stage's own flags (trainer/schema.Flag), added to its script's parser
+    FLAGS = ()  # the stage's own flags (trainer/plan/schema.Flag), added to its script's parser
 
     @classmethod
     def resolve(cls, args, plan):
