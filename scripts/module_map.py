@@ -8,7 +8,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = ("model", "dataset", "trainer", "trainer/core", "trainer/plan", "trainer/ckpt", "trainer/runtime",
-           "trainer/stages", "trainer/rl", "trainer/parallel", "scripts",
+           "trainer/stages", "trainer/rl", "trainer/parallel", "scripts", "scripts/benchmarks",
            "scripts/inference", "scripts/serve")
 LONGEST = 160  # characters of a module's line
 BEGIN, END = "<!-- module map: begin (scripts/module_map.py --write) -->", "<!-- module map: end -->"
