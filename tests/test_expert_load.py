@@ -6,9 +6,9 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from launch import TINY_MODEL, forked, read_metrics, spawn
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.launch import TINY_MODEL, forked, read_metrics, spawn
 from trainer.runtime.expert_load import (
     ExpertLoad,
     choose_expert_compute,

@@ -127,3 +127,24 @@ def test_server_import_loads_no_trainer_module():
     out = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_tests_share_helpers_through_helper_modules_and_conftest():
+    """tests/ is a room too: no test module imports another test module as a library (shared helpers live in helper
+    modules such as tests/launch.py, fixtures in tests/conftest.py), and a helper module is imported one way,
+    `from tests.launch import ...`, never as a bare top-level `launch` (a second copy of the module)."""
+    folder = os.path.join(ROOT, "tests")
+    helpers = {n[:-3] for n in os.listdir(folder) if n.endswith(".py") and not n.startswith("test_")}
+    problems = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        path = os.path.join(folder, name)
+        for module in set(imports(path)) | set(imports(path, top_level=False)):
+            parts = module.split(".")
+            if parts[0] == "tests" and len(parts) > 1 and parts[1].startswith("test_"):
+                problems.append(f"tests/{name} imports the test module {module}")
+            if parts[0] in helpers:
+                problems.append(f"tests/{name} imports {module}: write tests.{module}")
+    assert problems == []
+    assert {"launch", "conftest", "serving", "layouts"} <= helpers  # the check saw the helper modules

@@ -19,7 +19,7 @@ from model.weights import save_weights_file
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import parse_args
 from tests.launch import ROOT, free_port, start_forked
-from tests.test_serve_openai_api import CONFIG, PROMPT, over_http
+from tests.serving import CONFIG, PROMPT, over_http
 
 MESSAGES = [{"role": "user", "content": PROMPT}]
 LONG = dict(max_tokens=2000, min_tokens=2000)  # a reply that only a stop ends early (EOS held back)

@@ -16,7 +16,7 @@ from model.weights import save_weights_file
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import main, parse_args
 from tests.launch import ROOT
-from tests.test_serve_openai_api import CONFIG, ask, ask_stream, joined, over_http
+from tests.serving import CONFIG, ask, ask_stream, joined, over_http
 
 CONTEXT = 64  # a model of 64 positions: a request can reach its end in a few tokens
 

@@ -14,8 +14,7 @@ from model.weights import load_weights, read_weights, save_weights_file
 from scripts.eval_llm import main as eval_main
 from scripts.inference import load as inference_load
 from tests.launch import ROOT
-from tests.test_eval_llm import greedy_reply
-from tests.test_serve_openai_api import CALL, ScriptedModel
+from tests.serving import CALL, ScriptedModel, greedy_reply
 
 PROMPT = "What is a list comprehension?"
 PAGE = os.path.join(ROOT, "scripts", "web_demo.py")

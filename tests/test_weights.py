@@ -7,7 +7,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.hf_convert import minimind_to_hf
@@ -15,10 +14,10 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_flags import flag_conflicts, weights_line
 from model.weight_shapes import WeightsError, infer_config, shape_mismatch, weight_fields
 from model.weights import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
+from tests.weight_files import QWEN_VOCAB as VOCAB
+from tests.weight_files import tiny_qwen3, write_minimind_folder
 from trainer.plan.flags import MODEL_FLAGS
 from trainer.plan.model_config import weight_shapes
-
-VOCAB = 512
 
 
 def minimind3_shapes(use_moe, hidden=768, layers=8, heads=8, kv_heads=4, head_dim=96, inter=2432, experts=4,
@@ -183,33 +182,6 @@ def test_qwen3_folders_read_as_minimind(tmp_path):
             assert (model(ids).logits - reference(ids).logits).abs().max().item() < 1e-4
     assert model.config.num_experts_per_tok == 2 and not model.config.tie_word_embeddings
     assert read_weights(str(tmp_path / "dense"))[1]["rope_theta"] == 5e5
-
-
-def tiny_qwen3(vocab=VOCAB):
-    """A seeded tiny dense transformers Qwen3 (the independent reference for MiniMind-format folders)."""
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
-                                        rms_norm_eps=1e-6, tie_word_embeddings=True)).eval()
-
-
-def write_minimind_folder(folder, reference):
-    """Write `reference` (a tiny dense Qwen3) as MiniMind's export does: its config field names, tied lm_head left
-    out."""
-    cfg = reference.config
-    folder.mkdir()
-    state = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(dict(
-        model_type="minimind", architectures=["MiniMindForCausalLM"], hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_hidden_layers, use_moe=False, vocab_size=cfg.vocab_size,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6), rms_norm_eps=1e-6, tie_word_embeddings=True,
-        inference_rope_scaling=False, rope_scaling=None, flash_attn=True, num_experts=4, num_experts_per_tok=1,
-        moe_intermediate_size=cfg.intermediate_size, router_aux_loss_coef=5e-4,
-        auto_map={"AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"})))
-    return folder
 
 
 def test_minimind_format_folder_reads_with_its_config(tmp_path):
