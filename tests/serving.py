@@ -9,9 +9,9 @@ import uvicorn
 from transformers.generation import LogitsProcessor, LogitsProcessorList
 
 from model.model_minimind import MiniMindForCausalLM
-from tests.launch import free_port
+from tests.launch import TINY_CONFIG, free_port
 
-CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+CONFIG = TINY_CONFIG  # the served model's shape
 
 
 PROMPT = "What is a list comprehension?"
