@@ -3,7 +3,7 @@ content digests of weight files (a DPO reference, a distillation teacher), so th
 
 A record names the tokenizer as {"path": folder, "sha256": sha256 of its tokenizer.json}. The hash decides: a
 folder with the same tokenizer.json is the same tokenizer wherever it lies, and a folder that changed is not
-(trainer/ckpt/tokenizer_choice.py picks the tokenizer a run or a script uses from the record and the flags).
+(model/tokenizer_choice.py picks the tokenizer a run or a script uses from the record and the flags).
 """
 import glob
 import hashlib

@@ -7,7 +7,6 @@ as a resume) and a Hugging Face folder (model/hf_convert.py). The trainer's chec
 read by trainer/ckpt/checkpoint.py, their owner. Shapes and names: model/weight_shapes.py; atomic writes:
 model/atomic.py.
 """
-import importlib
 import json
 import os
 import pickle
@@ -16,10 +15,9 @@ import numpy as np
 import torch
 
 from model.atomic import atomic_json, atomic_save
+from model.hf_convert import read_hf_folder
 from model.provenance import tokenizer_record, tokenizer_sha256
 from model.weight_shapes import CONFIG_FIELDS, WeightsError, clean_state_dict, config_fields, load_checked
-
-HF_MODULE = "model.hf_convert"  # Hugging Face folders: read by the runs that name one only
 
 CHECKPOINT_MARK = ".metadata"  # what a DCP step directory holds (trainer/ckpt/checkpoint.py reads those)
 
@@ -55,7 +53,7 @@ def read_weights_and_args(path):
         raise WeightsError(f"{path} is a training checkpoint directory; read it with trainer/ckpt/checkpoint.py "
                            "(read_any_weights)")
     if os.path.isdir(path):
-        state_dict, config = importlib.import_module(HF_MODULE).read_hf_folder(path)
+        state_dict, config = read_hf_folder(path)
         return state_dict, config, None
     if not os.path.isfile(path):
         raise WeightsError(f"{path} does not exist; pass a .pth file, a resume checkpoint or a Hugging Face folder")
@@ -100,7 +98,7 @@ def read_record(path):
     """What weights record besides the model: {"tokenizer": {"path", "sha256"}, "step": N, ...}, as far as known.
 
     A .pth: its sidecar; an HF folder: its own tokenizer files; MiniMind's bare .pth or resume file: nothing (a
-    checkpoint directory: trainer/ckpt/checkpoint.py read_checkpoint_record)."""
+    checkpoint directory: trainer/ckpt/checkpoint.read_checkpoint_record)."""
     if os.path.isdir(path):
         return {"tokenizer": tokenizer_record(path)} if tokenizer_sha256(path) else {}
     side = sidecar_path(path)

@@ -9,7 +9,7 @@
     python scripts/bench.py --ep_vs_dp --steps 3 --warmup 2 --repeats 2       # --ep 2 vs dp2 on 2 processes
     python scripts/bench.py --profile --dtype bfloat16 --steps 3     # + where the step's time goes (step_profile.py)
 
-A run launches trainer/train_pretrain.py (scripts/run_helper.py; `torchrun --nproc_per_node K` when K > 1)
+A run launches trainer/train_pretrain.py (scripts/benchmarks/run.py; `torchrun --nproc_per_node K` when K > 1)
 for warmup + steps optimizer steps with --log_interval 1 and a temporary --metrics_file, then computes
 statistics over the post-warm-up step records. Flags the bench does not know go to the trainer.
 One JSON line per run is appended to --results (default out/bench.jsonl).
@@ -18,7 +18,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,22 +26,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 
-from scripts.bench_moe import print_moe_layer_bench  # noqa: E402
-from scripts.bench_moe_dense import run_moe_bench  # noqa: E402
+from scripts.benchmarks.machine import machine_description  # noqa: E402
+from scripts.benchmarks.moe import print_moe_layer_bench  # noqa: E402
+from scripts.benchmarks.moe_dense import run_moe_bench  # noqa: E402
+from scripts.benchmarks.run import BENCH_DEFAULTS, given_trainer_flags, run_trainer, trainer_args  # noqa: E402
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
-from scripts.run_helper import run_trainer, trainer_args  # noqa: E402
 from scripts.step_profile import shares_line, step_shares  # noqa: E402
-from trainer.plan.flags import add_train_args  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.runtime.metrics import model_flops_per_token, peak_and_status, step_flops  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
 
-# the benchmark's default model: MiniMind's small config
-BENCH_DEFAULTS = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                      max_seq_len=256, batch_size=8, accumulation_steps=1,
-                      device="cuda:0" if torch.cuda.is_available() else "cpu")
 # the reference mode --baseline compares against
 BASELINE_FLAGS = dict(dtype="float32", packing=0, use_compile=0, grad_checkpointing=0, loss_chunk_size=0)
 
@@ -71,27 +66,6 @@ def step_stats(records, warmup):
         final_loss_mean10=statistics.mean(r["loss"] for r in steps[-10:]),  # one step's batch is noisy
         tokens_per_step=sum(tokens) / len(tokens),
         tokens_per_sec_median=statistics.median(tokens) / statistics.median(times))  # robust to load spikes
-
-
-def machine_description(device):
-    """CPU model, cores, load and memory (plus the GPU name on CUDA), in one line."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    parts = [cpu, f"{os.cpu_count()} cores", f"torch threads {torch.get_num_threads()}"]
-    if hasattr(os, "getloadavg"):
-        parts.append("load %.1f/%.1f/%.1f" % os.getloadavg())
-    try:
-        pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-        parts.append(f"{pages * page_size / 2**30:.0f} GiB RAM")
-    except (ValueError, OSError):
-        pass
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
-        parts.insert(0, torch.cuda.get_device_name(device))
-    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -159,17 +133,6 @@ def print_plan(args, flags):
 
 
 # ---------------------------------------------------------------------------------------------- main
-def given_trainer_flags(parser, rest):
-    """The trainer flags among `rest` (only those given, as a dict); anything else is a usage error."""
-    trainer = add_train_args(argparse.ArgumentParser(allow_abbrev=False))
-    for action in trainer._actions:
-        action.default = argparse.SUPPRESS  # keep only the trainer flags given on the command line
-    given, unknown = trainer.parse_known_args(rest)
-    if unknown:
-        parser.error(f"unknown flags (neither {parser.prog} nor trainer): {' '.join(unknown)}")
-    return vars(given)
-
-
 def baseline_flags(args):
     """The flags the baseline run changes: --baseline_flags k=v,... or the reference mode."""
     if not args.baseline_flags:
@@ -193,10 +156,10 @@ def parse_args(argv=None):
     a("--plan", action="store_true", help="print the memory/communication plan of the layout; no training")
     a("--plan_table", action="store_true", help="print docs/scaling.md's tables (plan for 3 models x layouts)")
     a("--moe_layer", action="store_true", help="time the MoE MLP (loop and grouped experts) against the dense MLP at "
-      "equal active parameters, forward + backward in this process, --repeats rounds (scripts/bench_moe.py)")
+      "equal active parameters, forward + backward in this process, --repeats rounds (scripts/benchmarks/moe.py)")
     a("--moe_vs_dense", action="store_true", help="MoE step time over dense at equal active parameters through the "
       "trainer, 4/8 experts x top-1/2, per expert compute (loop, grouped), --repeats alternations "
-      "(scripts/bench_moe_dense.py)")
+      "(scripts/benchmarks/moe_dense.py)")
     a("--ep_vs_dp", action="store_true", help="the MoE model on 2 processes: --ep 2 against plain dp2 throughput, "
       "--repeats alternations")
     a("--results", default=None, help="JSONL file the results are appended to (default: out/bench.jsonl in the repo)")

@@ -40,10 +40,10 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E4
 from model.ollama import modelfile  # noqa: E402
 from model.provenance import copy_tokenizer as copy_files  # noqa: E402
 from model.provenance import tokenizer_record  # noqa: E402
+from model.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
+from model.weight_flags import flag_conflicts, weights_line  # noqa: E402
 from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
 from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
-from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
-from trainer.ckpt.weight_flags import flag_conflicts, weights_line  # noqa: E402
 from trainer.ckpt.weights_file import any_weights_record, read_any_weights  # noqa: E402
 from trainer.plan.checks import check_writable  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402

@@ -20,14 +20,9 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from dataset.tools import TOOL_CASES, gt_matches, run_episode, tool_schemas, valid_call  # noqa: E402
-from scripts.eval_llm import (  # noqa: E402
-    add_model_args,
-    add_sampling_args,
-    generate_ids,
-    load_or_exit,
-    parsed,
-    render_prompt,
-)
+from scripts.inference.flags import add_model_args, add_sampling_args, parsed  # noqa: E402
+from scripts.inference.generate import generate_ids, render_prompt  # noqa: E402
+from scripts.inference.load import load_or_exit  # noqa: E402
 
 
 def score(case, turns):

@@ -1,4 +1,5 @@
-"""A chat page for the model in the browser (Streamlit), as MiniMind's web demo, over eval_llm's loader.
+"""A chat page for the model in the browser (Streamlit), as MiniMind's web demo, over the inference library
+(scripts/inference/).
 
     streamlit run scripts/web_demo.py --browser.gatherUsageStats false -- --weight full_sft
     streamlit run scripts/web_demo.py --browser.gatherUsageStats false -- --load_from out/hf_model --temperature 0
@@ -20,16 +21,10 @@ import streamlit as st  # noqa: E402
 import torch  # noqa: E402
 
 from dataset.tools import TOOL_NAMES, parse_assistant, run_episode, tool_schemas  # noqa: E402
-from scripts.eval_llm import (  # noqa: E402
-    LOAD_ERRORS,
-    add_model_args,
-    add_sampling_args,
-    load_chat_model,
-    parsed,
-    render_prompt,
-    stream_ids,
-)
-from trainer.ckpt.weight_flags import weights_line  # noqa: E402
+from model.weight_flags import weights_line  # noqa: E402
+from scripts.inference.flags import add_model_args, add_sampling_args, parsed  # noqa: E402
+from scripts.inference.generate import render_prompt, stream_ids  # noqa: E402
+from scripts.inference.load import LOAD_ERRORS, load_chat_model  # noqa: E402
 
 
 def parse_args(argv):

@@ -18,6 +18,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 tqdm.tqdm.monitor_interval = 0
 
 from tests import launch  # noqa: E402  (after the repo root is on sys.path)
+from tests.disks import no_small_disk  # noqa: E402
+from tests.launch import demo_slice, forked, read_metrics  # noqa: E402
+from tests.layouts import MODELS, REFERENCE_TIMEOUT, SCRIPT, STEPS, run_args  # noqa: E402
 
 # the ways a test starts another process: the helpers of tests/launch.py, subprocess, multiprocessing
 LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, launch.forked, subprocess.run, subprocess.Popen,
@@ -87,3 +90,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="marked huge; set RUN_SLOW=1"))
         if item_launches(item):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Mount a tmpfs of the given size under tmp_path; unmounted afterwards."""
+    mounted = []
+
+    def mount(size_mib):
+        disk = tmp_path / f"disk{len(mounted)}"
+        disk.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(disk)],
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            no_small_disk(result.stderr.strip())
+        mounted.append(disk)
+        return str(disk)
+
+    yield mount
+    for disk in mounted:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return demo_slice(tmp_path_factory.mktemp("data"), "pretrain", 160)
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """Single-process runs (the definition of correct), one per model."""
+    refs = {}
+    for model in MODELS:
+        workdir = str(tmp_path_factory.mktemp(f"ref_{model}"))
+        proc = forked(SCRIPT, run_args(workdir, data, model, 1, ["--max_steps", str(STEPS)]), timeout=REFERENCE_TIMEOUT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        refs[model] = read_metrics(os.path.join(workdir, "m.jsonl"))
+    return refs

@@ -265,8 +265,10 @@ def forked_argv(argv, log_path, timeout=300, env=None):
     return proc.returncode
 
 
-TINY_MODEL = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4",
-              "--num_key_value_heads", "2", "--dtype", "float32", "--save_dtype", "float32"]
+# the tests' tiny model: its MiniMindConfig fields, and the trainer flags that build it (fp32 throughout)
+TINY_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY_MODEL = [*(a for name, value in TINY_CONFIG.items() for a in (f"--{name}", str(value))),
+              "--dtype", "float32", "--save_dtype", "float32"]
 
 
 def read_metrics(path):

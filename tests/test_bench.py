@@ -6,10 +6,11 @@ import pytest
 import torch.nn as nn
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from scripts import bench, quality, run_helper
+from scripts import bench, quality
 from scripts.bench import parse_args, plan_for, print_plan, step_stats
+from scripts.benchmarks import run as run_helper
+from scripts.benchmarks.run import run_trainer, trainer_command
 from scripts.layout_model import plan_layout
-from scripts.run_helper import run_trainer, trainer_command
 from tests.launch import forked_argv
 from trainer.runtime.metrics import step_flops
 

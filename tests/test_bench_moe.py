@@ -1,4 +1,4 @@
-"""scripts/bench_moe.py and bench_moe_dense.py: the variants they time and their equal active parameters (no timing
+"""scripts/benchmarks/moe.py and moe_dense.py: the variants they time and their equal active parameters (no timing
 is asserted)."""
 import math
 
@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from model.model_minimind import FeedForward, MiniMindConfig, MiniMindForCausalLM, expert_compute_for
-from scripts.bench import BENCH_DEFAULTS
-from scripts.bench_moe import moe_layer_bench
-from scripts.bench_moe_dense import GRID, compute_printed, dense_twin, moe_flags
-from scripts.run_helper import trainer_args
+from scripts.benchmarks.moe import moe_layer_bench
+from scripts.benchmarks.moe_dense import GRID, compute_printed, dense_twin, moe_flags
+from scripts.benchmarks.run import BENCH_DEFAULTS, trainer_args
 from trainer.plan.model_config import build_config
 
 

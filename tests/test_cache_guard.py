@@ -9,7 +9,6 @@ import torch
 from dataset.cache_guard import cache_problem
 from dataset.lm_dataset import PretrainDataset, SFTDataset
 from tests.launch import demo_slice
-from tests.test_storage import small_disk  # noqa: F401  (the tmpfs fixture)
 
 
 def items(ds):

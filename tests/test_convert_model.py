@@ -13,26 +13,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwe
 from transformers import __version__ as transformers_version
 
 from model.gguf import read_gguf
-from model.lora import apply_lora, save_lora
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.model_minimind import MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
+from tests.disks import fill
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
-from tests.test_storage import fill, small_disk  # noqa: F401  (the tmpfs fixture)
-from tests.test_weights import tiny_qwen3, write_minimind_folder
+from tests.weight_files import VOCAB, hand_folded, lora_adapter, source_model, tiny, tiny_qwen3, write_minimind_folder
 
-VOCAB = 6400  # the tokenizers copied are model/'s
 TOL = 1e-4  # fp32: the two implementations differ only in summation order
-
-
-def tiny(**kw):
-    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                initializer_range=0.1)
-    return MiniMindConfig(**dict(base, **kw))
-
-
-def source_model(config, seed=0):
-    torch.manual_seed(seed)
-    return MiniMindForCausalLM(config).eval()
 
 
 def ids():
@@ -224,29 +211,6 @@ def test_a_wrong_export_exits_non_zero(tmp_path, capsys, monkeypatch):
     assert convert_main(["--weight", str(tmp_path / "w.pth"), "--out_dir", str(tmp_path / "hf")]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' progress bars
     assert err.startswith("error: logits differ by ") and err.endswith("the converted folder is wrong"), err
-
-
-def lora_adapter(tmp_path, config, seed=3):
-    """A trained-looking adapter (non-zero A and B, scale 2) in MiniMind's format, from model/lora.py."""
-    model = source_model(config)
-    apply_lora(model, rank=4, alpha=8, targets=["q_proj", "v_proj", "o_proj", "down_proj"])
-    torch.manual_seed(seed)
-    for name, param in model.named_parameters():
-        if ".lora." in name:
-            torch.nn.init.normal_(param, std=0.1)
-    save_lora(model, tmp_path / "lora_medical_64.pth")
-    return tmp_path / "lora_medical_64.pth"
-
-
-def hand_folded(weight_path, adapter_path, config):
-    """An independent plain model with W + B @ A added here (MiniMind's file: B already holds the scale)."""
-    state, adapter = torch.load(weight_path), torch.load(adapter_path)
-    for key in [k for k in adapter if k.endswith(".lora.A.weight")]:
-        module = key.removesuffix(".lora.A.weight")
-        state[f"{module}.weight"] = state[f"{module}.weight"] + adapter[f"{module}.lora.B.weight"] @ adapter[key]
-    model = MiniMindForCausalLM(config).eval()
-    model.load_state_dict(state)
-    return model
 
 
 def test_lora_merges_into_the_pth_and_the_folder(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""trainer/parallel/data.py and utils.py against the single-process result.
+"""trainer/parallel/data.py, clip.py and state_dict.py against the single-process result.
 
 One 2-process gloo job trains a tiny MiniMind 3 AdamW steps (with gradient clipping) under every
 data-parallel variant on a global batch of 4 split 2/2; the single-process run on the full batch is

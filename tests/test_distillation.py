@@ -10,13 +10,11 @@ import sys
 
 import pytest
 import torch
-from torch.utils.data import DistributedSampler
-from transformers import AutoTokenizer
 
-from dataset.lm_dataset import SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.models import sft_batch
 from trainer import train_distillation
 from trainer.core.batches import step_targets
 from trainer.plan.flags import add_train_args
@@ -50,14 +48,6 @@ def files(tmp_path_factory):
         save_weights_file(model.state_dict(), model.config, paths[name])
     paths["root"] = str(root)
     return paths
-
-
-def sft_batch(data, n=4, seq_len=64):
-    """The first n rows of the seed-42 epoch-0 order, as the trainer draws them (assistant-only labels)."""
-    dataset = SFTDataset(data, AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")), max_length=seq_len)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=42, drop_last=True)
-    rows = [dataset[i] for i in list(sampler)[:n]]
-    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
 def by_hand(student, teacher, input_ids, labels, alpha, temperature):
@@ -120,7 +110,6 @@ def test_mfu_counts_the_teachers_forward():
     objective = DistillationObjective(None, stage)
     assert objective.flops(student_config, seq, positions, targets, False) == pytest.approx(full, rel=1e-12)
     assert objective.flops(student_config, seq, positions, targets, True) == pytest.approx(chunked, rel=1e-12)
-
 
 
 @pytest.mark.parametrize("chunk_size", [0, 16])

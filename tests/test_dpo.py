@@ -16,6 +16,7 @@ from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from tests.launch import (
+    TINY_CONFIG,
     demo_slice,
     forked,
     kill_at_step,
@@ -31,7 +32,6 @@ from trainer.parallel.pipeline import PipelineLoss
 from trainer.runtime.launch import main_guard, setup_seed
 from trainer.stages.dpo import DPOObjective, sequence_log_probs
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 BETA = 0.15
 
 
@@ -102,7 +102,7 @@ def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenize
     ds = DPODataset(data, tokenizer, max_length=64, cache_dir=tmp_path / "c")
     input_ids = torch.stack([ds[i][0] for i in range(6)])  # (6, 2, 64)
     labels = torch.stack([ds[i][1] for i in range(6)])
-    config = MiniMindConfig(vocab_size=len(tokenizer), **TINY)
+    config = MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG)
     torch.manual_seed(0)
     policy = MiniMindForCausalLM(config)
     torch.manual_seed(1)
@@ -199,7 +199,7 @@ def test_first_step_is_ln2_and_the_reference_is_the_starting_model(single_run, t
     cached = torch.load(cache)["log_probs"]  # beside its shape and checksum
     ds = DPODataset(data, tokenizer, max_length=64, cache_dir=os.path.dirname(cache))
     setup_seed(42)
-    hf = hf_model(MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY)))
+    hf = hf_model(MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG)))
     with torch.no_grad():
         for i in (0, 1, 7):
             expected = hand_log_probs(hf, ds[i][0], ds[i][1])
@@ -258,7 +258,7 @@ def test_a_second_round_resumes_against_its_own_reference_after_overwriting_it(s
     steps 5-6 equal the uninterrupted run's. Without that cache it refuses in one line; another --beta too."""
     _, _, data = single_run
     torch.manual_seed(7)
-    start = MiniMindForCausalLM(MiniMindConfig(**TINY))
+    start = MiniMindForCausalLM(MiniMindConfig(**TINY_CONFIG))
     runs = {}
     for name in ("straight", "killed"):
         save_weights_file(start.state_dict(), start.config, str(tmp_path / name / "dpo_64.pth"))

@@ -9,10 +9,13 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_shapes import WeightsError
 from model.weights import save_weights_file
 from scripts.convert_model import main as convert_main
-from scripts.eval_llm import check_args, load_model, parse_args, render_prompt
 from scripts.eval_llm import main as eval_main
+from scripts.eval_llm import parse_args
+from scripts.inference.generate import render_prompt
+from scripts.inference.load import check_args, load_model
 from tests.launch import ROOT, forked
-from tests.test_convert_model import hand_folded, lora_adapter
+from tests.serving import greedy_continuation, greedy_reply
+from tests.weight_files import hand_folded, lora_adapter
 from trainer.runtime.launch import ConfigError
 
 
@@ -38,16 +41,6 @@ def test_eval_llm_streams_the_greedy_continuation(tmp_path):
     assert expected.strip() and expected.strip() in proc.stdout, (expected, proc.stdout)
 
 
-def greedy_continuation(model, tokenizer, prompt, n):
-    """Independent greedy decode without KV cache: argmax over the full forward, token by token."""
-    ids = tokenizer(tokenizer.bos_token + prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    for _ in range(n):
-        with torch.no_grad():
-            next_id = model(ids).logits[0, -1].argmax()
-        ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return tokenizer.decode(ids[0, -n:], skip_special_tokens=True).strip()
-
-
 def test_trainers_moe_weights_need_no_model_flag(tmp_path):
     """A top-2 MoE .pth as the trainer writes it (with pretrain_64_moe.json beside it) generates as top-2 with only
     --weight: eval_llm's defaults (hidden 768, dense, top-1) give way to the saved config."""
@@ -66,16 +59,6 @@ def test_trainers_moe_weights_need_no_model_flag(tmp_path):
                                           "--device", "cpu"], timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expected in proc.stdout, (expected, proc.stdout)
-
-
-def greedy_reply(model, tokenizer, messages, max_new_tokens):
-    """transformers' own generate() on the chat template: the reference for eval_llm's output."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
 def exported_folder(tmp_path, fmt):
@@ -209,7 +192,7 @@ def test_lora_for_another_shape_exits_2_with_one_line(tmp_path, capsys):
 def test_a_reply_starts_with_its_first_word_not_blank_lines(capsys):
     """A small model's reply often opens with newlines (the issue saw about four blank lines): the streamed reply
     drops the leading whitespace, and only that, as the model's tokens arrive one by one."""
-    from scripts.eval_llm import ReplyStreamer
+    from scripts.inference.generate import ReplyStreamer
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     ids = tokenizer("\n\n\n\n Hello there,\n\n  friend.", add_special_tokens=False).input_ids
     streamer = ReplyStreamer(tokenizer, skip_special_tokens=True)

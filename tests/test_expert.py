@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from launch import forked, read_metrics, spawn
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.launch import forked, read_metrics, spawn
+from tests.layouts import SCRIPT, STEPS, assert_same_run, run_args, run_layout
 from tests.numerics import FP32_EPS, GRAD_ULPS
-from tests.test_layouts import SCRIPT, STEPS, assert_same_run, data, reference, run_args, run_layout  # noqa: F401
 from trainer.parallel.expert import apply_expert_parallel, ep_validate
 
 BATCH, SEQ, VOCAB = 4, 12, 96

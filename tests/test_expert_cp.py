@@ -5,9 +5,9 @@ expert's replicas, the cp peers, sum its gradients) computes what the single pro
 import os
 
 import pytest
-from launch import forked, read_metrics
 
-from tests.test_layouts import SCRIPT, STEPS, assert_same_run, data, reference, run_args, run_layout  # noqa: F401
+from tests.launch import forked, read_metrics
+from tests.layouts import SCRIPT, STEPS, assert_same_run, run_args, run_layout
 
 
 def test_ep2_cp2_training_run_equals_one_process(data, reference, tmp_path):  # noqa: F811 (test_layouts' fixtures)

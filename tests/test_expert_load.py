@@ -1,4 +1,4 @@
-"""trainer/expert_load.py: per-expert loads read from a real MoE model, their record fields against a hand
+"""trainer/runtime/expert_load.py: per-expert loads read from a real MoE model, their record fields against a hand
 computation, DeepSeek-V3's bias rule, the empty-expert warning, and the bias equal on every data-parallel rank."""
 import math
 import os
@@ -6,9 +6,9 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from launch import TINY_MODEL, forked, read_metrics, spawn
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.launch import TINY_MODEL, forked, read_metrics, spawn
 from trainer.runtime.expert_load import (
     ExpertLoad,
     choose_expert_compute,

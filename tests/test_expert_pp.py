@@ -8,19 +8,9 @@ import os
 
 import pytest
 import torch.distributed as dist
-from launch import forked, read_metrics, spawn
 
-from tests.test_layouts import (  # noqa: F401 (module-scoped fixtures)
-    SCRIPT,
-    STEPS,
-    assert_same_records,
-    assert_same_run,
-    data,
-    final_weights,
-    reference,
-    run_args,
-    run_layout,
-)
+from tests.launch import forked, read_metrics, spawn
+from tests.layouts import SCRIPT, STEPS, assert_same_records, assert_same_run, final_weights, run_args, run_layout
 from trainer.parallel.mesh import ParallelDims
 
 EP_PP = ["--ep", "2", "--pp", "2"]

@@ -15,7 +15,7 @@ from model.weight_shapes import WeightsError
 from model.weights import save_weights_file
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT
-from tests.test_convert_model import source_model, tiny
+from tests.weight_files import source_model, tiny
 
 try:  # optional: pip builds llama.cpp from source for it (requirements-llama.txt)
     import llama_cpp

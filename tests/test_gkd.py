@@ -12,8 +12,8 @@ import torch
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run
+from tests.models import sft_batch
 from tests.rollout_server import LAYOUT_OPTIMIZER, RolloutServer
-from tests.test_distillation import sft_batch
 from trainer import train_gkd
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches

@@ -211,7 +211,7 @@ def docs():
 
 
 PATH_MENTION = re.compile(r"(?<![\w/.-])((?:trainer|model|dataset|scripts|tests)/[\w/]*\w\.(?:py|sh))\b")
-# a module named by path then attribute, `trainer/ckpt/checkpoint.Checkpointer`, or a folder, `trainer/parallel/`
+# a module named by path then attribute, `trainer/ckpt/checkpointer.Checkpointer`, or a folder, `trainer/parallel/`
 MODULE_MENTION = re.compile(r"`((?:trainer|model|dataset|scripts)/[\w/]*\w)(?=[.:/`])(?!\.(?:jsonl|parquet|json)\b)")
 DOTTED_MENTION = re.compile(r"`(trainer(?:\.\w+)+)`")
 

@@ -12,6 +12,7 @@ from dataset.preference_data import KTODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import (
+    TINY_CONFIG,
     demo_slice,
     forked,
     kill_at_step,
@@ -26,7 +27,6 @@ from trainer.core.batches import step_targets
 from trainer.runtime.launch import main_guard
 from trainer.stages.kto import KTOObjective
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 SCRIPT = "trainer/train_kto.py"
 STEPS = 6
 
@@ -79,7 +79,7 @@ def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenize
     ds = KTODataset(demo_slice(tmp_path, "kto", 4), tokenizer, max_length=64, cache_dir=tmp_path / "c")
     input_ids, labels, desirable = (torch.stack([ds[i][k] for i in range(4)]) for k in range(3))
     torch.manual_seed(0)
-    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY))
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG))
     hf_config, hf_sd = minimind_to_hf(model.state_dict(), model.config)
     hf_config._attn_implementation = "eager"
     hf = Qwen3ForCausalLM(hf_config)

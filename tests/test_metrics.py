@@ -73,7 +73,7 @@ def test_auto_dtype_is_the_one_a_training_layer_runs_faster_in(fresh_rates):
             return
         assert str(metrics.RATES_FILE) in note and "GFLOP/s" in note
         speedup = linear_step_seconds(False) / linear_step_seconds(True)  # bf16 autocast over fp32, fwd + bwd
-        # near metrics.BF16_MARGIN either choice is right; far from it the timings here decide
+        # near checks.BF16_MARGIN either choice is right; far from it the timings here decide
         wrong = (speedup > 1.5 and dtype != torch.bfloat16) or (speedup < 1.0 and dtype != torch.float32)
         if not wrong:
             return

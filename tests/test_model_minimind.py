@@ -8,36 +8,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from model.hf_convert import hf_to_minimind, minimind_to_hf
 from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM, MOEFeedForward, packed_document_mask
+from tests.models import DOC_LENGTHS, VOCAB, batch, max_diff, minimind, packed_row, tiny_config, to_hf_model
 
-VOCAB = 512
 TOL = 1e-4
-
-
-def tiny_config(**kw):
-    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=VOCAB, rope_theta=10000.0, initializer_range=0.1)
-    base.update(kw)
-    return MiniMindConfig(**base)
-
-
-def minimind(config, seed=0):
-    torch.manual_seed(seed)
-    return MiniMindForCausalLM(config).eval()
-
-
-def to_hf_model(model):
-    """Convert MiniMind weights into the transformers reference model (eager attention, independent of SDPA)."""
-    hf_config, hf_sd = minimind_to_hf(model.state_dict(), model.config)
-    hf_config._attn_implementation = "eager"
-    cls = Qwen3MoeForCausalLM if model.config.use_moe else Qwen3ForCausalLM
-    hf = cls(hf_config).eval()
-    hf.load_state_dict(hf_sd, strict=True)
-    return hf
-
-
-def batch(bsz=2, seq=24, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (bsz, seq), generator=g)
 
 
 def padding_mask(bsz=2, seq=24):
@@ -46,11 +19,6 @@ def padding_mask(bsz=2, seq=24):
     mask[0, :5] = 0
     mask[1, -4:] = 0
     return mask
-
-
-def max_diff(a, b, where=None):
-    d = (a - b).abs()
-    return (d[where] if where is not None else d).max().item()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,19 +313,6 @@ def explicit_causal_attention(q, k, v, attention_mask=None):
         allowed = allowed & (attention_mask if attention_mask.dim() == 4 else attention_mask[:, None, None, :].bool())
     scores = scores.masked_fill(~allowed, -1e30)
     return torch.softmax(scores, dim=-1) @ v
-
-
-# ----------------------------------------------------------------------------------------------
-# Packed rows: position ids that restart at 0 start a new document (document masking)
-# ----------------------------------------------------------------------------------------------
-DOC_LENGTHS = (11, 16, 5)
-
-
-def packed_row(lengths=DOC_LENGTHS):
-    """(one row of several random documents, its position ids restarting at each document, the documents)."""
-    docs = [batch(1, n, seed=10 + i) for i, n in enumerate(lengths)]
-    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-    return torch.cat(docs, dim=1), positions, docs
 
 
 @pytest.mark.parametrize("use_moe", [False, True])

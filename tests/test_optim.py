@@ -10,7 +10,7 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from tests.test_layouts import read_step
+from tests.layouts import read_step
 from trainer.parallel.mesh import ParallelDims
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve

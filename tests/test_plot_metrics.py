@@ -7,8 +7,8 @@ import pytest
 from matplotlib.image import imread
 
 from scripts.plot_metrics import load_metrics, plot
+from tests.disks import fill
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
-from tests.test_storage import fill, small_disk  # noqa: F401  (the tmpfs fixture)
 
 SCRIPT = "scripts/plot_metrics.py"
 

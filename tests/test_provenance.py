@@ -10,12 +10,12 @@ import shutil
 import pytest
 
 from model.provenance import content_sha256
+from model.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from scripts.convert_model import main as convert_main
 from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args as eval_args
-from scripts.eval_llm import tokenizer_folder
+from scripts.inference.load import tokenizer_folder
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
-from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 from trainer.runtime.launch import ConfigError

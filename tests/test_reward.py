@@ -17,6 +17,7 @@ from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.eval_reward import pair_accuracy
 from tests.launch import (
+    TINY_CONFIG,
     TINY_MODEL,
     demo_slice,
     forked,
@@ -32,7 +33,6 @@ from trainer.rl.rewards import RewardModel
 from trainer.runtime.launch import main_guard
 from trainer.stages.reward import RewardObjective, ScoreHead, hf_folder
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 SCRIPT = "trainer/train_reward.py"
 STEPS = 6
 METRICS = ("accuracy", "margin", "rewards/chosen", "rewards/rejected")
@@ -65,7 +65,7 @@ def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenize
     batch = [torch.stack([ds[i][k] for i in range(4)]) for k in range(3)]
     assert batch[2].tolist() == [0.0, 0.5, -1.0, 2.0]
     torch.manual_seed(0)
-    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY))
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG))
     head = ScoreHead(64, seed=3, std=0.5).attach(model)  # a large head: the pairs' rewards differ
     hf = hf_classifier(model, head)
     hf.config.pad_token_id = tokenizer.pad_token_id
@@ -125,7 +125,7 @@ def test_the_run_learns_and_its_export_scores_as_the_model(single_run, tokenizer
     assert records[-1]["loss"] < records[0]["loss"] and set(METRICS) <= set(records[-1])
     weights = os.path.join(argv[argv.index("--save_dir") + 1], "reward_64.pth")
     state = torch.load(weights)
-    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY))
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG))
     head = ScoreHead(64, seed=0)
     head.weight.data.copy_(state.pop("score.weight"))
     model.load_state_dict(state)
@@ -195,7 +195,7 @@ def test_bad_input_is_one_line_and_exit_2(single_run, tmp_path, monkeypatch, cap
     assert code == 2 and err == ["error: --packing 1: the reward model keeps each conversation in its own row; leave "
                                  "it out"], err
     causal = tmp_path / "causal"
-    model = MiniMindForCausalLM(MiniMindConfig(**TINY))
+    model = MiniMindForCausalLM(MiniMindConfig(**TINY_CONFIG))
     hf_config, _ = minimind_to_hf(model.state_dict(), model.config)
     Qwen3ForCausalLM(hf_config).save_pretrained(causal)  # the causal LM a user might pass by mistake
     capsys.readouterr()  # its progress bar

@@ -1,4 +1,4 @@
-"""scripts/serve_engine.py over real HTTP on 127.0.0.1 (uvicorn, httpx, the openai client): clients that leave
+"""scripts/serve/engine.py over real HTTP on 127.0.0.1 (uvicorn, httpx, the openai client): clients that leave
 mid-stream stop their generation and release the model, a full queue answers 503 with Retry-After, the time limit
 cuts a reply, a bounded load leaves the server answering, and SIGTERM ends a long stream and the process."""
 import json
@@ -16,9 +16,10 @@ from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from scripts.serve_openai_api import create_app, parse_args
+from scripts.serve.app import create_app
+from scripts.serve_openai_api import parse_args
 from tests.launch import ROOT, free_port, start_forked
-from tests.test_serve_openai_api import CONFIG, PROMPT, over_http
+from tests.serving import CONFIG, PROMPT, over_http
 
 MESSAGES = [{"role": "user", "content": PROMPT}]
 LONG = dict(max_tokens=2000, min_tokens=2000)  # a reply that only a stop ends early (EOS held back)

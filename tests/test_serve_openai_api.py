@@ -1,27 +1,20 @@
 """scripts/serve_openai_api.py, in-process through FastAPI's TestClient: the greedy answer is eval_llm's, a stream
 concatenates to the non-stream reply, usage counts the tokens, tool calls come back as tool_calls."""
 import json
-import threading
-import time
-from contextlib import contextmanager
 
 import openai
 import pytest
 import torch
-import uvicorn
 from fastapi.testclient import TestClient
-from transformers.generation import LogitsProcessor, LogitsProcessorList
 
 from dataset.tools import parse_assistant, tool_schemas
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from scripts.eval_llm import load_chat_model
 from scripts.eval_llm import main as eval_main
-from scripts.serve_openai_api import create_app, parse_args
-from tests.launch import free_port
-
-CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-PROMPT = "What is a list comprehension?"
+from scripts.inference.load import load_chat_model
+from scripts.serve.app import create_app
+from scripts.serve_openai_api import parse_args
+from tests.serving import CALL, CONFIG, PROMPT, ScriptedModel, ask, ask_stream, joined, over_http
 
 
 @pytest.fixture(scope="module")
@@ -34,25 +27,6 @@ def served(tmp_path_factory):
     args = parse_args(["--weight", path, "--device", "cpu", "--temperature", "0", "--max_new_tokens", "24"])
     model, tokenizer = load_chat_model(args)
     return path, args, model, tokenizer, TestClient(create_app(model, tokenizer, args))
-
-
-def ask(client, **request):
-    response = client.post("/v1/chat/completions", json=dict(model="minimind", **request))
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def ask_stream(client, **request):
-    """The streamed chunks (data lines before [DONE])."""
-    response = client.post("/v1/chat/completions", json=dict(model="minimind", stream=True, **request))
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    lines = [line[len("data: "):] for line in response.text.split("\n\n") if line]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
-
-
-def joined(chunks, key):
-    return "".join(c["choices"][0]["delta"].get(key) or "" for c in chunks if c["choices"])
 
 
 def test_greedy_answer_equals_eval_llm(served, capsys):
@@ -100,36 +74,6 @@ def test_stream_concatenates_to_the_reply_and_usage_counts_tokens(served, thinki
     assert reply["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                               "total_tokens": prompt_tokens + completion_tokens}
     assert reply["choices"][0]["finish_reason"] == ("stop" if ended else "length")
-
-
-class ForceText(LogitsProcessor):
-    """Makes generate() produce the given token ids, then EOS: a stand-in for a model trained to call tools."""
-
-    def __init__(self, ids, eos_token_id):
-        self.ids, self.eos, self.start = ids, eos_token_id, None
-
-    def __call__(self, input_ids, scores):
-        self.start = input_ids.shape[1] if self.start is None else self.start
-        step = input_ids.shape[1] - self.start
-        forced = torch.full_like(scores, float("-inf"))
-        forced[:, self.ids[step] if step < len(self.ids) else self.eos] = 0
-        return forced
-
-
-class ScriptedModel(MiniMindForCausalLM):
-    """The real model and generate(), its choice of tokens forced to `script` (a text, or a list of texts, one per
-    generate call); it keeps the prompts it was given."""
-    script, tokenizer = "", None
-
-    def generate(self, input_ids=None, **kwargs):
-        self.prompts.append(self.tokenizer.decode(input_ids[0]))
-        script = self.script.pop(0) if isinstance(self.script, list) else self.script
-        ids = self.tokenizer(script, add_special_tokens=False).input_ids
-        kwargs["logits_processor"] = LogitsProcessorList([ForceText(ids, self.tokenizer.eos_token_id)])
-        return super().generate(input_ids=input_ids, **kwargs)
-
-
-CALL = '<tool_call>\n{"name": "get_current_weather", "arguments": {"location": "Tokyo"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -250,23 +194,6 @@ def test_seed_temperature_and_n_choose_the_samples(served):
     assert [s.strip() for s in streamed] == want
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == [
         c["finish_reason"] for c in reply["choices"]]
-
-
-@contextmanager
-def over_http(app):
-    """`app` served by uvicorn on a free local port (a thread of this process): the base URL of its /v1 API."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 def test_the_openai_client_reads_the_reply_the_stream_and_the_usage(served):

@@ -1,4 +1,4 @@
-"""scripts/serve_requests.py through the server: content as OpenAI's schema allows, n and stop honoured or refused,
+"""scripts/serve/requests.py through the server: content as OpenAI's schema allows, n and stop honoured or refused,
 max_tokens within the model's context, the prompt and body limits, OpenAI's error object for every 4xx, --api_key,
 and a bad --port as one line."""
 import os
@@ -13,9 +13,10 @@ from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from scripts.serve_openai_api import create_app, main, parse_args
+from scripts.serve.app import create_app
+from scripts.serve_openai_api import main, parse_args
 from tests.launch import ROOT
-from tests.test_serve_openai_api import CONFIG, ask, ask_stream, joined, over_http
+from tests.serving import CONFIG, ask, ask_stream, joined, over_http
 
 CONTEXT = 64  # a model of 64 positions: a request can reach its end in a few tokens
 

@@ -1,9 +1,9 @@
 """trainer/ckpt/storage.py on a real small filesystem (a tmpfs mounted for the test). Where mount is not allowed the
-full-disk tests (here and in the files that import small_disk) are skipped with the reason, and fail in CI (the CI
-environment variable set, as CI services do): there they must run (root, or a container with CAP_SYS_ADMIN)."""
+full-disk tests (here and wherever the small_disk fixture of tests/conftest.py is used) are skipped with the reason,
+and fail in CI (the CI environment variable set, as CI services do): there they must run (root, or a container with
+CAP_SYS_ADMIN)."""
 import errno
 import os
-import subprocess
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from model.atomic import atomic_folder, atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from tests.disks import no_small_disk
 from tests.launch import spawn
 from trainer.ckpt.storage import (
     DiskFullError,
@@ -29,35 +30,6 @@ PAGE = os.sysconf("SC_PAGE_SIZE")  # tmpfs counts space in pages
 HINT = "free space or choose another --checkpoint_dir, then resume with --from_resume 1"
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """Mount a tmpfs of the given size under tmp_path; unmounted afterwards."""
-    mounted = []
-
-    def mount(size_mib):
-        disk = tmp_path / f"disk{len(mounted)}"
-        disk.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(disk)],
-                                capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            no_small_disk(result.stderr.strip())
-        mounted.append(disk)
-        return str(disk)
-
-    yield mount
-    for disk in mounted:
-        subprocess.run(["umount", str(disk)], check=True)
-
-
-def no_small_disk(reason):
-    """Skip a full-disk test where no tmpfs can be mounted; in CI fail instead, so that they never skip unseen."""
-    message = f"needs a real small filesystem; mount -t tmpfs is not permitted: {reason}"
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        pytest.fail(f"{message}. CI must run the full-disk tests: run as root or give the container CAP_SYS_ADMIN "
-                    "(docker run --cap-add SYS_ADMIN)", pytrace=False)
-    pytest.skip(message)
-
-
 def test_a_full_disk_test_that_cannot_mount_fails_in_ci_and_skips_elsewhere(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI must run the full-disk tests"):
@@ -65,20 +37,6 @@ def test_a_full_disk_test_that_cannot_mount_fails_in_ci_and_skips_elsewhere(monk
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception, match="mount -t tmpfs is not permitted: mount: only root"):
         no_small_disk("mount: only root can do that")
-
-
-def fill(disk, leave=0):
-    """Write a file on `disk` until it is full (what a run meets when another process fills its disk), then give
-    back `leave` bytes (tmpfs frees the pages of a truncated file)."""
-    path = os.path.join(disk, "filler")
-    with open(path, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"\0" * 4096)
-        except OSError:
-            pass
-    os.truncate(path, max(0, os.path.getsize(path) - leave))
-    return path
 
 
 def statvfs_free(path):

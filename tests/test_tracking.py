@@ -10,7 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.test_storage import fill, small_disk  # noqa: F401  (the tmpfs fixture)
+from tests.disks import fill
 from trainer.ckpt.storage import DiskFullError
 from trainer.runtime.tracking import StepProfiler, Tracker, parse_profile_steps, truncate_metrics
 

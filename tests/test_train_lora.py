@@ -23,7 +23,6 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import read_sidecar, save_weights_file
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
-from tests.test_storage import small_disk  # noqa: F401  (the tmpfs fixture)
 from trainer import train_lora
 from trainer.plan.flags import parse_args
 from trainer.plan.resolve import resolve

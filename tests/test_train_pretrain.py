@@ -240,7 +240,7 @@ def test_weighted_mixture_of_sources_resumes_exactly(tmp_path):
 def test_from_weight_takes_a_minimind_format_folder(tmp_path):
     """MiniMind's own HF export folder (model_type minimind) starts SFT with no model flags; at lr 0 the weights
     the run saves equal the folder's, and the folder's model is an independent transformers Qwen3."""
-    from tests.test_weights import tiny_qwen3, write_minimind_folder
+    from tests.weight_files import tiny_qwen3, write_minimind_folder
     reference = tiny_qwen3(vocab=6400)
     folder = write_minimind_folder(tmp_path / "minimind-3", reference)
     proc = forked("trainer/train_sft.py", [

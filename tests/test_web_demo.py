@@ -11,11 +11,10 @@ from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import load_weights, read_weights, save_weights_file
-from scripts import eval_llm
 from scripts.eval_llm import main as eval_main
+from scripts.inference import load as inference_load
 from tests.launch import ROOT
-from tests.test_eval_llm import greedy_reply
-from tests.test_serve_openai_api import CALL, ScriptedModel
+from tests.serving import CALL, ScriptedModel, greedy_reply
 
 PROMPT = "What is a list comprehension?"
 PAGE = os.path.join(ROOT, "scripts", "web_demo.py")
@@ -85,7 +84,7 @@ def test_tool_call_is_answered_by_the_mock_tool(served_scripted, monkeypatch):
     model's tokens forced: a random model does not call tools)."""
     model, tokenizer = served_scripted
     model.script = ["Let me check.\n" + CALL, "Tokyo is 12°C."]
-    monkeypatch.setattr(eval_llm, "load_chat_model", lambda args: (model, tokenizer))
+    monkeypatch.setattr(inference_load, "load_chat_model", lambda args: (model, tokenizer))
     app = page(monkeypatch, ["--device", "cpu", "--temperature", "0", "--max_new_tokens", "64", "--seed", "11"])
     app.sidebar.multiselect(key="tools").set_value(["get_current_weather"]).run()
     app.chat_input[0].set_value("Weather in Tokyo?").run()

@@ -1,4 +1,4 @@
-"""model/weights.py, weight_shapes.py, hf_convert.py (trainer/ckpt/weight_flags.py words the fixes): MiniMind-3 .pth
+"""model/weights.py, weight_shapes.py, hf_convert.py (model/weight_flags.py words the fixes): MiniMind-3 .pth
 files, the trainer's .pth + sidecar config, resume files and HF folders load, and mismatches are one line."""
 import argparse
 import json
@@ -7,18 +7,17 @@ import os
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weight_flags import flag_conflicts, weights_line
 from model.weight_shapes import WeightsError, infer_config, shape_mismatch, weight_fields
 from model.weights import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
-from trainer.ckpt.weight_flags import flag_conflicts, weights_line
+from tests.weight_files import QWEN_VOCAB as VOCAB
+from tests.weight_files import tiny_qwen3, write_minimind_folder
 from trainer.plan.flags import MODEL_FLAGS
 from trainer.plan.model_config import weight_shapes
-
-VOCAB = 512
 
 
 def minimind3_shapes(use_moe, hidden=768, layers=8, heads=8, kv_heads=4, head_dim=96, inter=2432, experts=4,
@@ -185,33 +184,6 @@ def test_qwen3_folders_read_as_minimind(tmp_path):
     assert read_weights(str(tmp_path / "dense"))[1]["rope_theta"] == 5e5
 
 
-def tiny_qwen3(vocab=VOCAB):
-    """A seeded tiny dense transformers Qwen3 (the independent reference for MiniMind-format folders)."""
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
-                                        rms_norm_eps=1e-6, tie_word_embeddings=True)).eval()
-
-
-def write_minimind_folder(folder, reference):
-    """Write `reference` (a tiny dense Qwen3) as MiniMind's export does: its config field names, tied lm_head left
-    out."""
-    cfg = reference.config
-    folder.mkdir()
-    state = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(dict(
-        model_type="minimind", architectures=["MiniMindForCausalLM"], hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_hidden_layers, use_moe=False, vocab_size=cfg.vocab_size,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6), rms_norm_eps=1e-6, tie_word_embeddings=True,
-        inference_rope_scaling=False, rope_scaling=None, flash_attn=True, num_experts=4, num_experts_per_tok=1,
-        moe_intermediate_size=cfg.intermediate_size, router_aux_loss_coef=5e-4,
-        auto_map={"AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"})))
-    return folder
-
-
 def test_minimind_format_folder_reads_with_its_config(tmp_path):
     """A folder as MiniMind's own export writes it loads without running its modeling file."""
     reference = tiny_qwen3()
@@ -293,4 +265,4 @@ def test_shared_experts_do_not_export_to_qwen3_moe_and_the_line_says_what_to_pas
         minimind_to_hf(MiniMindForCausalLM(config).state_dict(), config)
     assert weights_line(e.value) == ("n_shared_experts=1: Qwen3-MoE has no shared experts; "
                                      "export with --format minimind instead")
-    assert "--" not in str(e.value)  # model/ names no flag: trainer/ckpt/weight_flags.py adds it
+    assert "--" not in str(e.value)  # model/ names no flag: model/weight_flags.py adds it

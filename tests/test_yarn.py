@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 from model.hf_convert import hf_to_minimind, minimind_to_hf, read_hf_folder, save_hf_folder
 from model.model_minimind import YARN_ROPE_SCALING, MiniMindConfig, MiniMindForCausalLM, RotaryEmbedding
 from model.weight_shapes import WeightsError, config_fields
-from scripts.eval_llm import load_chat_model, parse_args
 from scripts.eval_llm import main as eval_main
+from scripts.eval_llm import parse_args
+from scripts.inference.load import load_chat_model
 from tests.launch import ROOT
-from tests.test_eval_llm import greedy_continuation
+from tests.serving import greedy_continuation
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 TINY = dict(vocab_size=6400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -23,7 +23,7 @@ def main():
     train_ds, eval_ds = load_datasets(plan)
     # 3. the objective: the teacher, frozen, eval mode, the training dtype, split like the student (tp, cp)
     objective = plan.stage.objective(plan, dims, train_ds)
-    # 4-7. resume state, student (from --from_weight), parallel wrap (tp -> cp -> dp), optimizer
+    # 4-7. resume state, student (from --from_weight), parallel wrap (tp, cp, dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective)
     # 8. the loop
     train(trainer, train_ds, eval_ds)

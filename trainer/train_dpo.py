@@ -24,7 +24,7 @@ def main():
     train_ds, _ = load_datasets(plan)
     # 3. the objective: the reference log-probs of every pair (cached, or computed here), none for simpo and orpo
     objective = plan.stage.objective(plan, dims, train_ds)
-    # 4-7. resume state, policy model (from --from_weight), parallel wrap (pp -> tp -> dp), optimizer
+    # 4-7. resume state, policy model (from --from_weight), parallel wrap (pp, tp, dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective)
     # 8. the loop
     train(trainer, train_ds)

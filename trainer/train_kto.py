@@ -24,7 +24,7 @@ def main():
     train_ds, _ = load_datasets(plan)
     # 3. the objective: the reference's log-probs of every row and KL row, cached, or computed in this layout
     objective = plan.stage.objective(plan, dims, train_ds)
-    # 4-7. resume state, policy model (from --from_weight), parallel wrap (tp -> dp), optimizer
+    # 4-7. resume state, policy model (from --from_weight), parallel wrap (tp, dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective)
     # 8. the loop (each step: the KL baseline's forward, then the rows')
     train(trainer, train_ds)

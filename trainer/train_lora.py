@@ -28,8 +28,8 @@ def main():
     Logger(f"LoRA on --from_weight {plan.model.from_weight}; adapters to {plan.stage.weights_path(plan)}")
     # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
     train_ds, eval_ds = load_datasets(plan)
-    # 3-7. the objective (SFT's), resume state, model (from --from_weight) + adapters, parallel wrap (pp -> tp -> cp ->
-    # dp), optimizer
+    # 3-7. the objective (SFT's), resume state, model (from --from_weight) + adapters, parallel wrap
+    # (trainer/parallel/parallelize.py's order), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
     # 8. the loop
     train(trainer, train_ds, eval_ds)

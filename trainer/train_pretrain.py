@@ -20,7 +20,7 @@ def main():
     # 2. tokenizer and data (the embedded demo corpus unless --data_path)
     train_ds, eval_ds = load_datasets(plan)
     # 3-7. the objective (next-token cross-entropy, the default), resume state, model, parallel wrap
-    # (pp -> tp -> cp -> dp), optimizer
+    # (trainer/parallel/parallelize.py's order), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
     # 8. the loop
     train(trainer, train_ds, eval_ds)

@@ -25,7 +25,7 @@ def main():
     train_ds, _ = load_datasets(plan)
     # 3. the objective: Bradley-Terry on the score at each row's last token
     objective = plan.stage.objective(plan, dims, train_ds)
-    # 4-7. resume state, model (from --from_weight) + score head, parallel wrap (tp -> dp), optimizer
+    # 4-7. resume state, model (from --from_weight) + score head, parallel wrap (tp, dp), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds), objective)
     # 8. the loop
     train(trainer, train_ds)

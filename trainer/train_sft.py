@@ -20,7 +20,7 @@ def main():
     # 2. tokenizer and data (the embedded chat corpus unless --data_path); --packing 1: rows of whole conversations
     train_ds, eval_ds = load_datasets(plan)
     # 3-7. the objective (cross-entropy on the assistant's tokens), resume state, model (from --from_weight), parallel
-    # wrap (pp -> tp -> cp -> dp), optimizer
+    # wrap (trainer/parallel/parallelize.py's order), optimizer
     trainer = build_trainer(plan, dims, steps_per_epoch(plan, train_ds))
     # 8. the loop
     train(trainer, train_ds, eval_ds)

@@ -17,6 +17,7 @@ from trainer.runtime.schedule import MINIMIND_FLOOR, LRSchedule, lr_at
 __all__ = ["ROOT", "Logger", "SkipBatchSampler", "file_digest", "get_lr", "lm_checkpoint", "repo_path", "say",
            "typed_or_default", "weight_name"]
 
+
 def get_lr(current_step, total_steps, lr, warmup_steps=0):
     """MiniMind's cosine schedule lr*(0.1+0.45*(1+cos(pi*t/T))), after an optional linear warm-up (schedule.py)."""
     return lr_at(LRSchedule("cosine", lr, MINIMIND_FLOOR, warmup_steps, 0.1, 0), current_step, total_steps)

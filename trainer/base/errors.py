@@ -1,9 +1,7 @@
 """The errors every floor raises, each with its exit code (trainer/base/launch.py main_guard reports them)."""
 import signal
 
-
-class ConfigError(Exception):
-    """Bad user input: reported as one line, exit code 2, before training starts."""
+from model.errors import ConfigError  # noqa: F401 (its home is below the trainer: scripts/inference raises it)
 
 
 class TrainingHalted(Exception):

@@ -1,4 +1,4 @@
-"""Console output that outlives its reader: `python train_x.py | tee log` and Ctrl-C kills tee with the run, and the
+"""Console output that outlives its reader: `python train_sft.py | tee log` and Ctrl-C kills tee with the run, and the
 next write to the pipe raises BrokenPipeError wherever it happens (the progress bar, the signal's own line), which
 would end the run before its checkpoint. A closed stdout/stderr ends the console output, never the run or its save:
 the stream's file descriptor is pointed at /dev/null and the write is done again there. The rank logs (files) keep

@@ -9,6 +9,7 @@ trainer/ckpt/checkpoint.py, its owner), else a .pth, a single-file resume or an 
 import os
 
 from model.model_minimind import MiniMindForCausalLM
+from model.weight_flags import weights_line
 from model.weight_shapes import WeightsError, load_checked
 from model.weights import is_checkpoint_dir, read_record, read_weights_and_args
 from trainer.base.errors import ConfigError
@@ -18,7 +19,6 @@ from trainer.base.paths import file_digest
 from trainer.ckpt.checkpoint import latest_checkpoint, read_checkpoint_model, read_checkpoint_record
 from trainer.ckpt.rank_files import set_rng_state
 from trainer.ckpt.storage import rank0_write
-from trainer.ckpt.weight_flags import weights_line
 from trainer.parallel.state_dict import full_model_state_dict
 
 
@@ -50,7 +50,7 @@ def any_weights_record(path):
 
 def load_any_weights(model, path):
     """Read `path`, check it against `model` and load it strict (fp32 copy); WeightsError (with its fix) if it does not
-    fit (trainer/ckpt/weight_flags.py words it)."""
+    fit (model/weight_flags.weights_line words it)."""
     state_dict, _, _ = read_any_weights(path)
     return load_checked(model, state_dict, path)
 

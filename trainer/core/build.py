@@ -124,7 +124,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     moe = importlib.import_module(MOE_MODULE) if config.use_moe else None
     if moe and plan.model.router_balance != "aux":
         moe.enable_expert_bias([model])  # model state: there before the wrap and the resume
-    model_parts, pipeline = parallelize(model, dims, plan)  # pp split -> tp -> cp -> ... -> dp
+    model_parts, pipeline = parallelize(model, dims, plan)  # in the order its docstring states
     compute_line = moe and moe.choose_expert_compute(model_parts, plan.layout.device,
                                                      plan.model.autocast_dtype or torch.float32,
                                                      plan.model.expert_compute)

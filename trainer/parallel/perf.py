@@ -8,7 +8,8 @@
   inductor's C++ kernels fuse the casts autocast inserts and the elementwise work around the matmuls, two thirds
   of an eager bf16 step (docs/benchmarks.md section 12).
 
-Order in parallelize.parallelize: pp split -> tp -> cp -> activation checkpointing -> compile -> dp.
+Both run inside parallelize.parallelize, after the sharding dimensions and before data parallel (its docstring
+states the order).
 """
 import types
 

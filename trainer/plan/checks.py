@@ -1,7 +1,6 @@
 """The checks resolve() runs: each raises a ConfigError with one line saying what to change."""
 import math
 import os
-import re
 import tempfile
 
 import torch
@@ -9,6 +8,9 @@ import torch
 from dataset.mixture import resolve_data_spec
 from trainer.base.errors import ConfigError
 from trainer.base.launch import per_rank
+from model.errors import check_device  # noqa: F401 (resolve reads the checks here)
+from model.tokenizer_choice import check_tokenizer  # noqa: F401
+from model.weight_names import other_sizes  # noqa: F401
 from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import MODEL_DIMS, REDUCE_DIMS, dimension_module, validate_layout
 from trainer.runtime import metrics
@@ -104,18 +106,6 @@ def check_numbers(args, declared):
         raise ConfigError(f"--dropout must be in [0, 1) (got {args.dropout})")
 
 
-def check_device(device):
-    """--device names a cpu or cuda device (available)."""
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {device} is not a device this trainer runs on; use cpu, cuda or cuda:N")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device} but no CUDA device is available; use --device cpu")
-
-
 def check_model_args(args, config):
     """Model and batch flags: one line saying what to change."""
     if args.head_dim is None and config.hidden_size % config.num_attention_heads:
@@ -185,33 +175,6 @@ def check_paths(save_dir, from_weight, data_paths, others=()):
         for path in files:
             if os.path.getsize(path) == 0:
                 raise ConfigError(f"data file {path} is empty; check {flag}")
-
-
-def other_sizes(path, flag):
-    """For a missing MiniMind weight <prefix>_<hidden>[_moe].pth, the files of the same prefix and other sizes beside
-    it and how to use them ("<folder> has x_256.pth (--hidden_size 256): pass its size flags or <flag> <file>; "),
-    else ""."""
-    match = re.fullmatch(r"(.+)_\d+(_moe)?\.pth", os.path.basename(path))
-    folder = os.path.dirname(path)
-    if not match or not os.path.isdir(folder):
-        return ""
-    pattern = re.escape(match.group(1)) + r"_(\d+)(_moe)?\.pth"
-    found = [re.fullmatch(pattern, name) for name in sorted(os.listdir(folder))]
-    found = [(m.group(0), f"--hidden_size {m.group(1)}{' --use_moe 1' if m.group(2) else ''}") for m in found if m]
-    if not found:
-        return ""
-    files = ", ".join(f"{name} ({flags})" for name, flags in found)
-    return f"{folder} has {files}: pass its size flags or {flag} {os.path.join(folder, found[0][0])}; "
-
-
-def check_tokenizer(path):
-    """A Hugging Face tokenizer folder: a directory with tokenizer.json or tokenizer_config.json."""
-    if not os.path.isdir(path):
-        raise ConfigError(f"--tokenizer_path {path} is not a directory; pass the folder with tokenizer.json "
-                          "(default: model/ in the repo)")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise ConfigError(f"--tokenizer_path {path} has no tokenizer.json or tokenizer_config.json; "
-                          "pass a Hugging Face tokenizer folder")
 
 
 def check_metrics_file(path):

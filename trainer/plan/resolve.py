@@ -16,8 +16,9 @@ from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.paths import repo_path, typed_or_default, weight_name
 from trainer.base.schema import fill
+from model.tokenizer_choice import TokenizerMismatch, tokenizer_for
+from model.weight_names import weight_path  # noqa: F401 (stages read it here)
 from trainer.ckpt.step_dirs import MANIFEST
-from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from trainer.ckpt.weights_file import any_weights_record
 from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.checks import (
@@ -119,16 +120,6 @@ def resolve_model(args, config, from_weight):
                 # chunked loss: not under tp (vocab-sharded logits) nor pp (the schedule takes the last stage's logits)
                 chunked_loss=args.loss_chunk_size > 0 and args.tp == 1 and args.pp == 1,
                 grad_checkpointing=checkpoint_mode(args.grad_checkpointing))
-
-
-def weight_path(spec, save_dir, config):
-    """A weights flag as a path: "none", a .pth or a folder as typed, else a weight prefix in save_dir,
-    <save_dir>/<prefix>_<hidden>[_moe].pth, MiniMind's names (--from_weight, DPO's --ref_weight)."""
-    if spec == "none":
-        return "none"
-    if spec.endswith(".pth") or os.path.isdir(spec):
-        return typed_or_default(spec, None)
-    return os.path.join(save_dir, weight_name(spec, config) + ".pth")
 
 
 def run_tokenizer(args, from_weight):

@@ -27,8 +27,8 @@ class Layout:
     pp: int = flag(1, "pipeline-parallel degree (micro-batches = --accumulation_steps)")
     cp: int = flag(1, "context-parallel (ring attention) degree")
     ep: int = flag(1, "expert-parallel degree: each MoE layer's experts sharded over this many data-parallel ranks, "
-                   "tokens sent by all-to-all; must divide the dp size (--zero_stage 0/2/3; composes with tp, pp, cp)",
-                   min=1)
+                   "tokens sent by all-to-all; must divide the dp size; composes with --tp, --pp and --cp "
+                   "(--zero_stage 0/2/3)", min=1)
     zero_stage: int = flag(0, "0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")  # the one used
     dp_mode: str  # "none" (no data-parallel group), "ddp", "zero1" or "fsdp2"
     grad_compression: str = flag("none", "none|bf16|powersgd (DDP communication hook)")

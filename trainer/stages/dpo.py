@@ -18,13 +18,13 @@ from dataset.lm_dataset import DPODataset
 from dataset.token_cache import local_part
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
+from model.weight_flags import mismatch_line, weights_line
 from model.weight_shapes import WeightsError
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import saved_resume_fields
 from trainer.ckpt.resume_fields import check_resume_fields
-from trainer.ckpt.weight_flags import mismatch_line, weights_line
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.core.log_probs import sequence_log_probs
 from trainer.plan.checks import other_sizes

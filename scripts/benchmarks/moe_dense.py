@@ -15,7 +15,7 @@ import statistics
 import time
 
 from model.model_minimind import expert_compute_for
-from scripts.run_helper import trainer_args
+from scripts.benchmarks.run import trainer_args
 from trainer.plan.model_config import build_config
 from trainer.plan.resolve import resolve
 

@@ -1,4 +1,5 @@
-"""Run the real trainer in a temporary folder and return its metrics records (for bench and quality)."""
+"""Run the real trainer in a temporary folder and return its metrics records (for bench and quality); the benchmark's
+default model and the trainer flags a bench command line passes through."""
 import argparse
 import json
 import os
@@ -7,10 +8,16 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 from trainer.plan.flags import add_train_args
 from trainer.trainer_utils import ROOT
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
+# the benchmark's default model: MiniMind's small config
+BENCH_DEFAULTS = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                      max_seq_len=256, batch_size=8, accumulation_steps=1,
+                      device="cuda:0" if torch.cuda.is_available() else "cpu")
 
 
 def trainer_command(flags, nproc, script=TRAIN_SCRIPT):
@@ -60,3 +67,14 @@ def run_trainer(flags, log_path, nproc=1, work=None, script=TRAIN_SCRIPT):
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def given_trainer_flags(parser, rest):
+    """The trainer flags among `rest` (only those given, as a dict); anything else is a usage error."""
+    trainer = add_train_args(argparse.ArgumentParser(allow_abbrev=False))
+    for action in trainer._actions:
+        action.default = argparse.SUPPRESS  # keep only the trainer flags given on the command line
+    given, unknown = trainer.parse_known_args(rest)
+    if unknown:
+        parser.error(f"unknown flags (neither {parser.prog} nor trainer): {' '.join(unknown)}")
+    return vars(given)

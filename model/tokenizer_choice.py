@@ -1,8 +1,9 @@
 """Which tokenizer to use with recorded weights (model/provenance.py's record) and the tokenizer flags the user typed:
 --tokenizer_path must be the recorded tokenizer unless --force_tokenizer 1; without it, the recorded folder, else
-the repository's model/ when its tokenizer.json is the recorded one."""
+the repository's model/ when its tokenizer.json is the recorded one; and the check that a tokenizer folder holds one."""
 import os
 
+from model.errors import ConfigError
 from model.provenance import short, tokenizer_sha256
 
 
@@ -38,3 +39,13 @@ def tokenizer_for(record, typed, default, what, force=False):
     state = "has changed" if os.path.isdir(path) else "is not found here"
     raise TokenizerMismatch(f"{what} was trained with the tokenizer {path} (tokenizer.json sha256 {short(sha)}), which "
                             f"{state}; pass --tokenizer_path with that tokenizer's folder")
+
+
+def check_tokenizer(path):
+    """A Hugging Face tokenizer folder: a directory with tokenizer.json or tokenizer_config.json."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"--tokenizer_path {path} is not a directory; pass the folder with tokenizer.json "
+                          "(default: model/ in the repo)")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"--tokenizer_path {path} has no tokenizer.json or tokenizer_config.json; "
+                          "pass a Hugging Face tokenizer folder")

@@ -5,7 +5,7 @@ import time
 import uuid
 
 from dataset.tools import parse_assistant
-from scripts.serve_requests import cut_at_stop
+from scripts.serve.requests import cut_at_stop
 
 
 class Reply:

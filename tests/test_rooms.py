@@ -1,0 +1,150 @@
+"""scripts/ as rooms: the inference library (scripts/inference/) and the server (scripts/serve/) import no trainer
+module, what a command shares lives in a package (scripts/inference/, scripts/serve/, scripts/benchmarks/) with no
+`sys.path.insert`, and the server's import closure is printed (modules, lines) so its size stays seen.
+
+The closure counts what Python loads when the module is imported: the repository modules named by imports at a
+module's top level (not inside a function), followed transitively, with each package's __init__.py. Counted so, before
+the rooms (commit 28381a9, scripts/eval_llm.py the inference library) the server reached 67 modules and 10,251 lines,
+42 of them the trainer's (ckpt, plan, runtime among them); with them, 24 modules and 3,326 lines, none the trainer's.
+"""
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OURS = ("model", "dataset", "trainer", "scripts", "tests")
+PACKAGES = ("scripts/inference", "scripts/serve", "scripts/benchmarks")
+# a function may import the trainer's reader of its own format only when the user names such a file
+LAZY_ALLOWED = {("scripts/inference/load.py", "trainer.ckpt.checkpoint")}
+
+
+def module_file(name):
+    path = os.path.join(ROOT, *name.split("."))
+    if os.path.isfile(path + ".py"):
+        return path + ".py"
+    return os.path.join(path, "__init__.py") if os.path.isfile(os.path.join(path, "__init__.py")) else None
+
+
+def imports(path, top_level=True):
+    """Absolute names `path` imports (module and module.name); only its top-level statements, or only those inside
+    functions."""
+    tree = ast.parse(open(path).read())
+    nested = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if (id(node) in nested) == top_level:
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def closure(script):
+    """{repository file: its line count} of what importing `script` loads."""
+    seen, todo = {}, [os.path.normpath(os.path.join(ROOT, script))]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen[path] = len(open(path).read().splitlines())
+        for name in imports(path):
+            parts = name.split(".")
+            if parts[0] in OURS:
+                todo += [f for k in range(1, len(parts) + 1) if (f := module_file(".".join(parts[:k])))]
+    return seen
+
+
+def relative(path):
+    return os.path.relpath(path, ROOT)
+
+
+@pytest.mark.parametrize("script", ["scripts/serve_openai_api.py", "scripts/eval_llm.py", "scripts/web_demo.py",
+                                    "scripts/eval_toolcall.py"])
+def test_inference_commands_import_no_trainer_module(script, capsys):
+    reached = closure(script)
+    with capsys.disabled():
+        print(f"\n{script}: import closure {len(reached)} modules, {sum(reached.values())} lines")
+    trainer = sorted(relative(p) for p in reached if relative(p).startswith("trainer" + os.sep))
+    assert trainer == [], f"{script} reaches the trainer: {trainer}"
+    assert os.path.join(ROOT, "scripts", "inference", "load.py") in reached
+
+
+def test_closure_follows_imports_and_skips_functions(tmp_path):
+    """The closure on a written module, against the files counted by hand: a top-level import and the package
+    __init__ it passes through count; an import inside a function does not."""
+    module = tmp_path / "m.py"
+    module.write_text("import os\nfrom model.errors import ConfigError\n\n\ndef f():\n    import trainer.core.loop\n")
+    assert sorted(imports(str(module))) == ["model.errors", "model.errors.ConfigError", "os"]
+    assert list(imports(str(module), top_level=False)) == ["trainer.core.loop"]
+    errors = open(os.path.join(ROOT, "model", "errors.py")).read()
+    assert [n for n in imports(os.path.join(ROOT, "model", "errors.py")) if n.split(".")[0] in OURS] == []
+    reached = {relative(p): n for p, n in closure(str(module)).items() if p != str(module)}
+    assert reached == {os.path.join("model", "__init__.py"): len(open(os.path.join(ROOT, "model", "__init__.py"))
+                                                                 .read().splitlines()),
+                       os.path.join("model", "errors.py"): len(errors.splitlines())}
+
+
+def package_modules():
+    for package in PACKAGES:
+        for name in sorted(os.listdir(os.path.join(ROOT, package))):
+            if name.endswith(".py"):
+                yield os.path.join(ROOT, package, name)
+
+
+def test_rooms_are_packages_without_path_tricks():
+    """Package modules put nothing on sys.path, need no `noqa: E402`, import no entry script of scripts/ and reach the
+    trainer inside a function only where LAZY_ALLOWED says; inference and serve import no trainer module at all."""
+    top_scripts = {n[:-3] for n in os.listdir(os.path.join(ROOT, "scripts")) if n.endswith(".py")}
+    problems = []
+    for path in package_modules():
+        text = open(path).read()
+        if "sys.path.insert" in text or "noqa: E402" in text:
+            problems.append(f"{relative(path)} changes sys.path")
+        for name in set(imports(path)):
+            parts = name.split(".")
+            if parts[0] == "scripts" and len(parts) > 1 and parts[1] in top_scripts:
+                problems.append(f"{relative(path)} imports the entry script {name}")
+            if parts[0] == "trainer" and not relative(path).startswith(os.path.join("scripts", "benchmarks")):
+                problems.append(f"{relative(path)} imports {name}")
+        for name in set(imports(path, top_level=False)):
+            if name.startswith("trainer") and not any(relative(path) == f and name.startswith(m)
+                                                      for f, m in LAZY_ALLOWED):
+                problems.append(f"{relative(path)} imports {name} in a function")
+    assert problems == []
+    assert len(list(package_modules())) >= 12  # inference 4, serve 5, benchmarks 5: the check saw them
+
+
+def test_server_import_loads_no_trainer_module():
+    """What Python itself loads, independent of the closure above: importing the server's entry script in a fresh
+    interpreter leaves no trainer module in sys.modules."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import scripts.serve_openai_api, scripts.eval_toolcall; "
+            "print(sorted(m for m in sys.modules if m == 'trainer' or m.startswith('trainer.')))")
+    out = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_tests_share_helpers_through_helper_modules_and_conftest():
+    """tests/ is a room too: no test module imports another test module as a library (shared helpers live in helper
+    modules such as tests/launch.py, fixtures in tests/conftest.py), and a helper module is imported one way,
+    `from tests.launch import ...`, never as a bare top-level `launch` (a second copy of the module)."""
+    folder = os.path.join(ROOT, "tests")
+    helpers = {n[:-3] for n in os.listdir(folder) if n.endswith(".py") and not n.startswith("test_")}
+    problems = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        path = os.path.join(folder, name)
+        for module in set(imports(path)) | set(imports(path, top_level=False)):
+            parts = module.split(".")
+            if parts[0] == "tests" and len(parts) > 1 and parts[1].startswith("test_"):
+                problems.append(f"tests/{name} imports the test module {module}")
+            if parts[0] in helpers:
+                problems.append(f"tests/{name} imports {module}: write tests.{module}")
+    assert problems == []
+    assert {"launch", "conftest", "serving", "layouts"} <= helpers  # the check saw the helper modules
