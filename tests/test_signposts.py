@@ -26,10 +26,9 @@ from collections import Counter
 
 import pytest
 
-from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
 from trainer.parallel import parallelize
-from trainer.plan.checks import check_expert_parallel
+from trainer.parallel.expert import validate as check_expert_parallel  # ep's check (mesh.DIMENSIONS)
 from trainer.plan.sections import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -193,6 +192,11 @@ STEPS = {"pipeline split": "Pipeline", "tensor parallel": "apply_tensor_parallel
          "data parallel": "apply_data_parallel"}
 
 
+def callee(call):
+    """The called function's own name: f(...) -> f, module.f(...) or used["tp"].f(...) -> f."""
+    return call.func.id if isinstance(call.func, ast.Name) else getattr(call.func, "attr", None)
+
+
 def test_the_wrap_order_is_stated_once_as_the_code_runs_it():
     """parallelize.py's docstring states the order; its function calls the steps in that order; no other docstring or
     comment states an order of its own (they point at parallelize.py)."""
@@ -201,10 +205,10 @@ def test_the_wrap_order_is_stated_once_as_the_code_runs_it():
     stated = [step.split(" (")[0].strip() for step in stated.split("->")]
     assert len(stated) == len(STEPS) and set(stated) == set(STEPS), stated
     function = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "parallelize")
-    calls = [node.func.id for node in ast.walk(function)
-             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in STEPS.values()]
-    first_line = {name: min(n.lineno for n in ast.walk(function) if isinstance(n, ast.Call)
-                            and isinstance(n.func, ast.Name) and n.func.id == name) for name in set(calls)}
+    # a step is called by name or through its dimension's module (used["tp"].apply_tensor_parallel)
+    calls = [(callee(node), node.lineno) for node in ast.walk(function)
+             if isinstance(node, ast.Call) and callee(node) in STEPS.values()]
+    first_line = {name: min(line for callee_name, line in calls if callee_name == name) for name, _ in calls}
     assert sorted(first_line, key=first_line.get) == [STEPS[step] for step in stated]
     others = [f"{os.path.relpath(p, ROOT)}:{line}: {text.strip()}" for p in python_files()
               if p != parallelize.__file__ for line, text in texts(open(p).read()) if ORDER_STATEMENT.search(text)]
@@ -216,7 +220,8 @@ DENIAL = re.compile(r"\b(?:no|without|not with) (?:--)?((?:tp|pp|cp|ep)(?:/(?:tp
 
 def test_dimension_help_texts_deny_nothing_the_checks_accept():
     """A layout flag's help that says it does not compose with another dimension must match a check that refuses
-    the pair: --ep's help once said "no tp/pp/cp so far" while check_expert_parallel accepts all three."""
+    the pair: --ep's help once said "no tp/pp/cp so far" while ep's check (parallel/expert.py validate) accepts
+    all three."""
     helps = {name: field.metadata.get("help", "") for name, field in Layout.__dataclass_fields__.items()
              if name in ("tp", "pp", "cp", "ep")}
     assert set(helps) == {"tp", "pp", "cp", "ep"}
@@ -228,9 +233,7 @@ def test_dimension_help_texts_deny_nothing_the_checks_accept():
             for other in group.split("/"):
                 sizes = {**dict(tp=1, pp=1, cp=1, ep=1), flag: 2, other: 2}
                 args = argparse.Namespace(**sizes, cpu_offload=0, check_replicas=0)
-                try:
-                    check_expert_parallel(args, config, dp=2, zero_stage=0)
-                except ConfigError:
+                if check_expert_parallel(args, config, zero_stage=0):
                     continue
                 contradictions.append(f"--{flag}'s help denies --{other}, which the checks accept")
     assert contradictions == []
@@ -238,13 +241,12 @@ def test_dimension_help_texts_deny_nothing_the_checks_accept():
 
 @pytest.mark.parametrize("other", ["tp", "pp", "cp"])
 def test_ep_composes_with_each_dimension(other):
-    """The reference for the help check above: check_expert_parallel accepts --ep 2 with each other dimension at 2,
-    and refuses --ep 2 with ZeRO-1 (so a denial there would be true)."""
+    """The reference for the help check above: ep's check (parallel/expert.py validate) accepts --ep 2 with each other
+    dimension at 2, and refuses --ep 2 with ZeRO-1 (so a denial there would be true)."""
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             use_moe=True, num_experts=4)
     args = argparse.Namespace(**{**dict(tp=1, pp=1, cp=1, ep=2), other: 2}, cpu_offload=0, check_replicas=0)
-    assert check_expert_parallel(args, config, dp=2, zero_stage=0) is None
-    with pytest.raises(ConfigError, match="zero_stage 1"):
-        check_expert_parallel(args, config, dp=2, zero_stage=1)
+    assert check_expert_parallel(args, config, zero_stage=0) is None
+    assert "zero_stage 1" in check_expert_parallel(args, config, zero_stage=1)
     # the help test reads a denial where one is written: the old --ep help
     assert DENIAL.findall("must divide the dp size (--zero_stage 0/2/3, no tp/pp/cp so far)") == ["tp/pp/cp"]

@@ -6,11 +6,11 @@ import tempfile
 import torch
 
 from dataset.mixture import resolve_data_spec
-from trainer.base.errors import ConfigError
-from trainer.base.launch import per_rank
 from model.errors import check_device  # noqa: F401 (resolve reads the checks here)
 from model.tokenizer_choice import check_tokenizer  # noqa: F401
 from model.weight_names import other_sizes  # noqa: F401
+from trainer.base.errors import ConfigError
+from trainer.base.launch import per_rank
 from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import MODEL_DIMS, REDUCE_DIMS, dimension_module, validate_layout
 from trainer.runtime import metrics
