@@ -31,8 +31,10 @@ from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
     TRAIN_STATE,
     agreed_checkpoint,
-    latest_checkpoint,
+    damage,
+    latest_checkpoint,  # noqa: F401 (re-exported: console, oom, weights_file and rl import it from here)
     load_train_state,
+    loadable_checkpoint,
 )
 from trainer.parallel.state_dict import TIED_EMBEDDING
 from trainer.runtime.launch import ConfigError
@@ -86,7 +88,7 @@ def _read_train_state(path, config):
 
 def saved_resume_fields(plan):
     """(path, resume fields) of the checkpoint --from_resume would load; (None, None) without one."""
-    path = latest_checkpoint(plan.io.run_dir) if plan.io.from_resume != "0" else None
+    path = loadable_checkpoint(plan.io.run_dir) if plan.io.from_resume != "0" else None
     try:
         return path, load_train_state(path).get("resume_fields") if path else None
     except Exception:
@@ -104,6 +106,10 @@ def read_resume(config, plan):
     if plan.io.from_resume == "0":
         return None
     path = plan.io.resume_path or agreed_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
+    why = damage(path) if plan.io.resume_path else None
+    if why:
+        raise ConfigError(f"--from_resume {path}: {os.path.join(path, why)}; name another step directory, or pass "
+                          "--from_resume 1 for the newest one that loads")
     minimind_path = minimind_resume_path(plan.io.checkpoint_dir, os.path.basename(plan.io.run_dir))
     ckpt = _read_train_state(path, config) if path else \
         read_minimind_resume(minimind_path, config, plan) if os.path.isfile(minimind_path) else None

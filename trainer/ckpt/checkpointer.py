@@ -19,6 +19,7 @@ from trainer.ckpt.step_dirs import (
     TRAIN_STATE,
     best_checkpoint_step,
     checkpoints,
+    file_sizes,
     incomplete_line,
     latest_checkpoint,
 )
@@ -195,7 +196,9 @@ class Checkpointer:
         if line:
             return line
         step = int(path.rsplit("_", 1)[1])
-        atomic_json(dict(step=step, format_version=FORMAT_VERSION), os.path.join(path, MANIFEST))
+        # the sizes of what was written: a damaged file is found before any rank builds a model (step_dirs.damage)
+        record = dict(step=step, format_version=FORMAT_VERSION, files=file_sizes(path))
+        atomic_json(record, os.path.join(path, MANIFEST))
         self.prune(step)
         return None
 
