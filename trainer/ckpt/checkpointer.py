@@ -24,6 +24,7 @@ from trainer.ckpt.step_dirs import (
     latest_checkpoint,
 )
 from trainer.ckpt.storage import check_room, disk_full_as_one_line, from_rank0, tree_bytes
+from trainer.runtime import launch
 from trainer.runtime.launch import ConfigError, rank
 from trainer.trainer_utils import Logger
 
@@ -151,7 +152,7 @@ class Checkpointer:
                 finally:
                     marked.set()
             future.add_done_callback(on_done)
-        self.pending = (future, marked)
+        self.pending, self.pending_path = (future, marked), path
 
     def write(self, state, path):
         """The synchronous save: shards, then a barrier, then rank 0's manifest."""
@@ -162,6 +163,7 @@ class Checkpointer:
         line = from_rank0(line)  # every rank stops together on a step that cannot be complete
         if line:
             raise ConfigError(line)
+        launch.SAVED["path"] = path  # what a rank that stops later says is saved
 
     def train_state(self):
         """What rank 0 writes beside the shards: the rank-0 parts, the parts list, the layout, the typed flags and
@@ -188,6 +190,7 @@ class Checkpointer:
         line, self.incomplete = from_rank0(self.incomplete), None  # a collective: every rank waits here
         if line:
             raise ConfigError(line)
+        launch.SAVED["path"] = self.pending_path
 
     def mark_complete(self, path):
         """Rank 0, once every rank's files are written: the manifest, last, and a prune; the refusal line instead
