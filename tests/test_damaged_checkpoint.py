@@ -7,7 +7,9 @@ import shutil
 
 import pytest
 
+from model.weight_shapes import WeightsError
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.ckpt.checkpoint import read_checkpoint_model
 from trainer.ckpt.step_dirs import MANIFEST, TRAIN_STATE, agreed_checkpoint, damage
 from trainer.runtime.launch import ConfigError
 
@@ -68,6 +70,9 @@ def test_each_damaged_file_is_named_and_the_step_before_is_used(saved_run, tmp_p
         assert why == f"{victim} holds {size // 2} bytes, {size} were written"
     assert damage(str(copy / "step_4")) is None
     assert agreed_checkpoint(str(copy)) == str(copy / "step_4")
+    with pytest.raises(WeightsError) as refused:  # the step named as weights (eval_llm --checkpoint, convert_model)
+        read_checkpoint_model(str(step))
+    assert str(refused.value) == f"{step}/{why}: the checkpoint is damaged; pass another step_<N> directory"
 
 
 def test_every_step_damaged_is_one_line(saved_run, tmp_path):

@@ -29,6 +29,7 @@ from trainer.ckpt.minimind_resume import minimind_resume_path, read_minimind_res
 from trainer.ckpt.resume_fields import check_resume_fields
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
+    MANIFEST,
     TRAIN_STATE,
     agreed_checkpoint,
     damage,
@@ -131,6 +132,9 @@ def read_resume(config, plan):
 def read_checkpoint_model(path):
     """(state_dict, config fields, typed args) of a step directory's model, whatever layout saved it: the full
     tensors from every rank's shards, in this one process (eval_llm --checkpoint, convert_model, --from_weight)."""
+    why = damage(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None  # sizes recorded at save
+    if why:
+        raise WeightsError(f"{os.path.join(path, why)}: the checkpoint is damaged; pass another step_<N> directory")
     try:
         reader = FileSystemReader(path)
         model = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)  # saved as {"model": ...}
