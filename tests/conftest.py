@@ -20,8 +20,8 @@ tqdm.tqdm.monitor_interval = 0
 from tests import launch  # noqa: E402  (after the repo root is on sys.path)
 
 # the ways a test starts another process: the helpers of tests/launch.py, subprocess, multiprocessing
-LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, launch.forked, subprocess.run, subprocess.Popen,
-             subprocess.call, subprocess.check_call, subprocess.check_output)
+LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, launch.forked, launch.start_forked, subprocess.run,
+             subprocess.Popen, subprocess.call, subprocess.check_call, subprocess.check_output)
 SUBPROCESS_CALLS = {"run", "Popen", "call", "check_call", "check_output", "start_processes", "spawn"}
 LAUNCH_HELPERS = {"spawn", "torchrun", "python", "forked"}  # tests/launch.py's, when a test imports them in its body
 # torch.compile on CPU runs the C++ compiler in worker processes (tens of seconds on 2 cores)
