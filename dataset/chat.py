@@ -29,18 +29,19 @@ def _json_list(value, name):
     return value
 
 
-def chat_messages(value):
-    """(messages, tools) for apply_chat_template from one 'conversations' value; ValueError says what is wrong.
+def chat_messages(value, field="conversations"):
+    """(messages, tools) for apply_chat_template from one `field` value (SFT's 'conversations', DPO's 'chosen' or
+    'rejected'); ValueError says what is wrong, naming that field.
 
     Null fields are dropped (parquet and `datasets` fill absent ones with null); a missing content is "";
     'tools' (on any message, MiniMind-3 puts it on the system one) and 'tool_calls' are decoded from JSON.
     """
     if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError("'conversations' must be a non-empty list of messages")
+        raise ValueError(f"'{field}' must be a non-empty list of messages")
     messages, tools = [], None
     for i, raw in enumerate(value):
         if not isinstance(raw, dict) or not isinstance(raw.get("role"), str):
-            raise ValueError(f"message {i} of 'conversations' needs a string 'role'")
+            raise ValueError(f"message {i} of '{field}' needs a string 'role'")
         message = {key: v for key, v in raw.items() if v is not None}
         try:
             if message.pop("tools", ""):

@@ -9,12 +9,13 @@ from dataset.lm_dataset import DPODataset
 # class's MRO applies
 NOTES = {"DPODataset": lambda ds: [ds.no_target_line(), truncation_line(ds), identical_pairs_line(ds)],
          "SFTDataset": lambda ds: [ds.no_target_line(), truncation_line(ds)],
-         "RLAIFDataset": lambda ds: [ds.no_target_line(), ds.unknown_tools_line()]}
+         "RLAIFDataset": lambda ds: [ds.no_target_line(), ds.unknown_tools_line()],
+         "RewardPairs": lambda ds: dataset_notes(ds.pairs)}  # the reward model's pairs: DPO's, with a margin
 
 
 def dataset_notes(ds):
-    """The info lines about `ds` (an SFTDataset, DPODataset or RLAIFDataset; none for others). ValueError when no pair
-    teaches."""
+    """The info lines about `ds` (an SFTDataset, DPODataset, RewardPairs or RLAIFDataset; none for others). ValueError
+    when no pair teaches."""
     notes = next((NOTES[cls.__name__] for cls in type(ds).__mro__ if cls.__name__ in NOTES), lambda ds: [])
     return [line for line in notes(ds) if line]
 
@@ -41,29 +42,10 @@ def truncation_line(ds):
             f"{length}: cut, their answers lose the end")
 
 
-def identical_pairs(ds):
-    """Indices (into ds) of the pairs whose chosen and rejected rows are the same as trained: the same tokens and
-    labels within max_length. Their margin is 0 whatever the model, so their gradient is 0: they teach nothing."""
-    length, same = ds.max_length, []
-    sides = [(side, *side._arrays()) for side in (ds.chosen, ds.rejected)]
-    spans = [np.stack([side.offsets[ds.pairs], np.minimum(side.offsets[ds.pairs + 1], side.offsets[ds.pairs] + length)])
-             for side, _, _ in sides]
-    candidates = np.flatnonzero(spans[0][1] - spans[0][0] == spans[1][1] - spans[1][0])  # equal lengths first
-    for i in candidates:
-        (a, b), (c, d) = spans[0][:, i], spans[1][:, i]
-        (_, tokens0, mask0), (_, tokens1, mask1) = sides
-        if np.array_equal(tokens0[a:b], tokens1[c:d]) and np.array_equal(mask0[a:b], mask1[c:d]):
-            same.append(int(i))
-    return same
-
-
 def identical_pairs_line(ds):
-    """The line counting pairs with chosen == rejected; ValueError when every pair is one."""
-    count = len(identical_pairs(ds))
+    """The line counting the pairs with chosen == rejected that DPODataset left out."""
+    count = len(ds.identical_rows)
     if not count:
         return None
-    line = (f"{count} of {len(ds)} pairs of {ds.data_path} have chosen == rejected (within --max_seq_len "
-            f"{ds.max_length}): they teach nothing")
-    if count == len(ds):
-        raise ValueError(f"{line}; give each pair a rejected answer that differs from the chosen one")
-    return line
+    return (f"{count} of {len(ds) + count} pairs of {ds.data_path} have chosen == rejected (within --max_seq_len "
+            f"{ds.max_length}): they teach nothing and are left out")

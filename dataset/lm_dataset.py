@@ -163,7 +163,7 @@ class SFTDataset(TokenCacheDataset):
         for lineno, value, error in records:
             if not error:
                 try:
-                    messages, tools = chat_messages(value)
+                    messages, tools = chat_messages(value, self.field)
                 except ValueError as e:
                     error = str(e)
             if not error:
@@ -250,6 +250,21 @@ class _PreferenceSide(SFTDataset):
         return np.diff(self.offsets)
 
 
+def identical_rows(chosen, rejected, rows, length):
+    """The file rows (of `rows`) whose chosen and rejected sides are the same as trained: the same tokens and labels
+    within `length` tokens."""
+    sides = [side._arrays() for side in (chosen, rejected)]
+    spans = [np.stack([side.offsets[rows], np.minimum(side.offsets[rows + 1], side.offsets[rows] + length)])
+             for side in (chosen, rejected)]
+    same = []
+    for i in np.flatnonzero(spans[0][1] - spans[0][0] == spans[1][1] - spans[1][0]):  # equal lengths first
+        (a, b), (c, d) = spans[0][:, i], spans[1][:, i]
+        (tokens0, mask0), (tokens1, mask1) = sides
+        if np.array_equal(tokens0[a:b], tokens1[c:d]) and np.array_equal(mask0[a:b], mask1[c:d]):
+            same.append(int(rows[i]))
+    return np.asarray(same, dtype=np.int64)
+
+
 def reference_log_probs(log_probs, rows):
     """A preference dataset's reference log-probs as float32 of shape (rows, 2); any other shape is a ValueError."""
     log_probs = np.asarray(log_probs, dtype=np.float32)
@@ -281,10 +296,17 @@ class DPODataset(Dataset):
             raise ValueError(f"{data_path}: the chosen and rejected caches differ in rows; delete them under "
                              f"{os.path.dirname(self.chosen.cache_path)}")
         self.data_path, self.max_length = data_path, max_length
-        self.pairs = np.flatnonzero((self.chosen.row_lengths() > 0) & (self.rejected.row_lengths() > 0))
-        self.num_bad_lines = len(self.chosen) - len(self.pairs)
-        if len(self.pairs) == 0:
+        pairs = np.flatnonzero((self.chosen.row_lengths() > 0) & (self.rejected.row_lengths() > 0))
+        self.num_bad_lines = len(self.chosen) - len(pairs)
+        if len(pairs) == 0:
             raise ValueError(f"{data_path}: no pair with both 'chosen' and 'rejected' usable")
+        # rows whose two sides train as the same tokens: a margin of 0 whatever the model, so no gradient; left out
+        self.identical_rows = identical_rows(self.chosen, self.rejected, pairs, max_length)
+        self.pairs = np.setdiff1d(pairs, self.identical_rows)
+        if len(self.pairs) == 0:
+            raise ValueError(f"{len(pairs)} of {len(pairs)} pairs of {data_path} have chosen == rejected (within "
+                             f"--max_seq_len {max_length}): they teach nothing; give each pair a rejected answer "
+                             "that differs from the chosen one")
         self.reference = None
 
     def cache_key(self):

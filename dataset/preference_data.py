@@ -52,7 +52,8 @@ class RewardPairs(Dataset):
         margins = column_values(self.pairs.data_path, "margin", number=True)
         rows = np.zeros(len(self.pairs.chosen), dtype=np.float32)
         if margins is not None:  # TRL's optional column: where a file has it, every pair has it
-            first_error(self.pairs.data_path, [margins[i] for i in self.pairs.pairs])
+            checked = np.union1d(self.pairs.pairs, self.pairs.identical_rows)  # a left-out pair's margin too
+            first_error(self.pairs.data_path, [margins[i] for i in checked])
             rows = np.asarray([0.0 if v is None else v for _, v, _ in margins], dtype=np.float32)
         self.margins = torch.from_numpy(rows[self.pairs.pairs])
         self.data_path, self.num_bad_lines = self.pairs.data_path, self.pairs.num_bad_lines
@@ -93,6 +94,7 @@ class KTODataset(Dataset):
         self.num_bad_lines = len(labels) - len(self.index)
         if len(self.index) < 2:
             raise ValueError(f"{self.data_path}: KTO needs at least 2 usable rows (a row's KL row is another's answer)")
+        _check_both_labels(self.data_path, self.desirable)
         self.reference = None
 
     def cache_key(self):
@@ -123,6 +125,16 @@ class KTODataset(Dataset):
         kl = self.kl_row(index)
         item = (torch.stack([row[0], kl[0]]), torch.stack([row[1], kl[1]]), self.desirable[index])
         return item if self.reference is None else (*item, torch.from_numpy(self.reference[index]))
+
+
+def _check_both_labels(path, desirable):
+    """ValueError when every usable row has the same label: KTO's loss weighs desirable against undesirable rows,
+    and with one side only its reward metrics and the weights' balance mean nothing."""
+    wanted = int(desirable.sum())
+    if wanted in (0, len(desirable)):
+        have, lack = ("true", "false") if wanted else ("false", "true")
+        raise ValueError(f"{path}: all {len(desirable)} usable rows have \"label\": {have}; KTO needs rows of both "
+                         f"labels: add rows with \"label\": {lack}")
 
 
 def _first_label(labels):

@@ -34,8 +34,8 @@ def gguf_refusal(config):
     """One line saying what llama.cpp's qwen3 / qwen3moe cannot hold of this config, or None."""
     if config.use_moe and config.n_shared_experts > 0:
         return (f"n_shared_experts={config.n_shared_experts}: llama.cpp's qwen3moe has no shared experts; "
-                "export a model trained with --n_shared_experts 0, or export to a Hugging Face folder (--to hf "
-                "--format minimind)")
+                "only a model whose config.json has n_shared_experts 0 (the trainers' MoE) exports to GGUF; export "
+                "this one to a Hugging Face folder (--to hf --format minimind)")
     if config.use_moe and not config.norm_topk_prob:
         return ("norm_topk_prob=False: llama.cpp's qwen3moe always renormalizes the top-k router weights; only a "
                 "model trained with norm_topk_prob=True exports to GGUF")

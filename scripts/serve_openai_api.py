@@ -46,6 +46,16 @@ def parse_args(argv=None):
     return parsed(parser, argv)
 
 
+def address_line(args, sock):
+    """The one line saying where the server listens (the bound socket's port: --port 0 takes a free one), its API
+    path and whether requests need the API key."""
+    host, port = args.host, sock.getsockname()[1]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+    key = ("required: send Authorization: Bearer <its --api_key>" if args.api_key is not None else
+           "not required (--api_key sets one)")
+    return f"serving {args.served_model_name} at {url} (POST {url}/chat/completions, GET {url}/models); API key {key}"
+
+
 def main(argv=None):
     args = parse_args(argv)
     problem = check_serve_args(args)
@@ -56,6 +66,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     sock = listening(args.host, args.port)
     app = create_app(model, tokenizer, args)
+    print(address_line(args, sock), flush=True)  # uvicorn, handed a socket, names no address
     config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)
     Server(config, app.state.engine).run(sockets=[sock])
 

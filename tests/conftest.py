@@ -23,8 +23,8 @@ from tests.launch import demo_slice, forked, read_metrics  # noqa: E402
 from tests.layouts import MODELS, REFERENCE_TIMEOUT, SCRIPT, STEPS, run_args  # noqa: E402
 
 # the ways a test starts another process: the helpers of tests/launch.py, subprocess, multiprocessing
-LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, launch.forked, subprocess.run, subprocess.Popen,
-             subprocess.call, subprocess.check_call, subprocess.check_output)
+LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, launch.forked, launch.start_forked, subprocess.run,
+             subprocess.Popen, subprocess.call, subprocess.check_call, subprocess.check_output)
 SUBPROCESS_CALLS = {"run", "Popen", "call", "check_call", "check_output", "start_processes", "spawn"}
 LAUNCH_HELPERS = {"spawn", "torchrun", "python", "forked"}  # tests/launch.py's, when a test imports them in its body
 # torch.compile on CPU runs the C++ compiler in worker processes (tens of seconds on 2 cores)

@@ -8,12 +8,19 @@ train_pretrain); the environment says which fault, on torchrun's first attempt o
   MINIMIND_TEST_CORRUPT_REPLICA=<rank>:<step>:<name>   add 1 to one value of that parameter on that rank just
                                    before the replica check of that step
   MINIMIND_TEST_FILL_DISK=<step>:<file>   after that step, write <file> until its disk is full (a full disk from then)
+  MINIMIND_TEST_REPORT_SECONDS=S  main_guard's report window (RANK0_REPORT_SECONDS: a rank that refuses or lost a
+                                   peer waits so rank 0 speaks first): a long one puts torchrun's SIGTERM to the other
+                                   ranks inside it on every run, not by chance (every attempt)
+  MINIMIND_TEST_REPORT_AFTER_ALL=<dir>  rank 0 reports its error (main_guard's report_error) only once every other
+                                   rank has entered its own report (each marks <dir>/rank_<r>), so that torchrun's
+                                   SIGTERM after rank 0's exit finds every other rank inside its report window
   MINIMIND_TEST_OOM_AT_STEP=N      rank MINIMIND_TEST_OOM_RANK (default 0) asks the allocator for 2**62 bytes in the
                                    forward of step N's first micro-batch: a real allocation failure
 """
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
@@ -23,9 +30,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from trainer.base import launch  # noqa: E402
+from trainer.base.launch import main_guard, rank  # noqa: E402
 from trainer.core import loop as train_loop  # noqa: E402
 from trainer.core.objective import LMObjective  # noqa: E402
-from trainer.runtime.launch import main_guard, rank  # noqa: E402
 
 STAGE = "MINIMIND_TEST_STAGE"
 KILL_AT_STEP = "MINIMIND_TEST_KILL_AT_STEP"
@@ -104,6 +112,20 @@ def patch_out_of_memory(step, victim):
     LMObjective.loss, train_loop.train_step = loss, train_step
 
 
+def patch_report_after_all(marks):
+    """Rank 0's report_error waits (up to 120 s) for every other rank's mark; the others mark, then report."""
+    real_report, me, world = launch.report_error, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def report_error(e):
+        if me:
+            open(os.path.join(marks, f"rank_{me}"), "w").close()
+        deadline = time.time() + 120
+        while me == 0 and len(os.listdir(marks)) < world - 1 and time.time() < deadline:
+            time.sleep(0.05)
+        real_report(e)
+    launch.report_error = report_error
+
+
 def main():
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if os.environ.get(KILL_AT_STEP) and first_attempt:
@@ -113,6 +135,10 @@ def main():
         patch_corrupt(os.environ[CORRUPT_REPLICA])
     if os.environ.get("MINIMIND_TEST_FILL_DISK") and first_attempt:
         patch_fill_disk(os.environ["MINIMIND_TEST_FILL_DISK"])
+    if os.environ.get("MINIMIND_TEST_REPORT_AFTER_ALL"):
+        patch_report_after_all(os.environ["MINIMIND_TEST_REPORT_AFTER_ALL"])
+    if os.environ.get("MINIMIND_TEST_REPORT_SECONDS"):
+        launch.RANK0_REPORT_SECONDS = float(os.environ["MINIMIND_TEST_REPORT_SECONDS"])
     if os.environ.get("MINIMIND_TEST_OOM_AT_STEP"):
         patch_out_of_memory(int(os.environ["MINIMIND_TEST_OOM_AT_STEP"]),
                             int(os.environ.get("MINIMIND_TEST_OOM_RANK", 0)))

@@ -70,10 +70,11 @@ def spawn(fn, world_size, *args, timeout=120, start_method="spawn"):
                 p.kill()
 
 
-def torchrun(script, nproc, args, timeout=300, env=None):
-    """Run `torchrun --nproc_per_node nproc script args` on CPU; return CompletedProcess (never hangs)."""
+def torchrun(script, nproc, args, timeout=300, env=None, launcher_args=()):
+    """Run `torchrun --nproc_per_node nproc [launcher_args] script args` on CPU; return CompletedProcess (never
+    hangs)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(free_port()), os.path.join(ROOT, script), *map(str, args)]
+           "--master_port", str(free_port()), *launcher_args, os.path.join(ROOT, script), *map(str, args)]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 

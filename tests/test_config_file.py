@@ -43,17 +43,20 @@ def test_the_written_config_repeats_every_flag(tmp_path):
     assert "config" not in yaml.safe_load(run_config_text(vars(again)))
 
 
-@pytest.mark.parametrize("text,needle", [("no_such_flag: 1\n", "no_such_flag is not a flag of this script"),
-                                         ("use_moe: 2\n", "invalid choice"),
-                                         ("batch_size: many\n", "invalid int value"),
-                                         ("- a list\n", "expected `flag_name: value` lines"),
-                                         ("a: [\n", "not a readable YAML file")])
-def test_bad_config_files_are_one_usage_error(tmp_path, capsys, text, needle):
+@pytest.mark.parametrize("text,needle", [
+    ("no_such_flag: 1\n", "no_such_flag is not a flag of this script"),
+    ("use_moe: 2\n", "use_moe: 2 is not one of 0, 1"),
+    ("batch_size: many\n", "batch_size: 'many' is not a valid int (invalid literal for int() with base 10: 'many')"),
+    ('learning_rate: 1e-4\nmax_steps: "ten"\n', "max_steps: 'ten' is not a valid int"),
+    ("- a list\n", "expected `flag_name: value` lines"),
+    ("batch_size: 2\na: [\n",
+     "not a readable YAML file (line 3: expected the node content, but found '<stream end>')")])
+def test_bad_config_files_are_one_usage_error_naming_file_and_key(tmp_path, capsys, text, needle):
     (tmp_path / "bad.yaml").write_text(text)
     with pytest.raises(SystemExit) as exit_info:
         parse(["--config", str(tmp_path / "bad.yaml")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and needle in err[-1], err
+    assert exit_info.value.code == 2 and f"--config {tmp_path / 'bad.yaml'}: {needle}" in err[-1], err
 
 
 def test_a_yaml_run_equals_the_typed_run_and_its_written_config_repeats_it(tmp_path):

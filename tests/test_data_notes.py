@@ -4,8 +4,9 @@ import sys
 
 import pytest
 
-from dataset.data_notes import dataset_notes, identical_pairs
+from dataset.data_notes import dataset_notes
 from dataset.lm_dataset import DPODataset, SFTDataset
+from dataset.preference_data import RewardPairs
 from tests.launch import TINY_MODEL, write_rows
 from trainer import train_dpo
 from trainer.runtime.launch import main_guard
@@ -25,9 +26,19 @@ def pairs(n, same=()):
 def test_identical_pairs_are_counted(tmp_path, tokenizer):
     data = write_rows(tmp_path / "d.jsonl", pairs(8, same=(1, 4, 6)))
     ds = DPODataset(data, tokenizer, max_length=48, cache_dir=tmp_path / "c")
-    assert identical_pairs(ds) == [1, 4, 6]
+    assert ds.identical_rows.tolist() == [1, 4, 6] and ds.pairs.tolist() == [0, 2, 3, 5, 7]  # left out
     assert dataset_notes(ds) == [f"3 of 8 pairs of {data} have chosen == rejected (within --max_seq_len 48): they "
-                                 "teach nothing"]
+                                 "teach nothing and are left out"]
+
+
+def test_the_reward_models_identical_pairs_are_left_out_with_their_margins(tmp_path, tokenizer):
+    """RewardPairs (train_reward) reads DPO's pairs: the same note, and each kept pair keeps its own margin."""
+    rows = [dict(row, margin=float(i)) for i, row in enumerate(pairs(6, same=(0, 3)))]
+    data = write_rows(tmp_path / "r.jsonl", rows)
+    ds = RewardPairs(data, tokenizer, max_length=48, cache_dir=tmp_path / "c")
+    assert len(ds) == 4 and [float(ds[i][2]) for i in range(4)] == [1.0, 2.0, 4.0, 5.0]
+    assert dataset_notes(ds) == [f"2 of 6 pairs of {data} have chosen == rejected (within --max_seq_len 48): they "
+                                 "teach nothing and are left out"]
 
 
 def test_pairs_that_differ_only_past_max_seq_len_are_identical_as_trained(tmp_path, tokenizer):
@@ -36,9 +47,9 @@ def test_pairs_that_differ_only_past_max_seq_len_are_identical_as_trained(tmp_pa
     rows = pairs(4)
     rows[2]["chosen"][1]["content"], rows[2]["rejected"][1]["content"] = long + "Yes.", long + "No."
     ds = DPODataset(write_rows(tmp_path / "d.jsonl", rows), tokenizer, max_length=48, cache_dir=tmp_path / "c")
-    assert identical_pairs(ds) == [2]
+    assert ds.identical_rows.tolist() == [2] and len(ds) == 3
     wide = DPODataset(write_rows(tmp_path / "d.jsonl", rows), tokenizer, max_length=256, cache_dir=tmp_path / "c")
-    assert identical_pairs(wide) == []
+    assert wide.identical_rows.tolist() == [] and len(wide) == 4
 
 
 def test_all_identical_pairs_are_one_error_line_before_training(tmp_path, monkeypatch, capsys):

@@ -69,6 +69,16 @@ def test_a_row_without_rejected_names_its_line_or_is_skipped(tmp_path, tokenizer
     assert "3 + 3?" in tokenizer.decode(ds[2][0][1]) and "7, I think." in tokenizer.decode(ds[2][0][1])
 
 
+def test_an_empty_side_is_named(tmp_path, tokenizer):
+    """An empty list on one side: the line names that side, not SFT's 'conversations'."""
+    for side in ("rejected", "chosen"):
+        rows = pair_rows(4)
+        rows[2][side] = []
+        with pytest.raises(ValueError) as refused:
+            DPODataset(write_rows(tmp_path / f"{side}.jsonl", rows), tokenizer, max_length=48, cache_dir=tmp_path / "c")
+        assert str(refused.value).endswith(f"{side}.jsonl:3: '{side}' must be a non-empty list of messages"), refused
+
+
 def hf_model(model):
     hf_config, hf_sd = minimind_to_hf(model.state_dict(), model.config)
     hf_config._attn_implementation = "eager"
@@ -100,8 +110,10 @@ def test_mfu_counts_the_lm_head_on_every_position():
 def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenizer):
     data = demo_slice(tmp_path, "dpo", 6)
     ds = DPODataset(data, tokenizer, max_length=64, cache_dir=tmp_path / "c")
-    input_ids = torch.stack([ds[i][0] for i in range(6)])  # (6, 2, 64)
-    labels = torch.stack([ds[i][1] for i in range(6)])
+    n = len(ds)  # the demo slice's pairs less those the same within 64 tokens (left out)
+    assert n >= 4, n
+    input_ids = torch.stack([ds[i][0] for i in range(n)])  # (n, 2, 64)
+    labels = torch.stack([ds[i][1] for i in range(n)])
     config = MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG)
     torch.manual_seed(0)
     policy = MiniMindForCausalLM(config)
@@ -110,15 +122,15 @@ def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenize
     hf_policy = hf_model(policy)
     rows, row_labels = input_ids.flatten(0, 1), labels.flatten(0, 1)
     with torch.no_grad():
-        ref = hand_log_probs(reference, rows, row_labels).view(6, 2)
-    pc, pr = hand_log_probs(hf_policy, rows, row_labels).view(6, 2).unbind(1)
+        ref = hand_log_probs(reference, rows, row_labels).view(n, 2)
+    pc, pr = hand_log_probs(hf_policy, rows, row_labels).view(n, 2).unbind(1)
     expected = -F.logsigmoid(BETA * ((pc - ref[:, 0]) - (pr - ref[:, 1]))).mean()
     expected.backward()
 
     objective = DPOObjective(BETA)
     x, y, positions, extra = objective.unpack((input_ids, labels, ref.float()))
-    assert objective.count(y, extra) == 6
-    loss, _, stats = objective.loss(policy, x, step_targets(y), positions, extra, num_items=6)
+    assert objective.count(y, extra) == n
+    loss, _, stats = objective.loss(policy, x, step_targets(y), positions, extra, num_items=n)
     loss.backward()
     # fp32 model against a float64 formula over fp32 logits: sums of ~40 log-probs of size ~9, rounding ~1e-5
     assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
@@ -127,13 +139,13 @@ def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenize
         ref_grad = hf_grads[name].grad.float()
         scale = ref_grad.abs().max().item()
         assert (param.grad - ref_grad).abs().max().item() <= 1e-4 * scale + 1e-9, name
-    record = objective.record({k: float(v) for k, v in stats.items()}, 6)
+    record = objective.record({k: float(v) for k, v in stats.items()}, n)
     chosen_rewards = BETA * (pc - ref[:, 0]).detach()
     rejected_rewards = BETA * (pr - ref[:, 1]).detach()
     assert record["rewards/chosen"] == pytest.approx(chosen_rewards.mean().item(), abs=1e-5)
     assert record["rewards/rejected"] == pytest.approx(rejected_rewards.mean().item(), abs=1e-5)
     assert record["rewards/margins"] == pytest.approx((chosen_rewards - rejected_rewards).mean().item(), abs=1e-5)
-    assert record["rewards/accuracies"] == int((chosen_rewards > rejected_rewards).sum()) / 6
+    assert record["rewards/accuracies"] == int((chosen_rewards > rejected_rewards).sum()) / n
 
 
 def test_chunked_log_probs_and_gradient_equal_the_full_log_softmax():

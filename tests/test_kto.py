@@ -63,6 +63,29 @@ def test_a_row_without_its_label_names_its_line_or_is_skipped(tmp_path, tokenize
     assert len(ds) == 2 and ds.num_bad_lines == 2
 
 
+@pytest.mark.parametrize("label", [True, False])
+def test_rows_of_one_label_only_are_refused_in_one_line(tmp_path, tokenizer, label):
+    rows = [dict(row, label=label) for row in labelled_rows(4)]
+    path = write_rows(tmp_path / "k.jsonl", rows)
+    with pytest.raises(ValueError) as refused:
+        KTODataset(path, tokenizer, max_length=48, cache_dir=tmp_path / "c")
+    have, lack = ("true", "false") if label else ("false", "true")
+    assert str(refused.value) == (f'{path}: all 4 usable rows have "label": {have}; KTO needs rows of both labels: '
+                                  f'add rows with "label": {lack}')
+
+
+def test_a_step_without_undesirable_rows_logs_no_reward_for_them():
+    """The step's metrics hold the means of the sides it has: no rewards/rejected (nor margins) of 0.0 for rows that
+    do not exist."""
+    objective = KTOObjective(0.1, 1.0, 1.0)
+    objective.kl = torch.tensor(0.25)
+    stats = dict(chosen_reward_sum=0.6, chosen_count=3.0, rejected_reward_sum=0.0, rejected_count=0.0)
+    assert objective.record(stats, 3) == {"rewards/chosen": pytest.approx(0.2), "kl": 0.25}
+    both = objective.record(dict(stats, rejected_reward_sum=-0.5, rejected_count=2.0), 5)
+    assert both == {"rewards/chosen": pytest.approx(0.2), "rewards/rejected": -0.25,
+                    "rewards/margins": pytest.approx(0.45), "kl": 0.25}
+
+
 def hand_log_probs(hf, input_ids, labels):
     """sum over the answer's tokens of log softmax(logits)[next token], from transformers' logits, float64."""
     logits = hf(input_ids).logits[:, :-1].double()

@@ -60,8 +60,9 @@ def hf_classifier(model, head):
 def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenizer):
     """-logsigmoid(r_chosen - r_rejected - margin), r read by transformers' own classifier at its last non-pad token
     (float64 on its logits); the gradient of the trunk and the head equal the classifier's."""
-    data = with_margins(demo_slice(tmp_path, "dpo", 4), tmp_path / "m.jsonl", [0.0, 0.5, -1.0, 2.0])
+    data = with_margins(demo_slice(tmp_path, "dpo", 5), tmp_path / "m.jsonl", [0.0, 9.0, 0.5, -1.0, 2.0])
     ds = RewardPairs(data, tokenizer, max_length=96, cache_dir=tmp_path / "c")
+    assert ds.pairs.identical_rows.tolist() == [1]  # its tool schemas fill the 96 tokens: left out, its margin too
     batch = [torch.stack([ds[i][k] for i in range(4)]) for k in range(3)]
     assert batch[2].tolist() == [0.0, 0.5, -1.0, 2.0]
     torch.manual_seed(0)
@@ -101,7 +102,7 @@ def test_a_bad_margin_names_its_line(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"m\.jsonl:2: 'margin' must be a number, got \"big\""):
         RewardPairs(data, tokenizer, max_length=64, cache_dir=tmp_path / "c")
     ds = RewardPairs(demo_slice(tmp_path, "dpo", 3), tokenizer, max_length=64, cache_dir=tmp_path / "c")
-    assert ds[2][2].item() == 0.0  # no column: no margin
+    assert ds[1][2].item() == 0.0  # no column: no margin
 
 
 # ----------------------------------------------------------------------------- end to end

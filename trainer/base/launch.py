@@ -26,17 +26,27 @@ RANK0_REPORT_SECONDS = 2
 # what a signal outside the loop's own handler stops (the loop sets it once it has run)
 BEFORE_THE_LOOP = "before the first optimizer step; nothing was saved"
 OUTSIDE_LOOP = {"when": BEFORE_THE_LOOP}
+SAVED = {"path": None}  # the newest checkpoint this process saw complete (the Checkpointer sets it)
+
+
+def saved_line():
+    """What a rank that stops knows of the checkpoints: the newest complete one it saw, or that it saw none."""
+    path = SAVED["path"]
+    return f"{path} is saved; continue with --from_resume 1" if path else "this run saved no checkpoint"
 
 
 def stop_on_signals():
     """Until the loop installs its own (trainer/runtime/guard.py Preemption): SIGINT/SIGTERM raise SignalStop, which
     main_guard turns into one line and exit 130/143 instead of a traceback (SIGINT) or a silent death (SIGTERM)."""
-    OUTSIDE_LOOP["when"] = BEFORE_THE_LOOP  # a new run in this process (tests run main() in-process)
+    OUTSIDE_LOOP["when"], SAVED["path"] = BEFORE_THE_LOOP, None  # a new run in this process (tests run main())
     if threading.current_thread() is not threading.main_thread():
         return {}
 
     def handle(signum, frame):
-        raise SignalStop(signum, f"{signal.Signals(signum).name}: stopped {OUTSIDE_LOOP['when']}")
+        when = OUTSIDE_LOOP["when"]
+        if when == BEFORE_THE_LOOP and SAVED["path"]:  # the loop left early (an error) after a save
+            when = f"outside the training loop; {saved_line()}"
+        raise SignalStop(signum, f"{signal.Signals(signum).name}: stopped {when}")
     return {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
@@ -156,7 +166,8 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 def main_guard(main):
     """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank, a TrainingHalted (the run
     stopped itself) one line and exit code 3, a signal (SignalStop) exit 128 + signum; console output survives a
-    reader that left (trainer/base/streams.py)."""
+    reader that left (trainer/base/streams.py). A signal that comes while a rank reports or leaves (torchrun stops
+    every rank once one left) ends it with its code and no more words (leave_on_signals)."""
     code = 0
     survive_closed_output()
     previous = stop_on_signals()
@@ -164,31 +175,22 @@ def main_guard(main):
         main()
     except SignalStop as e:
         code = 128 + e.signum
+        leave_on_signals(code)
         if e.message:
             rank_log.write(e.message)
             if int(os.environ.get("RANK", 0)) == 0:
                 print(e.message, file=sys.stderr, flush=True)
     except (ConfigError, TrainingHalted, CacheBuildInterrupted) as e:
-        rank_log.write(f"error: {e}")
-        own = getattr(e, "every_rank", False)  # an error of this rank alone (out of memory): it says it
-        if int(os.environ.get("RANK", 0)) == 0 or own:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        elif not dist.is_initialized():
-            # torchrun stops every worker as soon as one exits: let rank 0, which ran the same checks, say it first
-            time.sleep(RANK0_REPORT_SECONDS)
-        if dist.is_initialized() and not own:  # the others may sit in a collective this rank will never join
-            dist.destroy_process_group()
         code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingHalted) else 128 + e.signum
+        leave_on_signals(code)
+        report_error(e)
     except RuntimeError as e:
         rank_log.write(f"error:\n{traceback.format_exc()}")
         if not (dist.is_initialized() and any(m in str(e) for m in PEER_LOST)):
             raise
-        # another rank left (its own error line says why): one line here, and its exit is the launcher's first
-        reason = str(e).splitlines()[0][:160]  # the head says what failed; a long line's tail is an address
-        print(f"stopped: rank {os.environ.get('RANK', 0)} lost a peer in a collective ({reason})", file=sys.stderr,
-              flush=True)
-        time.sleep(RANK0_REPORT_SECONDS)
         code = 1
+        leave_on_signals(code)
+        report_lost_peer(e)
     except BaseException:
         rank_log.write(f"error:\n{traceback.format_exc()}")
         raise
@@ -196,8 +198,46 @@ def main_guard(main):
         for sig, handler in previous.items():  # main() run in-process (tests) leaves the handlers as they were
             signal.signal(sig, handler)
     if int(os.environ.get("RANK", -1)) != -1:  # a torchrun worker
+        leave_on_signals(code)
         leave_without_finalizing(code)
     sys.exit(code)
+
+
+def report_error(e):
+    """A ConfigError, TrainingHalted or interrupted cache build: its one line (rank 0, or the rank it belongs to),
+    then this rank leaves the process group."""
+    rank_log.write(f"error: {e}")
+    own = getattr(e, "every_rank", False)  # an error of this rank alone (out of memory): it says it
+    if int(os.environ.get("RANK", 0)) == 0 or own:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+    elif not dist.is_initialized():
+        # torchrun stops every worker as soon as one exits: let rank 0, which ran the same checks, say it first
+        time.sleep(RANK0_REPORT_SECONDS)
+    if dist.is_initialized() and not own:  # the others may sit in a collective this rank will never join
+        dist.destroy_process_group()
+
+
+def report_lost_peer(e):
+    """Another rank left (its own error line says why): one line here, with what this rank knows was saved; its exit
+    is the launcher's first."""
+    reason = str(e).splitlines()[0][:160]  # the head says what failed; a long line's tail is an address
+    print(f"stopped: rank {os.environ.get('RANK', 0)} lost a peer in a collective ({reason}); {saved_line()}",
+          file=sys.stderr, flush=True)
+    time.sleep(RANK0_REPORT_SECONDS)
+
+
+def leave_on_signals(code):
+    """From here this rank only reports and leaves: SIGINT/SIGTERM (torchrun stopping the ranks once one left, or a
+    second Ctrl-C) end it at once with `code`, silently, instead of raising inside the report (a traceback)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum, frame):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, leave)
 
 
 def leave_without_finalizing(code):

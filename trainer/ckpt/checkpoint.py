@@ -31,10 +31,13 @@ from trainer.base.log import Logger
 from trainer.ckpt.resume_fields import check_resume_fields
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
+    MANIFEST,
     TRAIN_STATE,
     agreed_checkpoint,
-    latest_checkpoint,
+    damage,
+    latest_checkpoint,  # noqa: F401 (re-exported: console, oom, weights_file and rl import it from here)
     load_train_state,
+    loadable_checkpoint,
     minimind_resume_path,
 )
 from trainer.parallel.state_dict import TIED_EMBEDDING
@@ -89,7 +92,7 @@ def _read_train_state(path, config):
 
 def saved_resume_fields(plan):
     """(path, resume fields) of the checkpoint --from_resume would load; (None, None) without one."""
-    path = latest_checkpoint(plan.io.run_dir) if plan.io.from_resume != "0" else None
+    path = loadable_checkpoint(plan.io.run_dir) if plan.io.from_resume != "0" else None
     try:
         return path, load_train_state(path).get("resume_fields") if path else None
     except Exception:
@@ -107,6 +110,10 @@ def read_resume(config, plan):
     if plan.io.from_resume == "0":
         return None
     path = plan.io.resume_path or agreed_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
+    why = damage(path) if plan.io.resume_path else None
+    if why:
+        raise ConfigError(f"--from_resume {path}: {os.path.join(path, why)}; name another step directory, or pass "
+                          "--from_resume 1 for the newest one that loads")
     minimind_path = minimind_resume_path(plan.io.checkpoint_dir, os.path.basename(plan.io.run_dir))
     ckpt = _read_train_state(path, config) if path else \
         importlib.import_module(MINIMIND_RESUME).read_minimind_resume(minimind_path, config, plan) \
@@ -129,6 +136,9 @@ def read_resume(config, plan):
 def read_checkpoint_model(path):
     """(state_dict, config fields, typed args) of a step directory's model, whatever layout saved it: the full
     tensors from every rank's shards, in this one process (eval_llm --checkpoint, convert_model, --from_weight)."""
+    why = damage(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None  # sizes recorded at save
+    if why:
+        raise WeightsError(f"{os.path.join(path, why)}: the checkpoint is damaged; pass another step_<N> directory")
     try:
         reader = FileSystemReader(path)
         model = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)  # saved as {"model": ...}

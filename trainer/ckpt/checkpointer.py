@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from model.atomic import atomic_json, atomic_save
+from trainer.base import launch
 from trainer.base.errors import ConfigError
 from trainer.base.launch import rank
 from trainer.base.log import Logger
@@ -22,6 +23,7 @@ from trainer.ckpt.step_dirs import (
     TRAIN_STATE,
     best_checkpoint_step,
     checkpoints,
+    file_sizes,
     incomplete_line,
     latest_checkpoint,
 )
@@ -151,7 +153,7 @@ class Checkpointer:
                 finally:
                     marked.set()
             future.add_done_callback(on_done)
-        self.pending = (future, marked)
+        self.pending, self.pending_path = (future, marked), path
 
     def write(self, state, path):
         """The synchronous save: shards, then a barrier, then rank 0's manifest."""
@@ -162,6 +164,7 @@ class Checkpointer:
         line = from_rank0(line)  # every rank stops together on a step that cannot be complete
         if line:
             raise ConfigError(line)
+        launch.SAVED["path"] = path  # what a rank that stops later says is saved
 
     def train_state(self):
         """What rank 0 writes beside the shards: the rank-0 parts, the parts list, the layout, the typed flags and
@@ -188,6 +191,7 @@ class Checkpointer:
         line, self.incomplete = from_rank0(self.incomplete), None  # a collective: every rank waits here
         if line:
             raise ConfigError(line)
+        launch.SAVED["path"] = self.pending_path
 
     def mark_complete(self, path):
         """Rank 0, once every rank's files are written: the manifest, last, and a prune; the refusal line instead
@@ -196,7 +200,9 @@ class Checkpointer:
         if line:
             return line
         step = int(path.rsplit("_", 1)[1])
-        atomic_json(dict(step=step, format_version=FORMAT_VERSION), os.path.join(path, MANIFEST))
+        # the sizes of what was written: a damaged file is found before any rank builds a model (step_dirs.damage)
+        record = dict(step=step, format_version=FORMAT_VERSION, files=file_sizes(path))
+        atomic_json(record, os.path.join(path, MANIFEST))
         self.prune(step)
         return None
 

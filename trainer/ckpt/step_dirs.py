@@ -45,6 +45,64 @@ def best_checkpoint_step(run_dir):
         return None
 
 
+def file_sizes(path):
+    """{name: bytes} of every file of step directory `path` but the manifest: what the manifest records at save and
+    damage() checks at load."""
+    names = sorted(name for name in os.listdir(path) if name != MANIFEST and os.path.isfile(os.path.join(path, name)))
+    return {name: os.path.getsize(os.path.join(path, name)) for name in names}
+
+
+def damage(path):
+    """Why complete step directory `path` cannot be loaded ('<file>: <why>'), None when it can: every file its manifest
+    records has its recorded size, every shard file .metadata names is there and holds the bytes it names (manifests
+    written before sizes were recorded get these checks only), and .metadata and train_state.pt parse."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            recorded = json.load(f).get("files") or {}
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    for name, size in recorded.items():
+        have = os.path.getsize(os.path.join(path, name)) if os.path.isfile(os.path.join(path, name)) else None
+        if have != size:
+            return f"{name} is missing" if have is None else f"{name} holds {have} bytes, {size} were written"
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:
+        return f".metadata is unreadable ({type(e).__name__})"
+    ends = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        have = os.path.getsize(os.path.join(path, name)) if os.path.isfile(os.path.join(path, name)) else None
+        if have is None or have < end:
+            return f"{name} is missing" if have is None else f"{name} holds {have} bytes, .metadata names {end}"
+    try:
+        load_train_state(path)
+    except Exception as e:
+        return f"{TRAIN_STATE} is unreadable ({type(e).__name__})"
+    return None
+
+
+def loadable_steps(run_dir, announce=None):
+    """The complete steps of `run_dir`, oldest first, less the newest ones that cannot be loaded (damage); each one
+    left out is passed to `announce` as (step, path, why). Older steps are checked only when a newer one fails."""
+    complete = [(step, path) for step, path, done in checkpoints(run_dir) if done]
+    while complete:
+        why = damage(complete[-1][1])
+        if why is None:
+            break
+        if announce is not None:
+            announce(*complete[-1], why)
+        complete.pop()
+    return [step for step, _ in complete]
+
+
+def loadable_checkpoint(run_dir):
+    """The newest complete step directory of `run_dir` that loads (damage() finds nothing), or None."""
+    steps = loadable_steps(run_dir)
+    return os.path.join(run_dir, f"step_{steps[-1]}") if steps else None
+
+
 def latest_checkpoint(run_dir):
     """The newest complete step directory of `run_dir`, or None."""
     complete = [path for _, path, done in checkpoints(run_dir) if done]
@@ -80,9 +138,17 @@ def incomplete_line(path, world_size):
 
 
 def agreed_checkpoint(run_dir):
-    """The newest complete step directory every rank has (a collective under a process group), None when none has
-    any; ranks that hold checkpoints but none in common stop, each with the same one line."""
-    mine = [step for step, _, done in checkpoints(run_dir) if done]
+    """The newest complete step directory every rank has and can load (a collective under a process group), None when
+    none has any; a damaged newest step is skipped with a note, and when every complete step is damaged that is one
+    line; ranks that hold checkpoints but none in common stop, each with the same one line."""
+    skipped = []
+    mine = loadable_steps(run_dir, lambda step, path, why: skipped.append(f"step {step} ({os.path.join(path, why)})"))
+    if skipped and not mine:
+        raise ConfigError(f"no complete checkpoint in {run_dir} loads: {'; '.join(skipped)}; delete the damaged step "
+                          "directories, or pass --from_resume 0 --overwrite 1 to start over")
+    if skipped:
+        Logger(f"note: skipped {'; '.join(skipped)}: resuming from step {mine[-1]}, the newest complete step that "
+               "loads")
     if not dist.is_initialized():
         return os.path.join(run_dir, f"step_{mine[-1]}") if mine else None
     every = [None] * dist.get_world_size()

@@ -83,10 +83,10 @@ def validate_layout(world_size, dp=None, **sizes):
                           f"launch a multiple of {model_parallel} processes or change {flags}")
         dp = world_size // model_parallel
     elif not isinstance(dp, int) or dp < 1:
-        return None, f"--dp must be an integer >= 1, got {dp}"
+        return None, f"dp must be an integer >= 1, got {dp}"
     elif dp * model_parallel != world_size:
         return None, (f"dp*{names} = {dp}*{values} = {dp * model_parallel} but world size is {world_size}; "
-                      f"launch {dp * model_parallel} processes or change --dp/{flags}")
+                      f"launch {dp * model_parallel} processes or change {flags}")
     message = _carved_message(dict(sizes, dp=dp))
     return (None, message) if message else (dp, None)
 

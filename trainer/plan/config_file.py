@@ -22,7 +22,9 @@ def config_argv(parser, argv):
         with open(known.config) as f:
             entries = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError) as e:
-        parser.error(f"--config {known.config}: not a readable YAML file ({str(e).splitlines()[0]})")
+        mark = getattr(e, "problem_mark", None)  # where the YAML parser stopped
+        where = f"line {mark.line + 1}: {e.problem}" if mark is not None else str(e).splitlines()[0]
+        parser.error(f"--config {known.config}: not a readable YAML file ({where})")
     if not isinstance(entries, dict):
         parser.error(f"--config {known.config}: expected `flag_name: value` lines, got a {type(entries).__name__}")
     actions = {action.dest: action for action in parser._actions}
@@ -31,8 +33,24 @@ def config_argv(parser, argv):
         action = actions.get(name)
         if action is None or name in ("help", "config"):
             parser.error(f"--config {known.config}: {name} is not a flag of this script")
+        check_value(parser, known.config, name, action, value)
         tokens += flag_tokens(action, value)
     return tokens + list(argv)
+
+
+def check_value(parser, path, name, action, value):
+    """A usage error naming the file and the key when `value` does not convert to the flag's type or choices (as
+    typed, argparse's line would name the flag only)."""
+    if value is None or action.nargs == 0:
+        return
+    text = str(int(value) if isinstance(value, bool) else value)
+    try:
+        converted = action.type(text) if callable(action.type) else text
+    except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+        kind = getattr(action.type, "__name__", "value")
+        parser.error(f"--config {path}: {name}: {value!r} is not a valid {kind} ({e})")
+    if action.choices is not None and converted not in action.choices:
+        parser.error(f"--config {path}: {name}: {value!r} is not one of {', '.join(map(str, action.choices))}")
 
 
 def flag_tokens(action, value):

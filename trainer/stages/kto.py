@@ -148,11 +148,15 @@ class KTOObjective(LMObjective):
         return loss_sum / num_items, aux_loss, stats
 
     def record(self, stats, num_items):
-        """TRL's names: the mean rewards of the desirable and undesirable rows, their gap, the KL baseline."""
-        chosen = stats["chosen_reward_sum"] / max(stats["chosen_count"], 1)
-        rejected = stats["rejected_reward_sum"] / max(stats["rejected_count"], 1)
-        return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
-                "kl": float(self.kl)}
+        """TRL's names: the mean rewards of the desirable and undesirable rows, their gap, the KL baseline; a side
+        with no row in the step has no mean (and no gap), not a 0.0."""
+        out = {}
+        for side in ("chosen", "rejected"):
+            if stats[f"{side}_count"] > 0:
+                out[f"rewards/{side}"] = stats[f"{side}_reward_sum"] / stats[f"{side}_count"]
+        if len(out) == 2:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return dict(out, kl=float(self.kl))
 
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
         """The rows' training FLOPs, the LM head on every position, plus the KL rows' forward (a third of it)."""
