@@ -2,10 +2,12 @@
 TrainingHalted, SignalStop). These names stay importable here for code written against the old path."""
 from trainer.base.errors import ConfigError, SignalStop, TrainingHalted  # noqa: F401
 from trainer.base.launch import (  # noqa: F401
+    OUTSIDE_LOOP,
     add_stats,
     backend_for,
     count_sum,
     full_value,
+    leave_without_finalizing,
     init_distributed_mode,
     is_main_process,
     local_shard,
@@ -14,5 +16,6 @@ from trainer.base.launch import (  # noqa: F401
     rank,
     set_collective_timeout,
     setup_seed,
+    stop_on_signals,
     world_sum,
 )
