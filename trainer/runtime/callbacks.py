@@ -10,8 +10,9 @@ Every rank calls every hook at the same point, so a hook may run collectives (al
 A callback stops the run after this step by setting `self.stop_reason` (a line the run prints), and asks for a
 checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
 travel in every checkpoint, so a resumed run continues with the same state.
-Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog, and
-bench.EvalBench (--eval_bench: lm-eval scores of the current model).
+Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog,
+bench.EvalBench (--eval_bench: lm-eval scores of the current model), health.HealthWatch (health lines) and
+samples.Samples (greedy samples at each eval, SFT and later stages).
 """
 import importlib.util
 import json
@@ -26,8 +27,10 @@ from trainer.ckpt.step_dirs import BEST_INDEX, MANIFEST, best_checkpoint_step
 from trainer.ckpt.weights_file import save_weights
 from trainer.plan.schema import Flag, fill, flag
 from trainer.runtime.bench import BenchError, EvalBench, import_lm_eval, task_names
+from trainer.runtime.health import HealthWatch
 from trainer.runtime.launch import ConfigError, TrainingHalted, is_main_process
 from trainer.runtime.rank_log import RankLog
+from trainer.runtime.samples import Samples, model_is_whole
 from trainer.trainer_utils import Logger
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
@@ -234,6 +237,9 @@ def make_callbacks(plan):
     """The run's callbacks besides the sinks (the loop puts its Tracker first): early stopping, the best
     checkpoint, the per-rank log, then the user's."""
     callbacks, settings = Callbacks(), plan.callbacks
+    callbacks.append(HealthWatch(plan.model.config.vocab_size))  # health lines (trainer/runtime/health.py)
+    if plan.stage.demo_kind != "pretrain" and plan.data.eval_data_path and model_is_whole(plan.layout):
+        callbacks.append(Samples(plan.data.tokenizer_path, plan.io.metrics_file))  # greedy samples at each eval
     if settings.early_stop_patience:
         callbacks.append(EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta,
                                        plan.schedule.eval_interval))
