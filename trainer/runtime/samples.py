@@ -1,8 +1,9 @@
 """Samples at eval time (SFT and later stages): greedy continuations of a few fixed chat prompts, with their repetition
 (trainer/runtime/units.py), so a run that starts repeating itself shows it while it trains.
 
-Each eval writes one line per prompt to <metrics stem>_samples.jsonl ({"step", "prompt", "text", "repeated_4gram",
-"distinct_2"}) and one record {"step", "sample_repeated_4gram", "sample_distinct_2"} (the means) to the metrics sinks.
+Each eval writes one line per prompt to <metrics stem>_samples.jsonl ({"step", "prompt", "text", "ids",
+"repeated_4gram", "distinct_2"}) and one record {"step", "sample_repeated_4gram", "sample_distinct_2"} (the means)
+to the metrics sinks.
 One process generates (the main one) on the whole model: layouts that split it (tp, pp, cp, ep, ZeRO-2/3) have none.
 """
 import json
@@ -71,8 +72,7 @@ class Samples:
         rows = greedy_samples(bare_model(trainer.model_parts[0]), self.tokenizer)
         step = record["step"]
         with open(self.path, "a") as f:
-            f.writelines(json.dumps(dict(step=step, **{k: v for k, v in row.items() if k != "ids"}),
-                                    ensure_ascii=False) + "\n" for row in rows)
+            f.writelines(json.dumps(dict(step=step, **row), ensure_ascii=False) + "\n" for row in rows)
         for row in rows:
             Logger(f"sample at step {step} (repeated 4-grams {row['repeated_4gram']:.0%}, distinct-2 "
                    f"{row['distinct_2']:.2f}): {row['prompt']} -> {row['text'][:120]!r}")
