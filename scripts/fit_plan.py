@@ -72,11 +72,12 @@ def stage_plan(stage_name, argv, nproc):
     return resolve(run, nproc, 0, stage), run
 
 
-def memory_parts(plan, config, run):
-    """Bytes per device by part, and the layout model's estimate they come from."""
+def memory_parts(plan, config, run, act_bytes=None):
+    """Bytes per device by part, and the layout model's estimate they come from; act_bytes: bytes per activation
+    element (default: 4 under --dtype float32, else 2)."""
     lay, data, stage = plan.layout, plan.data, plan.stage
     rows, length = plan.micro_batch_shape
-    act_bytes = 4 if plan.model.dtype == torch.float32 else 2
+    act_bytes = act_bytes or (4 if plan.model.dtype == torch.float32 else 2)
     est = plan_layout(config, length * lay.cp, rows, data.num_microbatches, lay.dp, lay.tp, lay.pp, lay.cp,
                       lay.zero_stage, lay.pp_schedule, act_bytes, plan.model.grad_checkpointing == "full",
                       lay.sequence_parallel, run.loss_chunk_size if plan.model.chunked_loss else 0, ep=lay.ep)
@@ -134,12 +135,12 @@ def active_params(config, total):
     return total - config.num_hidden_layers * routed_expert_params(config) * unused
 
 
-def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, data_tokens=None):
+def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, data_tokens=None, act_bytes=None):
     """The plan as a dict: parameters, memory per device by part (GiB), fits, the cheapest change that fits, the
     FLOPs per token and, with the corpus's tokens, the time and cost of an epoch on `nproc` of `gpu`."""
     plan, run = stage_plan(stage_name, argv, nproc)
     config = plan.model.config
-    parts, est = memory_parts(plan, config, run)
+    parts, est = memory_parts(plan, config, run, act_bytes)
     total = sum(parts.values())
     out = dict(stage=stage_name, nproc=nproc, layout=dict(dp=plan.layout.dp, tp=plan.layout.tp, pp=plan.layout.pp,
                                                            cp=plan.layout.cp, ep=plan.layout.ep,
@@ -156,7 +157,7 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
     out.update(gpu=name, gpu_source=source, gpu_memory_gib=memory / GIB, fits=total <= memory,
                mfu=mfu, peak_flops=peak)
     if total > memory:
-        out["cheapest_fix"] = cheapest_fix(stage_name, argv, nproc, plan, memory)
+        out["cheapest_fix"] = cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes)
     if data_tokens:
         tokens, documents, how = data_tokens
         # packed rows train every token once; unpacked rows (chat, pairs, an RL prompt's completions) are full rows
@@ -173,7 +174,7 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
     return out
 
 
-def cheapest_fix(stage_name, argv, nproc, plan, memory):
+def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None):
     """The first change, cheapest first, whose estimate fits: a smaller micro-batch (accumulation keeps the global
     batch), --grad_checkpointing 1, ZeRO-2/3 (several processes), --cpu_offload, a smaller --max_gen_len; or None."""
     batch, accumulation = plan.data.micro_batch, plan.data.num_microbatches
@@ -192,7 +193,7 @@ def cheapest_fix(stage_name, argv, nproc, plan, memory):
             new_plan, run = stage_plan(stage_name, argv + change, nproc)
         except Exception:  # noqa: BLE001 a change this layout refuses is not a fix
             continue
-        parts, _ = memory_parts(new_plan, new_plan.model.config, run)
+        parts, _ = memory_parts(new_plan, new_plan.model.config, run, act_bytes)
         if sum(parts.values()) <= memory:
             return dict(flags=" ".join(change), memory_total_gib=sum(parts.values()) / GIB)
     return None
@@ -207,6 +208,8 @@ def parse_args(argv):
     parser.add_argument("--mfu", type=float, default=None, help=f"model FLOPs utilisation for the epoch time "
                         f"(default {DEFAULT_MFU} dense, {DEFAULT_MFU_MOE} MoE: see this file)")
     parser.add_argument("--usd_per_hour", type=float, default=None, help="price of one GPU hour, for the cost")
+    parser.add_argument("--corpus_tokens", type=float, default=None, help="the corpus's tokens, for a corpus not at "
+                        "hand (default: counted from --data_path or the stage's demo data)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser.parse_known_args(argv)
 
@@ -243,9 +246,12 @@ def main(argv=None):
         if data is None:
             from dataset.demo_data import ensure_demo_data  # the stage's demo corpus, as its script would use
             data = ensure_demo_data(stage.demo_kind)
+        # without --dtype a GPU run takes bf16 autocast (--dtype auto): 2-byte activations, fp32 states
+        act_bytes = None if any(a == "--dtype" or a.startswith("--dtype=") for a in rest) else 2
         plan, _ = stage_plan(args.stage, rest, args.nproc)
-        tokens = corpus_tokens(data, plan.data.tokenizer_path)
-        out = estimate(args.stage, rest, args.nproc, args.gpu, args.mfu, args.usd_per_hour, tokens)
+        tokens = corpus_tokens(data, plan.data.tokenizer_path) if args.corpus_tokens is None else \
+            (int(args.corpus_tokens), int(args.corpus_tokens) // plan.data.seq_len, "given (--corpus_tokens)")
+        out = estimate(args.stage, rest, args.nproc, args.gpu, args.mfu, args.usd_per_hour, tokens, act_bytes)
     except (ValueError, ConfigError) as e:
         raise SystemExit(f"error: {e}")
     print(json.dumps(out, indent=1) if args.json else describe(out))

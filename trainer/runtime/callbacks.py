@@ -237,7 +237,7 @@ def make_callbacks(plan):
     """The run's callbacks besides the sinks (the loop puts its Tracker first): early stopping, the best
     checkpoint, the per-rank log, then the user's."""
     callbacks, settings = Callbacks(), plan.callbacks
-    callbacks.append(HealthWatch(plan.model.config.vocab_size))  # health lines (trainer/runtime/health.py)
+    callbacks.append(HealthWatch(plan.model.config.vocab_size, plan.io.metrics_file))  # health lines, the report line
     if plan.stage.demo_kind != "pretrain" and plan.data.eval_data_path and model_is_whole(plan.layout):
         callbacks.append(Samples(plan.data.tokenizer_path, plan.io.metrics_file))  # greedy samples at each eval
     if settings.early_stop_patience:

@@ -138,10 +138,15 @@ def scan(records, vocab_size):
 
 
 class HealthWatch:
-    """The callback: each new health line once, as `health: step N: ...` (every rank sees the same records)."""
+    """The callback: each new health line once, as `health: step N: ...` (every rank sees the same records); at the
+    end, the command of the run's report."""
 
-    def __init__(self, vocab_size):
-        self.health = Health(vocab_size)
+    def __init__(self, vocab_size, metrics_file=None):
+        self.health, self.metrics_file = Health(vocab_size), metrics_file
+
+    def on_train_end(self, trainer):
+        if self.metrics_file:
+            Logger(f"report of this run: python scripts/report.py {self.metrics_file}")
 
     def on_step_end(self, trainer, record):
         if record is not None:
