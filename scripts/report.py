@@ -97,10 +97,11 @@ class Run:
         return scan(self.records, vocab)
 
 
-def single_page(run, png):
-    """The markdown of one run."""
+def single_page(run, png, reference=None):
+    """The markdown of one run (`reference`: the metrics file drawn beside it in the curves)."""
     lines = [f"# Run report: {run.name}", "", "## Files", ""]
-    lines += [f"- {kind}: `{path}`" for kind, path in run.files.items()] + [f"- plots: `{png}`", ""]
+    lines += [f"- {kind}: `{path}`" for kind, path in run.files.items()] + [f"- plots: `{png}`"]
+    lines += [f"- reference curve: `{os.path.abspath(reference)}`", ""] if reference else [""]
     lines += ["## Config", ""] + [f"- {k}: {v}" for k, v in run.model_config().items()]
     if "run_config" in run.files:
         with open(run.files["run_config"]) as f:
@@ -171,7 +172,7 @@ def main(argv=None):
     figure = plot(frames, labels)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     atomic_write(png, lambda f: figure.savefig(f, dpi=80, format="png"))
-    atomic_write_text(out, single_page(runs[0], png) if len(runs) == 1 else side_by_side(runs, png))
+    atomic_write_text(out, single_page(runs[0], png, args.reference) if len(runs) == 1 else side_by_side(runs, png))
     print(f"wrote {out} and {png}")
     return out
 

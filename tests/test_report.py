@@ -89,3 +89,11 @@ def test_two_runs_side_by_side(sft_run, tmp_path):
     assert "| steps | 4 | 30 |" in page
     assert "- dpo_default_lr_64: step 20: DPO loss" in page and "- full_sft_64: no health line" in page
     assert os.path.getsize(tmp_path / "both.png") > 0
+
+
+def test_a_reference_curve_beside_the_run(sft_run, tmp_path):
+    reference = os.path.join(ROOT, "docs", "reference", "clean", "pretrain_64_demo_metrics.jsonl")
+    out = report([str(sft_run / "out" / "full_sft_64_metrics.jsonl"), "--reference", reference,
+                  "--out", str(tmp_path / "with_reference.md")])
+    assert f"- reference curve: `{reference}`" in open(out).read()
+    assert os.path.getsize(tmp_path / "with_reference.png") > 0
