@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
+from tests.launch import TINY_MODEL, demo_slice, forked
 from trainer.core.build import build_trainer, setup
 from trainer.core.evaluation import evaluate
 from trainer.plan.flags import add_train_args
@@ -139,3 +140,19 @@ def test_the_dpo_line_on_the_real_run_at_minimind_s_dpo_learning_rate():
     found = scan(read_records(os.path.join(os.path.dirname(CLEAN_DIR), "shows", "dpo_default_lr_64_metrics.jsonl")),
                  6400)
     assert [(k, s) for k, s, _ in found] == [("dpo_stuck", 20)]
+
+
+@pytest.mark.slow
+def test_a_real_run_says_the_stuck_line_once(tmp_path):
+    """Through the loop's callback: a pretraining run whose learning rate cannot move it says the stuck line at step
+    50, once, and names its report at the end."""
+    data = demo_slice(tmp_path, "pretrain", 200)
+    proc = forked("trainer/train_pretrain.py", [*TINY_MODEL, "--data_path", data, "--learning_rate", "1e-12",
+                                                "--batch_size", "2", "--accumulation_steps", "1", "--max_seq_len", "32",
+                                                "--max_steps", "54", "--log_interval", "2", "--save_dir",
+                                                str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+                                                "--cache_dir", str(tmp_path / "cache")], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    health = [line for line in proc.stdout.splitlines() if "health:" in line]
+    assert len(health) == 1 and "health: step 50: loss" in health[0] and "ln(vocab)" in health[0], health
+    assert "report of this run: python scripts/report.py" in proc.stdout
