@@ -4,6 +4,7 @@
     python scripts/bench.py --packing 1 --baseline_flags doc_mask=0 --repeats 3  # one flag's cost, side by side
     python scripts/bench.py --nproc 2 --tp 2 --steps 5                         # under torchrun
     python scripts/bench.py --plan --nproc 64 --tp 4 --pp 4 --hidden_size 2048 --num_hidden_layers 32
+    python scripts/bench.py --plan --gpu 4090 --stage sft --epochs 2   # fits? how long? (scripts/fit_plan.py)
     python scripts/bench.py --moe_layer --repeats 20                          # MoE MLP vs dense, loop vs grouped
     python scripts/bench.py --moe_vs_dense --steps 3 --warmup 2 --repeats 2   # MoE vs dense trainer, 4/8 x top-1/2
     python scripts/bench.py --ep_vs_dp --steps 3 --warmup 2 --repeats 2       # --ep 2 vs dp2 on 2 processes
@@ -30,6 +31,7 @@ from scripts.benchmarks.machine import machine_description  # noqa: E402
 from scripts.benchmarks.moe import print_moe_layer_bench  # noqa: E402
 from scripts.benchmarks.moe_dense import run_moe_bench  # noqa: E402
 from scripts.benchmarks.run import BENCH_DEFAULTS, given_trainer_flags, run_trainer, trainer_args  # noqa: E402
+from scripts.fit_plan import main as fit_main  # noqa: E402
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
 from scripts.step_profile import shares_line, step_shares  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
@@ -177,6 +179,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--plan" in argv and any(a == "--gpu" or a.startswith("--gpu=") for a in argv):  # for a named GPU
+        return fit_main([a for a in argv if a != "--plan"])
     args, flags = parse_args(argv)
     if args.plan_table:
         print(plan_table())

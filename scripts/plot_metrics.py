@@ -23,6 +23,7 @@ from model.atomic import atomic_write, full_disk_reason  # noqa: E402
 
 # (column, panel title, y scale factor, y label)
 PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "validation loss"),
+          ("eval_bpb", "bits per byte (eval)", 1, "bits per UTF-8 byte of the eval text"),
           ("lr", "learning rate", 1, "lr"), ("grad_norm", "gradient norm", 1, "L2 norm before clipping"),
           ("tokens_per_sec", "tokens/s", 1, "target tokens / s"),
           ("mfu", "MFU", 100, "% of peak FLOPs"), ("peak_mem_gb", "peak memory", 1, "GB (max over ranks)"),

@@ -1,5 +1,5 @@
 """trainer/core/evaluation.py: validation under a pipeline (the schedule's forward-only pass) gives the single process's
-eval loss, with --eval_batches not a multiple of the micro-batches a pass takes."""
+eval loss and bits per byte, with --eval_batches not a multiple of the micro-batches a pass takes."""
 import json
 import os
 
@@ -37,3 +37,4 @@ def test_pipeline_eval_equals_the_single_process(tmp_path, nproc, layout):
     for got, want in zip(runs["pipeline"], runs["single"]):
         assert got["step"] == want["step"]
         assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5), (got, want)
+        assert got["eval_bpb"] == pytest.approx(want["eval_bpb"], rel=1e-5), (got, want)  # bytes counted once

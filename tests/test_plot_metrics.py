@@ -46,7 +46,8 @@ def lines_by_panel(fig):
 def test_plotted_lines_are_the_files_values(runs):
     fig = plot([load_metrics(p) for p in runs], ["lr 5e-4", "lr 3e-3"])
     panels = lines_by_panel(fig)
-    assert list(panels) == ["loss", "eval loss", "learning rate", "gradient norm", "tokens/s", "MFU", "peak memory"]
+    assert list(panels) == ["loss", "eval loss", "bits per byte (eval)", "learning rate", "gradient norm", "tokens/s",
+                            "MFU", "peak memory"]
     for path, label in zip(runs, ["lr 5e-4", "lr 3e-3"]):
         records = read_records(path)
         train = [r for r in records if "loss" in r]
@@ -54,6 +55,7 @@ def test_plotted_lines_are_the_files_values(runs):
         assert [r["step"] for r in train] == [1, 2, 3, 4] and [r["step"] for r in evals] == [2, 4]
         assert panels["loss"][label] == ([1, 2, 3, 4], [r["loss"] for r in train])
         assert panels["eval loss"][label] == ([2, 4], [r["eval_loss"] for r in evals])
+        assert panels["bits per byte (eval)"][label] == ([2, 4], [r["eval_bpb"] for r in evals])
         assert panels["learning rate"][label][1] == [r["lr"] for r in train]
         assert panels["gradient norm"][label][1] == [r["grad_norm"] for r in train]
         assert panels["tokens/s"][label][1] == [r["tokens_per_sec"] for r in train]
@@ -68,7 +70,7 @@ def test_cli_writes_a_png_of_the_documented_size(runs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"wrote {out}"
     height, width, channels = imread(out).shape  # decodes the whole PNG
-    assert (width, height, channels) == (900, 320, 4)  # 7 panels: 4 columns x 2 rows of 4.5 x 3.2 inches at 50 dpi
+    assert (width, height, channels) == (900, 320, 4)  # 8 panels: 4 columns x 2 rows of 4.5 x 3.2 inches at 50 dpi
 
 
 def test_default_output_is_under_the_repos_out_and_named(runs, tmp_path):

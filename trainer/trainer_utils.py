@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 from model.atomic import atomic_save
+from model.weight_names import ROOT, file_digest, repo_path, typed_or_default, weight_name
 from model.weights import save_weights_file
 from trainer.base.log import Logger, say
-from trainer.base.paths import ROOT, file_digest, repo_path, typed_or_default, weight_name
 from trainer.ckpt import minimind_resume
 from trainer.core.data_loading import SkipBatchSampler
 from trainer.runtime.schedule import MINIMIND_FLOOR, LRSchedule, lr_at

@@ -10,11 +10,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer.base.launch import full_value, world_sum
 from trainer.core.batches import loss_context, pipeline_forward_only, shard_for_context, step_targets
+from trainer.core.data_loading import leaf_datasets
+from trainer.judge.units import bits_per_byte, target_bytes, token_byte_lengths
 
 
 def evaluate(trainer, eval_ds):
-    """{"step", "eval_loss", "eval_ppl"} of up to --eval_batches held-out micro-batches (a collective): the objective's
-    summed eval loss over its count of items (LM: target tokens)."""
+    """{"step", "eval_loss", "eval_ppl", "eval_bpb"} of up to --eval_batches held-out micro-batches (a collective): the
+    objective's summed eval loss over its count of items (LM: target tokens); bits per byte: the summed CE in nats over
+    ln 2 x the UTF-8 bytes of the target tokens (trainer/judge/units.py), comparable across tokenizers."""
     plan, dims = trainer.plan, trainer.dims
     sampler = DistributedSampler(eval_ds, num_replicas=plan.layout.dp, rank=dims.rank("dp"), shuffle=False,
                                  drop_last=True)
@@ -29,9 +32,14 @@ def evaluate(trainer, eval_ds):
             loss_sum, count = pipeline_eval(trainer, batches)
     for part in trainer.model_parts:
         part.train()
-    loss_sum, count = world_sum([loss_sum, count], plan.layout.device)
+    tokenizer = next((d.tokenizer for d in leaf_datasets(eval_ds) if hasattr(d, "tokenizer")), None)
+    num_bytes = float(sum(target_bytes(token_byte_lengths(tokenizer), step_targets(labels)) for _, labels, _, _ in
+                          batches)) if tokenizer is not None and trainer.dims.counts_items else 0.0
+    loss_sum, count, num_bytes = world_sum([loss_sum, count, num_bytes], plan.layout.device)
     loss = loss_sum / max(count, 1.0)
-    return dict(step=trainer.progress.global_step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50)))
+    bpb = bits_per_byte(loss_sum, num_bytes)
+    return dict(step=trainer.progress.global_step, eval_loss=loss, eval_ppl=math.exp(min(loss, 50)),
+                **({"eval_bpb": bpb} if bpb is not None else {}))
 
 
 def plain_eval(trainer, batches):

@@ -13,10 +13,14 @@ from dataset.mixture import absolute_data_spec
 from model.model_minimind import expert_compute_for
 from model.provenance import tokenizer_record
 from model.tokenizer_choice import TokenizerMismatch, tokenizer_for
-from model.weight_names import weight_path  # noqa: F401 (stages read it here)
+from model.weight_names import (
+    repo_path,
+    typed_or_default,
+    weight_name,
+    weight_path,  # noqa: F401 (stages read it here)
+)
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
-from trainer.base.paths import repo_path, typed_or_default, weight_name
 from trainer.base.schema import fill
 from trainer.ckpt.step_dirs import MANIFEST
 from trainer.ckpt.weights_file import any_weights_record

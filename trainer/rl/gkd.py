@@ -23,9 +23,9 @@ from transformers import AutoTokenizer
 from dataset.lm_dataset import SFTDataset
 from model.model_minimind import MiniMindConfig
 from model.provenance import content_sha256
+from model.weight_names import file_digest, weight_name
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
-from trainer.base.paths import file_digest, weight_name
 from trainer.base.schema import Flag
 from trainer.core.batches import autocast
 from trainer.plan.objective import LMObjective

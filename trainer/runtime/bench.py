@@ -9,6 +9,7 @@ import torch
 from model.atomic import full_disk_reason
 from trainer.base.launch import is_main_process
 from trainer.base.log import Logger
+from trainer.judge.samples import bare_model
 
 # MiniMind's seven benchmarks: lm-eval's task (or group) name -> the label of the table and plot
 MINIMIND_TASKS = {"ceval-valid": "C-Eval", "cmmlu": "CMMLU", "arc_easy": "ARC-Easy", "piqa": "PIQA",
@@ -96,15 +97,6 @@ def samples_of(results, name):
     if name in counts:
         return counts[name]["effective"]
     return sum(samples_of(results, sub) for sub in results.get("group_subtasks", {}).get(name, []))
-
-
-def bare_model(module):
-    """The model under torch.compile / DDP wrappers (one process: the whole model)."""
-    while True:
-        inner = getattr(module, "_orig_mod", None) or getattr(module, "module", None)
-        if inner is None:
-            return module
-        module = inner
 
 
 class EvalBench:

@@ -10,8 +10,9 @@ Every rank calls every hook at the same point, so a hook may run collectives (al
 A callback stops the run after this step by setting `self.stop_reason` (a line the run prints), and asks for a
 checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
 travel in every checkpoint, so a resumed run continues with the same state.
-Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog, and
-bench.EvalBench (--eval_bench: lm-eval scores of the current model).
+Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog,
+bench.EvalBench (--eval_bench: lm-eval scores of the current model), health.HealthWatch (health lines) and
+samples.Samples (greedy samples at each eval, SFT and later stages).
 """
 import importlib
 import importlib.util
@@ -30,9 +31,11 @@ from trainer.base.schema import Flag, fill, flag
 from trainer.ckpt.checkpoint import read_checkpoint_model
 from trainer.ckpt.step_dirs import BEST_INDEX, MANIFEST, best_checkpoint_step
 from trainer.ckpt.weights_file import save_weights
+from trainer.judge.health import HealthWatch
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
 BENCH_MODULE = "trainer.runtime.bench"  # lm-eval scoring (--eval_bench): read by the runs that ask for it only
+SAMPLES_MODULE = "trainer.judge.samples"  # greedy samples at each eval: read by SFT and later stages only
 
 
 @dataclass(frozen=True)
@@ -237,6 +240,11 @@ def make_callbacks(plan):
     """The run's callbacks besides the sinks (the loop puts its Tracker first): early stopping, the best
     checkpoint, the per-rank log, then the user's."""
     callbacks, settings = Callbacks(), plan.callbacks
+    callbacks.append(HealthWatch(plan.model.config.vocab_size, plan.io.metrics_file))  # health lines, the report line
+    samples = importlib.import_module(SAMPLES_MODULE) \
+        if plan.stage.demo_kind != "pretrain" and plan.data.eval_data_path else None
+    if samples and samples.model_is_whole(plan.layout):
+        callbacks.append(samples.Samples(plan.data.tokenizer_path, plan.io.metrics_file))  # greedy samples at evals
     if settings.early_stop_patience:
         callbacks.append(EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta,
                                        plan.schedule.eval_interval))

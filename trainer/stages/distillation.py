@@ -16,10 +16,10 @@ from transformers import AutoTokenizer
 from model.model_minimind import CrossEntropyChunks, MiniMindConfig, MiniMindForCausalLM, chunked_head
 from model.provenance import content_sha256
 from model.weight_flags import weights_line
+from model.weight_names import file_digest, typed_or_default, weight_name
 from model.weight_shapes import WeightsError, weight_fields
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
-from trainer.base.paths import file_digest, typed_or_default, weight_name
 from trainer.base.schema import Flag
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights
 from trainer.core.log_probs import log_softmax

@@ -1,0 +1,262 @@
+"""Will a run fit a named GPU, how long is an epoch, what to change: `scripts/bench.py --plan --gpu NAME`.
+
+    python scripts/bench.py --plan --gpu 4090 --stage pretrain --hidden_size 768 --num_hidden_layers 16
+    python scripts/bench.py --plan --gpu H100 --stage grpo --data_path prompts.jsonl --usd_per_hour 2.5
+
+The memory per device by part: weights, gradients, optimizer state (fp32 master weights, fp32 gradients, two fp32
+AdamW moments: what the trainer keeps), activations at the micro-batch and length (scripts/layout_model.py's saved
+tensors, times ACTIVATION_OVERHEAD for autograd's backward temporaries and the allocator, measured), the frozen
+reference model and the rollouts' KV cache of RL stages; the cheapest change that makes it fit; the corpus's tokens
+(a sample of its lines tokenized, scaled by bytes) and the time per epoch at the card's dense bf16 peak x MFU.
+tests/test_fit_plan.py checks the memory against measured peaks (dense, MoE, GRPO) and the FLOPs against a hand count.
+"""
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+
+import torch  # noqa: E402
+
+from scripts.gpus import GIB, GPUS, find_gpu  # noqa: E402
+from scripts.layout_model import plan_layout, routed_expert_params  # noqa: E402
+from trainer.plan.flags import add_train_args  # noqa: E402
+from trainer.plan.resolve import resolve  # noqa: E402
+from trainer.runtime.launch import ConfigError  # noqa: E402
+from trainer.runtime.metrics import model_flops_per_token  # noqa: E402
+
+# Saved activations x this = the activation peak: autograd's backward temporaries (each layer's input gradients
+# beside the saved tensors) and the allocator's slack. Measured on CPU (tests/memory_entry.py, peak resident set over
+# the loaded data): h256 L4 batch 8 x 256 fp32 dense, 0.487 GiB against 0.074 GiB of states + 0.252 GiB of saved
+# tensors -> 1.64; tests/test_fit_plan.py checks it on a MoE and a GRPO run.
+ACTIVATION_OVERHEAD = 1.64
+# Model FLOPs utilisation assumed for the epoch time. MiniMind-size models (26-104M, hidden 512-768) are too narrow to
+# fill a data-center GPU's tensor cores: nanoGPT's 124M reaches about 0.3-0.4 of an A100 with torch.compile and flash
+# attention; we take 0.3 dense and 0.2 MoE (the router and the per-expert gathers: docs/performance.md's MoE/dense
+# step-time row). Give --mfu the MFU your own run logs (its records' `mfu`) to replace it.
+DEFAULT_MFU, DEFAULT_MFU_MOE = 0.3, 0.2
+SAMPLE_LINES = 2000  # lines of the corpus tokenized to count its tokens
+STAGES = ("pretrain", "sft", "lora", "dpo", "kto", "reward", "distillation", "gkd", "grpo", "ppo", "agent")
+
+
+class Captured(Exception):
+    """The stage class and script defaults an entry script passes to parse_args (raised in place of parsing)."""
+
+
+def script_stage(name):
+    """(Stage class, the script's defaults) of trainer/train_<name>.py, read from its own parse_args call."""
+    module = importlib.import_module(f"trainer.train_{name}")
+
+    def capture(description, stage, **defaults):
+        raise Captured(stage, defaults)
+    real, module.parse_args = module.parse_args, capture
+    try:
+        module.main()
+    except Captured as c:
+        return c.args
+    finally:
+        module.parse_args = real
+    raise RuntimeError(f"trainer/train_{name}.py did not call parse_args")
+
+
+def stage_plan(stage_name, argv, nproc):
+    """The TrainPlan the stage's script would run with `argv` on `nproc` processes (weights are not read)."""
+    stage, defaults = script_stage(stage_name)
+    parser = add_train_args(argparse.ArgumentParser(allow_abbrev=False), stage, **dict(defaults, from_weight="none"))
+    run = parser.parse_args(argv)
+    if getattr(run, "reward_model", None):
+        run.reward_model = None  # its size is counted as the policy's below; the folder need not exist here
+    return resolve(run, nproc, 0, stage), run
+
+
+def memory_parts(plan, config, run, act_bytes=None):
+    """Bytes per device by part, and the layout model's estimate they come from; act_bytes: bytes per activation
+    element (default: 4 under --dtype float32, else 2)."""
+    lay, data, stage = plan.layout, plan.data, plan.stage
+    rows, length = plan.micro_batch_shape
+    act_bytes = act_bytes or (4 if plan.model.dtype == torch.float32 else 2)
+    est = plan_layout(config, length * lay.cp, rows, data.num_microbatches, lay.dp, lay.tp, lay.pp, lay.cp,
+                      lay.zero_stage, lay.pp_schedule, act_bytes, plan.model.grad_checkpointing == "full",
+                      lay.sequence_parallel, run.loss_chunk_size if plan.model.chunked_loss else 0, ep=lay.ep)
+    mem = est["memory_gb"]
+    parts = dict(weights=mem["weights"] * GIB, grads=mem["grads"] * GIB, optimizer=mem["optimizer"] * GIB,
+                 activations=mem["activations"] * GIB * ACTIVATION_OVERHEAD)
+    if stage.name.lower().startswith("lora"):  # frozen base: no gradients or moments but the adapters' (small)
+        parts["grads"] = parts["optimizer"] = 0.0
+    per_rank_params = est["params_per_rank"]
+    if getattr(stage, "uses_reference", False):  # the frozen starting weights, fp32, laid out as the policy
+        parts["reference"] = 4 * per_rank_params
+    if getattr(stage, "reward_model", None) is not None or getattr(run, "reward_model", None):
+        parts["reward_model"] = 4 * per_rank_params  # assumed the policy's size
+    if hasattr(stage, "max_gen_len"):  # the rollout's KV cache: every row, prompt + completion, each layer K and V
+        kv_dim = config.num_key_value_heads * config.head_dim
+        layers = math.ceil(config.num_hidden_layers / lay.pp)
+        parts["rollout_kv_cache"] = 2 * layers * rows * length * kv_dim / lay.tp * act_bytes
+    return parts, est
+
+
+def corpus_tokens(path, tokenizer_path, sample_lines=SAMPLE_LINES):
+    """(tokens, documents, how): the tokens of every string in the first `sample_lines` JSON lines, scaled by the
+    file's bytes over the sample's bytes (the whole file when it is that short)."""
+    from transformers import AutoTokenizer  # only a plan with a corpus needs it
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    size, lines, sample_bytes, tokens = os.path.getsize(path), 0, 0, 0
+    with open(path, "rb") as f:
+        for raw in f:
+            lines += 1
+            if lines <= sample_lines:
+                sample_bytes += len(raw)
+                tokens += sum(len(tokenizer(s, add_special_tokens=False)["input_ids"]) + 2
+                              for s in strings(json.loads(raw)))
+    scale = size / max(sample_bytes, 1)
+    how = "counted" if lines <= sample_lines else f"{sample_lines} of {lines} lines tokenized, scaled by bytes"
+    return int(tokens * scale), lines, how
+
+
+def strings(value):
+    """Every string in a JSON value (texts, conversation turns, chosen/rejected)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return []
+
+
+def active_params(config, total):
+    """Parameters a token passes through: all, less the routed experts it does not reach."""
+    if not config.use_moe:
+        return total
+    unused = 1 - config.num_experts_per_tok / config.num_experts
+    return total - config.num_hidden_layers * routed_expert_params(config) * unused
+
+
+def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, data_tokens=None, act_bytes=None):
+    """The plan as a dict: parameters, memory per device by part (GiB), fits, the cheapest change that fits, the
+    FLOPs per token and, with the corpus's tokens, the time and cost of an epoch on `nproc` of `gpu`."""
+    plan, run = stage_plan(stage_name, argv, nproc)
+    config = plan.model.config
+    parts, est = memory_parts(plan, config, run, act_bytes)
+    total = sum(parts.values())
+    out = dict(stage=stage_name, nproc=nproc, layout=dict(dp=plan.layout.dp, tp=plan.layout.tp, pp=plan.layout.pp,
+                                                           cp=plan.layout.cp, ep=plan.layout.ep,
+                                                           zero_stage=plan.layout.zero_stage),
+               micro_batch_rows=plan.micro_batch_shape[0], row_tokens=plan.micro_batch_shape[1],
+               params_total=est["total_params"], params_active=active_params(config, est["total_params"]),
+               memory_gib={k: v / GIB for k, v in parts.items()}, memory_total_gib=total / GIB)
+    seq_len = plan.micro_batch_shape[1] * plan.layout.cp
+    out["train_flops_per_token"] = model_flops_per_token(config, seq_len)
+    if gpu is None:
+        return out
+    name, (peak, memory, bandwidth, source) = find_gpu(gpu)
+    mfu = mfu or (DEFAULT_MFU_MOE if config.use_moe else DEFAULT_MFU)
+    out.update(gpu=name, gpu_source=source, gpu_memory_gib=memory / GIB, fits=total <= memory,
+               mfu=mfu, peak_flops=peak)
+    if total > memory:
+        out["cheapest_fix"] = cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes)
+    if data_tokens:
+        tokens, documents, how = data_tokens
+        # packed rows train every token once; unpacked rows (chat, pairs, an RL prompt's completions) are full rows
+        positions = tokens if plan.data.packing else documents * plan.micro_batch_shape[0] // plan.data.micro_batch \
+            * seq_len
+        seconds = out["train_flops_per_token"] * positions / (peak * mfu * nproc)
+        out.update(corpus_tokens=tokens, corpus_documents=documents, corpus_count=how, epoch_positions=positions,
+                   epoch_hours=seconds / 3600)
+        if hasattr(plan.stage, "max_gen_len"):  # decoding reads every weight (bf16) once per generated token
+            out["rollout_note"] = ("RL: generation not included; it is memory-bound: about "
+                                   f"{2 * out['params_total'] / bandwidth * 1e3:.3f} ms per decoding step")
+        if usd_per_hour:
+            out["epoch_usd"] = out["epoch_hours"] * usd_per_hour * nproc
+    return out
+
+
+def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None):
+    """The first change, cheapest first, whose estimate fits: a smaller micro-batch (accumulation keeps the global
+    batch), --grad_checkpointing 1, ZeRO-2/3 (several processes), --cpu_offload, a smaller --max_gen_len; or None."""
+    batch, accumulation = plan.data.micro_batch, plan.data.num_microbatches
+    tries = []
+    while batch > 1:
+        batch, accumulation = batch // 2, accumulation * 2
+        tries.append(["--batch_size", str(batch), "--accumulation_steps", str(accumulation)])
+    tries += [t + ["--grad_checkpointing", "1"] for t in tries[-1:] or [[]]]
+    if nproc > 1:
+        tries += [tries[-1] + ["--zero_stage", str(z)] for z in (2, 3)]
+        tries.append(tries[-1] + ["--cpu_offload", "1"])
+    if hasattr(plan.stage, "max_gen_len"):
+        tries += [tries[-1] + ["--max_gen_len", str(plan.stage.max_gen_len // d)] for d in (2, 4)]
+    for change in tries:
+        try:
+            new_plan, run = stage_plan(stage_name, argv + change, nproc)
+        except Exception:  # noqa: BLE001 a change this layout refuses is not a fix
+            continue
+        parts, _ = memory_parts(new_plan, new_plan.model.config, run, act_bytes)
+        if sum(parts.values()) <= memory:
+            return dict(flags=" ".join(change), memory_total_gib=sum(parts.values()) / GIB)
+    return None
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    parser.add_argument("--gpu", required=True, help="a named GPU: " + ", ".join(GPUS))
+    parser.add_argument("--stage", default="pretrain", choices=STAGES, help="the trainer/train_<stage>.py planned")
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (the layout flags split the model over them)")
+    parser.add_argument("--mfu", type=float, default=None, help=f"model FLOPs utilisation for the epoch time "
+                        f"(default {DEFAULT_MFU} dense, {DEFAULT_MFU_MOE} MoE: see this file)")
+    parser.add_argument("--usd_per_hour", type=float, default=None, help="price of one GPU hour, for the cost")
+    parser.add_argument("--corpus_tokens", type=float, default=None, help="the corpus's tokens, for a corpus not at "
+                        "hand (default: counted from --data_path or the stage's demo data)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser.parse_known_args(argv)
+
+
+def describe(out):
+    """The plan in lines a person reads."""
+    mem = ", ".join(f"{k} {v:.2f}" for k, v in out["memory_gib"].items())
+    lines = [f"{out['stage']} on {out['nproc']} x {out['gpu']} ({out['gpu_memory_gib']:.0f} GiB; {out['gpu_source']})",
+             f"parameters: {out['params_total'] / 1e6:.1f}M total, {out['params_active'] / 1e6:.1f}M active",
+             f"memory per GPU (GiB): {mem}; total {out['memory_total_gib']:.2f}: "
+             + ("fits" if out["fits"] else "does NOT fit")]
+    if not out["fits"]:
+        fix = out.get("cheapest_fix")
+        lines.append(f"cheapest change that fits: {fix['flags']} ({fix['memory_total_gib']:.2f} GiB)" if fix else
+                     "no single change fits: add GPUs with --nproc and --zero_stage 3, or --tp")
+    if "epoch_hours" in out:
+        lines.append(f"corpus: {out['corpus_tokens'] / 1e6:.2f}M tokens in {out['corpus_documents']} lines "
+                     f"({out['corpus_count']}); {out['train_flops_per_token'] / 1e6:.1f} MFLOP per trained token")
+        hours = out["epoch_hours"]
+        span = f"{hours:.2f} h" if hours >= 1 else f"{hours * 60:.1f} min"
+        lines.append(f"time per epoch: {span} at MFU {out['mfu']:.0%} of {out['peak_flops'] / 1e12:.0f} TFLOP/s"
+                     + (f"; cost ${out['epoch_usd']:.2f}" if "epoch_usd" in out else ""))
+    if "rollout_note" in out:
+        lines.append(out["rollout_note"])
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        find_gpu(args.gpu)
+        stage, defaults = script_stage(args.stage)
+        data = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--data_path"), None)
+        if data is None:
+            from dataset.demo_data import ensure_demo_data  # the stage's demo corpus, as its script would use
+            data = ensure_demo_data(stage.demo_kind)
+        # without --dtype a GPU run takes bf16 autocast (--dtype auto): 2-byte activations, fp32 states
+        act_bytes = None if any(a == "--dtype" or a.startswith("--dtype=") for a in rest) else 2
+        plan, _ = stage_plan(args.stage, rest, args.nproc)
+        tokens = corpus_tokens(data, plan.data.tokenizer_path) if args.corpus_tokens is None else \
+            (int(args.corpus_tokens), int(args.corpus_tokens) // plan.data.seq_len, "given (--corpus_tokens)")
+        out = estimate(args.stage, rest, args.nproc, args.gpu, args.mfu, args.usd_per_hour, tokens, act_bytes)
+    except (ValueError, ConfigError) as e:
+        raise SystemExit(f"error: {e}")
+    print(json.dumps(out, indent=1) if args.json else describe(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

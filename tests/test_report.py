@@ -1,0 +1,99 @@
+"""scripts/report.py on a real run (tiny SFT with eval and samples): the page names the run's files and plots, its
+numbers are the records', its samples are the greedy continuations of the saved weights (an argmax loop here) with
+their repetition; two runs side by side."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import read_weights
+from scripts.report import main as report
+from tests.launch import TINY_MODEL, demo_slice, forked
+from trainer.judge.samples import MAX_NEW_TOKENS, PROMPTS
+from trainer.judge.units import repetition
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft")
+    lines = open(demo_slice(tmp, "sft", 60, name="all.jsonl")).readlines()
+    (tmp / "train.jsonl").write_text("".join(lines[:48]))
+    (tmp / "eval.jsonl").write_text("".join(lines[48:]))
+    proc = forked("trainer/train_sft.py", [*TINY_MODEL, "--from_weight", "none",
+                                           "--data_path", str(tmp / "train.jsonl"),
+                                           "--eval_data_path", str(tmp / "eval.jsonl"), "--max_seq_len", "128",
+                                           "--batch_size", "2", "--max_steps", "4", "--eval_interval", "2",
+                                           "--eval_batches", "2", "--log_interval", "1", "--learning_rate", "1e-3",
+                                           "--save_dir", "out", "--checkpoint_dir", "checkpoints",
+                                           "--cache_dir", "cache"], cwd=str(tmp), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return tmp
+
+
+def greedy_by_hand(model, ids, steps):
+    """Argmax of the full forward, one token at a time (no KV cache), stopping at EOS."""
+    out = []
+    for _ in range(steps):
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids + out])).logits[0, -1].argmax())
+        if token == 2:  # <|im_end|>
+            break
+        out.append(token)
+    return out
+
+
+def test_samples_are_the_weights_greedy_continuations(sft_run):
+    with open(sft_run / "out" / "full_sft_64_metrics_samples.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [2] * len(PROMPTS) + [4] * len(PROMPTS)  # each eval, every prompt
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
+    state_dict, config = read_weights(str(sft_run / "out" / "full_sft_64.pth"))  # the .pth and its sidecar
+    model = MiniMindForCausalLM(MiniMindConfig(**config)).float()
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
+    assert not unexpected and all(k.startswith("lm_head") for k in missing)  # tied lm_head: one copy
+    model.eval()
+    for row, prompt in zip(rows[len(PROMPTS):], PROMPTS):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        want = greedy_by_hand(model, tokenizer(text, add_special_tokens=False)["input_ids"], MAX_NEW_TOKENS)
+        assert row["prompt"] == prompt and row["ids"] == want
+        assert (row["repeated_4gram"], row["distinct_2"]) == repetition(want)
+
+
+def test_the_report_names_the_files_numbers_samples_and_health(sft_run):
+    out = report([str(sft_run / "out" / "full_sft_64_metrics.jsonl")])
+    page = open(out).read()
+    for name in ("full_sft_64_metrics.jsonl", "full_sft_64.pth", "full_sft_64.json", "full_sft_64_rank_0.log",
+                 "full_sft_64_metrics_samples.jsonl", "full_sft_64_config.yaml", "full_sft_64_report.png"):
+        assert name in page, name
+    with open(out[:-3] + ".png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    records = [json.loads(line) for line in open(sft_run / "out" / "full_sft_64_metrics.jsonl")]
+    last_eval = [r for r in records if "eval_loss" in r][-1]
+    assert f"| last eval bits per byte | {last_eval['eval_bpb']:.4f} |" in page
+    assert "Data: " in page and "## Samples (greedy, step 4)" in page and "- no health line" in page
+    samples = [json.loads(line) for line in open(sft_run / "out" / "full_sft_64_metrics_samples.jsonl")][-1]
+    assert f"| {samples['prompt']} | {samples['repeated_4gram']:.0%} | {samples['distinct_2']:.2f} |" in page
+
+
+def test_two_runs_side_by_side(sft_run, tmp_path):
+    dpo = os.path.join(ROOT, "docs", "reference", "shows", "dpo_default_lr_64_metrics.jsonl")
+    out = report([str(sft_run / "out" / "full_sft_64_metrics.jsonl"), dpo, "--out", str(tmp_path / "both.md")])
+    page = open(out).read()
+    assert page.startswith("# Runs side by side: full_sft_64, dpo_default_lr_64")
+    assert "| steps | 4 | 30 |" in page
+    assert "- dpo_default_lr_64: step 20: DPO loss" in page and "- full_sft_64: no health line" in page
+    assert os.path.getsize(tmp_path / "both.png") > 0
+
+
+def test_a_reference_curve_beside_the_run(sft_run, tmp_path):
+    reference = os.path.join(ROOT, "docs", "reference", "clean", "pretrain_64_demo_metrics.jsonl")
+    out = report([str(sft_run / "out" / "full_sft_64_metrics.jsonl"), "--reference", reference,
+                  "--out", str(tmp_path / "with_reference.md")])
+    assert f"- reference curve: `{reference}`" in open(out).read()
+    assert os.path.getsize(tmp_path / "with_reference.png") > 0
