@@ -6,6 +6,7 @@ import json
 import os
 
 EXAMPLES, EXAMPLE_CHARS = 3, 160  # removed documents shown per step, and how much of each
+TALLIED = ("documents", "characters", "tokens")
 
 
 def total(value):
@@ -14,22 +15,30 @@ def total(value):
 
 
 def stage_report(name, logdir):
-    """{'stage', 'tallies': [{step, documents, characters, tokens}], 'dropped': {reason: n}, 'decont': {file: n}}."""
-    with open(os.path.join(logdir, "stats.json"), encoding="utf-8") as f:
-        steps = json.load(f)
+    """{'stage', 'tallies': [{step, documents, characters, tokens}], 'dropped': {reason: n}, 'decont': {file: n}},
+    summed over the per-task stats files (a restarted run's stats.json holds only the tasks it ran itself)."""
     report = {"stage": name, "tallies": [], "dropped": {}, "decont": {}}
-    for step in steps:
-        stats = step.get("stats", {})
-        if "tally " in step["name"]:  # datatrove names a step's stats "<type>: <name>"
-            report["tallies"].append({"step": step["name"].split("tally ", 1)[1],
-                                      **{k: total(stats.get(k, 0)) for k in ("documents", "characters", "tokens")}})
-        for key, value in stats.items():
-            if key.startswith("dropped_"):
-                reason = key[len("dropped_"):]
-                report["dropped"][reason] = report["dropped"].get(reason, 0) + total(value)
-            elif key.startswith("contaminated_") and not key.startswith("contaminated_tg_"):
-                report["decont"][key[len("contaminated_"):]] = total(value)
+    tallies = {}
+    for path in sorted(glob.glob(os.path.join(logdir, "stats", "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            steps = json.load(f)
+        for step in steps:
+            stats = step.get("stats", {})
+            if "tally " in step["name"]:  # datatrove names a step's stats "<type>: <name>"
+                tally = tallies.setdefault(step["name"].split("tally ", 1)[1], dict.fromkeys(TALLIED, 0))
+                for key in TALLIED:
+                    tally[key] += total(stats.get(key, 0))
+            for key, value in stats.items():
+                if key.startswith("dropped_"):
+                    add(report["dropped"], key[len("dropped_"):], total(value))
+                elif key.startswith("contaminated_") and not key.startswith("contaminated_tg_"):
+                    add(report["decont"], key[len("contaminated_"):], total(value))
+    report["tallies"] = [{"step": step, **counts} for step, counts in tallies.items()]
     return report
+
+
+def add(counts, key, value):
+    counts[key] = counts.get(key, 0) + value
 
 
 def removed_examples(work, step):

@@ -234,4 +234,5 @@ def test_killed_run_finishes_like_an_uninterrupted_one(tmp_path):
             assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "resumed" / name).read_bytes()
     reports = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("whole", "resumed")]
     assert [step_counts(r) for r in reports] == [step_counts(reports[0])] * 2
-    assert step_counts(reports[0])["exact"][0] - step_counts(reports[0])["exact"][1] >= 30
+    clean = [d for d in docs if d not in JUNK]  # junk (and its copies) goes at the quality step
+    assert step_counts(reports[0])["exact"] == (len(clean), len(set(clean)))
