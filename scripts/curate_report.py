@@ -48,8 +48,8 @@ def removed_examples(work, step):
         with open(path, encoding="utf-8") as f:
             for line in f:
                 row = json.loads(line)
-                reason = row.get("metadata", {}).get("filter_reason") or row.get("metadata", {}).get(
-                    "contaminated_task")
+                metadata = row.get("metadata", {})  # dedup steps give no reason: the step is the reason
+                reason = metadata.get("filter_reason") or metadata.get("contaminated_task") or step
                 examples.append({"text": row["text"][:EXAMPLE_CHARS], "reason": reason})
                 if len(examples) == EXAMPLES:
                     return examples
