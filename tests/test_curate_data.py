@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 from scripts import curate_data
@@ -195,6 +196,18 @@ def test_sft_conversations_kept_whole(tmp_path):
                              "1", "--text_field", "conversations", "--steps", "quality,exact"]) == 0
     with open(out_dir / "00000.jsonl", encoding="utf-8") as f:
         assert [json.loads(line) for line in f] == rows[:-1]
+
+
+def test_parquet_and_jsonl_inputs_together(tmp_path):
+    """A parquet file and a JSONL file in one folder: both read, extra columns kept, a copy across them removed."""
+    pd.DataFrame({"text": ENGLISH + CHINESE, "source": ["book"] * 8}).to_parquet(tmp_path / "a.parquet")
+    write_jsonl(tmp_path / "b.jsonl", [ENGLISH[0], english_doc(random.Random(3), 50)])
+    kept, report = curate(tmp_path, [tmp_path], "--steps", "exact")
+    # the JSONL reader comes first, so parquet's copy of ENGLISH[0] is the one removed
+    assert kept == [ENGLISH[0], english_doc(random.Random(3), 50)] + ENGLISH[1:] + CHINESE
+    assert step_counts(report)["exact"] == (10, 9)
+    with open(tmp_path / "curated" / "00000.jsonl", encoding="utf-8") as f:
+        assert [json.loads(line).get("source") for line in f] == [None, None] + ["book"] * 7
 
 
 def test_bad_input_one_error_line(tmp_path, capsys):
