@@ -21,6 +21,7 @@ import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import unicodedata
 
@@ -265,10 +266,23 @@ def parse_args(argv=None):
     return args
 
 
+class Terminated(Exception):
+    """SIGTERM arrived (raised in the main process by its handler)."""
+
+
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None):
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         run(args)
+    except (KeyboardInterrupt, Terminated) as e:
+        print(f"error: stopped by {'SIGINT' if isinstance(e, KeyboardInterrupt) else 'SIGTERM'}; the same command "
+              "continues (finished tasks are kept)", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,8 +5,10 @@ import glob
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import pandas as pd
 import pytest
@@ -249,3 +251,26 @@ def test_killed_run_finishes_like_an_uninterrupted_one(tmp_path):
     assert [step_counts(r) for r in reports] == [step_counts(reports[0])] * 2
     clean = [d for d in docs if d not in JUNK]  # junk (and its copies) goes at the quality step
     assert step_counts(reports[0])["exact"] == (len(clean), len(set(clean)))
+
+
+def test_sigterm_exits_143_and_the_rerun_finishes(tmp_path):
+    """SIGTERM while the first stage runs: exit 143 with one line, no shard published; the same command then
+    finishes."""
+    rng = random.Random(4)
+    texts = [english_doc(rng, 60) for _ in range(3000)]
+    write_jsonl(tmp_path / "raw.jsonl", texts)
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "curate_data.py"), "--data_path", str(tmp_path / "raw.jsonl"),
+           "--out_dir", str(tmp_path / "out"), "--workers", "1", "--steps", "exact"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 300
+    while not os.path.isdir(tmp_path / "out" / ".work" / "filtered") and time.time() < deadline:
+        time.sleep(0.05)  # the first stage has written its first documents
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: stopped by SIGTERM")
+    assert not glob.glob(str(tmp_path / "out" / "*.jsonl"))
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert sorted(output_texts(tmp_path / "out")) == sorted(set(texts))  # all unique: all kept, once
