@@ -4,10 +4,12 @@ import os
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
 from scripts.train_tokenizer import tokenizer_config
+from tests.launch import TINY_MODEL, forked, python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "model")
@@ -158,3 +160,40 @@ def test_training_is_deterministic(tmp_path):
         reference = json.load(f)["added_tokens_decoder"]
     assert [(t["id"], t["content"], t["special"]) for t in state["added_tokens"]] == \
         [(int(i), e["content"], e["special"]) for i, e in reference.items()]
+
+
+def test_tokenizer_from_a_curated_folder_trains_and_feeds_the_trainer(tmp_path):
+    """train_tokenizer --data_path streams a folder of JSONL and parquet shards (as curate_data writes them), keeps
+    MiniMind-3's added tokens and chat template, reports bytes per token on every 10th document (held out) for both
+    tokenizers as transformers computes them here, and a short pretraining run takes it as --tokenizer_path."""
+    with open(os.path.join(ROOT, "dataset", "pretrain_demo.jsonl"), encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f][:1200]
+    chinese = "段：今天我们在图书馆学习语言模型的训练方法，然后写下自己的笔记。"
+    texts[::7] = [f"第{i}{chinese}" for i in range(len(texts[::7]))]
+    corpus = tmp_path / "curated"
+    corpus.mkdir()
+    for name, part in (("00000.jsonl", texts[:500]), ("00001.jsonl", texts[500:900])):
+        (corpus / name).write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in part),
+                                   encoding="utf-8")
+    pd.DataFrame({"text": texts[900:]}).to_parquet(corpus / "00002.parquet")
+    out = tmp_path / "tok"
+    proc = python("scripts/train_tokenizer.py", ["--data_path", corpus, "--vocab_size", 1000, "--out_dir", out,
+                                                 "--heldout_every", 10], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours, minimind = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(MODEL_DIR)
+    assert len(ours) == 1000
+    with open(out / "tokenizer_config.json", encoding="utf-8") as f:
+        assert json.load(f) == tokenizer_config()  # the same added tokens, ids and chat template as MiniMind-3's
+    assert ours.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>"]) == [0, 1, 2, 25]
+    held_out = texts[9::10]  # files in name order, every 10th document
+    report = json.loads((out / "tokenizer_report.json").read_text())
+    for tok, key in ((ours, "bytes_per_token"), (minimind, "minimind_bytes_per_token")):
+        tokens = sum(len(tok(t, add_special_tokens=False).input_ids) for t in held_out)
+        assert report[key] == pytest.approx(sum(len(t.encode("utf-8")) for t in held_out) / tokens, rel=1e-12)
+    assert report["heldout_docs"] == len(held_out) and all(ours.decode(ours.encode(t)) == t for t in held_out)
+    run = forked("trainer/train_pretrain.py", [*TINY_MODEL, "--data_path", corpus, "--tokenizer_path", out,
+                                               "--max_steps", 2, "--max_seq_len", 64, "--batch_size", 4,
+                                               "--save_dir", tmp_path / "o", "--checkpoint_dir", tmp_path / "c"],
+                 timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"tokenizer {out}" in run.stdout + run.stderr

@@ -1,0 +1,209 @@
+"""datatrove pipeline steps scripts/curate_data.py adds where datatrove has no block for Chinese and English alike.
+
+- MixedScriptTokenizer: a datatrove WordTokenizer whose tokens are Latin/Cyrillic/... words (split at whitespace and
+  punctuation) and single CJK characters (Han, kana), so MinHash shingles, Gopher's n-gram repetition and the
+  decontamination n-grams count characters in Chinese text and words elsewhere (datatrove's own tokenizers split one
+  language each; its default English one would read a whole Chinese sentence as one word).
+- CharRatioFilter: length and character-ratio rules that need no word split (Gopher's word-based quality filter asks
+  for English stop words and word lengths, which drop every Chinese document).
+- Tally: counts documents, characters and tokens passing a point of the pipeline (the report's in/out columns).
+- EvalFilesIndexer: datatrove's n-gram decontamination index built from local JSONL files, one index per file
+  (datatrove's own indexer loads lighteval tasks from the Hub).
+- row_from_file / row_for_output: the reader and writer adapters that keep each input row as it was.
+"""
+import json
+import os
+import re
+import unicodedata
+from collections import Counter
+
+import numpy as np
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.io import get_datafolder
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.decont import NGramsDecontIndexer
+from datatrove.pipeline.filters import GopherRepetitionFilter
+from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.utils.hashing import create_hash_func
+from datatrove.utils.text import ngrams, split_into_words
+from datatrove.utils.word_tokenizers import WordTokenizer, load_word_tokenizer
+
+# Han (basic, extension A, compatibility), Hiragana, Katakana and CJK symbols: scripts written without spaces
+CJK_RANGES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+TOKEN = re.compile(rf"[{CJK_RANGES}]|[^\s{CJK_RANGES}]+")
+SENTENCE_END = re.compile(r"(?<=[.!?。！？])\s*")
+
+
+class MixedScriptTokenizer(WordTokenizer):
+    """Words where words are spaced, one token per character in CJK text."""
+
+    def __init__(self):
+        super().__init__("mixed")
+
+    def word_tokenize(self, text: str) -> list[str]:
+        return TOKEN.findall(text)
+
+    def sent_tokenize(self, text: str) -> list[str]:
+        return [s for s in SENTENCE_END.split(text) if s.strip()]
+
+    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+        spans, start = [], 0
+        for sentence in self.sent_tokenize(text):
+            start = text.index(sentence, start)
+            spans.append((start, start + len(sentence)))
+            start += len(sentence)
+        return spans
+
+
+def char_classes(text):
+    """(non-space characters, letters and digits, symbols (Unicode S*)) of `text`."""
+    visible = alnum = symbols = 0
+    for ch in text:
+        if ch.isspace():
+            continue
+        visible += 1
+        category = unicodedata.category(ch)[0]
+        alnum += category in "LN"
+        symbols += category == "S"
+    return visible, alnum, symbols
+
+
+class CharRatioFilter(BaseFilter):
+    """Drops documents outside [min_chars, max_chars] characters, with fewer than min_alnum_ratio letters and digits
+    among their non-space characters, or more than max_symbol_ratio symbols (Unicode category S: emoji, currency,
+    math, box drawing); every rule counts characters, so it reads Chinese as it reads English."""
+
+    name = "char ratios"
+
+    def __init__(self, min_chars=20, max_chars=1_000_000, min_alnum_ratio=0.6, max_symbol_ratio=0.1,
+                 exclusion_writer=None):
+        super().__init__(exclusion_writer)
+        self.min_chars, self.max_chars = min_chars, max_chars
+        self.min_alnum_ratio, self.max_symbol_ratio = min_alnum_ratio, max_symbol_ratio
+
+    def filter(self, doc: Document):
+        length = len(doc.text)
+        if length < self.min_chars:
+            return False, "too_short"
+        if length > self.max_chars:
+            return False, "too_long"
+        visible, alnum, symbols = char_classes(doc.text)
+        if alnum < self.min_alnum_ratio * visible:
+            return False, "few_letters"
+        if symbols > self.max_symbol_ratio * visible:
+            return False, "symbols"
+        return True
+
+
+class RepetitionFilter(GopherRepetitionFilter):
+    """Gopher's repetition rules (datatrove's filter), except that the top n-gram rule counts only an n-gram that
+    occurs twice or more, by the characters it covers (Gopher's rule reads a short document's one-off n-gram as
+    repetition; it ran after a 50-word minimum)."""
+
+    name = "repetition"
+
+    def __init__(self, top_n_grams=((2, 0.2), (3, 0.18), (4, 0.16)), **kwargs):
+        super().__init__(top_n_grams=(), **kwargs)
+        self.repeated_top_n_grams = top_n_grams
+
+    def filter(self, doc: Document):
+        result = super().filter(doc)
+        if result is not True:
+            return result
+        words = split_into_words(doc.text, self.language)
+        for n, fraction in self.repeated_top_n_grams:
+            counts = Counter(ngrams(words, n))
+            if counts:
+                gram, count = counts.most_common(1)[0]
+                if count > 1 and count * sum(map(len, gram)) > fraction * len(doc.text):
+                    return False, f"top_{n}_gram"
+        return True
+
+
+class Tally(PipelineStep):
+    """Counts the documents, characters and tokens (metadata token_count) that reach it; passes them on."""
+
+    type = "📊 - STATS"
+
+    def __init__(self, label):
+        self.name = f"tally {label}"  # before the parent's __init__, which names the stats after it
+        super().__init__()
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for doc in data:
+            self.stat_update("documents")
+            self.stat_update("characters", value=len(doc.text))
+            self.stat_update("tokens", value=doc.metadata.get("token_count", 0))
+            yield doc
+
+
+class EvalFilesIndexer(PipelineStep):
+    """datatrove's decontamination index from local JSONL files: every string value of a row (question, choices,
+    answer) adds its n-grams to the index of its file, named after the file. Hashes are datatrove's own
+    (NGramsDecontIndexer.compute_hashes), so its NGramsDecontFilter matches them; that class itself asks for lighteval,
+    which it needs only to load tasks from the Hub."""
+
+    type = "🦠 - DECONT"
+    name = "index of eval files"
+
+    def __init__(self, output_folder, eval_paths, config, language):
+        super().__init__()
+        self.output_folder = get_datafolder(output_folder)
+        self.eval_paths, self.config = list(eval_paths), config
+        self.tokenizer = load_word_tokenizer(language)
+        self.hash_func = create_hash_func(config.hash_config)
+
+    compute_hashes = NGramsDecontIndexer.compute_hashes  # reads self.tokenizer, self.config, self.hash_func
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1):
+        for path in self.eval_paths:
+            hashes = set()
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        for text in string_values(json.loads(line)):
+                            hashes.update(self.compute_hashes(text))
+            name = os.path.splitext(os.path.basename(path))[0].replace(" ", "_")
+            with self.output_folder.open(f"{name}.index.hashes", mode="wb") as f:
+                f.write(np.array(sorted(hashes), dtype=self.config.hash_config.np_descr).tobytes())
+            self.stat_update(f"hashes_{name}", value=len(hashes))
+
+
+def string_values(value):
+    """Every string inside a JSON value, depth first."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from string_values(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from string_values(item)
+
+
+def conversation_text(row):
+    """The text of an SFT row: each message's content (and reasoning), one per line."""
+    parts = []
+    for message in row.get("conversations") or []:
+        for field in ("reasoning_content", "content"):
+            if isinstance(message.get(field), str) and message[field]:
+                parts.append(message[field])
+    return "\n".join(parts)
+
+
+def row_from_file(self, data: dict, path: str, id_in_file):
+    """Reader adapter: the text to curate (the text field, or the conversation's messages) and the row as it was."""
+    if self.text_key == "conversations":
+        text, row = conversation_text(data), data
+    else:
+        row = dict(data)
+        text = row.pop(self.text_key, None)
+        text = text if isinstance(text, str) else ""
+    return {"text": text, "id": f"{path}/{id_in_file}",
+            "metadata": {"row": row, "text_key": None if self.text_key == "conversations" else self.text_key}}
+
+
+def row_for_output(self, document: Document) -> dict:
+    """Writer adapter: the input row unchanged (its text field first), datatrove's own fields left out."""
+    text_key, row = document.metadata["text_key"], document.metadata["row"]
+    return {text_key: document.text, **row} if text_key else row
