@@ -13,8 +13,7 @@ from trainer.base.errors import ConfigError
 from trainer.base.launch import per_rank
 from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import MODEL_DIMS, REDUCE_DIMS, dimension_module, validate_layout
-from trainer.runtime import metrics
-from trainer.runtime.metrics import cpu_bf16_native, cpu_matmul_rates, cpu_name
+from trainer.runtime import metrics  # read through the module: tests replace its CPU probes
 
 # bf16 is picked only this much faster than fp32 on the matmul: autocast also casts outside it (gradients, norms)
 BF16_MARGIN = 1.1
@@ -24,7 +23,7 @@ def resolve_dtype(name, device):
     """(dtype, note): 'auto' -> the faster of bf16 and fp32 on this device (CPU: measured matmuls, cached per CPU
     model; CUDA: bf16 where supported) and a line saying why; bf16/fp16 rejected where unsupported."""
     dev = torch.device(device).type
-    bf16_ok = torch.cuda.is_bf16_supported() if dev == "cuda" else cpu_bf16_native()
+    bf16_ok = torch.cuda.is_bf16_supported() if dev == "cuda" else metrics.cpu_bf16_native()
     if name == "auto":
         return auto_dtype(device, bf16_ok)
     table = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -45,15 +44,15 @@ def auto_dtype(device, bf16_ok):
         return (torch.bfloat16, f"dtype auto: bfloat16 (supported by {name})") if bf16_ok else \
             (torch.float32, f"dtype auto: float32 ({name} has no bf16)")
     if not bf16_ok:
-        return torch.float32, f"dtype auto: float32 (no native bf16 matmul on {cpu_name()})"
-    rates = cpu_matmul_rates()
+        return torch.float32, f"dtype auto: float32 (no native bf16 matmul on {metrics.cpu_name()})"
+    rates = metrics.cpu_matmul_rates()
     bf16, fp32 = rates["bfloat16_autocast"], rates["float32"]
-    measured = f"bf16 matmul {bf16 / 1e9:.0f} GFLOP/s vs fp32 {fp32 / 1e9:.0f} on {cpu_name()}, " \
+    measured = f"bf16 matmul {bf16 / 1e9:.0f} GFLOP/s vs fp32 {fp32 / 1e9:.0f} on {metrics.cpu_name()}, " \
                f"{torch.get_num_threads()} threads"
     if rates["provisional"]:  # busy cores slow the two unequally: no decision from them; native bf16 is the likely win
-        return torch.bfloat16, (f"dtype auto: bfloat16 (native bf16 on {cpu_name()}; the cores were busy, so the "
-                                f"measurement, {measured}, decides nothing: a run on quiet cores measures again and "
-                                f"caches it in {metrics.RATES_FILE})")
+        return torch.bfloat16, (f"dtype auto: bfloat16 (native bf16 on {metrics.cpu_name()}; the cores were busy, so "
+                                f"the measurement, {measured}, decides nothing: a run on quiet cores measures again "
+                                f"and caches it in {metrics.RATES_FILE})")
     dtype = torch.bfloat16 if bf16 > BF16_MARGIN * fp32 else torch.float32
     return dtype, f"dtype auto: {str(dtype)[6:]} ({measured}, measured on quiet cores; cached in {metrics.RATES_FILE})"
 
