@@ -27,10 +27,13 @@ import os
 import shutil
 import sys
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.runtime.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers and the converters")
+
+import torch  # noqa: E402
 
 from model.atomic import atomic_write_text, files_replaced_in, full_disk_reason  # noqa: E402
 from model.gguf import OUT_TYPES, gguf_refusal, worst_rounding_ratio, write_gguf  # noqa: E402
@@ -47,6 +50,8 @@ from trainer.ckpt.weight_flags import flag_conflicts, weights_line  # noqa: E402
 from trainer.ckpt.weights_file import any_weights_record, read_any_weights  # noqa: E402
 from trainer.plan.checks import check_writable  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

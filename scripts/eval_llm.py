@@ -20,6 +20,9 @@ import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.runtime.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers and the model")
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # noqa: E402
@@ -36,6 +39,8 @@ from trainer.plan.checks import check_device, check_tokenizer, other_sizes  # no
 from trainer.plan.resolve import weight_path  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.trainer_utils import file_digest, typed_or_default  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 
 def load_folder(folder):

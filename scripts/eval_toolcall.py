@@ -16,6 +16,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.runtime.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers and the model")
 
 import torch  # noqa: E402
 
@@ -28,6 +31,8 @@ from scripts.eval_llm import (  # noqa: E402
     parsed,
     render_prompt,
 )
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 
 def score(case, turns):

@@ -24,6 +24,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.runtime.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers, FastAPI and the model")
 
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
@@ -45,6 +48,8 @@ from scripts.serve_requests import (  # noqa: E402
     settings,
     text_content,
 )
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 
 class JobStream(StreamingResponse):
