@@ -47,7 +47,12 @@ from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, 
 from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
 from trainer.ckpt.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
 from trainer.ckpt.weight_flags import flag_conflicts, weights_line  # noqa: E402
-from trainer.ckpt.weights_file import any_weights_record, read_any_weights  # noqa: E402
+from trainer.ckpt.weights_file import (  # noqa: E402
+    any_weights_record,
+    base_record,
+    read_any_weights,
+    unfinished_line,
+)
 from trainer.plan.checks import check_writable  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
 
@@ -112,6 +117,9 @@ def max_logit_diff(reference, folder, vocab_size, trust_remote_code=False):
 def source_model(args):
     """(fp32 model with --lora merged, its config, the tokenizer folder, the weights' dtype) of --weight."""
     state_dict, saved_config, saved_args = read_any_weights(args.weight)
+    unfinished = unfinished_line(base_record(args.weight))
+    if unfinished:  # exported all the same: a user may want the stopped run's weights
+        print(unfinished)
     config = source_config(state_dict, saved_config, args)
     if args.to == "gguf" and gguf_refusal(config):
         raise WeightsError(gguf_refusal(config))  # before a LoRA merge writes anything
@@ -228,6 +236,8 @@ def parse_args(argv=None):
     parser.add_argument("--lora", default=None, help="export: merge this LoRA adapter (MiniMind's .pth) first")
     parser.add_argument("--merged_weight", default=None,
                         help="with --lora: the merged .pth (default: merge_<adapter name>.pth beside --weight)")
+    parser.add_argument("--overwrite", type=int, default=0, choices=[0, 1],
+                        help="1: replace an earlier export at --out_dir (--to minimind: the .pth at --weight)")
     parser.add_argument("--trust_remote_code", type=int, default=0, choices=[0, 1],
                         help="import: run a minimind folder's own code to compare logits")
     for name in SHAPE_FLAGS + ("num_experts_per_tok",):  # must agree with the weights; only for a .pth without .json
@@ -247,6 +257,16 @@ def parse_args(argv=None):
     return args
 
 
+def earlier_export(args):
+    """The file that marks an export already at the output (a folder's config.json, a GGUF or its Modelfile, an
+    imported .pth), or None: as a training run, an export does not replace another unasked."""
+    if args.to == "minimind":
+        return args.weight if os.path.isfile(args.weight) else None
+    names = sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []
+    marks = [n for n in names if (n == "config.json" if args.to == "hf" else n.endswith(".gguf") or n == "Modelfile")]
+    return os.path.join(args.out_dir, marks[0]) if marks else None
+
+
 def check_args(args):
     """Flags in range, the input present, the output writable, before anything is read or written."""
     for name in SHAPE_FLAGS + ("num_experts_per_tok",):
@@ -264,6 +284,11 @@ def check_args(args):
         check_writable(os.path.dirname(args.weight), "--weight folder")
     else:
         check_writable(args.out_dir, "--out_dir")
+    held = earlier_export(args)
+    if held and not args.overwrite:
+        flag = "--weight" if args.to == "minimind" else "--out_dir"
+        raise ConfigError(f"{flag} {getattr(args, flag[2:])} holds an earlier export ({os.path.basename(held)}); "
+                          f"--overwrite 1 replaces it, or choose another {flag}")
     if args.lora and (args.to == "minimind" or not os.path.isfile(args.lora)):
         raise ConfigError(f"--lora {args.lora} is not a file" if args.to != "minimind" else
                           "--lora merges an adapter on export (--to hf); import the folder without it")

@@ -15,7 +15,7 @@ from trainer.ckpt.parts import standard_parts
 from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.step_dirs import latest_checkpoint
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
-from trainer.ckpt.weights_file import init_model
+from trainer.ckpt.weights_file import base_record, init_model
 from trainer.core.objective import LMObjective
 from trainer.core.stage import Stage
 from trainer.parallel.mesh import ParallelDims
@@ -65,6 +65,7 @@ class Trainer:
     expert_load: Optional[ExpertLoad] = None  # a MoE model's per-expert loads and routing bias (runtime/expert_load.py)
     started: bool = False  # the first step is done: collectives run under the per-step timeout
     step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
+    from_weight: Optional[dict] = None  # what --from_weight's sidecar says of its run (weights_file.base_record)
 
 
 def setup(args, stage=Stage):
@@ -149,6 +150,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
                       objective=objective, callbacks=callbacks, resumed=ckpt is not None,
                       expert_load=ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance,
                                              plan.model.router_bias_rate) if config.use_moe else None)
+    trainer.from_weight = base_record(plan.model.from_weight)  # this run's sidecar repeats it
     if ckpt is not None:
         checkpointer.load(ckpt)
         trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy

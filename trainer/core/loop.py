@@ -146,7 +146,8 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
         guard.saved(step)
         callbacks.call("on_save", trainer, step)
     if last or (plan.schedule.save_weights_every and step % plan.schedule.save_weights_every == 0):
-        save_weights(trainer)
+        ended = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.schedule.epochs - 1)
+        save_weights(trainer, finished=ended and not guard.stop)  # an early stop (--max_tokens, a callback) finishes
     if guard.stop:
         Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.io.run_dir}; "
                "continue with --from_resume 1")
