@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from model.atomic import atomic_write_text, files_replaced_in, full_disk_reason  # noqa: E402
 from model.gguf import OUT_TYPES, gguf_refusal, worst_rounding_ratio, write_gguf  # noqa: E402
-from model.hf_convert import save_hf_folder  # noqa: E402
+from model.hf_convert import save_hf_folder, save_quietly  # noqa: E402
 from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.ollama import modelfile  # noqa: E402
@@ -145,7 +145,7 @@ def export(args):
             out_model.load_state_dict(model.state_dict())
             out_model.config.auto_map = {"AutoConfig": "model_minimind.MiniMindConfig",
                                          "AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"}
-            out_model.to(save_dtype).save_pretrained(folder)
+            save_quietly(out_model.to(save_dtype), folder)
             shutil.copy(os.path.join(ROOT, "model", "model_minimind.py"), folder)  # the trust_remote_code module
         else:
             out_model = save_hf_folder(model.state_dict(), config, folder, save_dtype)

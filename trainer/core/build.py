@@ -157,7 +157,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
         # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
         progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
         Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
-               f"({ckpt['world_size']} processes when saved)")
+               f"({ckpt['world_size']} process{'es' * (ckpt['world_size'] != 1)} when saved)")
         note = resume_note(ckpt.get("args"), plan.lr, trainer.total_steps, steps_per_epoch)
         if note:
             Logger(note)

@@ -9,7 +9,6 @@ evaluation.py, the callbacks in callbacks.py, the parallel dimensions in paralle
 """
 import os
 import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -102,7 +101,6 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
     timer.reset()
     while progress.step_in_epoch < trainer.steps_per_epoch and not should_stop(trainer):
         profiler.begin(progress.global_step + 1)
-        start = time.perf_counter()
         trainer.step_rng = rng_state() if preemption.abandon else None  # what a dropped step saves
         with preemption.abandonable():
             micro_batches = [next(batches) for _ in range(plan.data.num_microbatches)]
@@ -116,7 +114,7 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
         seq_len = plan.data.seq_len
         timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, seq_len, rows * seq_len,
                                                                  metrics["num_tokens"], plan.model.chunked_loss))
-        bar.step_end(trainer.guard.last_loss, metrics["lr"], metrics["num_tokens"] / (time.perf_counter() - start))
+        bar.step_end(trainer.guard.last_loss, metrics["lr"], timer.window_tokens_per_sec())  # the record's window
         epoch_end = progress.step_in_epoch == trainer.steps_per_epoch
         if should_stop(trainer) or (epoch_end and progress.epoch == plan.schedule.epochs - 1):
             bar.close()  # the last step: the final bar, then its record below it
@@ -173,7 +171,8 @@ def finish(trainer):
     (saved) raises SignalStop: exit 130/143, so `train && next_stage` does not go on from a stopped run."""
     plan = trainer.plan
     if not trainer.guard.stop:
-        Logger(f"Done: {trainer.progress.global_step} steps, weights in {plan.stage.weights_path(plan)}")
+        steps = trainer.progress.global_step
+        Logger(f"Done: {steps} step{'s' * (steps != 1)}, weights in {plan.stage.weights_path(plan)}")
     if dist.is_initialized():
         dist.destroy_process_group()
     if trainer.guard.stop:
