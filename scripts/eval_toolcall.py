@@ -79,6 +79,16 @@ def summary(results):
             f"{count['right_tool']}/{n}, ground truth {truth}/{n})")
 
 
+def empty_note(results):
+    """A line saying what a score of empty turns means, or None: cases with no call and no answer text."""
+    empty = sum(not r["calls"] and not r["answer"].strip() for r in results)
+    if not empty:
+        return None
+    return (f"note: {empty}/{len(results)} cases got no tool call and an empty answer: the model closed its turn at "
+            "once, so the score says it has not learned to call tools (the README chain's small model scores 0/9: "
+            "its agent stage shows the pipeline, not learning; docs/stages.md)")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind tool-call evaluation")
     add_model_args(parser, weight="full_sft")
@@ -116,6 +126,8 @@ def main(argv=None):
     for index, (case, result) in enumerate(evaluate(TOOL_CASES, generate, args.max_turns, args.open_thinking), 1):
         results.append(result)
         print(case_line(index, len(TOOL_CASES), case, result), flush=True)
+    if empty_note(results):
+        print(empty_note(results))
     print(summary(results))
     return 0
 
