@@ -158,6 +158,18 @@ def write_num_experts_both_ways(out_dir, num_experts):
         json.dump(config, f, indent=2, sort_keys=True)
 
 
+def save_quietly(model, out_dir):
+    """model.save_pretrained(out_dir) without transformers' "Writing model shards" bar, which it draws on every save."""
+    from transformers.utils import logging as hf_logging
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
 def save_hf_folder(state_dict, config, out_dir, dtype):
     """A MiniMind state dict written as a Qwen3(-MoE) Hugging Face folder in `dtype` (scripts/convert_model.py's
     export, the RL stages' rollout servers); returns the Hugging Face model."""
@@ -165,7 +177,7 @@ def save_hf_folder(state_dict, config, out_dir, dtype):
     hf_config, hf_sd = minimind_to_hf(state_dict, config)
     model = (Qwen3MoeForCausalLM if config.use_moe else Qwen3ForCausalLM)(hf_config)
     model.load_state_dict(hf_sd, strict=True)
-    model.to(dtype).save_pretrained(out_dir)
+    save_quietly(model.to(dtype), out_dir)
     write_rope_both_ways(out_dir, config.rope_theta)
     if config.use_moe:
         write_num_experts_both_ways(out_dir, config.num_experts)
@@ -239,6 +251,6 @@ def save_hf_classifier(state_dict, score_weight, config, out_dir, dtype):
                            fix=("minimind_format", None)) from None
     hf_sd = {k: v for k, v in hf_sd.items() if not k.startswith("lm_head.")}
     model.load_state_dict(dict(hf_sd, **{"score.weight": score_weight}), strict=True)
-    model.to(dtype).save_pretrained(out_dir)
+    save_quietly(model.to(dtype), out_dir)
     write_rope_both_ways(out_dir, config.rope_theta)
     return model

@@ -24,6 +24,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch and the trainer")
 
 import torch  # noqa: E402
 
@@ -39,6 +42,8 @@ from trainer.plan.resolve import resolve  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.runtime.metrics import model_flops_per_token, peak_and_status, step_flops  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 # the reference mode --baseline compares against
 BASELINE_FLAGS = dict(dtype="float32", packing=0, use_compile=0, grad_checkpointing=0, loss_chunk_size=0)

@@ -27,14 +27,17 @@ import os
 import shutil
 import sys
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers and the converters")
+
+import torch  # noqa: E402
 
 from model.atomic import atomic_write_text, files_replaced_in, full_disk_reason  # noqa: E402
 from model.gguf import OUT_TYPES, gguf_refusal, worst_rounding_ratio, write_gguf  # noqa: E402
-from model.hf_convert import save_hf_folder  # noqa: E402
+from model.hf_convert import save_hf_folder, save_quietly  # noqa: E402
 from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.ollama import modelfile  # noqa: E402
@@ -44,9 +47,11 @@ from model.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E40
 from model.weight_flags import flag_conflicts, weights_line  # noqa: E402
 from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
 from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
-from trainer.ckpt.weights_file import any_weights_record, read_any_weights  # noqa: E402
+from trainer.ckpt.weights_file import any_weights_record, base_record, read_any_weights, unfinished_line  # noqa: E402
 from trainer.plan.checks import check_writable  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 MAX_LOGIT_DIFF = 1e-4  # fp32 export: only reduction order differs between the two implementations
 SHAPE_FLAGS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -107,6 +112,9 @@ def max_logit_diff(reference, folder, vocab_size, trust_remote_code=False):
 def source_model(args):
     """(fp32 model with --lora merged, its config, the tokenizer folder, the weights' dtype) of --weight."""
     state_dict, saved_config, saved_args = read_any_weights(args.weight)
+    unfinished = unfinished_line(base_record(args.weight))
+    if unfinished:  # exported all the same: a user may want the stopped run's weights
+        print(unfinished)
     config = source_config(state_dict, saved_config, args)
     if args.to == "gguf" and gguf_refusal(config):
         raise WeightsError(gguf_refusal(config))  # before a LoRA merge writes anything
@@ -132,7 +140,7 @@ def export(args):
             out_model.load_state_dict(model.state_dict())
             out_model.config.auto_map = {"AutoConfig": "model_minimind.MiniMindConfig",
                                          "AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"}
-            out_model.to(save_dtype).save_pretrained(folder)
+            save_quietly(out_model.to(save_dtype), folder)
             shutil.copy(os.path.join(ROOT, "model", "model_minimind.py"), folder)  # the trust_remote_code module
         else:
             out_model = save_hf_folder(model.state_dict(), config, folder, save_dtype)
@@ -223,6 +231,8 @@ def parse_args(argv=None):
     parser.add_argument("--lora", default=None, help="export: merge this LoRA adapter (MiniMind's .pth) first")
     parser.add_argument("--merged_weight", default=None,
                         help="with --lora: the merged .pth (default: merge_<adapter name>.pth beside --weight)")
+    parser.add_argument("--overwrite", type=int, default=0, choices=[0, 1],
+                        help="1: replace an earlier export at --out_dir (--to minimind: the .pth at --weight)")
     parser.add_argument("--trust_remote_code", type=int, default=0, choices=[0, 1],
                         help="import: run a minimind folder's own code to compare logits")
     for name in SHAPE_FLAGS + ("num_experts_per_tok",):  # must agree with the weights; only for a .pth without .json
@@ -242,6 +252,16 @@ def parse_args(argv=None):
     return args
 
 
+def earlier_export(args):
+    """The file that marks an export already at the output (a folder's config.json, a GGUF or its Modelfile, an
+    imported .pth), or None: as a training run, an export does not replace another unasked."""
+    if args.to == "minimind":
+        return args.weight if os.path.isfile(args.weight) else None
+    names = sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []
+    marks = [n for n in names if (n == "config.json" if args.to == "hf" else n.endswith(".gguf") or n == "Modelfile")]
+    return os.path.join(args.out_dir, marks[0]) if marks else None
+
+
 def check_args(args):
     """Flags in range, the input present, the output writable, before anything is read or written."""
     for name in SHAPE_FLAGS + ("num_experts_per_tok",):
@@ -259,6 +279,11 @@ def check_args(args):
         check_writable(os.path.dirname(args.weight), "--weight folder")
     else:
         check_writable(args.out_dir, "--out_dir")
+    held = earlier_export(args)
+    if held and not args.overwrite:
+        flag = "--weight" if args.to == "minimind" else "--out_dir"
+        raise ConfigError(f"{flag} {getattr(args, flag[2:])} holds an earlier export ({os.path.basename(held)}); "
+                          f"--overwrite 1 replaces it, or choose another {flag}")
     if args.lora and (args.to == "minimind" or not os.path.isfile(args.lora)):
         raise ConfigError(f"--lora {args.lora} is not a file" if args.to != "minimind" else
                           "--lora merges an adapter on export (--to hf); import the folder without it")

@@ -19,6 +19,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers and matplotlib")
 
 import matplotlib  # noqa: E402
 
@@ -40,6 +43,8 @@ from trainer.runtime.bench import (  # noqa: E402, F401
     task_names,
 )
 from trainer.trainer_utils import typed_or_default  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 
 def percent(value):

@@ -14,6 +14,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers and the reward model")
 
 import torch  # noqa: E402
 
@@ -21,6 +24,8 @@ from dataset.chat import chat_messages  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from trainer.rl.rewards import RewardModel, check_reward_model  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 
 @torch.no_grad()

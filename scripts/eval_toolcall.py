@@ -16,6 +16,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers and the model")
 
 import torch  # noqa: E402
 
@@ -23,6 +26,8 @@ from dataset.tools import TOOL_CASES, gt_matches, run_episode, tool_schemas, val
 from scripts.inference.flags import add_model_args, add_sampling_args, parsed  # noqa: E402
 from scripts.inference.generate import generate_ids, render_prompt  # noqa: E402
 from scripts.inference.load import load_or_exit  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 
 def score(case, turns):
@@ -69,6 +74,16 @@ def summary(results):
             f"{count['right_tool']}/{n}, ground truth {truth}/{n})")
 
 
+def empty_note(results):
+    """A line saying what a score of empty turns means, or None: cases with no call and no answer text."""
+    empty = sum(not r["calls"] and not r["answer"].strip() for r in results)
+    if not empty:
+        return None
+    return (f"note: {empty}/{len(results)} cases got no tool call and an empty answer: the model closed its turn at "
+            "once, so the score says it has not learned to call tools (the README chain's small model scores 0/9: "
+            "its agent stage shows the pipeline, not learning; docs/stages.md)")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MiniMind tool-call evaluation")
     add_model_args(parser, weight="full_sft")
@@ -106,6 +121,8 @@ def main(argv=None):
     for index, (case, result) in enumerate(evaluate(TOOL_CASES, generate, args.max_turns, args.open_thinking), 1):
         results.append(result)
         print(case_line(index, len(TOOL_CASES), case, result), flush=True)
+    if empty_note(results):
+        print(empty_note(results))
     print(summary(results))
     return 0
 

@@ -30,6 +30,9 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -37,6 +40,8 @@ import torch.nn.functional as F  # noqa: E402
 from dataset.demo_records import pydoc_topic_texts, reasoning_records, stdlib_docstrings, tool_records  # noqa: E402
 from model.torch_compat import cpu_bf16_native  # noqa: E402
 from scripts.gpu_quick import quick_items, quick_markdown  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("tests", "smoke", "attention", "bench")

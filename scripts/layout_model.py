@@ -10,9 +10,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch and the trainer's plan")
 
 from model.model_minimind import MiniMindConfig  # noqa: E402
 from trainer.plan.checks import data_parallel_mode  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 
 def layer_params(config):

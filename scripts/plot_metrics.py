@@ -13,13 +13,18 @@ import math
 import os
 import sys
 
-import pandas as pd
-from matplotlib.figure import Figure  # a plain Figure renders PNGs through Agg; no pyplot, no display
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "pandas and matplotlib")
+
+import pandas as pd  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402 (a plain Figure renders PNGs through Agg; no pyplot, no display)
 
 from model.atomic import atomic_write, full_disk_reason  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 # (column, panel title, y scale factor, y label)
 PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "validation loss"),

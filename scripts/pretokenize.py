@@ -18,6 +18,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "transformers and the datasets")
 
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -26,6 +29,8 @@ from dataset.shards import shard_files, tokenizer_fingerprint  # noqa: E402
 from dataset.token_cache import default_num_proc  # noqa: E402
 from trainer.plan.checks import check_tokenizer, check_writable  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 
 def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_lines=False, num_proc=None):

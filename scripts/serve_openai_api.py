@@ -19,7 +19,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `scripts.` imports
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "torch, transformers, FastAPI and the model")
 
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
@@ -27,6 +31,9 @@ import uvicorn  # noqa: E402
 from scripts.inference.flags import add_model_args, add_sampling_args, parsed  # noqa: E402
 from scripts.inference.load import load_or_exit  # noqa: E402
 from scripts.serve.app import Server, check_serve_args, create_app, listening  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
+
 
 
 def parse_args(argv=None):

@@ -21,6 +21,9 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
+
+loading(__name__, "tokenizers")
 
 import pyarrow.parquet as pq  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
@@ -28,6 +31,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.mixture import resolve_data_spec  # noqa: E402
 from model.atomic import atomic_json, atomic_write_text  # noqa: E402
+
+loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
 # MiniMind-3's added tokens, same ids and order: 0 pad/unk, 1 bos, 2 eos, 3-20 reserved multimodal markers
 # (special), 21-26 tool-call and reasoning tags, 27-35 buffers (not special: decode keeps them, so tool calls

@@ -6,7 +6,8 @@
 
 The flags after `--` are eval_llm's (weights, LoRA, model shape, device, sampling defaults); `--weight full_sft`
 alone finds out/full_sft_<size>.pth by its sidecar. Streamlit's usage statistics are off: by the flag, and by
-.streamlit/config.toml when started from the repository root. The sidebar sets the
+.streamlit/config.toml when started from the repository root, which also binds the page to 127.0.0.1 (it has no access
+control; any other address shows a warning on the page). The sidebar sets the
 sampling, how many earlier rounds the model sees, the thinking switch and which of the six mock tools it may call;
 a tool call is answered by the mock tool and the model goes on (up to 3 turns), as in scripts/eval_toolcall.py.
 """
@@ -59,6 +60,11 @@ def show(message):
             st.code(f"{call['function']['name']}({call['function']['arguments']})", language="python")
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # .streamlit/config.toml's server.address
+OPEN_NOTE = ("This chat listens beyond this machine (server.address {}) and has no access control: anyone who reaches "
+             "the port can use the model. `--server.address 127.0.0.1` keeps it local.")
+
+
 def context(messages, rounds):
     """The messages the model sees: the last `rounds` earlier rounds and the current one."""
     starts = [i for i, message in enumerate(messages) if message["role"] == "user"]
@@ -68,6 +74,9 @@ def context(messages, rounds):
 def main():
     args = parse_args(sys.argv[1:])
     st.set_page_config(page_title="MiniMind", initial_sidebar_state="expanded")
+    address = st.get_option("server.address")
+    if address not in LOOPBACK:  # unset: Streamlit listens on every interface
+        st.warning(OPEN_NOTE.format(address or "unset: every interface"))
     try:
         model, tokenizer = load(tuple(sys.argv[1:]))
     except LOAD_ERRORS as e:

@@ -2,6 +2,7 @@
 `huge` = needs RUN_SLOW=1 (nothing in the suite is so marked today: the 16-process layout runs in CI)."""
 import dis
 import os
+import socket
 import subprocess
 import sys
 import types
@@ -127,3 +128,19 @@ def reference(data, tmp_path_factory):
         assert proc.returncode == 0, proc.stderr[-3000:]
         refs[model] = read_metrics(os.path.join(workdir, "m.jsonl"))
     return refs
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No connection leaves the machine: any socket connect other than loopback or a unix socket fails the test."""
+    real_connect = socket.socket.connect
+
+    def connect(sock, address):
+        host = address[0] if isinstance(address, tuple) else None
+        if host not in (None, "127.0.0.1", "::1", "localhost"):
+            raise AssertionError(f"network access to {address} during an offline test")
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

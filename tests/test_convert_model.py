@@ -117,6 +117,7 @@ def test_qwen3_round_trip_is_exact(tmp_path, use_moe):
                          "--num_experts_per_tok", "2"]) == 0
     argv = ["--to", "minimind", "--out_dir", str(tmp_path / "hf"), "--weight", str(tmp_path / "b.pth")]
     assert convert_main(argv) == 0
+    assert convert_main(argv) == 2  # an imported .pth is not replaced unasked either
     back, original = torch.load(tmp_path / "b.pth"), model.state_dict()
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in original)
 
@@ -251,8 +252,14 @@ def test_an_export_over_an_earlier_one_replaces_it_whole(tmp_path, capsys):
                          "--out_dir", str(out)]) == 0
     (out / "model-00002-of-00002.safetensors").write_bytes(b"an earlier, sharded export")
     (out / "NOTES.md").write_text("the user's")
-    assert convert_main(["--weight", str(resume_checkpoint(tmp_path / "b.pth", second, ROOT + "/model")),
-                         "--out_dir", str(out)]) == 0
+    second_export = ["--weight", str(resume_checkpoint(tmp_path / "b.pth", second, ROOT + "/model")), "--out_dir",
+                     str(out)]
+    capsys.readouterr()
+    assert convert_main(second_export) == 2  # as a training run: not replaced unasked
+    assert capsys.readouterr().err == (f"error: --out_dir {out} holds an earlier export (config.json); --overwrite 1 "
+                                       "replaces it, or choose another --out_dir\n")
+    assert logits_diff(first, out) <= TOL
+    assert convert_main(second_export + ["--overwrite", "1"]) == 0
     assert logits_diff(second, out) <= TOL and logits_diff(first, out) > 1e-2
     assert not (out / "model-00002-of-00002.safetensors").exists() and (out / "NOTES.md").read_text() == "the user's"
     assert sorted(os.listdir(tmp_path)) == ["a.pth", "b.pth", "hf"]
@@ -272,7 +279,7 @@ def test_an_export_that_fills_the_disk_is_one_line_and_the_earlier_export_still_
     fill(disk, leave)
     capsys.readouterr()
     assert convert_main(["--weight", str(resume_checkpoint(tmp_path / "b.pth", second, ROOT + "/model")),
-                         "--out_dir", out]) == 3
+                         "--out_dir", out, "--overwrite", "1"]) == 3
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == (  # above it only transformers' "Writing model shards" bar, where it draws one
         f"error: disk full writing {out} (No space left on device); what was there is as it was; free space or "
@@ -307,8 +314,11 @@ def test_gguf_export_merges_lora_and_writes_the_modelfile_beside_it(tmp_path, ca
     for name, value in reference.state_dict().items():
         assert torch.equal(state_dict[name], value), name
     assert (out / "Modelfile").read_text().startswith("FROM ./minimind-f32.gguf\n")
-    assert convert_main(["--to", "gguf", "--weight", str(tmp_path / "merge_medical_64.pth"), "--out_dir", str(out),
-                         "--gguf_type", "q8_0"]) == 0  # a second export: the Modelfile names the new file
+    second = ["--to", "gguf", "--weight", str(tmp_path / "merge_medical_64.pth"), "--out_dir", str(out),
+              "--gguf_type", "q8_0"]
+    capsys.readouterr()
+    assert convert_main(second) == 2 and "holds an earlier export (Modelfile); --overwrite 1" in capsys.readouterr().err
+    assert convert_main(second + ["--overwrite", "1"]) == 0  # a second export: the Modelfile names the new file
     assert (out / "Modelfile").read_text().startswith("FROM ./minimind-q8_0.gguf\n")
 
 
@@ -373,7 +383,7 @@ def test_a_gguf_export_that_fills_the_disk_is_one_line_and_keeps_the_earlier_one
     fill(disk, 256 * 1024)
     capsys.readouterr()
     weight = resume_checkpoint(tmp_path / "b.pth", second, ROOT + "/model")
-    assert convert_main(["--to", "gguf", "--weight", str(weight), "--out_dir", out]) == 3
+    assert convert_main(["--to", "gguf", "--weight", str(weight), "--out_dir", out, "--overwrite", "1"]) == 3
     err = capsys.readouterr().err
     assert err.strip() == (f"error: disk full writing {out} (No space left on device); what was there is as it was; "
                            "free space or choose another --out_dir, then run again")

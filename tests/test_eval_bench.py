@@ -3,7 +3,6 @@ in tmp_path); its accuracies equal a hand computation from our model's log-likel
 same."""
 import json
 import os
-import socket
 import sys
 
 import pytest
@@ -14,64 +13,13 @@ from model.hf_convert import save_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import read_weights, save_weights_file
 from scripts.eval_bench import INSTALL, MINIMIND_TASKS, main
+from tests.eval_tasks import DOCS, write_task
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.ckpt.checkpoint import read_checkpoint_model
 
 lm_eval = pytest.importorskip("lm_eval")  # requirements.txt installs it; a bare environment skips, naming it
 
-DOCS = [
-    {"question": "The sky on a clear day is", "choices": ["blue", "green", "a wooden table"], "label": 0},
-    {"question": "Two plus two equals", "choices": ["four", "five"], "label": 0},
-    {"question": "Python is a programming", "choices": ["snake", "language", "river", "city"], "label": 1},
-    {"question": "Water freezes at zero degrees", "choices": ["Celsius", "Fahrenheit"], "label": 0},
-    {"question": "The capital of France is", "choices": ["Paris", "Berlin", "Rome"], "label": 0},
-    {"question": "A cat says", "choices": ["meow", "moo", "quack"], "label": 0},
-]
-TASK_YAML = """task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
 SHAPE = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2"]
-
-
-@pytest.fixture
-def offline(monkeypatch):
-    """No connection leaves the machine: any socket connect other than loopback or a unix socket fails the test."""
-    real_connect = socket.socket.connect
-
-    def connect(sock, address):
-        host = address[0] if isinstance(address, tuple) else None
-        if host not in (None, "127.0.0.1", "::1", "localhost"):
-            raise AssertionError(f"network access to {address} during an offline test")
-        return real_connect(sock, address)
-
-    monkeypatch.setattr(socket.socket, "connect", connect)
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-def write_task(folder):
-    folder.mkdir()
-    data = folder / "tiny_mc.jsonl"
-    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
-    (folder / "tiny_mc.yaml").write_text(TASK_YAML.format(data=data))
-    return folder
 
 
 def tiny_model():

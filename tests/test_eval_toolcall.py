@@ -9,7 +9,7 @@ import torch
 from dataset.tools import TOOL_CASES
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from scripts.eval_toolcall import evaluate, main, summary
+from scripts.eval_toolcall import empty_note, evaluate, main, summary
 
 
 def call(name, **arguments):
@@ -81,6 +81,16 @@ def test_end_to_end_on_a_random_model(tmp_path, capsys):
     assert passed == 0
     assert lines[-1] == (f"tool-call eval: {passed}/9 passed (valid call {valid}/9, right tool {right}/9, "
                          f"ground truth {truth}/9)")
+
+
+def test_a_score_of_empty_turns_says_what_it_means():
+    """Cases with no call and an empty answer (the README chain's agent: 0/9, every answer "") are counted in a note;
+    an answer or a call in every case: no note."""
+    empty, answered, called = (dict(calls=[], answer=" "), dict(calls=[], answer="12"),
+                               dict(calls=['get_weather({"city": "Paris"})'], answer=""))
+    assert empty_note([empty, answered, called, empty]).startswith(
+        "note: 2/4 cases got no tool call and an empty answer: the model closed its turn at once")
+    assert empty_note([answered, called]) is None
 
 
 def test_bad_max_turns_is_one_error_line(capsys):

@@ -168,3 +168,20 @@ def test_a_measurement_with_other_work_in_the_load_average_is_busy(monkeypatch):
     monkeypatch.setattr(metrics, "cores_free_of_others", lambda own_threads=0: False)
     rates = metrics.measure_cpu_rates()
     assert rates["quiet"] is False and rates["float32"] > 0
+
+
+def test_the_bar_and_the_record_rate_the_same_window():
+    """The bar's tokens/s (window_tokens_per_sec, every step) and the record's (rates, at a log step) are tokens over
+    the seconds since the last record, by hand: steps of 100 and 300 tokens, 0.5 s and 1.5 s, then 2 s of logging and
+    saving after the record, then a step of 200 tokens in 1 s (the bar read the last step alone: 1173 vs 709)."""
+    now = [0.0]
+    timer = metrics.StepTimer(1e12, clock=lambda: now[0])
+    now[0] += 0.5
+    timer.add(100, 0.0)
+    assert timer.window_tokens_per_sec() == 100 / 0.5
+    now[0] += 1.5
+    timer.add(300, 0.0)
+    assert timer.window_tokens_per_sec() == 400 / 2.0 == timer.rates()[0]  # the log step: one number
+    now[0] += 3.0  # 2 s of logging and saving, then 1 s of a step of 200 tokens
+    timer.add(200, 0.0)
+    assert timer.window_tokens_per_sec() == 200 / 3.0 == timer.rates()[0]

@@ -11,6 +11,7 @@ from tests.disks import fill
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 
 SCRIPT = "scripts/plot_metrics.py"
+LOADING = "scripts/plot_metrics.py: loading pandas and matplotlib ...\n"  # trainer/base/prelude.py's first line
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_cli_writes_a_png_of_the_documented_size(runs, tmp_path):
     out = tmp_path / "plots" / "compare.png"
     proc = forked(SCRIPT, [*runs, "--labels", "slow,fast", "--out", out, "--dpi", "50"], timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"wrote {out}"
+    assert proc.stdout == f"{LOADING}wrote {out}\n"
     height, width, channels = imread(out).shape  # decodes the whole PNG
     assert (width, height, channels) == (900, 320, 4)  # 8 panels: 4 columns x 2 rows of 4.5 x 3.2 inches at 50 dpi
 
@@ -82,7 +83,7 @@ def test_default_output_is_under_the_repos_out_and_named(runs, tmp_path):
     try:
         proc = forked(SCRIPT, [metrics, "--dpi", "20"], timeout=120, cwd=str(tmp_path))
         assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.strip() == f"wrote {out}" and imread(out).shape[2] == 4
+        assert proc.stdout == f"{LOADING}wrote {out}\n" and imread(out).shape[2] == 4
         assert not [name for name in os.listdir(tmp_path) if name.endswith(".png")]  # none in the working directory
     finally:
         if os.path.exists(out):

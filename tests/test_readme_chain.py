@@ -7,21 +7,13 @@ import re
 import shlex
 
 from tests.launch import ROOT, forked, python
+from tests.readme_lines import quick_start, readme_chain
 
-MARK = "# the small chain:"
 # the README's size, and the test's: the file names follow (_256 -> _64)
 SMALLER = [("--hidden_size 256", "--hidden_size 64 --num_attention_heads 4 --num_key_value_heads 2"),
            ("--num_hidden_layers 4", "--num_hidden_layers 2"), ("_256", "_64")]
 # the trainers' outputs and caches in the test's folder (the command's own flags come first, these win)
 TRAINER_FLAGS = "--max_steps 2 --dtype float32 --save_dir out --checkpoint_dir checkpoints --cache_dir cache"
-
-
-def readme_chain():
-    """The command lines of README.md's small-chain block, without the leading `python `."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
-    block = next(b for b in blocks if b.startswith(MARK))
-    return [line[len("python "):] for line in block.splitlines() if line.startswith("python ")]
 
 
 def sha12(path):
@@ -32,7 +24,7 @@ def sha12(path):
 def run(line, cwd):
     for old, new in SMALLER:
         line = line.replace(old, new)
-    script, *args = shlex.split(line)
+    script, *args = shlex.split(line, comments=True)  # a line's comment: what it prints
     extra = TRAINER_FLAGS if script.startswith("trainer/") else "--save_dir out --temperature 0 --max_new_tokens 8" \
         if script.endswith(("eval_llm.py", "eval_toolcall.py")) else ""
     proc = forked(script, args + shlex.split(extra), cwd=cwd, timeout=300)
@@ -46,9 +38,12 @@ def started_from(output, path, digests):
 
 
 def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
-    commands = readme_chain()
+    chain = readme_chain()
+    assert chain[0] != quick_start()  # pasted after the quick start, the block does not begin with its refused rerun
+    commands = [quick_start()] + chain
     scripts = [line.split()[0] for line in commands]
-    assert scripts == ["trainer/train_pretrain.py", "trainer/train_sft.py", "trainer/train_lora.py",
+    assert scripts == ["trainer/train_pretrain.py", "trainer/train_sft.py", "scripts/eval_llm.py",
+                       "trainer/train_lora.py",
                        "trainer/train_dpo.py", "trainer/train_reward.py", "trainer/train_pretrain.py",
                        "trainer/train_sft.py", "trainer/train_distillation.py", "trainer/train_gkd.py",
                        "trainer/train_grpo.py", "trainer/train_ppo.py", "trainer/train_agent.py",
@@ -62,9 +57,10 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
                             and os.path.join(root, n) not in digests})
     w = {name: os.path.join(out, name) for name in ("pretrain_64.pth", "full_sft_64.pth", "pretrain_64_moe.pth",
                                                      "full_sft_64_moe.pth", "lora/lora_identity_64.pth")}
-    assert len(outputs) == len(commands) == 16
-    (pretrain, sft, lora, dpo, reward, moe, moe_sft, distill, gkd, grpo, ppo, agent, toolcall, chat, export,
+    assert len(outputs) == len(commands) == 17
+    (pretrain, sft, sft_chat, lora, dpo, reward, moe, moe_sft, distill, gkd, grpo, ppo, agent, toolcall, chat, export,
      plot) = outputs
+    assert f"weights {w['full_sft_64.pth']} (sha256 {digests[w['full_sft_64.pth']]})" in sft_chat
     assert "initialised from --seed" in pretrain and "Done: 2 steps" in pretrain
     assert started_from(sft, w["pretrain_64.pth"], digests)
     assert started_from(lora, w["full_sft_64.pth"], digests) and os.path.isfile(w["lora/lora_identity_64.pth"])
@@ -85,7 +81,8 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     assert (f"weights {w['full_sft_64.pth']} (sha256 {digests[w['full_sft_64.pth']]}) + LoRA adapter "
             f"{w['lora/lora_identity_64.pth']} (sha256 {digests[w['lora/lora_identity_64.pth']]})") in chat
     assert "verify: max abs logits diff" in export and os.path.isfile(os.path.join(out, "hf_64", "config.json"))
-    assert plot.strip() == f"wrote {os.path.join(out, 'chain.png')}" and os.path.isfile(os.path.join(out, "chain.png"))
+    assert plot.splitlines()[-1] == f"wrote {os.path.join(out, 'chain.png')}"
+    assert os.path.isfile(os.path.join(out, "chain.png"))
     for stage in (pretrain, sft, lora, dpo, reward, moe, moe_sft, distill, gkd, grpo, ppo, agent):
         assert "Done: 2 steps" in stage and "preempted" not in stage
     # without the size flags SFT looks for the default model's file and names the one that exists

@@ -19,6 +19,10 @@ OURS = ("model", "dataset", "trainer", "scripts", "tests")
 PACKAGES = ("scripts/inference", "scripts/serve", "scripts/benchmarks")
 # a function may import the trainer's reader of its own format only when the user names such a file
 LAZY_ALLOWED = {("scripts/inference/load.py", "trainer.ckpt.checkpoint")}
+# every entry script's first import: standard library only (test_prelude_is_standard_library_only), so an inference
+# command that reads it reads no trainer code
+PRELUDE = {os.path.join("trainer", "__init__.py"), os.path.join("trainer", "base", "__init__.py"),
+           os.path.join("trainer", "base", "prelude.py")}
 
 
 def module_file(name):
@@ -70,7 +74,7 @@ def test_inference_commands_import_no_trainer_module(script, capsys):
     with capsys.disabled():
         print(f"\n{script}: import closure {len(reached)} modules, {sum(reached.values())} lines")
     trainer = sorted(relative(p) for p in reached if relative(p).startswith("trainer" + os.sep))
-    assert trainer == [], f"{script} reaches the trainer: {trainer}"
+    assert [p for p in trainer if p not in PRELUDE] == [], f"{script} reaches the trainer: {trainer}"
     assert os.path.join(ROOT, "scripts", "inference", "load.py") in reached
 
 
@@ -126,7 +130,18 @@ def test_server_import_loads_no_trainer_module():
             "print(sorted(m for m in sys.modules if m == 'trainer' or m.startswith('trainer.')))")
     out = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.strip() == "['trainer', 'trainer.base', 'trainer.base.prelude']"
+
+
+def test_prelude_is_standard_library_only():
+    """The one trainer module inference commands load (each entry script's first line and signal handlers) imports the
+    standard library alone: no torch, nothing of the trainer."""
+    path = os.path.join(ROOT, "trainer", "base", "prelude.py")
+    names = [*imports(path), *imports(path, top_level=False)]
+    assert names and {name.split(".")[0] for name in names} <= set(sys.stdlib_module_names), names
+    for init in ("trainer/__init__.py", "trainer/base/__init__.py"):  # the packages it sits in import nothing
+        init = os.path.join(ROOT, init)
+        assert [*imports(init), *imports(init, top_level=False)] == []
 
 
 def test_tests_share_helpers_through_helper_modules_and_conftest():

@@ -10,7 +10,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from scripts.serve_openai_api import address_line, parse_args
 from tests.launch import free_port, start_forked
-from tests.test_serve_openai_api import CONFIG
+from tests.serving import CONFIG
 
 
 def test_the_line_without_a_key_and_on_ipv6():

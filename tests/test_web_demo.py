@@ -1,6 +1,8 @@
 """scripts/web_demo.py, headless through Streamlit's own AppTest harness: a typed message gets eval_llm's greedy
 reply; with a tool offered, a call is answered by the mock tool."""
 import os
+import socket
+import subprocess
 import sys
 
 import pytest
@@ -13,7 +15,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import load_weights, read_weights, save_weights_file
 from scripts.eval_llm import main as eval_main
 from scripts.inference import load as inference_load
-from tests.launch import ROOT
+from tests.launch import ROOT, free_port
 from tests.serving import CALL, ScriptedModel, greedy_reply
 
 PROMPT = "What is a list comprehension?"
@@ -122,3 +124,51 @@ def test_usage_statistics_are_off(monkeypatch):
     commands = [line for text in docs for line in text.splitlines() if "streamlit run" in line]
     assert len(commands) >= 3 and all("streamlit run scripts/web_demo.py --browser.gatherUsageStats false --" in line
                                       for line in commands), commands
+
+
+def listening_addresses(port):
+    """The local addresses of the sockets listening on `port`, from the kernel's tables (Linux)."""
+    found = []
+    for table, size in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    raw = bytes.fromhex(address)
+                    # the kernel prints each 32-bit word in host (little-endian) order
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, size // 2, 4))
+                    found.append(socket.inet_ntop(socket.AF_INET if size == 8 else socket.AF_INET6, words))
+    return found
+
+
+def test_the_chat_listens_on_this_machine_only(weights):
+    """`streamlit run scripts/web_demo.py` from the repository root, as the README says: the kernel's listening
+    socket is 127.0.0.1's alone (Streamlit's default is every interface, with a Network URL)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", PAGE, "--server.headless", "true",
+                             "--server.port", str(port), "--browser.gatherUsageStats", "false", "--", "--weight",
+                             weights, "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        lines = []
+        while not any("URL:" in line for line in lines) and proc.poll() is None and len(lines) < 50:
+            lines.append(proc.stdout.readline())
+        assert listening_addresses(port) == ["127.0.0.1"], lines
+        assert not any("Network URL" in line for line in lines), lines
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_the_page_warns_when_it_is_open_to_the_network(weights, monkeypatch):
+    try:
+        st_config.set_option("server.address", "127.0.0.1")
+        assert not page(monkeypatch, ["--weight", weights, "--device", "cpu"]).warning  # nothing to say
+        st_config.set_option("server.address", "0.0.0.0")
+        app = page(monkeypatch, ["--weight", weights, "--device", "cpu"])
+    finally:
+        st_config.get_config_options(force_reparse=True)
+    assert [w.value for w in app.warning] == [
+        "This chat listens beyond this machine (server.address 0.0.0.0) and has no access control: anyone who reaches "
+        "the port can use the model. `--server.address 127.0.0.1` keeps it local."]

@@ -5,6 +5,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+from trainer.base.prelude import loading  # first: a line at once, Ctrl-C during the imports in one line
+
+loading(__name__, "torch, transformers and the trainer")
 
 from trainer.base.launch import main_guard
 from trainer.core.build import build_trainer, setup, steps_per_epoch

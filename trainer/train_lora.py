@@ -7,6 +7,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+from trainer.base.prelude import loading  # first: a line at once, Ctrl-C during the imports in one line
+
+loading(__name__, "torch, transformers and the trainer")
 
 from trainer.base.launch import main_guard
 from trainer.base.log import Logger

@@ -34,8 +34,30 @@ def init_model(config, from_weight="none", device="cpu", role="Model", note=None
             raise ConfigError(weights_line(e)) from None
     source = note or (f"weights {from_weight}{file_digest(from_weight)}" if from_weight != "none" else
                       "initialised from --seed")
+    base = base_record(from_weight) if note is None else None
+    if unfinished_line(base):
+        source += f", unfinished: step {base['step']} of {base['total_steps']}"
+        if role == "Model":  # once: a reference or teacher read from the same file adds it to its own line only
+            Logger(unfinished_line(base))
     Logger(f"{role} params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
     return model.to(device)
+
+
+def base_record(path):
+    """What the weights at `path` record of the run that wrote them: {"path", "step", "total_steps", "finished"} as
+    far as known; None for "none". A run started from them writes it into its own sidecar ("from_weight")."""
+    if path == "none":
+        return None
+    record = any_weights_record(path)
+    return dict(path=path, **{k: record[k] for k in ("step", "total_steps", "finished") if k in record})
+
+
+def unfinished_line(base):
+    """One line when `base` (base_record) comes from a run that stopped before its planned end, else None."""
+    if not base or base.get("finished") is not False:
+        return None
+    return (f"note: {base['path']} holds step {base['step']} of {base['total_steps']} of a run stopped before its "
+            "end; to finish it first, rerun that run's command with --from_resume 1")
 
 
 def read_any_weights(path):
@@ -55,17 +77,22 @@ def load_any_weights(model, path):
     return load_checked(model, state_dict, path)
 
 
-def save_weights(trainer, path=None):
+def save_weights(trainer, path=None, finished=None):
     """Gather the full model (a collective) and write the stage's weights on rank 0 (trainer/plan/stage.py: MiniMind's
     plain weights file in --save_dtype, or the stage's own files, LoRA's adapters) at `path` (default: the stage's
-    weights path), its sidecar recording the tokenizer and the step. A disk without room stops every rank with one line
-    (DiskFullError)."""
+    weights path), its sidecar recording the tokenizer, the step of the planned total, whether the run finished
+    (default: not stopped by a signal and at the total; the loop says so for an early stop) and the weights it started
+    from. A disk without room stops every rank with one line (DiskFullError)."""
     plan, stage = trainer.plan, trainer.plan.stage
     pp_group = trainer.dims.group("pp") if plan.layout.pp > 1 else None
     # each ep rank holds its stage's experts (group("ep") is None without expert parallel)
     model_sd = full_model_state_dict(trainer.model_parts, pp_group=pp_group, ep_group=trainer.dims.group("ep"))
     path = path or stage.weights_path(plan)
-    record = dict(tokenizer=plan.data.tokenizer_record, step=trainer.progress.global_step)
+    step = trainer.progress.global_step
+    if finished is None:
+        finished = not trainer.guard.stop and step >= trainer.total_steps
+    record = dict(tokenizer=plan.data.tokenizer_record, step=step, total_steps=trainer.total_steps,
+                  finished=bool(finished), **({"from_weight": trainer.from_weight} if trainer.from_weight else {}))
     needed = stage.weights_bytes(model_sd, plan.io.save_dtype, record) if is_main_process() else 0
     rank0_write(os.path.dirname(path), needed, path, "--save_dir",
                 lambda: stage.save_weights(model_sd, trainer.config, plan.io.save_dtype, record, path),
@@ -80,7 +107,7 @@ def ensure_final_weights(trainer):
     if count_sum(int(held != step) if is_main_process() else 0):
         now = f"holds step {held}" if held is not None else "records no step" if os.path.isfile(path) else "is missing"
         Logger(f"{path} {now}, not the final step {step}: writing them")
-        save_weights(trainer)
+        save_weights(trainer, finished=True)
 
 
 def save_last_completed(trainer):
@@ -98,5 +125,5 @@ def save_last_completed(trainer):
         guard.saved(step)
         trainer.callbacks.call("on_save", trainer, step)
     trainer.checkpointer.wait()
-    save_weights(trainer)  # as a finished or preempted run leaves them
+    save_weights(trainer, finished=False)  # as a preempted run leaves them
     return step

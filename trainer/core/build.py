@@ -19,7 +19,7 @@ from trainer.ckpt.parts import standard_parts
 from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.step_dirs import latest_checkpoint, minimind_resume_path
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
-from trainer.ckpt.weights_file import init_model
+from trainer.ckpt.weights_file import base_record, init_model
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.plan.checks import check_same_dtype
@@ -61,6 +61,7 @@ class Trainer:
     expert_load: Optional[object] = None  # a MoE model's per-expert loads and routing bias (runtime/expert_load.py)
     started: bool = False  # the first step is done: collectives run under the per-step timeout
     step_rng: dict = None  # RNG states as the step in progress began (one process: a dropped step saves them)
+    from_weight: Optional[dict] = None  # what --from_weight's sidecar says of its run (weights_file.base_record)
 
 
 def setup(args, stage=Stage):
@@ -147,13 +148,14 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
                       objective=objective, callbacks=callbacks, resumed=ckpt is not None,
                       expert_load=moe.ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance,
                                                  plan.model.router_bias_rate) if moe else None)
+    trainer.from_weight = base_record(plan.model.from_weight)  # this run's sidecar repeats it
     if ckpt is not None:
         checkpointer.load(ckpt)
         trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy
         # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
         progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
         Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
-               f"({ckpt['world_size']} processes when saved)")
+               f"({ckpt['world_size']} process{'es' * (ckpt['world_size'] != 1)} when saved)")
         note = resume_note(ckpt.get("args"), plan.lr, trainer.total_steps, steps_per_epoch)
         if note:
             Logger(note)

@@ -11,7 +11,6 @@ the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parall
 """
 import os
 import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -96,7 +95,6 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
     timer.reset()
     while progress.step_in_epoch < trainer.steps_per_epoch and not should_stop(trainer):
         profiler.begin(progress.global_step + 1)
-        start = time.perf_counter()
         trainer.step_rng = rng_state() if preemption.abandon else None  # what a dropped step saves
         with preemption.abandonable():
             micro_batches = [next(batches) for _ in range(plan.data.num_microbatches)]
@@ -110,7 +108,7 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
         seq_len = plan.data.seq_len
         timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, seq_len, rows * seq_len,
                                                                  metrics["num_tokens"], plan.model.chunked_loss))
-        bar.step_end(trainer.guard.last_loss, metrics["lr"], metrics["num_tokens"] / (time.perf_counter() - start))
+        bar.step_end(trainer.guard.last_loss, metrics["lr"], timer.window_tokens_per_sec())  # the record's window
         epoch_end = progress.step_in_epoch == trainer.steps_per_epoch
         if should_stop(trainer) or (epoch_end and progress.epoch == plan.schedule.epochs - 1):
             bar.close()  # the last step: the final bar, then its record below it
@@ -140,7 +138,8 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
         guard.saved(step)
         callbacks.call("on_save", trainer, step)
     if last or (plan.schedule.save_weights_every and step % plan.schedule.save_weights_every == 0):
-        save_weights(trainer)
+        ended = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.schedule.epochs - 1)
+        save_weights(trainer, finished=ended and not guard.stop)  # an early stop (--max_tokens, a callback) finishes
     if guard.stop:
         Logger(f"preempted: stopped at step {step} with its checkpoint in {trainer.plan.io.run_dir}; "
                "continue with --from_resume 1")
@@ -166,7 +165,8 @@ def finish(trainer):
     (saved) raises SignalStop: exit 130/143, so `train && next_stage` does not go on from a stopped run."""
     plan = trainer.plan
     if not trainer.guard.stop:
-        Logger(f"Done: {trainer.progress.global_step} steps, weights in {plan.stage.weights_path(plan)}")
+        steps = trainer.progress.global_step
+        Logger(f"Done: {steps} step{'s' * (steps != 1)}, weights in {plan.stage.weights_path(plan)}")
     if dist.is_initialized():
         dist.destroy_process_group()
     if trainer.guard.stop:

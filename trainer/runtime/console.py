@@ -29,9 +29,10 @@ def run_steps(trainer):
     """'3 optimizer steps (--max_steps 3; one epoch is 2044)' or '4088 optimizer steps (2 epochs x 2044)': the run's
     length in one phrase, the number the bar counts to."""
     schedule, per_epoch, total = trainer.plan.schedule, trainer.steps_per_epoch, trainer.total_steps
+    steps = f"{total} optimizer step{'s' * (total != 1)}"
     if schedule.max_steps and schedule.max_steps < per_epoch * schedule.epochs:
-        return f"{total} optimizer steps (--max_steps {schedule.max_steps}; one epoch is {per_epoch})"
-    return f"{total} optimizer steps ({schedule.epochs} epoch{'s' * (schedule.epochs > 1)} x {per_epoch})"
+        return f"{steps} (--max_steps {schedule.max_steps}; one epoch is {per_epoch})"
+    return f"{steps} ({schedule.epochs} epoch{'s' * (schedule.epochs > 1)} x {per_epoch})"
 
 
 def run_line(trainer):

@@ -286,6 +286,11 @@ class StepTimer:
         self.tokens += tokens
         self.flops += flops
 
+    def window_tokens_per_sec(self):
+        """tokens/s of the window so far, without starting the next: the bar's, so that at a log step it shows the
+        record's number (the same window: the steps since the last record, their logging and saving included)."""
+        return self.tokens / max(self.clock() - self.window_start, 1e-9)
+
     def rates(self):
         """(tokens/s, MFU, seconds since the run started) of the window; starts the next window (after a due
         measurement of a provisional peak, so its time counts in no window); mfu_provisional: that MFU's peak was."""

@@ -1,0 +1,25 @@
+"""README.md's command blocks as tests read them: the quick start and the small chain (tests/test_readme_chain.py
+runs them smaller, tests/test_small_chain.py its SFT at full size)."""
+import os
+import re
+
+from tests.launch import ROOT
+
+MARK = "# the small chain, after the quick start:"
+
+
+def readme_blocks():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+
+
+def readme_chain():
+    """The command lines of README.md's small-chain block, without the leading `python `."""
+    block = next(b for b in readme_blocks() if b.startswith(MARK))
+    return [line[len("python "):] for line in block.splitlines() if line.startswith("python ")]
+
+
+def quick_start():
+    """The README's first training command (its install block), which the chain goes on from."""
+    return next(line[len("python "):] for line in readme_blocks()[0].splitlines()
+                if line.startswith("python trainer/"))

@@ -1,0 +1,51 @@
+"""The README's small chain ends in a model that visibly learned: its SFT line, at the README's size and settings, then
+its chat line, whose reply speaks the demo's tech-support answers (the README prints the reply this test measured).
+
+The one change: SFT starts from the seeded init (--from_weight none) instead of the quick start's pretrained model,
+whose pretraining costs 1-70 minutes by the load; the README says a pretrained start may pick other words."""
+import collections
+import shlex
+import time
+
+from dataset.demo_data import sft_records
+from tests.launch import forked
+from tests.readme_lines import readme_chain
+
+
+def sft_and_chat_lines():
+    """The chain's first SFT line and the chat line after it, with the reply the README gives in its comment."""
+    chain = readme_chain()
+    at = next(i for i, line in enumerate(chain) if line.startswith("trainer/train_sft.py"))
+    chat = chain[at + 1]
+    assert chat.startswith("scripts/eval_llm.py") and "#" in chat, chat
+    return chain[at], chat, chat.split("#", 1)[1].strip()
+
+
+def toy_answers():
+    """The demo's ten most frequent (question, answer) pairs: the tech-support rows, about 100 each."""
+    pairs = collections.Counter((r["conversations"][0]["content"], r["conversations"][1]["content"])
+                                for r in sft_records() if len(r["conversations"]) == 2)
+    return [pair for pair, count in pairs.most_common(10) if count >= 80]
+
+
+def test_the_readme_sft_line_teaches_the_toy_answers(tmp_path):
+    sft_line, chat_line, printed = sft_and_chat_lines()
+    answers = [answer for _, answer in toy_answers()]
+    assert len(answers) == 10
+    out = str(tmp_path / "out")
+    start = time.monotonic()
+    script, *args = shlex.split(sft_line)
+    sft = forked(script, [*args, "--from_weight", "none", "--save_dir", out, "--checkpoint_dir",
+                          str(tmp_path / "ckpt"), "--cache_dir", str(tmp_path / "cache")], timeout=1800)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    trained = time.monotonic() - start
+    script, *args = shlex.split(chat_line, comments=True)
+    prompt = args[args.index("--prompt") + 1]
+    assert prompt in [question for question, _ in toy_answers()]
+    chat = forked(script, [*args, "--save_dir", out, "--max_new_tokens", "32"], timeout=300)
+    assert chat.returncode == 0, chat.stderr[-3000:]
+    reply = chat.stdout.split(f">>> {prompt}\n", 1)[1].strip().splitlines()[-1]
+    print(f"SFT at the README's settings: {trained:.0f} s; reply {reply!r}")
+    assert reply == printed  # what the README shows beside the command
+    # it opens as one of the ten answers does (their first two words): the toy task's words, not noise
+    assert any(reply.split()[:2] == answer.split()[:2] for answer in answers), (reply, answers)
