@@ -14,7 +14,8 @@ from trainer.plan.flags import add_train_args
 SOURCES = ("trainer", "scripts", "model", "dataset")
 FLAG = re.compile(r"(?<![\w.-])--([a-z][a-z0-9_]*(?:-[a-z0-9_]+)*)")
 OTHER_PROGRAMS = {"nproc_per_node": "torchrun", "standalone": "torchrun", "max-restarts": "torchrun",
-                  "junitxml": "pytest", "browser": "streamlit (--browser.gatherUsageStats)"}
+                  "junitxml": "pytest", "browser": "streamlit (--browser.gatherUsageStats)",
+                  "server": "streamlit (--server.address)"}
 
 
 def python_files(folders):
