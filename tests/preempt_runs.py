@@ -5,6 +5,7 @@ import sys
 import time
 
 from tests.launch import ROOT, TINY_MODEL, free_port, read_metrics, start_forked
+from trainer.runtime import console
 
 SCRIPT = "trainer/train_pretrain.py"
 
@@ -67,3 +68,15 @@ def rank_pid(proc, rank):
             if f"RANK={rank}".encode() in f.read().split(b"\0"):
                 return pid
     raise AssertionError(f"no worker with RANK={rank}")
+
+
+def signal_at_micro_batch(monkeypatch, count, sig):
+    """The run signals itself as its bar reaches `count` micro-batches (inside that step's gradients): a moment of
+    the run, not of the clock. Forked runs inherit it; monkeypatch.undo() before a run that must not."""
+    update = console.Bar.update
+
+    def update_then_signal(self, n=1):
+        update(self, n)
+        if self.tqdm.n == count:
+            os.kill(os.getpid(), sig)
+    monkeypatch.setattr(console.Bar, "update", update_then_signal)

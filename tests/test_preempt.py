@@ -12,10 +12,18 @@ import pytest
 import torch
 
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
-from tests.preempt_runs import SCRIPT, finish, metrics_path, rank_pid, run_args, start, wait_for_step
+from tests.preempt_runs import (
+    SCRIPT,
+    finish,
+    metrics_path,
+    rank_pid,
+    run_args,
+    signal_at_micro_batch,
+    start,
+    wait_for_step,
+)
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.core import data_loading
-from trainer.runtime import console
 from trainer.runtime.guard import Preemption, StepAbandoned, StepGuard
 
 
@@ -58,18 +66,6 @@ def test_signal_saves_at_the_step_reached_and_resume_is_exact(tmp_path, nproc, s
     assert [r["step"] for r in split] == [r["step"] for r in full] == list(range(1, end + 1))
     for a, b in zip(full, split):  # same process count, same reduction order: equal to fp32 rounding
         assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["tokens"] == b["tokens"], (a, b)
-
-
-def signal_at_micro_batch(monkeypatch, count, sig):
-    """The run signals itself as its bar reaches `count` micro-batches (inside that step's gradients): a moment of
-    the run, not of the clock. Forked runs inherit it; monkeypatch.undo() before a run that must not."""
-    update = console.Bar.update
-
-    def update_then_signal(self, n=1):
-        update(self, n)
-        if self.tqdm.n == count:
-            os.kill(os.getpid(), sig)
-    monkeypatch.setattr(console.Bar, "update", update_then_signal)
 
 
 def test_sigint_in_a_long_step_saves_the_last_completed_step_at_once(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import signal
 
 from scripts.convert_model import main as convert_main
 from tests.launch import TINY_MODEL, demo_slice, forked
-from trainer.runtime import console
+from tests.preempt_runs import signal_at_micro_batch
 
 
 def sidecar(path):
@@ -15,22 +15,11 @@ def sidecar(path):
         return json.load(f)
 
 
-def stop_at_micro_batch(monkeypatch, count, sig):
-    """The run signals itself as its bar reaches `count` (inside that step): forked runs inherit it."""
-    update = console.Bar.update
-
-    def update_then_signal(self, n=1):
-        update(self, n)
-        if self.tqdm.n == count:
-            os.kill(os.getpid(), sig)
-    monkeypatch.setattr(console.Bar, "update", update_then_signal)
-
-
 def test_a_stopped_run_is_named_by_the_next_stage_and_the_export(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "out")
     common = [*TINY_MODEL, "--max_seq_len", "64", "--batch_size", "2", "--accumulation_steps", "1", "--save_dir", out,
               "--checkpoint_dir", str(tmp_path / "ckpt"), "--cache_dir", str(tmp_path / "cache")]
-    stop_at_micro_batch(monkeypatch, 3, signal.SIGTERM)  # inside step 3: dropped, step 2 saved
+    signal_at_micro_batch(monkeypatch, 3, signal.SIGTERM)  # inside step 3: dropped, step 2 saved
     stopped = forked("trainer/train_pretrain.py", [*common, "--data_path", demo_slice(tmp_path, "pretrain", 200),
                                                    "--max_steps", "6"])
     monkeypatch.undo()
