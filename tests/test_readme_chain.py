@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 
+from scripts import report
 from tests.launch import ROOT, forked, python
 from tests.readme_lines import quick_start, readme_chain
 
@@ -85,6 +86,7 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     assert os.path.isfile(os.path.join(out, "chain.png"))
     for stage in (pretrain, sft, lora, dpo, reward, moe, moe_sft, distill, gkd, grpo, ppo, agent):
         assert "Done: 2 steps" in stage and "preempted" not in stage
+    chain_reports_name_their_files(out)
     # without the size flags SFT looks for the default model's file and names the one that exists
     missing = forked("trainer/train_sft.py", shlex.split(TRAINER_FLAGS), cwd=str(tmp_path), timeout=120)
     assert missing.returncode == 2 and (
@@ -99,3 +101,20 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     assert full_sft.returncode == 0 and started_from(full_sft.stdout, w["pretrain_64.pth"], digests), \
         full_sft.stderr[-2000:]
     assert os.path.isfile(os.path.join(out, "minimind_name_64.pth"))
+
+
+def chain_reports_name_their_files(out):
+    """scripts/report.py on every stage's metrics file of the chain: each page names the run's metrics, its weights'
+    sidecar and rank-0 log where the stage wrote them, the plots beside it, and no health line (a clean run)."""
+    runs = sorted(n[:-len("_metrics.jsonl")] for n in os.listdir(out) if n.endswith("_metrics.jsonl"))
+    assert {"pretrain_64", "full_sft_64", "dpo_64", "grpo_64", "ppo_actor_64", "agent_64"} <= set(runs), runs
+    for run in runs:
+        metrics = os.path.join(out, f"{run}_metrics.jsonl")
+        report.main([metrics])
+        page = open(os.path.join(out, f"{run}_report.md")).read()
+        assert f"- metrics: `{metrics}`" in page and os.path.isfile(os.path.join(out, f"{run}_report.png")), run
+        assert f"![curves]({run}_report.png)" in page, run
+        for kind, path in (("weights", os.path.join(out, f"{run}.pth")), ("sidecar", os.path.join(out, f"{run}.json")),
+                           ("log", os.path.join(out, "logs", f"{run}_rank_0.log"))):
+            assert (f"- {kind}: `{path}`" in page) == os.path.isfile(path), (run, kind)
+        assert page.split("## Health", 1)[1].split("\n## ", 1)[0].strip() == "- no health line", run
