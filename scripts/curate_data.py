@@ -276,7 +276,7 @@ def raise_terminated(signum, frame):
 
 def main(argv=None):
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, raise_terminated)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         run(args)
     except (KeyboardInterrupt, Terminated) as e:
@@ -289,6 +289,8 @@ def main(argv=None):
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    finally:  # main() run in-process (tests, a caller's own script) leaves the process's handler as it found it
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

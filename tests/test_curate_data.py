@@ -213,9 +213,13 @@ def test_parquet_and_jsonl_inputs_together(tmp_path):
 
 
 def test_bad_input_one_error_line(tmp_path, capsys):
+    handler = signal.getsignal(signal.SIGTERM)
     assert curate_data.main(["--data_path", str(tmp_path / "none*.jsonl"), "--out_dir", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip() == f"error: --data_path {tmp_path / 'none*.jsonl'}: no .jsonl or .parquet " \
                                              "file there"
+    # main() run in-process leaves SIGTERM's handler as it found it: processes forked later (the server tests) inherit
+    # the handlers, and curate's would turn their shutdown into an exception
+    assert signal.getsignal(signal.SIGTERM) is handler
 
 
 @pytest.mark.slow
