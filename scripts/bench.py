@@ -34,9 +34,9 @@ from scripts.benchmarks.machine import machine_description  # noqa: E402
 from scripts.benchmarks.moe import print_moe_layer_bench  # noqa: E402
 from scripts.benchmarks.moe_dense import run_moe_bench  # noqa: E402
 from scripts.benchmarks.run import BENCH_DEFAULTS, given_trainer_flags, run_trainer, trainer_args  # noqa: E402
+from scripts.benchmarks.step_shares import shares_line, step_shares  # noqa: E402
 from scripts.fit_plan import main as fit_main  # noqa: E402
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
-from scripts.step_profile import shares_line, step_shares  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402

@@ -1,10 +1,14 @@
 """scripts/step_profile.py: the shares of a Chrome trace written here by hand (nested operators, another thread, an
 operator outside the step), against the self times worked out in the comments."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from scripts.step_profile import step_shares
+from scripts.benchmarks.step_shares import step_shares
+from tests.launch import ROOT
 
 
 def event(name, ts, dur, tid=1):
@@ -38,3 +42,19 @@ def test_a_trace_without_step_marks_is_refused(tmp_path):
     path.write_text(json.dumps({"traceEvents": [event("aten::mm", 0, 5)]}))
     with pytest.raises(ValueError, match="no ProfilerStep# marks"):
         step_shares(str(path))
+
+
+def test_the_command_names_its_argument_and_refuses_what_is_not_a_trace(tmp_path):
+    script = os.path.join(ROOT, "scripts", "step_profile.py")
+
+    def run(*args):
+        return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
+
+    helped = run("--help")
+    assert helped.returncode == 0 and "--profile_steps" in helped.stdout  # --help is help, not a trace path
+    missing = run(str(tmp_path / "none.json"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: cannot read ")
+    assert "Traceback" not in missing.stderr
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = run(str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
