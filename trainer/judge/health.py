@@ -39,11 +39,12 @@ def spike(train, vocab_size):
 
 
 def grad_norm_growing(train, vocab_size):
-    norms = [r.get("grad_norm", float("nan")) for r in train]
-    tail = norms[-GROWTH_RECORDS:]
-    finite = [n for n in norms if math.isfinite(n)]
-    if len(tail) == GROWTH_RECORDS and all(math.isfinite(n) for n in tail) and len(finite) > GROWTH_RECORDS and \
-            all(b > a for a, b in zip(tail, tail[1:])) and tail[-1] > GROWTH_FACTOR * statistics.median(finite):
+    tail = [r.get("grad_norm", float("nan")) for r in train[-GROWTH_RECORDS:]]
+    if len(tail) < GROWTH_RECORDS or not all(math.isfinite(n) for n in tail) or \
+            not all(b > a for a, b in zip(tail, tail[1:])):
+        return None  # checked first: the run's median below reads every record, so only when the tail rises
+    finite = [n for r in train if math.isfinite(n := r.get("grad_norm", float("nan")))]
+    if len(finite) > GROWTH_RECORDS and tail[-1] > GROWTH_FACTOR * statistics.median(finite):
         return (f"grad norm growing without bound: {tail[-1]:.3g}, up {GROWTH_RECORDS} logged steps in a row, "
                 f"{tail[-1] / statistics.median(finite):.0f}x the run's median. Try a lower --learning_rate, "
                 "--grad_clip 1.0, or --dtype bfloat16 instead of float16")
