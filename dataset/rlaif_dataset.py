@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.chat import chat_messages
+from dataset.chat import chat_messages, prompt_ids
 from dataset.file_ranges import BadLines
 
 
@@ -101,8 +101,7 @@ class RLAIFDataset(Dataset):
         self.num_bad_lines = bad_lines.count
         if not texts:
             raise ValueError(f"{data_path}: no usable prompt")
-        self.prompts = [np.asarray(ids, dtype=np.int64)
-                        for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        self.prompts = [np.asarray(prompt_ids(tokenizer, text), dtype=np.int64) for text in texts]
         self.num_truncated = sum(len(ids) > max_length for ids in self.prompts)
         self.rows_with_unknown_tools = sum(any(name in self.unknown_tools for name in tool_names(json.loads(row)))
                                            for row in self.rows) if self.unknown_tools else 0

@@ -96,8 +96,17 @@ def greedy_continuation(model, tokenizer, prompt, n):
 def greedy_reply(model, tokenizer, messages, max_new_tokens):
     """transformers' own generate() on the chat template: the reference for eval_llm's output."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    ids = torch.tensor([trained_ids(tokenizer, text)])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def trained_ids(tokenizer, text):
+    """A generation prompt's ids as SFT saw the same text with the answer after it, written out here: MiniMind's
+    byte-level tokenizer reads a closing "\n\n" there as two "\n" tokens (dataset/chat.py prompt_ids)."""
+    if text.endswith("\n\n") and not text.endswith("\n\n\n"):
+        newline = tokenizer.convert_tokens_to_ids("Ċ")
+        return tokenizer(text[:-2], add_special_tokens=False)["input_ids"] + [newline, newline]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -16,6 +16,7 @@ from dataset.rlaif_dataset import RLAIFDataset
 from dataset.tools import TOOL_CASES, agent_rows, tool_schemas
 from model.model_minimind import MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run, spawn
+from tests.serving import trained_ids
 from trainer import train_agent
 from trainer.core.batches import step_targets
 from trainer.plan.resolve import resolve
@@ -75,7 +76,7 @@ def observation(tokenizer, result):
     written out here."""
     text = (f"\n<|im_start|>user\n<tool_response>\n{result}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
             "<think>\n\n</think>\n\n")
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return trained_ids(tokenizer, text)
 
 
 def test_tool_answers_carry_no_loss_no_gradient_and_no_old_log_prob(monkeypatch, tmp_path):

@@ -12,6 +12,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import read_weights
 from scripts.report import main as report
 from tests.launch import TINY_MODEL, demo_slice, forked
+from tests.serving import trained_ids
 from trainer.judge.samples import MAX_NEW_TOKENS, PROMPTS
 from trainer.judge.units import repetition
 
@@ -60,7 +61,7 @@ def test_samples_are_the_weights_greedy_continuations(sft_run):
     for row, prompt in zip(rows[len(PROMPTS):], PROMPTS):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
-        want = greedy_by_hand(model, tokenizer(text, add_special_tokens=False)["input_ids"], MAX_NEW_TOKENS)
+        want = greedy_by_hand(model, trained_ids(tokenizer, text), MAX_NEW_TOKENS)
         assert row["prompt"] == prompt and row["ids"] == want
         assert (row["repeated_4gram"], row["distinct_2"]) == repetition(want)
 

@@ -19,7 +19,7 @@ from model.weights import save_weights_file
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import parse_args
 from tests.launch import ROOT, free_port, start_forked
-from tests.serving import CONFIG, PROMPT, over_http
+from tests.serving import CONFIG, PROMPT, over_http, trained_ids
 
 MESSAGES = [{"role": "user", "content": PROMPT}]
 LONG = dict(max_tokens=2000, min_tokens=2000)  # a reply that only a stop ends early (EOS held back)
@@ -55,7 +55,7 @@ def greedy(model, tokenizer, max_tokens):
     """transformers' greedy generate() on the chat template, without the server; the decode steps it took are not
     counted as a served generation's."""
     text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, open_thinking=False)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    ids = torch.tensor([trained_ids(tokenizer, text)])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False,
                                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)

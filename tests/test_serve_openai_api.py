@@ -14,7 +14,7 @@ from scripts.eval_llm import main as eval_main
 from scripts.inference.load import load_chat_model
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import parse_args
-from tests.serving import CALL, CONFIG, PROMPT, ScriptedModel, ask, ask_stream, joined, over_http
+from tests.serving import CALL, CONFIG, PROMPT, ScriptedModel, ask, ask_stream, joined, over_http, trained_ids
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_greedy_answer_equals_eval_llm(served, capsys):
 
 def reference_greedy_count(model, tokenizer, text, max_tokens):
     """Tokens a greedy decode makes (EOS included), by full forwards without a cache; and whether EOS ended it."""
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    ids = torch.tensor([trained_ids(tokenizer, text)])
     for count in range(1, max_tokens + 1):
         with torch.no_grad():
             next_id = model(ids).logits[0, -1].argmax()
@@ -69,7 +69,7 @@ def test_stream_concatenates_to_the_reply_and_usage_counts_tokens(served, thinki
     # usage: the prompt as the template renders it (written out here), the completion as a greedy decode counts it
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, open_thinking=thinking)
     assert text.endswith("<think>\n" if thinking else "</think>\n\n")
-    prompt_tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
+    prompt_tokens = len(trained_ids(tokenizer, text))
     completion_tokens, ended = reference_greedy_count(model, tokenizer, text, 20)
     assert reply["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                               "total_tokens": prompt_tokens + completion_tokens}
@@ -161,7 +161,7 @@ def sampled(model, tokenizer, messages, seed, n, temperature, max_tokens, top_p=
     """transformers' own generate() on the chat template after torch.manual_seed(seed): n sampled replies in a row,
     parsed as the server parses a reply."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, open_thinking=False)
-    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    ids = torch.tensor([trained_ids(tokenizer, text)])
     torch.manual_seed(seed)
     replies = []
     for _ in range(n):

@@ -16,7 +16,7 @@ from model.weights import save_weights_file
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import main, parse_args
 from tests.launch import ROOT
-from tests.serving import CONFIG, ask, ask_stream, joined, over_http
+from tests.serving import CONFIG, ask, ask_stream, joined, over_http, trained_ids
 
 CONTEXT = 64  # a model of 64 positions: a request can reach its end in a few tokens
 
@@ -37,7 +37,7 @@ def prompt_tokens(tokenizer, content):
     """The prompt's length as the chat template renders it (written out here, not asked of the server)."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                          add_generation_prompt=True, open_thinking=False)
-    return len(tokenizer(text, add_special_tokens=False).input_ids)
+    return len(trained_ids(tokenizer, text))
 
 
 def refused(response, status, param, message):

@@ -7,6 +7,8 @@ import torch
 from transformers import TextStreamer
 from transformers.generation import BaseStreamer, StoppingCriteria, StoppingCriteriaList
 
+from dataset.chat import prompt_ids
+
 
 def render_prompt(tokenizer, messages, chat, open_thinking, tools=None):
     """The text the model continues: the chat template (with the thinking switch and the tool schemas) or bos + raw
@@ -20,14 +22,13 @@ def render_prompt(tokenizer, messages, chat, open_thinking, tools=None):
 
 def generate_ids(model, tokenizer, text, max_new_tokens, temperature, top_p, **generate_kwargs):
     """(prompt ids, generated ids, EOS included when reached) of `text`'s continuation: temperature 0 is greedy."""
-    # no token_type_ids: transformers 4.x tokenizers return them and generate() rejects them
-    inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False, return_token_type_ids=False)
-    inputs = inputs.to(model.device)
+    ids = torch.tensor([prompt_ids(tokenizer, text)], device=model.device)  # the prompt's tokens as SFT saw them
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p) if temperature > 0 else dict(do_sample=False)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                              eos_token_id=tokenizer.eos_token_id, **sampling, **generate_kwargs)
-    return inputs.input_ids[0].cpu(), out[0, inputs.input_ids.shape[1]:].cpu()
+    return ids[0].cpu(), out[0, ids.shape[1]:].cpu()
 
 
 class _TokenQueue(BaseStreamer):

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dataset.chat import prompt_ids
 from scripts.inference.generate import render_prompt
 from scripts.serve.engine import Engine, Full, Generation
 from scripts.serve.replies import Reply, batches, event_lines
@@ -99,13 +100,13 @@ def create_app(model, tokenizer, args):
     name, created = args.served_model_name, int(time.time())
     add_error_handlers(app)
 
-    def prompt_ids(request, thinking):
+    def request_ids(request, thinking):
         try:
             text = render_prompt(tokenizer, [text_content(m) for m in request.messages], chat=True,
                                  open_thinking=thinking, tools=request.tools)
         except Exception as e:  # the template's own message (a missing role, a bad tool schema)
             raise RequestError(f"the chat template cannot render these messages: {e}", "messages") from e
-        return tokenizer(text, add_special_tokens=False).input_ids
+        return prompt_ids(tokenizer, text)
 
     @app.get("/v1/models")
     def models():
@@ -116,7 +117,7 @@ def create_app(model, tokenizer, args):
         try:
             request = parse_request(await read_body(raw, args.max_request_bytes))
             wanted = settings(request, args)
-            ids = await run_in_threadpool(prompt_ids, request, wanted.thinking)  # a long prompt: off the event loop
+            ids = await run_in_threadpool(request_ids, request, wanted.thinking)  # a long prompt: off the event loop
             max_tokens = fit_max_tokens(wanted.max_tokens, args.max_new_tokens, len(ids), context, max_prompt)
             if wanted.min_tokens > max_tokens:
                 raise RequestError(f"min_tokens must be at most max_tokens ({max_tokens})", "min_tokens")

@@ -12,6 +12,7 @@ import statistics
 
 import torch
 
+from dataset.chat import prompt_ids
 from trainer.base.launch import is_main_process
 from trainer.base.log import Logger
 from trainer.judge.units import repetition
@@ -49,7 +50,7 @@ def greedy_samples(model, tokenizer, prompts=PROMPTS, max_new_tokens=MAX_NEW_TOK
         for prompt in prompts:
             text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                  add_generation_prompt=True)
-            ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=device)
+            ids = torch.tensor([prompt_ids(tokenizer, text)], device=device)
             with torch.no_grad():
                 full = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

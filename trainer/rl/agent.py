@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dataset.chat import prompt_ids
 from dataset.tools import MOCKS, gt_matches, parse_assistant, tool_message, valid_call
 from trainer.base.errors import ConfigError, TrainingHalted
 from trainer.base.launch import count_sum
@@ -238,8 +239,7 @@ class AgentObjective(GRPOObjective):
             episode.done, episode.truncated = True, cut
             return
         answers = [tool_message(call, episode.tools) for call in calls]
-        observation = self.tokenizer(observation_text(self.tokenizer, episode, answers),
-                                     add_special_tokens=False)["input_ids"]
+        observation = prompt_ids(self.tokenizer, observation_text(self.tokenizer, episode, answers))
         if len(episode.context) + len(observation) >= self.stage.max_total_len:  # no room for the answers and a turn
             episode.done, episode.truncated = True, True
             return
