@@ -261,7 +261,8 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
                params_total=est["total_params"], params_active=active_params(config, est["total_params"]),
                memory_gib={k: v / GIB for k, v in parts.items()}, memory_total_gib=total / GIB, notes=est["notes"])
     seq_len = plan.micro_batch_shape[1] * plan.layout.cp
-    out["train_flops_per_token"] = model_flops_per_token(config, seq_len)
+    out["train_flops_per_token"] = model_flops_per_token(config, seq_len) + frozen_forward_flops(plan.stage, config,
+                                                                                                seq_len)
     if gpu is None:
         return out
     name, (peak, memory, bandwidth, source) = find_gpu(gpu)
@@ -284,6 +285,15 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
         if usd_per_hour:
             out["epoch_usd"] = out["epoch_hours"] * usd_per_hour * nproc
     return out
+
+
+def frozen_forward_flops(stage, config, seq_len):
+    """FLOPs per token of the frozen models' forward passes (a third of their training FLOPs: 2 of 6 per parameter),
+    as the stage's own flops() counts them: RL's reference, a distillation/GKD teacher."""
+    flops = model_flops_per_token(config, seq_len) / 3 if getattr(stage, "uses_reference", False) else 0
+    if hasattr(stage, "teacher_config"):
+        flops += model_flops_per_token(stage.teacher_config, seq_len) / 3
+    return flops
 
 
 def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None, teacher=None):

@@ -113,8 +113,12 @@ def test_extra_models_by_hand(tmp_path):
     from_file = estimate("distillation", flags + ["--teacher_weight", write_teacher(str(tmp_path), **fields)])
     not_at_hand = estimate("distillation", flags + ["--teacher_weight", str(tmp_path / "absent.pth")],
                            teacher=dict(fields, use_moe=False))
+    student = estimate("sft", flags)["train_flops_per_token"]
+    per_layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 448  # q, k, v, o; the MLP (ceil(128 pi / 64) x 64)
+    teacher_forward = 2 * (3 * per_layer + 6400 * 128) + 2 * 3 * 128 * 128  # + causal attention at 128 positions
     for out in (from_file, not_at_hand):
         assert out["memory_gib"]["teacher"] * GIB == pytest.approx(4 * teacher_params, rel=1e-12)
+        assert out["train_flops_per_token"] == pytest.approx(student + teacher_forward, rel=1e-12)
     assert "not at hand" in not_at_hand["notes"][0] and "absent" not in not_at_hand["notes"][0]
 
     assert estimate("ppo", flags)["memory_gib"]["value_head"] * GIB == pytest.approx(16 * 65, rel=1e-12)
