@@ -20,8 +20,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.chat import chat_messages, prompt_ids
+from dataset.chat import chat_messages
 from dataset.file_ranges import BadLines
+from dataset.prompt_ids import prompt_ids
 
 
 def read_rows(path):

@@ -28,7 +28,7 @@ def tokenizer_fingerprint(tokenizer):
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
-def _cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
+def cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
     stat = os.stat(data_path)
     key = [CACHE_FORMAT_VERSION, kind, os.path.abspath(data_path), stat.st_size, stat.st_mtime_ns,
            tokenizer_fingerprint(tokenizer), bool(skip_bad_lines)]
@@ -89,7 +89,7 @@ class TokenCacheDataset(Dataset):
             self.cache_path = None
             self.meta, files = open_shard(data_path, self.kind, tokenizer)
         else:
-            self.cache_path = _cache_dir_for(self.kind, data_path, tokenizer, skip_bad_lines,
+            self.cache_path = cache_dir_for(self.kind, data_path, tokenizer, skip_bad_lines,
                                              cache_dir or DEFAULT_CACHE_DIR)
             if not discard_if_damaged(self.cache_path, quiet=part[0] != 0):  # absent, or damaged: built (again)
                 _build_cache(self, skip_bad_lines, num_proc, part)

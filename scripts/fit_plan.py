@@ -5,10 +5,13 @@
 
 The memory per device by part: weights, gradients, optimizer state (fp32 master weights, fp32 gradients, two fp32
 AdamW moments: what the trainer keeps), activations at the micro-batch and length (scripts/layout_model.py's saved
-tensors, times ACTIVATION_OVERHEAD for autograd's backward temporaries and the allocator, measured), the frozen
-reference model and the rollouts' KV cache of RL stages; the cheapest change that makes it fit; the corpus's tokens
-(a sample of its lines tokenized, scaled by bytes) and the time per epoch at the card's dense bf16 peak x MFU.
-tests/test_fit_plan.py checks the memory against measured peaks (dense, MoE, GRPO) and the FLOPs against a hand count.
+tensors, times ACTIVATION_OVERHEAD for autograd's backward temporaries and the allocator, measured), and the models
+beside the policy: RL's frozen reference, a distillation/GKD teacher (its own size: from its file, or --teacher_* when
+not at hand), PPO's value head, a reward model (sized by its folder's config), the rollouts' KV cache (DPO/KTO drop
+their reference before training); the cheapest change that makes it fit; the corpus's tokens (the trainer's token
+cache of --data_path when there is one, else a sample of its lines tokenized, scaled by bytes) and the time per epoch
+at the card's dense bf16 peak x MFU. tests/test_fit_plan.py checks the memory against measured peaks (dense, MoE,
+GRPO, distillation) and the FLOPs against a hand count.
 """
 import argparse
 import importlib
@@ -16,14 +19,20 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
 
 import torch  # noqa: E402
 
+from dataset.shards import cache_dir_for  # noqa: E402
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
+from model.weight_shapes import config_fields  # noqa: E402
+from model.weights import save_weights_file  # noqa: E402
 from scripts.gpus import GIB, GPUS, find_gpu  # noqa: E402
 from scripts.layout_model import plan_layout, routed_expert_params  # noqa: E402
 from trainer.plan.flags import add_train_args  # noqa: E402
+from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
 from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.runtime.metrics import model_flops_per_token  # noqa: E402
@@ -62,19 +71,67 @@ def script_stage(name):
     raise RuntimeError(f"trainer/train_{name}.py did not call parse_args")
 
 
-def stage_plan(stage_name, argv, nproc):
-    """The TrainPlan the stage's script would run with `argv` on `nproc` processes (weights are not read)."""
+def stage_plan(stage_name, argv, nproc, teacher=None):
+    """The TrainPlan the stage's script would run with `argv` on `nproc` processes (weights are not read), and the
+    parsed flags. A distillation/GKD teacher not at hand is planned from a stand-in of its shapes (stand_in_teacher)."""
     stage, defaults = script_stage(stage_name)
     parser = add_train_args(argparse.ArgumentParser(allow_abbrev=False), stage, **dict(defaults, from_weight="none"))
     run = parser.parse_args(argv)
-    if getattr(run, "reward_model", None):
-        run.reward_model = None  # its size is counted as the policy's below; the folder need not exist here
-    return resolve(run, nproc, 0, stage), run
+    reward_model = getattr(run, "reward_model", None)
+    if reward_model:
+        run.reward_model = None  # the folder need not exist here: reward_model_params sizes it when it does
+    try:
+        plan = resolve(run, nproc, 0, stage)
+    except ConfigError as e:
+        if not (hasattr(run, "teacher_weight") and str(e).startswith("--teacher_weight:") and "not exist" in str(e)):
+            raise
+        with tempfile.TemporaryDirectory() as folder:
+            run.teacher_weight = stand_in_teacher(build_config(run), teacher or {}, folder)
+            plan = resolve(run, nproc, 0, stage)
+        run.teacher_weight = None  # planned from its shapes, not a file
+    run.reward_model = reward_model
+    return plan, run
+
+
+def stand_in_teacher(student, teacher, folder):
+    """A weights file holding the teacher's shapes only (meta tensors: no values, a few KB), read by the trainer's own
+    teacher checks. The teacher: MiniMind's default (the student's width and depth, MoE) with `teacher`'s fields."""
+    fields = dict(config_fields(student.to_dict()), use_moe=True)
+    given = {k: v for k, v in teacher.items() if v is not None}
+    if given.get("hidden_size", student.hidden_size) != student.hidden_size:  # sizes derived from the width: again
+        for name in ("head_dim", "intermediate_size", "moe_intermediate_size"):
+            fields.pop(name)
+    fields.update(given)
+    config = MiniMindConfig(**{k: v for k, v in fields.items() if k != "loss_chunk_size"})
+    with torch.device("meta"):
+        state_dict = MiniMindForCausalLM(config).state_dict()
+    if config.tie_word_embeddings:
+        state_dict.pop("lm_head.weight")  # one tensor under two names; the reader restores the twin
+    path = os.path.join(folder, "teacher.pth")
+    save_weights_file(state_dict, config, path)
+    return path
+
+
+def model_params(config):
+    """Parameters of a MiniMind config (a teacher), counted on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in MiniMindForCausalLM(config).parameters())
+
+
+def reward_model_params(path):
+    """Parameters of a Hugging Face sequence classifier from its folder's config (meta device), or None where the
+    folder is not at hand."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    from transformers import AutoConfig, AutoModelForSequenceClassification  # only a plan with --reward_model
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
 
 
 def memory_parts(plan, config, run, act_bytes=None):
     """Bytes per device by part, and the layout model's estimate they come from; act_bytes: bytes per activation
-    element (default: 4 under --dtype float32, else 2)."""
+    element (default: 4 under --dtype float32, else 2); est["notes"]: how the extra models were counted."""
     lay, data, stage = plan.layout, plan.data, plan.stage
     rows, length = plan.micro_batch_shape
     act_bytes = act_bytes or (4 if plan.model.dtype == torch.float32 else 2)
@@ -86,23 +143,59 @@ def memory_parts(plan, config, run, act_bytes=None):
                  activations=mem["activations"] * GIB * ACTIVATION_OVERHEAD)
     if stage.name.lower().startswith("lora"):  # frozen base: no gradients or moments but the adapters' (small)
         parts["grads"] = parts["optimizer"] = 0.0
+    est["notes"] = []
+    parts.update(extra_models(plan, config, run, est, act_bytes))
+    return parts, est
+
+
+def extra_models(plan, config, run, est, act_bytes):
+    """Bytes per device of the models and caches beside the policy: the frozen reference, a teacher, PPO's value
+    head, a reward model, the rollouts' KV cache; est["notes"] gets how each was counted."""
+    lay, stage, notes, parts = plan.layout, plan.stage, est["notes"], {}
+    rows, length = plan.micro_batch_shape
     per_rank_params = est["params_per_rank"]
-    if getattr(stage, "uses_reference", False):  # the frozen starting weights, fp32, laid out as the policy
+    if getattr(stage, "uses_reference", False):  # RL: the frozen starting weights, fp32, laid out as the policy
         parts["reference"] = 4 * per_rank_params
-    if getattr(stage, "reward_model", None) is not None or getattr(run, "reward_model", None):
-        parts["reward_model"] = 4 * per_rank_params  # assumed the policy's size
+    elif getattr(stage, "ref_sha256", ""):  # DPO/KTO with a reference: log-probs computed first, model dropped
+        notes.append("reference: its log-probs are computed once before training and cached; the model is dropped "
+                     "before the first step (not in the training peak)")
+    if hasattr(stage, "teacher_config"):  # frozen, in the training dtype, split like the student (tp)
+        teacher, at_hand = stage.teacher_config, os.path.exists(stage.teacher_path)
+        parts["teacher"] = model_params(teacher) * act_bytes / lay.tp
+        kept = teacher.hidden_size if plan.model.chunked_loss else teacher.vocab_size / lay.tp
+        parts["teacher_outputs"] = rows * length * kept * (act_bytes if plan.model.chunked_loss else 4)
+        notes.append(f"teacher: hidden {teacher.hidden_size}, {teacher.num_hidden_layers} layers"
+                     f"{', MoE' if teacher.use_moe else ''}, {model_params(teacher) / 1e6:.1f}M parameters"
+                     + (f" ({stage.teacher_path})" if at_hand else
+                        " (not at hand: MiniMind's default, the student's size as MoE, or --teacher_* flags)"))
+    if stage.name == "PPO":  # the value head (hidden + 1) trains: weights, gradients and moments as the policy's
+        state = (est["memory_gb"]["weights"] + est["memory_gb"]["grads"] + est["memory_gb"]["optimizer"]) * GIB
+        parts["value_head"] = state / per_rank_params * (config.hidden_size + 1)
+    reward_model = getattr(run, "reward_model", None)
+    if reward_model:  # loaded in fp32, whole on every rank (rewards.RewardModel)
+        params = reward_model_params(reward_model)
+        parts["reward_model"] = 4 * (params or est["total_params"])
+        notes.append(f"reward model: {params / 1e6:.1f}M parameters ({reward_model})" if params else
+                     f"reward model: {reward_model} not at hand, assumed the policy's size")
     if hasattr(stage, "max_gen_len"):  # the rollout's KV cache: every row, prompt + completion, each layer K and V
         kv_dim = config.num_key_value_heads * config.head_dim
         layers = math.ceil(config.num_hidden_layers / lay.pp)
         parts["rollout_kv_cache"] = 2 * layers * rows * length * kv_dim / lay.tp * act_bytes
-    return parts, est
+    return parts
 
 
-def corpus_tokens(path, tokenizer_path, sample_lines=SAMPLE_LINES):
-    """(tokens, documents, how): the tokens of every string in the first `sample_lines` JSON lines, scaled by the
-    file's bytes over the sample's bytes (the whole file when it is that short)."""
+CACHE_KINDS = {"pretrain": ("pretrain",), "sft": ("sft",), "dpo": ("dpo_chosen", "dpo_rejected")}  # demo_kind: caches
+
+
+def corpus_tokens(path, tokenizer_path, sample_lines=SAMPLE_LINES, cache_dir=None, kinds=(), skip_bad_lines=False):
+    """(tokens, documents, how): from the trainer's token cache of `path` when one is there (its meta.json's counts;
+    kinds: the caches the stage's dataset builds, summed), else the tokens of every string in the first
+    `sample_lines` JSON lines, scaled by the file's bytes over the sample's bytes (the whole file when that short)."""
     from transformers import AutoTokenizer  # only a plan with a corpus needs it
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    cached = cached_counts(path, tokenizer, cache_dir, kinds, skip_bad_lines)
+    if cached:
+        return cached
     size, lines, sample_bytes, tokens = os.path.getsize(path), 0, 0, 0
     with open(path, "rb") as f:
         for raw in f:
@@ -114,6 +207,23 @@ def corpus_tokens(path, tokenizer_path, sample_lines=SAMPLE_LINES):
     scale = size / max(sample_bytes, 1)
     how = "counted" if lines <= sample_lines else f"{sample_lines} of {lines} lines tokenized, scaled by bytes"
     return int(tokens * scale), lines, how
+
+
+def cached_counts(path, tokenizer, cache_dir, kinds, skip_bad_lines):
+    """(tokens, documents, how) from the token caches the trainer built for `path` (dataset/shards.py's key: the file,
+    its size and time, the tokenizer), or None unless every kind's cache is there."""
+    if not kinds or not os.path.isfile(path):
+        return None
+    folders = [cache_dir_for(kind, path, tokenizer, skip_bad_lines, cache_dir) for kind in kinds]
+    metas = [os.path.join(folder, "meta.json") for folder in folders]
+    if not all(os.path.isfile(meta) for meta in metas):
+        return None
+    counts = []
+    for meta in metas:
+        with open(meta) as f:
+            counts.append(json.load(f))
+    return (sum(c["num_tokens"] for c in counts), counts[0]["num_docs"],
+            "the token cache " + ", ".join(os.path.basename(f) for f in folders))
 
 
 def strings(value):
@@ -135,10 +245,12 @@ def active_params(config, total):
     return total - config.num_hidden_layers * routed_expert_params(config) * unused
 
 
-def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, data_tokens=None, act_bytes=None):
+def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, data_tokens=None, act_bytes=None,
+             teacher=None):
     """The plan as a dict: parameters, memory per device by part (GiB), fits, the cheapest change that fits, the
-    FLOPs per token and, with the corpus's tokens, the time and cost of an epoch on `nproc` of `gpu`."""
-    plan, run = stage_plan(stage_name, argv, nproc)
+    FLOPs per token and, with the corpus's tokens, the time and cost of an epoch on `nproc` of `gpu`; teacher: the
+    fields of a distillation/GKD teacher not at hand (default: the student's size as MoE)."""
+    plan, run = stage_plan(stage_name, argv, nproc, teacher)
     config = plan.model.config
     parts, est = memory_parts(plan, config, run, act_bytes)
     total = sum(parts.values())
@@ -147,9 +259,10 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
                                                            zero_stage=plan.layout.zero_stage),
                micro_batch_rows=plan.micro_batch_shape[0], row_tokens=plan.micro_batch_shape[1],
                params_total=est["total_params"], params_active=active_params(config, est["total_params"]),
-               memory_gib={k: v / GIB for k, v in parts.items()}, memory_total_gib=total / GIB)
+               memory_gib={k: v / GIB for k, v in parts.items()}, memory_total_gib=total / GIB, notes=est["notes"])
     seq_len = plan.micro_batch_shape[1] * plan.layout.cp
-    out["train_flops_per_token"] = model_flops_per_token(config, seq_len)
+    out["train_flops_per_token"] = model_flops_per_token(config, seq_len) + frozen_forward_flops(plan.stage, config,
+                                                                                                seq_len)
     if gpu is None:
         return out
     name, (peak, memory, bandwidth, source) = find_gpu(gpu)
@@ -157,7 +270,7 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
     out.update(gpu=name, gpu_source=source, gpu_memory_gib=memory / GIB, fits=total <= memory,
                mfu=mfu, peak_flops=peak)
     if total > memory:
-        out["cheapest_fix"] = cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes)
+        out["cheapest_fix"] = cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes, teacher)
     if data_tokens:
         tokens, documents, how = data_tokens
         # packed rows train every token once; unpacked rows (chat, pairs, an RL prompt's completions) are full rows
@@ -174,7 +287,16 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
     return out
 
 
-def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None):
+def frozen_forward_flops(stage, config, seq_len):
+    """FLOPs per token of the frozen models' forward passes (a third of their training FLOPs: 2 of 6 per parameter),
+    as the stage's own flops() counts them: RL's reference, a distillation/GKD teacher."""
+    flops = model_flops_per_token(config, seq_len) / 3 if getattr(stage, "uses_reference", False) else 0
+    if hasattr(stage, "teacher_config"):
+        flops += model_flops_per_token(stage.teacher_config, seq_len) / 3
+    return flops
+
+
+def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None, teacher=None):
     """The first change, cheapest first, whose estimate fits: a smaller micro-batch (accumulation keeps the global
     batch), --grad_checkpointing 1, ZeRO-2/3 (several processes), --cpu_offload, a smaller --max_gen_len; or None."""
     batch, accumulation = plan.data.micro_batch, plan.data.num_microbatches
@@ -190,7 +312,7 @@ def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None):
         tries += [tries[-1] + ["--max_gen_len", str(plan.stage.max_gen_len // d)] for d in (2, 4)]
     for change in tries:
         try:
-            new_plan, run = stage_plan(stage_name, argv + change, nproc)
+            new_plan, run = stage_plan(stage_name, argv + change, nproc, teacher)
         except Exception:  # noqa: BLE001 a change this layout refuses is not a fix
             continue
         parts, _ = memory_parts(new_plan, new_plan.model.config, run, act_bytes)
@@ -210,6 +332,9 @@ def parse_args(argv):
     parser.add_argument("--usd_per_hour", type=float, default=None, help="price of one GPU hour, for the cost")
     parser.add_argument("--corpus_tokens", type=float, default=None, help="the corpus's tokens, for a corpus not at "
                         "hand (default: counted from --data_path or the stage's demo data)")
+    for name, kind in (("hidden_size", int), ("num_hidden_layers", int), ("use_moe", int)):
+        parser.add_argument(f"--teacher_{name}", type=kind, default=None, help=f"distillation/GKD: the {name} of a "
+                            "teacher not at hand yet (default: the student's; use_moe 1, MiniMind's teacher)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser.parse_known_args(argv)
 
@@ -234,6 +359,7 @@ def describe(out):
                      + (f"; cost ${out['epoch_usd']:.2f}" if "epoch_usd" in out else ""))
     if "rollout_note" in out:
         lines.append(out["rollout_note"])
+    lines += out["notes"]
     return "\n".join(lines)
 
 
@@ -248,10 +374,15 @@ def main(argv=None):
             data = ensure_demo_data(stage.demo_kind)
         # without --dtype a GPU run takes bf16 autocast (--dtype auto): 2-byte activations, fp32 states
         act_bytes = None if any(a == "--dtype" or a.startswith("--dtype=") for a in rest) else 2
-        plan, _ = stage_plan(args.stage, rest, args.nproc)
-        tokens = corpus_tokens(data, plan.data.tokenizer_path) if args.corpus_tokens is None else \
+        teacher = dict(hidden_size=args.teacher_hidden_size, num_hidden_layers=args.teacher_num_hidden_layers,
+                       use_moe=None if args.teacher_use_moe is None else bool(args.teacher_use_moe))
+        plan, _ = stage_plan(args.stage, rest, args.nproc, teacher)
+        tokens = corpus_tokens(data, plan.data.tokenizer_path, cache_dir=plan.data.cache_dir,
+                               kinds=CACHE_KINDS.get(stage.demo_kind, ()),
+                               skip_bad_lines=plan.data.skip_bad_lines) if args.corpus_tokens is None else \
             (int(args.corpus_tokens), int(args.corpus_tokens) // plan.data.seq_len, "given (--corpus_tokens)")
-        out = estimate(args.stage, rest, args.nproc, args.gpu, args.mfu, args.usd_per_hour, tokens, act_bytes)
+        out = estimate(args.stage, rest, args.nproc, args.gpu, args.mfu, args.usd_per_hour, tokens, act_bytes,
+                       teacher)
     except (ValueError, ConfigError) as e:
         raise SystemExit(f"error: {e}")
     print(json.dumps(out, indent=1) if args.json else describe(out))

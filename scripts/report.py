@@ -1,150 +1,28 @@
-"""A run's report a person reads: a markdown page with its plots beside it.
+"""A run's report a person reads: a markdown page with its plots beside it (trainer/judge/report.py).
 
     python scripts/report.py out/full_sft_256_metrics.jsonl                 # out/full_sft_256_report.md + .png
     python scripts/report.py out/pretrain_256_metrics.jsonl out/pretrain_512_metrics.jsonl --out out/compare.md
     python scripts/report.py RUN --reference docs/reference/clean/sft_64_metrics.jsonl  # a reference curve drawn too
 
-RUN is a --metrics_file the trainer wrote (<save_dir>/<run>_metrics.jsonl). Beside it the report reads, when they
-are there: the weights' sidecar <save_dir>/<run>.json (the model config), the rank-0 log
-<save_dir>/logs/<run>_rank_0.log (the data line, the curation and data notes), the run's flags
-<checkpoint_dir>/<run>_config.yaml (--run_config, else checkpoints/ beside the save_dir), and the eval samples
-<run>_metrics_samples.jsonl. The page: files, config, data, the numbers and curves (scripts/plot_metrics.py's panels:
-train/eval loss, bits per byte, lr, grad norm, tokens/s, memory), samples with their repetition, eval_bench scores,
-the health lines (trainer/judge/health.py). Two runs or more: one column each, their curves in the same panels.
+RUN is a --metrics_file the trainer wrote (<save_dir>/<run>_metrics.jsonl); a run writes its own report at its end
+with --report 1 (default auto: runs of a minute or more). Beside RUN the report reads, when they are there: the
+weights' sidecar, the rank-0 log, the run's flags <checkpoint_dir>/<run>_config.yaml (--run_config, else checkpoints/
+beside the save_dir) and the eval samples. The page: files, config, data, the numbers and curves, samples with their
+repetition, eval_bench scores, the health lines. Two runs or more: one column each, their curves in the same panels.
 """
 import argparse
-import json
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
 
-from model.atomic import atomic_write, atomic_write_text  # noqa: E402
-from scripts.plot_metrics import load_metrics, plot  # noqa: E402
-from trainer.judge.health import scan  # noqa: E402
+loading(__name__, "pandas and matplotlib")
 
-MODEL_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-              "use_moe", "num_experts", "num_experts_per_tok", "step")
-LOG_LINES = ("Data:", "--skip_bad_lines", "curat", "note:", "warning:", "Done:", "preempted", "stopped:")
+from trainer.judge.report import write_report  # noqa: E402
 
-
-class Run:
-    """One run's files, found from its metrics file."""
-
-    def __init__(self, metrics, run_config=None):
-        self.metrics = os.path.abspath(metrics)
-        save_dir, base = os.path.split(self.metrics)
-        self.name = base[:-len("_metrics.jsonl")] if base.endswith("_metrics.jsonl") else os.path.splitext(base)[0]
-        flags = os.path.abspath(run_config) if run_config else os.path.join(os.path.dirname(save_dir), "checkpoints",
-                                                                              self.name + "_config.yaml")
-        candidates = dict(weights=os.path.join(save_dir, self.name + ".pth"),
-                          sidecar=os.path.join(save_dir, self.name + ".json"),
-                          log=os.path.join(save_dir, "logs", self.name + "_rank_0.log"),
-                          samples=os.path.splitext(self.metrics)[0] + "_samples.jsonl",
-                          run_config=flags)
-        self.files = {"metrics": self.metrics, **{k: p for k, p in candidates.items() if os.path.isfile(p)}}
-        with open(self.metrics) as f:
-            self.records = [json.loads(line) for line in f if line.strip()]
-        self.frame = load_metrics(self.metrics)
-        self.train = [r for r in self.records if "loss" in r]
-        self.evals = [r for r in self.records if "eval_loss" in r]
-
-    def model_config(self):
-        if "sidecar" not in self.files:
-            return {}
-        with open(self.files["sidecar"]) as f:
-            config = json.load(f)
-        moe = ("num_experts", "num_experts_per_tok")
-        return {k: config[k] for k in MODEL_KEYS if k in config and (config.get("use_moe") or k not in moe)}
-
-    def log_lines(self):
-        if "log" not in self.files:
-            return []
-        with open(self.files["log"], errors="replace") as f:
-            return [line.strip() for line in f if any(mark in line for mark in LOG_LINES)]
-
-    def samples(self):
-        """The last eval's samples: [{"step", "prompt", "text", "repeated_4gram", "distinct_2"}]."""
-        if "samples" not in self.files:
-            return []
-        with open(self.files["samples"]) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        last = max(r["step"] for r in rows) if rows else None
-        return [r for r in rows if r["step"] == last]
-
-    def numbers(self):
-        """{label: value text} of the run's figures."""
-        train, evals, out = self.train, self.evals, {}
-        if train:
-            out["steps"] = str(train[-1]["step"])
-            out["tokens trained"] = f"{train[-1].get('tokens', 0):,}"
-            out["first / last train loss"] = f"{train[0]['loss']:.4f} / {train[-1]['loss']:.4f}"
-            rates = [r["tokens_per_sec"] for r in train[1:] if "tokens_per_sec" in r] or [0.0]
-            out["tokens/s (median)"] = f"{statistics.median(rates):.0f}"
-            out["peak memory GB"] = f"{max(r.get('peak_mem_gb', 0.0) for r in train):.2f}"
-        if evals:
-            out["last eval loss"] = f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
-            if "eval_bpb" in evals[-1]:
-                out["last eval bits per byte"] = f"{evals[-1]['eval_bpb']:.4f}"
-        bench = {k: v for r in self.records for k, v in r.items() if k.startswith("bench/")}
-        out.update({k: f"{v:.4f}" for k, v in sorted(bench.items())})
-        return out
-
-    def health(self):
-        vocab = self.model_config().get("vocab_size", 6400)
-        return scan(self.records, vocab)
-
-
-def single_page(run, png, reference=None):
-    """The markdown of one run (`reference`: the metrics file drawn beside it in the curves)."""
-    lines = [f"# Run report: {run.name}", "", "## Files", ""]
-    lines += [f"- {kind}: `{path}`" for kind, path in run.files.items()] + [f"- plots: `{png}`"]
-    lines += [f"- reference curve: `{os.path.abspath(reference)}`", ""] if reference else [""]
-    lines += ["## Config", ""] + [f"- {k}: {v}" for k, v in run.model_config().items()]
-    if "run_config" in run.files:
-        with open(run.files["run_config"]) as f:
-            lines += ["", "<details><summary>flags</summary>", "", "```yaml", f.read().rstrip(), "```", "</details>"]
-    lines += ["", "## Data", ""] + [f"- {line}" for line in run.log_lines()] or ["- (no rank log beside the run)"]
-    lines += ["", "## Numbers", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in run.numbers().items()]
-    lines += ["", "## Curves", "", f"![curves]({os.path.basename(png)})", ""]
-    samples = run.samples()
-    if samples:
-        lines += [f"## Samples (greedy, step {samples[0]['step']})", "", "| prompt | repeated 4-grams | distinct-2 | "
-                  "text |", "|---|---|---|---|"]
-        lines += [f"| {s['prompt']} | {s['repeated_4gram']:.0%} | {s['distinct_2']:.2f} | {cell(s['text'])} |"
-                  for s in samples] + [""]
-    health = run.health()
-    lines += ["## Health", ""] + ([f"- step {step}: {line}" for _, step, line in health] or ["- no health line"])
-    return "\n".join(lines) + "\n"
-
-
-def side_by_side(runs, png):
-    """The markdown of several runs: one column each."""
-    names = [r.name for r in runs]
-    numbers = [r.numbers() for r in runs]
-    keys = list(dict.fromkeys(k for n in numbers for k in n))
-    lines = [f"# Runs side by side: {', '.join(names)}", "", "| | " + " | ".join(names) + " |",
-             "|---|" + "---|" * len(runs)]
-    for key in keys:
-        lines.append(f"| {key} | " + " | ".join(n.get(key, "") for n in numbers) + " |")
-    configs = [r.model_config() for r in runs]
-    for key in MODEL_KEYS:
-        if any(key in c for c in configs):
-            lines.append(f"| {key} | " + " | ".join(str(c.get(key, "")) for c in configs) + " |")
-    lines += ["", f"![curves]({os.path.basename(png)})", "", "## Health", ""]
-    for run in runs:
-        found = run.health()
-        lines += [f"- {run.name}: " + ("; ".join(f"step {s}: {line}" for _, s, line in found) or "no health line")]
-    lines += ["", "## Files", ""] + [f"- {r.name}: " + ", ".join(f"`{p}`" for p in r.files.values()) for r in runs]
-    return "\n".join(lines) + "\n"
-
-
-def cell(text):
-    """Text for a markdown table cell: one line, pipes escaped, at most 160 characters."""
-    text = text.replace("\n", "\\n").replace("|", "\\|") or "(empty)"
-    return text[:160] + ("..." if len(text) > 160 else "")
+loaded()
 
 
 def main(argv=None):
@@ -160,19 +38,9 @@ def main(argv=None):
         if not os.path.isfile(path):
             parser.exit(2, f"error: metrics file {path} not found; pass a --metrics_file the trainer wrote\n")
     try:
-        runs = [Run(path, args.run_config if len(args.runs) == 1 else None) for path in args.runs]
-        reference = load_metrics(args.reference) if args.reference else None
+        out, png = write_report(args.runs, args.out, args.reference, args.run_config)
     except ValueError as e:
         parser.exit(2, f"error: {e}; pass a --metrics_file the trainer wrote\n")
-    out = os.path.abspath(args.out or os.path.join(os.path.dirname(runs[0].metrics), runs[0].name + "_report.md"))
-    png = os.path.splitext(out)[0] + ".png"
-    frames, labels = [r.frame for r in runs], [r.name for r in runs]
-    if reference is not None:
-        frames, labels = frames + [reference], labels + ["reference"]
-    figure = plot(frames, labels)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    atomic_write(png, lambda f: figure.savefig(f, dpi=80, format="png"))
-    atomic_write_text(out, single_page(runs[0], png, args.reference) if len(runs) == 1 else side_by_side(runs, png))
     print(f"wrote {out} and {png}")
     return out
 

@@ -105,7 +105,7 @@ def greedy_reply(model, tokenizer, messages, max_new_tokens):
 
 def trained_ids(tokenizer, text):
     """A generation prompt's ids as SFT saw the same text with the answer after it, written out here: MiniMind's
-    byte-level tokenizer reads a closing "\n\n" there as two "\n" tokens (dataset/chat.py prompt_ids)."""
+    byte-level tokenizer reads a closing "\n\n" there as two "\n" tokens (dataset/prompt_ids.py)."""
     if text.endswith("\n\n") and not text.endswith("\n\n\n"):
         newline = tokenizer.convert_tokens_to_ids("Ċ")
         return tokenizer(text[:-2], add_special_tokens=False)["input_ids"] + [newline, newline]

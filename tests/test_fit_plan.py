@@ -1,11 +1,15 @@
-"""scripts/fit_plan.py (`scripts/bench.py --plan --gpu NAME`): its memory against the peak measured here for three
-configs (dense, MoE, GRPO), its FLOPs against a hand count, the cheapest change that makes a run fit."""
+"""scripts/fit_plan.py (`scripts/bench.py --plan --gpu NAME`): its memory against the peak measured here for four
+configs (dense, MoE, GRPO, distillation with its teacher), its FLOPs against a hand count, the extra models' sizes
+against the models themselves, the corpus's tokens from the token cache, the cheapest change that makes a run fit."""
 import json
 import os
 
 import pytest
+import torch
 
-from scripts.fit_plan import estimate, memory_parts, stage_plan
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.weights import save_weights_file
+from scripts.fit_plan import corpus_tokens, estimate, memory_parts, stage_plan
 from scripts.gpus import GIB
 from tests.launch import forked
 
@@ -15,7 +19,19 @@ CONFIGS = {  # name: (stage, flags); GRPO's prompts are cut at 32 tokens, so its
     "dense": ("pretrain", SMALL + ["--batch_size", "8", "--max_seq_len", "256"]),
     "moe": ("pretrain", SMALL + ["--batch_size", "8", "--max_seq_len", "256", "--use_moe", "1"]),
     "grpo": ("grpo", SMALL + ["--max_gen_len", "64", "--num_generations", "4", "--max_seq_len", "32"]),
+    # the teacher (hidden 512, 8 layers: 30M parameters, 0.11 GiB) is a quarter of the peak: leaving it out misses
+    "distillation": ("distillation", SMALL + ["--batch_size", "8", "--max_seq_len", "128"]),
 }
+TEACHER = dict(hidden_size=512, num_hidden_layers=8)
+
+
+def write_teacher(folder, **fields):
+    """A real teacher weights file (random init) and its sidecar, as train_sft.py writes them."""
+    torch.manual_seed(0)
+    config = MiniMindConfig(**fields)
+    path = os.path.join(folder, "teacher.pth")
+    save_weights_file(MiniMindForCausalLM(config).state_dict(), config, path)
+    return path
 
 
 @pytest.mark.slow
@@ -25,6 +41,8 @@ def test_memory_within_15_percent_of_the_measured_peak(tmp_path, name):
     """The measured peak is the process's peak resident set over what it held once its data were loaded
     (tests/memory_entry.py): the model(s), optimizer, activations, rollouts; the estimate's parts summed."""
     stage, flags = CONFIGS[name]
+    if stage == "distillation":
+        flags = flags + ["--teacher_weight", write_teacher(str(tmp_path), **TEACHER)]
     out = str(tmp_path / "memory.json")
     proc = forked("tests/memory_entry.py", [*flags, "--from_weight", "none", "--max_steps", "3", "--log_interval", "1",
                                             "--save_dir", str(tmp_path / "out"), "--checkpoint_dir",
@@ -40,6 +58,8 @@ def test_memory_within_15_percent_of_the_measured_peak(tmp_path, name):
     assert grown > 0.25 * GIB  # the training state, not noise, is what is compared
     print(f"{name}: estimate {predicted / GIB:.3f} GiB, measured {grown / GIB:.3f} GiB")
     assert abs(predicted / grown - 1) < 0.15, (name, predicted / GIB, grown / GIB, parts)
+    if stage == "distillation":  # the teacher's part is what makes the estimate right, not slack in the others
+        assert abs((predicted - parts["teacher"]) / grown - 1) > 0.15
 
 
 TINY = ["--hidden_size", "64", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
@@ -80,3 +100,54 @@ def test_the_cheapest_change_is_the_first_that_fits():
     assert fix[:2] == ["--batch_size", "1"]  # the script's 2 halved
     plan, run = stage_plan("grpo", flags + fix, 1)
     assert sum(memory_parts(plan, plan.model.config, run)[0].values()) <= 24 * GIB
+
+
+def test_extra_models_by_hand(tmp_path):
+    """The teacher's bytes are its parameters (counted on the model the trainer builds) x 4 (fp32), from its file or,
+    not at hand, from the --teacher_* fields; PPO's value head trains hidden + 1 parameters at 16 bytes each (fp32
+    weight, gradient and two AdamW moments); a reward model's folder is sized by its own config (Llama: a hand count);
+    DPO's reference is not beside the policy in training."""
+    flags = TINY[:-2] + ["--dtype", "float32", "--device", "cpu"]  # unpacked rows: every stage takes them
+    fields = dict(hidden_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    teacher_params = sum(p.numel() for p in MiniMindForCausalLM(MiniMindConfig(**fields)).parameters())
+    from_file = estimate("distillation", flags + ["--teacher_weight", write_teacher(str(tmp_path), **fields)])
+    not_at_hand = estimate("distillation", flags + ["--teacher_weight", str(tmp_path / "absent.pth")],
+                           teacher=dict(fields, use_moe=False))
+    student = estimate("sft", flags)["train_flops_per_token"]
+    per_layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 448  # q, k, v, o; the MLP (ceil(128 pi / 64) x 64)
+    teacher_forward = 2 * (3 * per_layer + 6400 * 128) + 2 * 3 * 128 * 128  # + causal attention at 128 positions
+    for out in (from_file, not_at_hand):
+        assert out["memory_gib"]["teacher"] * GIB == pytest.approx(4 * teacher_params, rel=1e-12)
+        assert out["train_flops_per_token"] == pytest.approx(student + teacher_forward, rel=1e-12)
+    assert "not at hand" in not_at_hand["notes"][0] and "absent" not in not_at_hand["notes"][0]
+
+    assert estimate("ppo", flags)["memory_gib"]["value_head"] * GIB == pytest.approx(16 * 65, rel=1e-12)
+
+    from transformers import LlamaConfig
+    LlamaConfig(vocab_size=6400, hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_labels=1).save_pretrained(tmp_path / "rm")
+    layer = 96 * 96 * 2 + 96 * 48 * 2 + 3 * 96 * 256 + 2 * 96  # q, o; k, v; the MLP; two norms
+    hand = 6400 * 96 + 2 * layer + 96 + 96  # embeddings, layers, final norm, the score head (1 label)
+    out = estimate("grpo", flags + ["--reward_model", str(tmp_path / "rm")])
+    assert out["memory_gib"]["reward_model"] * GIB == pytest.approx(4 * hand, rel=1e-12)
+    dpo = estimate("dpo", flags)
+    assert "reference" not in dpo["memory_gib"] and dpo["notes"][0].startswith("reference: its log-probs")
+
+
+def test_corpus_tokens_from_the_token_cache(tmp_path):
+    """With the trainer's token cache of the file there (built by the dataset the trainer uses), the tokens and
+    documents are the cache's, counted from its arrays; without it, a sample."""
+    from transformers import AutoTokenizer
+
+    from dataset.lm_dataset import PretrainDataset
+    tokenizer = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model")
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i} of a small corpus, " * (i % 5 + 1)}) + "\n"
+                            for i in range(40)))
+    before = corpus_tokens(str(data), tokenizer, cache_dir=str(tmp_path), kinds=("pretrain",))
+    assert before[2] == "counted"  # the whole file tokenized here: bos + text + eos per line, as the cache holds
+    ds = PretrainDataset(str(data), AutoTokenizer.from_pretrained(tokenizer), max_length=64,
+                         cache_dir=str(tmp_path))
+    tokens, documents, how = corpus_tokens(str(data), tokenizer, cache_dir=str(tmp_path), kinds=("pretrain",))
+    assert how.startswith("the token cache corpus.jsonl.pretrain.")
+    assert (tokens, documents) == (int(ds.offsets[-1]), len(ds.offsets) - 1) == (before[0], 40)

@@ -122,6 +122,16 @@ def test_health_says_each_line_once_and_remembers_through_a_resume():
     assert len(lines) == 1
 
 
+@pytest.mark.parametrize("report, elapsed, writes", [("auto", 59.9, False), ("auto", 60.0, True), ("1", 1.0, True),
+                                                     ("0", 3600.0, False)])
+def test_the_report_at_the_end_under_report(report, elapsed, writes):
+    """--report 1 writes it, 0 does not, auto from a run whose last logged record is a minute in (REPORT_AFTER_S)."""
+    watch = HealthWatch(6400, "run_metrics.jsonl", report)
+    for record in train_records(3, elapsed_s=lambda i: elapsed * (i + 1) / 3):
+        watch.on_step_end(None, record)
+    assert watch.writes_report() is writes
+
+
 def read_records(path):
     with open(path) as f:
         return [json.loads(line) for line in f]

@@ -3,7 +3,7 @@ prompt_ids): the server, the web demo, the tool-call eval, the samples logged in
 start from these ids."""
 import pytest
 
-from dataset.chat import prompt_ids
+from dataset.prompt_ids import prompt_ids
 
 CHATS = [
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}],

@@ -1,6 +1,6 @@
 """scripts/report.py on a real run (tiny SFT with eval and samples): the page names the run's files and plots, its
 numbers are the records', its samples are the greedy continuations of the saved weights (an argmax loop here) with
-their repetition; two runs side by side."""
+their repetition; two runs side by side; the run's own report at its end (--report 1)."""
 import json
 import os
 
@@ -31,8 +31,11 @@ def sft_run(tmp_path_factory):
                                            "--batch_size", "2", "--max_steps", "4", "--eval_interval", "2",
                                            "--eval_batches", "2", "--log_interval", "1", "--learning_rate", "1e-3",
                                            "--save_dir", "out", "--checkpoint_dir", "checkpoints",
-                                           "--cache_dir", "cache"], cwd=str(tmp), timeout=600)
+                                           "--cache_dir", "cache", "--report", "1"], cwd=str(tmp), timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    page = tmp / "out" / "full_sft_64_report.md"
+    assert f"report of this run: {page} (plots: {tmp / 'out' / 'full_sft_64_report.png'})" in proc.stdout
+    (tmp / "at_the_end.md").write_text(page.read_text())  # before a test's scripts/report.py writes it again
     return tmp
 
 
@@ -98,3 +101,15 @@ def test_a_reference_curve_beside_the_run(sft_run, tmp_path):
                   "--out", str(tmp_path / "with_reference.md")])
     assert f"- reference curve: `{reference}`" in open(out).read()
     assert os.path.getsize(tmp_path / "with_reference.png") > 0
+
+
+def test_the_run_writes_its_report_at_its_end(sft_run, tmp_path):
+    """--report 1: the page the run wrote at its end is scripts/report.py's page of the same files, less the rank-0
+    log's lines written after it (the callbacks' end: the log's close, `Done:`)."""
+    at_the_end = (sft_run / "at_the_end.md").read_text()
+    later = open(report([str(sft_run / "out" / "full_sft_64_metrics.jsonl"), "--out",
+                         str(sft_run / "out" / "full_sft_64_report.md")])).read()
+    assert [line for line in later.splitlines() if "Done:" not in line] == at_the_end.splitlines()
+    assert "- plots: `" in at_the_end and "| last eval bits per byte |" in at_the_end
+    with open(sft_run / "out" / "full_sft_64_report.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

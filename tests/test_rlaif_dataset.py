@@ -22,7 +22,7 @@ def test_prompts_are_the_conversation_without_its_answer(tmp_path, tokenizer):
         prompt = row["conversations"][:-1] if row["conversations"][-1]["role"] == "assistant" else row["conversations"]
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         assert text.endswith("<think>\n\n</think>\n\n")  # thinking_ratio 0: the think block closed
-        # as SFT saw it with the answer after it: "</think>", "\n", "\n" (dataset/chat.py prompt_ids)
+        # as SFT saw it with the answer after it: "</think>", "\n", "\n" (dataset/prompt_ids.py)
         newline = tokenizer.convert_tokens_to_ids("Ċ")
         expected = tokenizer(text[:-2], add_special_tokens=False)["input_ids"] + [newline, newline]
         ids, length, columns = ds[i]

@@ -7,7 +7,7 @@ import torch
 from transformers import TextStreamer
 from transformers.generation import BaseStreamer, StoppingCriteria, StoppingCriteriaList
 
-from dataset.chat import prompt_ids
+from dataset.prompt_ids import prompt_ids
 
 
 def render_prompt(tokenizer, messages, chat, open_thinking, tools=None):

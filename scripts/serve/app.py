@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dataset.chat import prompt_ids
+from dataset.prompt_ids import prompt_ids
 from scripts.inference.generate import render_prompt
 from scripts.serve.engine import Engine, Full, Generation
 from scripts.serve.replies import Reply, batches, event_lines

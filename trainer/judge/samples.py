@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from dataset.chat import prompt_ids
+from dataset.prompt_ids import prompt_ids
 from trainer.base.launch import is_main_process
 from trainer.base.log import Logger
 from trainer.judge.units import repetition

@@ -194,6 +194,9 @@ class IOPlan:
     wandb_project: str = flag("MiniMind", "swanlab / wandb project name")
     log_dir: Optional[str] = flag(None, "each rank's timestamped log, <save_weight>_<hidden>[_moe]_rank_<N>.log "
                                   "(default: <save_dir>/logs; none: off)")  # None: off
+    report: str = flag("auto", "at the end, rank 0 writes <save_dir>/<run>_report.md and its plots (scripts/report.py's"
+                       " page): 1 always, 0 never (the command is printed), auto for runs of a minute or more",
+                       choices=("auto", "1", "0"))
     profile_steps: Optional[tuple] = flag(None, "A:B: torch.profiler trace of optimizer steps A to B under "
                                           "<save_dir>/profile (default: off)", type=str)
     FLAGS = (

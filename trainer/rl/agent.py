@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dataset.chat import prompt_ids
+from dataset.prompt_ids import prompt_ids
 from dataset.tools import MOCKS, gt_matches, parse_assistant, tool_message, valid_call
 from trainer.base.errors import ConfigError, TrainingHalted
 from trainer.base.launch import count_sum

@@ -240,7 +240,8 @@ def make_callbacks(plan):
     """The run's callbacks besides the sinks (the loop puts its Tracker first): early stopping, the best
     checkpoint, the per-rank log, then the user's."""
     callbacks, settings = Callbacks(), plan.callbacks
-    callbacks.append(HealthWatch(plan.model.config.vocab_size, plan.io.metrics_file))  # health lines, the report line
+    callbacks.append(HealthWatch(plan.model.config.vocab_size, plan.io.metrics_file, plan.io.report,
+                                 plan.io.run_dir + "_config.yaml"))  # health lines, the report at the end
     samples = importlib.import_module(SAMPLES_MODULE) \
         if plan.stage.demo_kind != "pretrain" and plan.data.eval_data_path else None
     if samples and samples.model_is_whole(plan.layout):
