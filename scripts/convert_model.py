@@ -47,9 +47,9 @@ from model.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E40
 from model.weight_flags import flag_conflicts, weights_line  # noqa: E402
 from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
 from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
+from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.ckpt.weights_file import any_weights_record, base_record, read_any_weights, unfinished_line  # noqa: E402
 from trainer.plan.checks import check_writable  # noqa: E402
-from trainer.runtime.launch import ConfigError  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here
 

@@ -23,9 +23,9 @@ import torch  # noqa: E402
 
 from scripts.gpus import GIB, GPUS, find_gpu  # noqa: E402
 from scripts.layout_model import plan_layout, routed_expert_params  # noqa: E402
+from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.plan.flags import add_train_args  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
-from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.runtime.metrics import model_flops_per_token  # noqa: E402
 
 # Saved activations x this = the activation peak: autograd's backward temporaries (each layer's input gradients

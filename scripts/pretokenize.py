@@ -27,8 +27,8 @@ from transformers import AutoTokenizer  # noqa: E402
 from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
 from dataset.shards import shard_files, tokenizer_fingerprint  # noqa: E402
 from dataset.token_cache import default_num_proc  # noqa: E402
+from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.plan.checks import check_tokenizer, check_writable  # noqa: E402
-from trainer.runtime.launch import ConfigError  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here
 

@@ -9,7 +9,7 @@ from dataset.lm_dataset import DPODataset, SFTDataset
 from dataset.preference_data import RewardPairs
 from tests.launch import TINY_MODEL, write_rows
 from trainer import train_dpo
-from trainer.runtime.launch import main_guard
+from trainer.base.launch import main_guard
 
 
 def conversation(question, answer):

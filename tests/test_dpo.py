@@ -27,9 +27,9 @@ from tests.launch import (
     write_rows,
 )
 from trainer import train_dpo
+from trainer.base.launch import main_guard, setup_seed
 from trainer.core.batches import step_targets
 from trainer.parallel.pipeline import PipelineLoss
-from trainer.runtime.launch import main_guard, setup_seed
 from trainer.stages.dpo import DPOObjective, sequence_log_probs
 
 BETA = 0.15

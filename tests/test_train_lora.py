@@ -24,9 +24,10 @@ from model.weights import read_sidecar, save_weights_file
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_lora
+from trainer.base.errors import ConfigError
+from trainer.base.launch import main_guard
 from trainer.plan.flags import parse_args
 from trainer.plan.resolve import resolve
-from trainer.runtime.launch import ConfigError, main_guard
 from trainer.stages.lora import LoraPlan
 
 SCRIPT = "trainer/train_lora.py"
