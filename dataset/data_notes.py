@@ -3,8 +3,6 @@ target within --max_seq_len, conversations cut at --max_seq_len, preference pair
 prompts whose start is dropped at --max_seq_len, prompts offering tools the mock tools lack (the agent stage)."""
 import numpy as np
 
-from dataset.lm_dataset import DPODataset
-
 # the notes of each dataset class, by its name (a pretraining run reads no module of the others): the nearest in the
 # class's MRO applies
 NOTES = {"DPODataset": lambda ds: [ds.no_target_line(), truncation_line(ds), identical_pairs_line(ds)],
@@ -28,7 +26,7 @@ def _longer(side, rows, max_length):
 def truncation_line(ds):
     """How many conversations are longer than --max_seq_len: they are cut at its end, and their answers with it."""
     length = ds.max_length
-    if isinstance(ds, DPODataset):
+    if hasattr(ds, "chosen"):  # a DPODataset (dataset/preference_data.py): its two sides
         counts = [(field, _longer(side, ds.pairs, length)) for field, side in (("chosen", ds.chosen),
                                                                                ("rejected", ds.rejected))]
         if not any(n for _, n in counts):

@@ -1,9 +1,9 @@
 """The token arrays a dataset reads: a token cache directory (built once per node by dataset/token_cache.py, keyed by
 the file, the tokenizer and the format version) or a pretokenized shard (scripts/pretokenize.py), memory-mapped.
 
-TokenCacheDataset is the datasets' common part (dataset/lm_dataset.py): it checks the arguments, builds or reuses the
-cache (or opens the shard) and maps its arrays lazily in each process: tokens uint16/uint32, int64 document offsets,
-uint8 loss mask (SFT only). The corpus never lives in memory as Python strings.
+TokenCacheDataset is the datasets' common part (dataset/lm_dataset.py, chat.py, preference_data.py): it checks the
+arguments, builds or reuses the cache (or opens the shard) and maps its arrays lazily in each process: tokens
+uint16/uint32, int64 document offsets, uint8 loss mask (SFT only). The corpus never lives in memory as Python strings.
 """
 import hashlib
 import json
@@ -45,6 +45,7 @@ def _build_cache(dataset, skip_bad_lines, num_proc, part):
 # scripts/pretokenize.py writes <prefix>.bin (tokens), <prefix>.idx (int64 document offsets),
 # <prefix>.mask (uint8 loss mask, SFT only) and <prefix>.json (meta): the token cache's arrays, renamed.
 SHARD_SUFFIX = ".bin"
+CHUNK_DOCS = 1024  # documents per tokenizer batch call: big enough for speed, small enough for memory
 
 
 def shard_files(prefix):

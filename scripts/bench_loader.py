@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from dataset.chat import SFTDataset  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
-from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
+from dataset.lm_dataset import PretrainDataset  # noqa: E402
 from scripts.benchmarks.machine import machine_description  # noqa: E402
 from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.base.launch import main_guard  # noqa: E402

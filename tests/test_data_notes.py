@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
+from dataset.chat import SFTDataset
 from dataset.data_notes import dataset_notes
-from dataset.lm_dataset import DPODataset, SFTDataset
-from dataset.preference_data import RewardPairs
+from dataset.preference_data import DPODataset, RewardPairs
 from tests.launch import TINY_MODEL, write_rows
 from trainer import train_dpo
 from trainer.base.launch import main_guard

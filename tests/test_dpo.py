@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3ForCausalLM
 
-from dataset.lm_dataset import DPODataset, SFTDataset
+from dataset.chat import SFTDataset
+from dataset.preference_data import DPODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 from torch.utils.data import ConcatDataset, Dataset
 
-from dataset.lm_dataset import PretrainDataset, SFTDataset
+from dataset.chat import SFTDataset
+from dataset.lm_dataset import PretrainDataset
 from dataset.mixture import (
     MixtureDataset,
     _largest_remainder,

@@ -19,8 +19,9 @@ from transformers import AutoTokenizer
 
 import dataset.shards as shards
 import dataset.token_cache as token_cache
+from dataset.chat import SFTDataset
 from dataset.file_ranges import lines_before, split_range
-from dataset.lm_dataset import PretrainDataset, SFTDataset
+from dataset.lm_dataset import PretrainDataset
 from dataset.token_cache import CacheBuildInterrupted, build_token_cache
 from tests.launch import demo_slice
 

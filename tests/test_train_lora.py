@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils.data import DistributedSampler
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-from dataset.lm_dataset import SFTDataset
+from dataset.chat import SFTDataset
 from model.lora import apply_lora_file
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import read_sidecar, save_weights_file

@@ -27,8 +27,8 @@ from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
 from trainer.plan.checks import other_sizes
 from trainer.plan.objective import LMObjective
-from trainer.plan.stage import SFTStage
 from trainer.runtime.metrics import step_flops
+from trainer.stages.sft import SFTStage
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dataset.lm_dataset import DPODataset
+from dataset.preference_data import DPODataset
 from dataset.token_cache import local_part
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256

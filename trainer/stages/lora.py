@@ -19,7 +19,8 @@ from model.weights import save_weights_file
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
-from trainer.plan.stage import SIDECAR_BYTES, SFTStage
+from trainer.plan.stage import SIDECAR_BYTES
+from trainer.stages.sft import SFTStage
 
 
 @dataclass(frozen=True)
