@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from dataset.lm_dataset import PretrainDataset
-from dataset.token_cache import local_part
+from dataset.shards import local_part
 from model.weights import save_weights_file
 from trainer.plan.objective import LMObjective
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dataset.preference_data import DPODataset
-from dataset.token_cache import local_part
+from dataset.shards import local_part
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.weight_flags import mismatch_line, weights_line

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dataset.preference_data import KTODataset
-from dataset.token_cache import local_part
+from dataset.shards import local_part
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag

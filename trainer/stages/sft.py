@@ -3,7 +3,7 @@ SFTDataset), the loss on the assistant's tokens. The base of LoRA's, distillatio
 from dataclasses import dataclass
 
 from dataset.chat import SFTDataset
-from dataset.token_cache import local_part
+from dataset.shards import local_part
 from trainer.plan.stage import Stage
 
 
