@@ -55,7 +55,7 @@ class Stage:
 
     def resume_fields(self):
         """The stage's flags that shape the saved state, {flag: value}, checked on resume
-        (trainer/ckpt/resume_fields.py)."""
+        (trainer/ckpt/checkpoint.py)."""
         return {}
 
     def weights_path(self, plan):
