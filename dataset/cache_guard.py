@@ -98,7 +98,8 @@ def read_token_cache(out_dir):
 
 
 class CacheBuildInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped the build (dataset/token_cache.py); `signum` tells which (exit code 128 + signum)."""
+    """SIGINT or SIGTERM stopped the build (dataset/tokenizing/token_cache.py); `signum` tells which (exit 128 +
+    signum)."""
 
     def __init__(self, message, signum):
         super().__init__(message)

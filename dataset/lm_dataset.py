@@ -2,9 +2,9 @@
 PretrainDataset (MiniMind's), backed by an on-disk token cache; SFTDataset is in dataset/chat.py, DPODataset in
 dataset/preference_data.py (a pretraining run reads neither).
 
-Each file is tokenized once per node (dataset/token_cache.py: the local ranks split it, each with `num_proc` worker
-processes), in chunks through the fast tokenizer's batch API, into flat numpy arrays under dataset/.cache/ that are
-read back with numpy.memmap (dataset/shards.py, which also opens scripts/pretokenize.py's shards): the corpus never
+Each file is tokenized once per node (dataset/tokenizing/token_cache.py: the local ranks split it, each with `num_proc`
+worker processes), in chunks through the fast tokenizer's batch API, into flat numpy arrays under dataset/.cache/ that
+are read back with numpy.memmap (dataset/shards.py, which also opens scripts/pretokenize.py's shards): the corpus never
 lives in memory as Python strings. The cache key covers the file (path, size, mtime), the tokenizer and the format
 version.
 
@@ -35,7 +35,7 @@ class PretrainDataset(TokenCacheDataset):
     doc_mask=True (with packing): samples are (input_ids, labels, position_ids), the position ids restarting
     at 0 where a document starts (and at the row's start), so the model attends within documents only.
     data_path may also be a pretokenized `<prefix>.bin` shard from scripts/pretokenize.py.
-    num_proc, part=(local_rank, local_world_size): how the cache is built (dataset/token_cache.py).
+    num_proc, part=(local_rank, local_world_size): how the cache is built (dataset/tokenizing/token_cache.py).
     """
 
     kind, field = "pretrain", "text"

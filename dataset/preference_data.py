@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import Dataset
 
 from dataset.chat import SFTDataset
-from dataset.file_ranges import extent, is_parquet, iter_records
 from dataset.shards import CHUNK_DOCS, SHARD_SUFFIX
+from dataset.tokenizing.file_ranges import extent, is_parquet, iter_records
 
 
 class _PreferenceSide(SFTDataset):

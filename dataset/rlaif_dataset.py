@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dataset.chat import chat_messages
-from dataset.file_ranges import BadLines
+from dataset.tokenizing.file_ranges import BadLines
 
 
 def read_rows(path):

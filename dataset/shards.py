@@ -1,5 +1,6 @@
-"""The token arrays a dataset reads: a token cache directory (built once per node by dataset/token_cache.py, keyed by
-the file, the tokenizer and the format version) or a pretokenized shard (scripts/pretokenize.py), memory-mapped.
+"""The token arrays a dataset reads: a token cache directory (built once per node by dataset/tokenizing/token_cache.py,
+keyed by the file, the tokenizer and the format version) or a pretokenized shard (scripts/pretokenize.py),
+memory-mapped.
 
 TokenCacheDataset is the datasets' common part (dataset/lm_dataset.py, chat.py, preference_data.py): it checks the
 arguments, builds or reuses the cache (or opens the shard) and maps its arrays lazily in each process: tokens
@@ -17,7 +18,7 @@ from torch.utils.data import Dataset
 from dataset.cache_guard import CACHE_FORMAT_VERSION, discard_if_damaged, read_token_cache
 
 # the build path (worker processes, locks, a part per local rank): read on a cache miss only
-TOKEN_CACHE_BUILDER = "dataset.token_cache"
+TOKEN_CACHE_BUILDER = "dataset.tokenizing.token_cache"
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
@@ -47,7 +48,7 @@ def _cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
 
 
 def _build_cache(dataset, skip_bad_lines, num_proc, part):
-    """Tokenize dataset.data_path into dataset.cache_path, once per node (see dataset/token_cache.py)."""
+    """Tokenize dataset.data_path into dataset.cache_path, once per node (see dataset/tokenizing/token_cache.py)."""
     build_token_cache = importlib.import_module(TOKEN_CACHE_BUILDER).build_token_cache
     build_token_cache(dataset.cache_path, dataset.data_path, dataset.field, dataset._tokenized_chunks,
                       dataset.token_dtype, skip_bad_lines, num_proc=num_proc, part=part)

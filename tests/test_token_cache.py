@@ -17,11 +17,11 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-import dataset.token_cache as token_cache
+import dataset.tokenizing.token_cache as token_cache
 from dataset.chat import SFTDataset
-from dataset.file_ranges import lines_before, split_range
 from dataset.lm_dataset import PretrainDataset
-from dataset.token_cache import CacheBuildInterrupted, build_token_cache
+from dataset.tokenizing.file_ranges import lines_before, split_range
+from dataset.tokenizing.token_cache import CacheBuildInterrupted, build_token_cache
 from tests.launch import demo_slice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,8 @@ Building it goes through files only, so no collective (and no --dist_timeout) is
   stop with the same line instead of waiting for the timeout;
 - SIGINT/SIGTERM stop the build at once (CacheBuildInterrupted): workers are terminated, temporary files, the
   parts and the lock removed; the next run builds the cache from the start.
-A part's ranges and records: dataset/file_ranges.py; its worker processes: dataset/tokenize_pool.py.
+A part's ranges and records: dataset/tokenizing/file_ranges.py; its worker processes:
+dataset/tokenizing/tokenize_pool.py.
 """
 import json
 import math
@@ -38,8 +39,8 @@ from dataset.cache_guard import (
     discard_if_damaged,
     disk_full_line,
 )
-from dataset.file_ranges import extent, is_parquet, split_range
-from dataset.tokenize_pool import tokenized_ranges
+from dataset.tokenizing.file_ranges import extent, is_parquet, split_range
+from dataset.tokenizing.tokenize_pool import tokenized_ranges
 
 TASK_BYTES = 4 << 20  # JSONL bytes per worker task: many tasks keep workers busy, each stays small in memory
 POLL_S = 0.1  # how often waiting ranks look for the cache, its error file and the lock
