@@ -124,6 +124,11 @@ def labelled_tokens(tokenizer, texts, spans):
     return out
 
 
+def longer_rows(cache, rows, max_length):
+    """How many of `rows` of an SFT cache (a DPO side) hold more than max_length tokens."""
+    return int((np.diff(cache.offsets)[rows] > max_length).sum())
+
+
 # ----------------------------------------------------------------------------- the SFT dataset
 
 class SFTDataset(TokenCacheDataset):
@@ -171,6 +176,18 @@ class SFTDataset(TokenCacheDataset):
                     "left out of the packed rows")
         return (f"{self.num_rows_without_targets} of {len(self)} rows of {self.data_path} have no assistant token "
                 f"within --max_seq_len {self.max_length}; they teach nothing")
+
+    def notes(self):
+        """The info lines about what this dataset loses at max_length (the trainer prints them at the start)."""
+        return [line for line in (self.no_target_line(), self.truncation_line()) if line]
+
+    def truncation_line(self):
+        """How many conversations are longer than --max_seq_len: they are cut at its end, and their answers with it."""
+        cut = longer_rows(self, slice(None), self.max_length)
+        if not cut:
+            return None
+        return (f"{cut} of {self.num_conversations} conversations of {self.data_path} are longer than --max_seq_len "
+                f"{self.max_length}: cut, their answers lose the end")
 
     def _has_targets(self):
         """Per conversation: a labelled token at positions 1..max_length-1 (position 0 is never a target)."""

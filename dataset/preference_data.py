@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.chat import SFTDataset
+from dataset.chat import SFTDataset, longer_rows
 from dataset.shards import CHUNK_DOCS, SHARD_SUFFIX
 from dataset.tokenizing.file_ranges import extent, is_parquet, iter_records
 
@@ -122,6 +122,27 @@ class DPODataset(Dataset):
         """The reference model's summed log-probs of every pair, shape (len(self), 2): chosen, rejected."""
         self.reference = reference_log_probs(log_probs, len(self))
 
+    def notes(self):
+        """The info lines about what the pairs lose at max_length, and the identical pairs left out."""
+        return [line for line in (self.no_target_line(), self.truncation_line(), self.identical_pairs_line()) if line]
+
+    def truncation_line(self):
+        """How many sides are longer than --max_seq_len: they are cut at its end, and their answers with it."""
+        sides = (("chosen", self.chosen), ("rejected", self.rejected))
+        counts = [(field, longer_rows(side, self.pairs, self.max_length)) for field, side in sides]
+        if not any(n for _, n in counts):
+            return None
+        return (f"{', '.join(f'{n} {field}' for field, n in counts)} of {len(self)} pairs of {self.data_path} are "
+                f"longer than --max_seq_len {self.max_length}: cut, their answers lose the end")
+
+    def identical_pairs_line(self):
+        """The line counting the pairs with chosen == rejected that were left out."""
+        count = len(self.identical_rows)
+        if not count:
+            return None
+        return (f"{count} of {len(self) + count} pairs of {self.data_path} have chosen == rejected (within "
+                f"--max_seq_len {self.max_length}): they teach nothing and are left out")
+
     def no_target_line(self):
         """The one info line about sides without an assistant token within max_length; None when every row has one."""
         counts = [(side.field, side.num_rows_without_targets - (len(side) - int((side.row_lengths() > 0).sum())))
@@ -187,6 +208,10 @@ class RewardPairs(Dataset):
 
     def no_target_line(self):
         return self.pairs.no_target_line()
+
+    def notes(self):
+        """DPO's notes of the pairs (the margin changes none of them)."""
+        return self.pairs.notes()
 
     def __len__(self):
         return len(self.pairs)
