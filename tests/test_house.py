@@ -137,8 +137,8 @@ def closure(graph, start):
 # inference package shares with the trainer (model/errors.py, model/weight_names.py) and the entry scripts' prelude
 # (base/prelude.py) came in, HF folders went out; 69 / 9,467 then. The closure pass: the old-path forwarding modules
 # gone, SFT/DPO data and SFTStage out of pretraining's files, the token cache's build path, the --save_best and
-# --early_stop_patience callbacks, the swanlab/wandb dashboards, the weighted mixture and the datasets' notes loaded when
-# used, three small modules merged into the one they serve (rank_files, resume_fields, oom): 61 / 8,272).
+# --early_stop_patience callbacks, the swanlab/wandb dashboards, the weighted mixture and the datasets' notes loaded
+# when used, three small modules merged into the one they serve (rank_files, resume_fields, oom): 61 / 8,272).
 PRETRAIN_MODULES, PRETRAIN_LINES = 61, 8280
 
 
