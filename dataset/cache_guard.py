@@ -14,6 +14,7 @@ import shutil
 
 import numpy as np
 
+CACHE_FORMAT_VERSION = 2  # 2: SFT labels cover think blocks and tool calls; tools rendered
 BLOCK = 1 << 20
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 
@@ -87,3 +88,19 @@ def disk_full_line(error, cache_dir):
                     "another --cache_dir, then run again")
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def read_token_cache(out_dir):
+    """(meta, {"tokens", "offsets", "mask": file}) of the complete cache `out_dir` (mask.bin exists for SFT only)."""
+    with open(os.path.join(out_dir, "meta.json")) as f:
+        meta = json.load(f)
+    return meta, {name: os.path.join(out_dir, f"{name}.bin") for name in ("tokens", "offsets", "mask")}
+
+
+class CacheBuildInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the build (dataset/tokenizing/token_cache.py); `signum` tells which (exit 128 +
+    signum)."""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.signum = signum

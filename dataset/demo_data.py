@@ -37,9 +37,9 @@ BUILD_NOTES = {"pretrain": "Python's docs and docstrings, ~20 s", "sft": "dialog
                "dpo": "computed preference pairs, a few s", "rlaif": "RL prompts, a few s",
                "agent": "tool questions, a few s"}
 # each corpus's rows: (module, function), the module read when that corpus is built (a checkout builds each once)
-RECORDS = {"pretrain": ("dataset.demo_records", "pretrain_records"), "sft": ("dataset.demo_records", "sft_records"),
-           "dpo": ("dataset.demo_records", "dpo_records"), "rlaif": ("dataset.demo_records", "rlaif_records"),
-           "kto": ("dataset.demo_records", "kto_records"), "agent": ("dataset.demo_agent", "agent_records")}
+RECORDS = {"pretrain": ("dataset.demo.records", "pretrain_records"), "sft": ("dataset.demo.records", "sft_records"),
+           "dpo": ("dataset.demo.records", "dpo_records"), "rlaif": ("dataset.demo.records", "rlaif_records"),
+           "kto": ("dataset.demo.records", "kto_records"), "agent": ("dataset.demo.agent", "agent_records")}
 
 
 def _write_jsonl_atomic(records, path):

@@ -9,7 +9,7 @@ Which rows open it is drawn once from the seed, so the prompts are a pure functi
 An item is (prompt ids (max_length,) left-padded with the pad id, its length, the row as JSON text): the row's
 other columns, its prompt messages ("prompt") and the tools it offers ("tools", where it offers any) reach the reward
 functions (TRL's convention). A prompt longer than
-max_length keeps its last max_length tokens, as MiniMind's (counted: dataset/data_notes.py says how many). Given the
+max_length keeps its last max_length tokens, as MiniMind's (counted: RLAIFDataset.notes says how many). Given the
 mock tools (the agent stage), rows offering a tool they lack are counted too. JSONL or parquet; rows are read and
 tokenized once.
 """
@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import Dataset
 
 from dataset.chat import chat_messages
-from dataset.file_ranges import BadLines
 from dataset.prompt_ids import prompt_ids
+from dataset.tokenizing.file_ranges import BadLines
 
 
 def read_rows(path):
@@ -106,6 +106,10 @@ class RLAIFDataset(Dataset):
         self.num_truncated = sum(len(ids) > max_length for ids in self.prompts)
         self.rows_with_unknown_tools = sum(any(name in self.unknown_tools for name in tool_names(json.loads(row)))
                                            for row in self.rows) if self.unknown_tools else 0
+
+    def notes(self):
+        """The info lines about prompts cut to --max_seq_len and tools the mock environment lacks."""
+        return [line for line in (self.no_target_line(), self.unknown_tools_line()) if line]
 
     def no_target_line(self):
         """The one info line about prompts cut to --max_seq_len; None when every prompt fits."""

@@ -1,11 +1,13 @@
-"""The token arrays a dataset reads: a token cache directory (built once per node by dataset/token_cache.py, keyed by
-the file, the tokenizer and the format version) or a pretokenized shard (scripts/pretokenize.py), memory-mapped.
+"""The token arrays a dataset reads: a token cache directory (built once per node by dataset/tokenizing/token_cache.py,
+keyed by the file, the tokenizer and the format version) or a pretokenized shard (scripts/pretokenize.py),
+memory-mapped.
 
-TokenCacheDataset is the datasets' common part (dataset/lm_dataset.py): it checks the arguments, builds or reuses the
-cache (or opens the shard) and maps its arrays lazily in each process: tokens uint16/uint32, int64 document offsets,
-uint8 loss mask (SFT only). The corpus never lives in memory as Python strings.
+TokenCacheDataset is the datasets' common part (dataset/lm_dataset.py, chat.py, preference_data.py): it checks the
+arguments, builds or reuses the cache (or opens the shard) and maps its arrays lazily in each process: tokens
+uint16/uint32, int64 document offsets, uint8 loss mask (SFT only). The corpus never lives in memory as Python strings.
 """
 import hashlib
+import importlib
 import json
 import os
 
@@ -13,7 +15,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.token_cache import CACHE_FORMAT_VERSION, build_token_cache, discard_if_damaged, read_token_cache
+from dataset.cache_guard import CACHE_FORMAT_VERSION, discard_if_damaged, read_token_cache
+
+# the build path (worker processes, locks, a part per local rank): read on a cache miss only
+TOKEN_CACHE_BUILDER = "dataset.tokenizing.token_cache"
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
@@ -28,6 +33,12 @@ def tokenizer_fingerprint(tokenizer):
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
+def local_part():
+    """(local_rank, local_world_size) of this process under torchrun; (0, 1) otherwise: the part of a token cache it
+    builds."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
     stat = os.stat(data_path)
     key = [CACHE_FORMAT_VERSION, kind, os.path.abspath(data_path), stat.st_size, stat.st_mtime_ns,
@@ -37,7 +48,8 @@ def cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
 
 
 def _build_cache(dataset, skip_bad_lines, num_proc, part):
-    """Tokenize dataset.data_path into dataset.cache_path, once per node (see dataset/token_cache.py)."""
+    """Tokenize dataset.data_path into dataset.cache_path, once per node (see dataset/tokenizing/token_cache.py)."""
+    build_token_cache = importlib.import_module(TOKEN_CACHE_BUILDER).build_token_cache
     build_token_cache(dataset.cache_path, dataset.data_path, dataset.field, dataset._tokenized_chunks,
                       dataset.token_dtype, skip_bad_lines, num_proc=num_proc, part=part)
 
@@ -45,6 +57,7 @@ def _build_cache(dataset, skip_bad_lines, num_proc, part):
 # scripts/pretokenize.py writes <prefix>.bin (tokens), <prefix>.idx (int64 document offsets),
 # <prefix>.mask (uint8 loss mask, SFT only) and <prefix>.json (meta): the token cache's arrays, renamed.
 SHARD_SUFFIX = ".bin"
+CHUNK_DOCS = 1024  # documents per tokenizer batch call: big enough for speed, small enough for memory
 
 
 def shard_files(prefix):

@@ -37,9 +37,9 @@ from scripts.benchmarks.run import BENCH_DEFAULTS, given_trainer_flags, run_trai
 from scripts.benchmarks.step_shares import shares_line, step_shares  # noqa: E402
 from scripts.fit_plan import main as fit_main  # noqa: E402
 from scripts.layout_model import plan_layout, plan_table  # noqa: E402
+from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
-from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.runtime.metrics import model_flops_per_token, peak_and_status, step_flops  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
 

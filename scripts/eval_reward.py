@@ -22,8 +22,8 @@ import torch  # noqa: E402
 
 from dataset.chat import chat_messages  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
+from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.rl.rewards import RewardModel, check_reward_model  # noqa: E402
-from trainer.runtime.launch import ConfigError  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here
 

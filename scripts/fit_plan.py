@@ -31,10 +31,10 @@ from model.weight_shapes import config_fields  # noqa: E402
 from model.weights import save_weights_file  # noqa: E402
 from scripts.gpus import GIB, GPUS, find_gpu  # noqa: E402
 from scripts.layout_model import plan_layout, routed_expert_params  # noqa: E402
+from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.plan.flags import add_train_args  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
-from trainer.runtime.launch import ConfigError  # noqa: E402
 from trainer.runtime.metrics import model_flops_per_token  # noqa: E402
 
 # Saved activations x this = the activation peak: autograd's backward temporaries (each layer's input gradients

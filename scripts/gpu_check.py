@@ -37,7 +37,7 @@ loading(__name__, "torch")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from dataset.demo_records import pydoc_topic_texts, reasoning_records, stdlib_docstrings, tool_records  # noqa: E402
+from dataset.demo.records import pydoc_topic_texts, reasoning_records, stdlib_docstrings, tool_records  # noqa: E402
 from model.torch_compat import cpu_bf16_native  # noqa: E402
 from scripts.gpu_quick import quick_items, quick_markdown  # noqa: E402
 

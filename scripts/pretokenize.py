@@ -24,11 +24,12 @@ loading(__name__, "transformers and the datasets")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from dataset.lm_dataset import PretrainDataset, SFTDataset  # noqa: E402
+from dataset.chat import SFTDataset  # noqa: E402
+from dataset.lm_dataset import PretrainDataset  # noqa: E402
 from dataset.shards import shard_files, tokenizer_fingerprint  # noqa: E402
-from dataset.token_cache import default_num_proc  # noqa: E402
+from dataset.tokenizing.token_cache import default_num_proc  # noqa: E402
+from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.plan.checks import check_tokenizer, check_writable  # noqa: E402
-from trainer.runtime.launch import ConfigError  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here
 

@@ -1,14 +1,14 @@
-"""A stage added through the contract alone (trainer/core/stage.py), run by tests/test_stage.py: SFT rows and loss, only
+"""A stage added through the contract alone (trainer/plan/stage.py), run by tests/test_stage.py: SFT rows and loss, only
 the embeddings train, the weights file holds only them, and a flag of its own that a resume checks."""
 from dataclasses import dataclass
 
+from trainer.base.launch import main_guard
+from trainer.base.schema import Flag
 from trainer.core.build import build_trainer, setup, steps_per_epoch
 from trainer.core.data_loading import load_datasets
 from trainer.core.loop import train
-from trainer.core.stage import SFTStage
 from trainer.plan.flags import parse_args
-from trainer.plan.schema import Flag
-from trainer.runtime.launch import main_guard
+from trainer.stages.sft import SFTStage
 
 EMBEDDINGS = "model.embed_tokens.weight"
 

@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from trainer.base import launch  # noqa: E402
 from trainer.base.launch import main_guard, rank  # noqa: E402
 from trainer.core import loop as train_loop  # noqa: E402
-from trainer.core.objective import LMObjective  # noqa: E402
+from trainer.plan.objective import LMObjective  # noqa: E402
 
 STAGE = "MINIMIND_TEST_STAGE"
 KILL_AT_STEP = "MINIMIND_TEST_KILL_AT_STEP"

@@ -1,7 +1,7 @@
-"""The subset of Go's text/template that model/ollama.py's TEMPLATE uses, evaluated as Ollama would (Ollama cannot
-run here; no maintained pip package evaluates Go templates): text, `{{- -}}` trimming, if / else if / else, range
-over a list with `$i, $v :=`, variables (`:=`, `=` into an outer scope), fields, parenthesised pipelines with a
-field after them, and the functions eq, ne, and, or, not, len, index, slice and Ollama's json (Go's json.Marshal).
+"""The subset of Go's text/template that model/export/ollama.py's TEMPLATE uses, evaluated as Ollama would (Ollama
+cannot run here; no maintained pip package evaluates Go templates): text, `{{- -}}` trimming, if / else if / else, range
+over a list with `$i, $v :=`, variables (`:=`, `=` into an outer scope), fields, parenthesised pipelines with a field
+after them, and the functions eq, ne, and, or, not, len, index, slice and Ollama's json (Go's json.Marshal).
 """
 import json
 import re

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-from trainer.runtime.launch import main_guard  # noqa: E402
+from trainer.base.launch import main_guard  # noqa: E402
 from trainer.runtime.metrics import trim_heap  # noqa: E402
 
 

@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from transformers import AutoTokenizer, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
-from dataset.lm_dataset import SFTDataset
+from dataset.chat import SFTDataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import ROOT

@@ -18,12 +18,12 @@ from model.model_minimind import MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run, spawn
 from tests.serving import trained_ids
 from trainer import train_agent
+from trainer.base.errors import ConfigError
 from trainer.core.batches import step_targets
 from trainer.plan.resolve import resolve
 from trainer.rl.agent import AgentObjective, AgentPlan, Episode, agent_reward, rule_agent
 from trainer.rl.rewards import repetition_penalty
 from trainer.rl.rows import scoring_log_probs, training_rows
-from trainer.runtime.launch import ConfigError
 
 TEMPERATURE = 0.8
 CALL = '<tool_call>\n{"name": "calculate_math", "arguments": {"expression": "256*37"}}\n</tool_call>'

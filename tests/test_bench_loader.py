@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from dataset.chat import SFTDataset
 from dataset.demo_data import ensure_demo_data
-from dataset.lm_dataset import PretrainDataset, SFTDataset
+from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindForCausalLM
 from scripts.bench_loader import main, step_tokens_per_s, time_loader
 from tests.launch import forked

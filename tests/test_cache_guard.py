@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dataset.cache_guard import cache_problem
-from dataset.lm_dataset import PretrainDataset, SFTDataset
+from dataset.chat import SFTDataset
+from dataset.lm_dataset import PretrainDataset
 from tests.launch import demo_slice
 
 

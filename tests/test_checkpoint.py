@@ -14,15 +14,14 @@ import torch.distributed.checkpoint as dcp
 from model.atomic import atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
+from trainer.base.errors import ConfigError
 from trainer.ckpt.checkpoint import TrainState, read_checkpoint_model, read_resume
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import SHARDED, Part, standard_parts
-from trainer.ckpt.rank_files import rng_state, set_rng_state
-from trainer.ckpt.step_dirs import MANIFEST, latest_checkpoint
-from trainer.core.objective import LMObjective
+from trainer.ckpt.step_dirs import MANIFEST, latest_checkpoint, rng_state, set_rng_state
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
+from trainer.plan.objective import LMObjective
 from trainer.runtime.callbacks import Callbacks
-from trainer.runtime.launch import ConfigError
 
 EMA_START = "EMA starts from the restored weights"
 

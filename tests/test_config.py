@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindForCausalLM
+from trainer.base.errors import ConfigError
 from trainer.plan.checks import data_parallel_mode
 from trainer.plan.flags import FlagParser, add_train_args, declared_flags
 from trainer.plan.model_config import build_config
 from trainer.plan.resolve import TrainPlan, resolve
-from trainer.runtime.launch import ConfigError
 from trainer.trainer_utils import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # a folder: no tokenizer, no weights, not a data file

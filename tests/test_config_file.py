@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.core.stage import Stage
 from trainer.plan.config_file import config_argv, run_config_text
 from trainer.plan.flags import add_train_args
+from trainer.plan.stage import Stage
 from trainer.stages.dpo import DPOPlan
 
 SCRIPT = "trainer/train_pretrain.py"

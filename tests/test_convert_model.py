@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from transformers import __version__ as transformers_version
 
-from model.gguf import read_gguf
+from model.export.gguf import read_gguf
 from model.model_minimind import MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
 from tests.disks import fill

@@ -9,9 +9,9 @@ import pytest
 
 from model.weight_shapes import WeightsError
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.base.errors import ConfigError
 from trainer.ckpt.checkpoint import read_checkpoint_model
 from trainer.ckpt.step_dirs import MANIFEST, TRAIN_STATE, agreed_checkpoint, damage
-from trainer.runtime.launch import ConfigError
 
 SCRIPT = "trainer/train_pretrain.py"
 

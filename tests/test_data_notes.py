@@ -1,15 +1,15 @@
-"""dataset/data_notes.py: what a chat or preference dataset loses or lacks is counted in one line each, and DPO pairs
-that teach nothing (chosen == rejected) are counted, or refused when every pair is one."""
+"""The datasets' notes() (dataset/chat.py, preference_data.py): what a chat or preference dataset loses or lacks is
+counted in one line each, and DPO pairs that teach nothing (chosen == rejected) are counted, or refused when every pair
+is one."""
 import sys
 
 import pytest
 
-from dataset.data_notes import dataset_notes
-from dataset.lm_dataset import DPODataset, SFTDataset
-from dataset.preference_data import RewardPairs
+from dataset.chat import SFTDataset
+from dataset.preference_data import DPODataset, RewardPairs
 from tests.launch import TINY_MODEL, write_rows
 from trainer import train_dpo
-from trainer.runtime.launch import main_guard
+from trainer.base.launch import main_guard
 
 
 def conversation(question, answer):
@@ -27,7 +27,7 @@ def test_identical_pairs_are_counted(tmp_path, tokenizer):
     data = write_rows(tmp_path / "d.jsonl", pairs(8, same=(1, 4, 6)))
     ds = DPODataset(data, tokenizer, max_length=48, cache_dir=tmp_path / "c")
     assert ds.identical_rows.tolist() == [1, 4, 6] and ds.pairs.tolist() == [0, 2, 3, 5, 7]  # left out
-    assert dataset_notes(ds) == [f"3 of 8 pairs of {data} have chosen == rejected (within --max_seq_len 48): they "
+    assert ds.notes() == [f"3 of 8 pairs of {data} have chosen == rejected (within --max_seq_len 48): they "
                                  "teach nothing and are left out"]
 
 
@@ -37,7 +37,7 @@ def test_the_reward_models_identical_pairs_are_left_out_with_their_margins(tmp_p
     data = write_rows(tmp_path / "r.jsonl", rows)
     ds = RewardPairs(data, tokenizer, max_length=48, cache_dir=tmp_path / "c")
     assert len(ds) == 4 and [float(ds[i][2]) for i in range(4)] == [1.0, 2.0, 4.0, 5.0]
-    assert dataset_notes(ds) == [f"2 of 6 pairs of {data} have chosen == rejected (within --max_seq_len 48): they "
+    assert ds.notes() == [f"2 of 6 pairs of {data} have chosen == rejected (within --max_seq_len 48): they "
                                  "teach nothing and are left out"]
 
 
@@ -79,6 +79,6 @@ def test_conversations_cut_at_max_seq_len_are_counted(tmp_path, tokenizer, packi
     assert 0 < longer < len(rows)
     ds = SFTDataset(data, tokenizer, max_length=40, cache_dir=tmp_path / "c", packing=packing)
     assert f"{longer} of 12 conversations of {data} are longer than --max_seq_len 40: cut, their answers lose the " \
-           "end" in dataset_notes(ds)
+           "end" in ds.notes()
     wide = SFTDataset(data, tokenizer, max_length=max(lengths), cache_dir=tmp_path / "c", packing=packing)
-    assert dataset_notes(wide) == []
+    assert wide.notes() == []

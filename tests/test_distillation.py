@@ -16,10 +16,11 @@ from model.weights import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from tests.models import sft_batch
 from trainer import train_distillation
+from trainer.base.errors import ConfigError
+from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
-from trainer.runtime.launch import ConfigError, main_guard
 from trainer.stages.distillation import DistillationObjective, DistillationPlan
 
 SCRIPT = "trainer/train_distillation.py"
@@ -178,7 +179,7 @@ KILL_AT = """import os, signal, sys
 sys.path.insert(0, {root!r})
 from trainer import train_distillation
 from trainer.core import loop as train_loop
-from trainer.runtime.launch import main_guard, rank
+from trainer.base.launch import main_guard, rank
 real_after_step = train_loop.after_step
 def after_step(trainer, *args, **kwargs):
     real_after_step(trainer, *args, **kwargs)

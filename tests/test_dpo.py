@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3ForCausalLM
 
-from dataset.lm_dataset import DPODataset, SFTDataset
+from dataset.chat import SFTDataset
+from dataset.preference_data import DPODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
@@ -27,9 +28,9 @@ from tests.launch import (
     write_rows,
 )
 from trainer import train_dpo
+from trainer.base.launch import main_guard, setup_seed
 from trainer.core.batches import step_targets
 from trainer.parallel.pipeline import PipelineLoss
-from trainer.runtime.launch import main_guard, setup_seed
 from trainer.stages.dpo import DPOObjective, sequence_log_probs
 
 BETA = 0.15

@@ -16,7 +16,7 @@ from scripts.inference.load import check_args, load_model
 from tests.launch import ROOT, forked
 from tests.serving import greedy_continuation, greedy_reply
 from tests.weight_files import hand_folded, lora_adapter
-from trainer.runtime.launch import ConfigError
+from trainer.base.errors import ConfigError
 
 
 def test_eval_llm_streams_the_greedy_continuation(tmp_path):

@@ -6,7 +6,7 @@ import ast
 import os
 import re
 
-from model.gguf import gguf_refusal
+from model.export.gguf import gguf_refusal
 from model.model_minimind import MiniMindConfig
 from tests.launch import ROOT
 from trainer.plan.flags import add_train_args

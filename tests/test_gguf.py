@@ -1,5 +1,5 @@
-"""model/gguf.py: GGUF exports load in stock llama.cpp (llama-cpp-python) and in transformers' GGUF loader with our
-logits, greedy tokens, tokenization and chat template; every tensor reads back within its type's rounding bound."""
+"""model/export/gguf.py: GGUF exports load in stock llama.cpp (llama-cpp-python) and in transformers' GGUF loader with
+our logits, greedy tokens, tokenization and chat template; every tensor reads back within its type's rounding bound."""
 import copy
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from model.gguf import GPT2_REGEX, QWEN2_REGEX, pre_tokenizer_name, read_gguf, worst_rounding_ratio, write_gguf
+from model.export.gguf import GPT2_REGEX, QWEN2_REGEX, pre_tokenizer_name, read_gguf, worst_rounding_ratio, write_gguf
 from model.provenance import tokenizer_record
 from model.weight_shapes import WeightsError
 from model.weights import save_weights_file

@@ -15,10 +15,10 @@ from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metr
 from tests.models import sft_batch
 from tests.rollout_server import LAYOUT_OPTIMIZER, RolloutServer
 from trainer import train_gkd
+from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches
 from trainer.rl.gkd import GKDObjective, GKDPlan, on_policy_step
-from trainer.runtime.launch import main_guard
 
 SCRIPT = "trainer/train_gkd.py"
 STUDENT = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

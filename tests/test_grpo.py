@@ -13,12 +13,13 @@ import torch
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, kill_at_step, resume_run
 from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_grpo
+from trainer.base.errors import ConfigError
+from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
 from trainer.plan.resolve import resolve
 from trainer.rl.grpo import GRPOPlan
 from trainer.rl.policy_loss import group_advantages, k3_kl, leave_one_out_advantages
-from trainer.runtime.launch import ConfigError, main_guard
 
 REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
 TEMPERATURE = 0.8

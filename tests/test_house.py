@@ -135,8 +135,12 @@ def closure(graph, start):
 # module named in a table, imported by name). Issue #44 asks for 45 modules and 7,000 lines; this is where it stands
 # (65 / 8,985 after the floors; then the health lines and bits per byte (judge/health.py, units.py) and the names the
 # inference package shares with the trainer (model/errors.py, model/weight_names.py) and the entry scripts' prelude
-# (base/prelude.py) came in, HF folders went out).
-PRETRAIN_MODULES, PRETRAIN_LINES = 69, 9500
+# (base/prelude.py) came in, HF folders went out; 69 / 9,467 then. The closure pass: the old-path forwarding modules
+# gone, SFT/DPO data and SFTStage out of pretraining's files, the token cache's build path, the --save_best and
+# --early_stop_patience callbacks, the swanlab/wandb dashboards, the weighted mixture and the datasets' notes loaded
+# when used, three small modules merged into the one they serve (rank_files, resume_fields, oom): 61 / 8,272; the
+# end-of-run report's hand-off in judge/health.py (the report itself loads by name): 61 / 8,299).
+PRETRAIN_MODULES, PRETRAIN_LINES = 61, 8300
 
 
 def test_pretraining_reads_a_short_path(capsys):
@@ -191,10 +195,13 @@ def test_every_folder_says_what_lives_there(folder):
     assert doc and "import" in doc, f"trainer/{folder}/__init__.py: a docstring: what lives there, what it imports"
 
 
-@pytest.mark.parametrize("folder", FOLDERS)
+BELOW_TRAINER = ["model", "model/export", "dataset", "dataset/demo", "dataset/tokenizing"]
+
+
+@pytest.mark.parametrize("folder", [f"trainer/{f}" for f in FOLDERS] + BELOW_TRAINER)
 def test_no_folder_holds_more_than_12_modules(folder):
-    names = [n for n in os.listdir(os.path.join(ROOT, "trainer", folder)) if n.endswith(".py") and n != "__init__.py"]
-    assert len(names) <= 12, f"trainer/{folder}/ holds {len(names)} modules: split it by concern"
+    names = [n for n in os.listdir(os.path.join(ROOT, folder)) if n.endswith(".py") and n != "__init__.py"]
+    assert len(names) <= 12, f"{folder}/ holds {len(names)} modules: split it by concern"
 
 
 def test_no_function_over_60_lines():

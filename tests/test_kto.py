@@ -23,8 +23,8 @@ from tests.launch import (
     write_rows,
 )
 from trainer import train_kto
+from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets
-from trainer.runtime.launch import main_guard
 from trainer.stages.kto import KTOObjective
 
 SCRIPT = "trainer/train_kto.py"

@@ -1,8 +1,8 @@
-"""trainer/runtime/launch.py: the backend follows the plan's device; token counts are summed on the CPU."""
+"""trainer/base/launch.py: the backend follows the plan's device; token counts are summed on the CPU."""
 import pytest
 
 from tests.launch import spawn
-from trainer.runtime.launch import backend_for, count_sum
+from trainer.base.launch import backend_for, count_sum
 
 
 @pytest.mark.parametrize("device,backend", [("cpu", "gloo"), ("cuda", "nccl"), ("cuda:1", "nccl")])

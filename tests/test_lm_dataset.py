@@ -13,10 +13,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
-import dataset.lm_dataset as lm_dataset
+import dataset.chat as chat
 import dataset.shards as shards
+from dataset.chat import SFTDataset
 from dataset.demo_data import ensure_demo_data
-from dataset.lm_dataset import PretrainDataset, SFTDataset
+from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.chat_rows import GCD_CALLS, GCD_TOOLS, TOOL_CONVERSATION, TOOL_CONVERSATION_PIECES, encode, pieces_to_ids
 from tests.launch import demo_slice
@@ -178,7 +179,7 @@ def test_sft_rows_without_an_assistant_token_are_counted(tokenizer, tmp_path, mo
     assert (ds.num_rows_without_targets, len(ds)) == (1, 3)
     assert ds.no_target_line() == (f"1 of 3 rows of {path} have no assistant token within --max_seq_len {first + 1}; "
                                    "they teach nothing")
-    monkeypatch.setattr(lm_dataset, "SCAN_TOKENS", 1)  # one row per scanned block: the same count
+    monkeypatch.setattr(chat, "SCAN_TOKENS", 1)  # one row per scanned block: the same count
     assert SFTDataset(path, tokenizer, max_length=first + 1, cache_dir=tmp_path / "cache").num_rows_without_targets == 1
     full = SFTDataset(path, tokenizer, max_length=long_first + 1, cache_dir=tmp_path / "cache")
     assert full.num_rows_without_targets == 0 and full.no_target_line() is None

@@ -18,14 +18,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from tests.minimind_order import MiniMindOrder, batches, cosine_lr
+from trainer.base.errors import ConfigError
 from trainer.ckpt.checkpoint import read_resume
 from trainer.ckpt.minimind_resume import minimind_parameter_order
 from trainer.core.build import build_trainer, setup
 from trainer.core.loop import train_step
-from trainer.core.stage import Stage
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
-from trainer.runtime.launch import ConfigError
+from trainer.plan.stage import Stage
 
 # ----------------------------------------------------------------------------- MiniMind's registration order
 # Each __init__ below registers its children in the order of MiniMind's class of the same name; the forward is ours

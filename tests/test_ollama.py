@@ -1,12 +1,13 @@
-"""model/ollama.py: the Modelfile's Go TEMPLATE, evaluated with Go's text/template semantics (tests/gotemplate.py;
-Ollama cannot run here), renders a chat as our chat template (model/tokenizer_config.json via transformers) does."""
+"""model/export/ollama.py: the Modelfile's Go TEMPLATE, evaluated with Go's text/template semantics
+(tests/gotemplate.py; Ollama cannot run here), renders a chat as our chat template (model/tokenizer_config.json via
+transformers) does."""
 import json
 import os
 
 import pytest
 from transformers import AutoTokenizer
 
-from model.ollama import STOP_TOKENS, TEMPLATE, modelfile
+from model.export.ollama import STOP_TOKENS, TEMPLATE, modelfile
 from tests.gotemplate import go_json, render
 from tests.launch import ROOT
 

@@ -11,10 +11,10 @@ import torch
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from tests.layouts import read_step
+from trainer.base.errors import ConfigError
 from trainer.parallel.mesh import ParallelDims
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
-from trainer.runtime.launch import ConfigError
 from trainer.runtime.optim import build_optimizer
 from trainer.runtime.optimizers import Lamb, Lars, MuonWithAdamW
 

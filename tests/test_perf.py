@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dataset.lm_dataset import PretrainDataset, SFTDataset
+from dataset.chat import SFTDataset
+from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, chunked_cross_entropy
 from tests.launch import forked
 from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks

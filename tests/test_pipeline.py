@@ -10,7 +10,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import build_pipeline, spawn
 from tests.numerics import assert_adam_first_step_close
-from trainer.core.objective import LMObjective
 from trainer.parallel.pipeline import PipelineLoss as pipeline_loss_fn
 from trainer.parallel.pipeline import (
     PipelineStageModule,
@@ -20,6 +19,7 @@ from trainer.parallel.pipeline import (
     pp_validate,
     sync_tied_grads,
 )
+from trainer.plan.objective import LMObjective
 
 VOCAB, SEQ, BATCH, TOL = 128, 32, 4, 1e-5
 LR, ADAM_EPS = 1e-2, 1e-8  # torch's default eps: near-zero grads are handled by the per-element bound

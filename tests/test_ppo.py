@@ -14,12 +14,12 @@ from model.weight_shapes import VALUE_HEAD
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_ppo
+from trainer.base.errors import ConfigError
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
 from trainer.plan.resolve import resolve
 from trainer.rl.policy_loss import gae, value_loss
 from trainer.rl.ppo import PPOPlan
-from trainer.runtime.launch import ConfigError
 
 REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
 TEMPERATURE = 0.8

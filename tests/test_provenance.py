@@ -16,9 +16,9 @@ from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args as eval_args
 from scripts.inference.load import tokenizer_folder
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
-from trainer.runtime.launch import ConfigError
 
 MODEL_DIR = os.path.join(ROOT, "model")
 

@@ -1,4 +1,4 @@
-"""Under torchrun every rank's exit is one line or silence (trainer/runtime/launch.py main_guard, leave_on_signals): a
+"""Under torchrun every rank's exit is one line or silence (trainer/base/launch.py main_guard, leave_on_signals): a
 refusal, a lost peer and a SIGTERM to the launcher end without a traceback from this repository's code on any rank,
 and the lines say what is saved.
 

@@ -28,9 +28,9 @@ from tests.launch import (
     resume_run,
 )
 from trainer import train_ppo, train_reward
+from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets
 from trainer.rl.rewards import RewardModel
-from trainer.runtime.launch import main_guard
 from trainer.stages.reward import RewardObjective, ScoreHead, hf_folder
 
 SCRIPT = "trainer/train_reward.py"

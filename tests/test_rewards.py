@@ -7,6 +7,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
 from tests.launch import ROOT
+from trainer.base.errors import ConfigError
 from trainer.rl.rewards import (
     RewardFailed,
     RewardModel,
@@ -16,7 +17,6 @@ from trainer.rl.rewards import (
     rule_think,
     score,
 )
-from trainer.runtime.launch import ConfigError
 
 
 def as_completions(*texts):

@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from dataset.data_notes import dataset_notes
 from dataset.rlaif_dataset import RLAIFDataset
 from tests.launch import write_rows
 
@@ -53,7 +52,7 @@ def test_long_prompts_keep_their_last_tokens_and_bad_rows_are_named(tmp_path, to
     newline = tokenizer.convert_tokens_to_ids("Ċ")  # the closing "\n\n" as two "\n", as SFT saw it
     full = tokenizer(text[:-2], add_special_tokens=False)["input_ids"] + [newline, newline]
     assert ds[1][0].tolist() == full[-32:] and ds[1][1] == 32
-    assert dataset_notes(ds) == [f"1 of 3 prompts of {path} are longer than --max_seq_len 32: their start dropped "
+    assert ds.notes() == [f"1 of 3 prompts of {path} are longer than --max_seq_len 32: their start dropped "
                                  "(each keeps its last 32 tokens)"]  # the line the trainer prints at start
     bad = write_rows(tmp_path / "bad.jsonl", rows(2) + ["{not json", {"text": "x"}, {"conversations": []}])
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):

@@ -7,9 +7,9 @@ import os
 import pytest
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
-from trainer.runtime.launch import ConfigError
 from trainer.runtime.schedule import lr_at, resume_note
 from trainer.trainer_utils import get_lr
 

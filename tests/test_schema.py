@@ -1,11 +1,11 @@
-"""trainer/plan/schema.py: a flag declared once, in its section, gives the parser's argument and the plan's field."""
+"""trainer/base/schema.py: a flag declared once, in its section, gives the parser's argument and the plan's field."""
 import argparse
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 
-from trainer.plan.schema import Flag, fill, flag, section_flags
+from trainer.base.schema import Flag, fill, flag, section_flags
 from trainer.plan.sections import SECTIONS
 
 

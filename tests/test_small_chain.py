@@ -7,7 +7,7 @@ import collections
 import shlex
 import time
 
-from dataset.demo_records import sft_records
+from dataset.demo.records import sft_records
 from tests.launch import forked
 from tests.readme_lines import readme_chain
 

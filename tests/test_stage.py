@@ -1,4 +1,4 @@
-"""trainer/core/stage.py: the stage contract. A stage written against it alone (tests/custom_stage.py) trains with its
+"""trainer/plan/stage.py: the stage contract. A stage written against it alone (tests/custom_stage.py) trains with its
 own flag, model hook, weights and resume field; the stages without a held-out metric refuse --eval_data_path."""
 import argparse
 
@@ -7,13 +7,13 @@ import torch
 
 from tests.custom_stage import EMBEDDINGS
 from tests.launch import TINY_MODEL, demo_slice, forked
+from trainer.base.errors import ConfigError
 from trainer.ckpt.checkpoint import read_checkpoint_model
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 from trainer.rl.agent import AgentPlan
 from trainer.rl.grpo import GRPOPlan
 from trainer.rl.ppo import PPOPlan
-from trainer.runtime.launch import ConfigError
 from trainer.stages.dpo import DPOPlan
 
 

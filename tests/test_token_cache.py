@@ -17,11 +17,11 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-import dataset.shards as shards
-import dataset.token_cache as token_cache
-from dataset.file_ranges import lines_before, split_range
-from dataset.lm_dataset import PretrainDataset, SFTDataset
-from dataset.token_cache import CacheBuildInterrupted, build_token_cache
+import dataset.tokenizing.token_cache as token_cache
+from dataset.chat import SFTDataset
+from dataset.lm_dataset import PretrainDataset
+from dataset.tokenizing.file_ranges import lines_before, split_range
+from dataset.tokenizing.token_cache import CacheBuildInterrupted, build_token_cache
 from tests.launch import demo_slice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,8 +68,8 @@ def launch_ranks(kind, path, cache_dir, num_parts, num_proc, nodes=1, timeout=18
 def rank_main(kind, path, cache_dir, rank, num_parts, num_proc):
     """One local rank: build (or wait for) the cache; print whether it tokenized, or `error: ...` and exit 2."""
     tokenized = []
-    build = shards.build_token_cache
-    shards.build_token_cache = lambda *a, **k: tokenized.append(build(*a, **k))  # record the return value
+    build = token_cache.build_token_cache  # shards loads the builder by name (shards.TOKEN_CACHE_BUILDER) on a miss
+    token_cache.build_token_cache = lambda *a, **k: tokenized.append(build(*a, **k))  # record the return value
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     try:
         ds = DATASETS[kind](path, tokenizer, max_length=16, cache_dir=cache_dir, num_proc=int(num_proc),

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DistributedSampler
 from transformers import AutoTokenizer
 
-from dataset.lm_dataset import SFTDataset
+from dataset.chat import SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.chat_rows import GCD_CALLS, GCD_TOOLS, TOOL_CONVERSATION, TOOL_CONVERSATION_PIECES, pieces_to_ids
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics

@@ -12,7 +12,7 @@ from trainer.core.build import build_trainer, setup, steps_per_epoch
 from trainer.core.data_loading import load_datasets
 from trainer.core.loop import train
 from trainer.plan.flags import parse_args
-from trainer.plan.stage import SFTStage
+from trainer.stages.sft import SFTStage
 
 
 def main():

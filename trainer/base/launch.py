@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dataset.token_cache import CacheBuildInterrupted
+from dataset.cache_guard import CacheBuildInterrupted
 from model.torch_compat import set_default_pg_timeout
 from trainer.base import rank_log
 from trainer.base.errors import ConfigError, SignalStop, TrainingHalted

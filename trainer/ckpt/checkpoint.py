@@ -6,14 +6,14 @@ read_checkpoint_record for a step directory named as weights).
       train_state.pt          rank 0: the rank-0 parts (train_state: TrainState, scaler, callbacks) and the record:
                               format_version, parts, world_size, global_batch, layout, args (the flags as typed),
                               config, tokenizer, resume_fields
-      rng_<rank>.pt           each rank's own files (trainer/ckpt/rank_files.py): RNG states; the objective's state,
+      rng_<rank>.pt           each rank's own files (trainer/ckpt/step_dirs.py): RNG states; the objective's state,
       objective_<rank>.pt       where it has one (GRPO: a rollout being reused); PowerSGD's residuals and Qs
       powersgd_<rank>.pt        (--grad_compression powersgd)
       complete.json           written last, by rank 0, once every rank's files are there: only then it counts
 The parts are a registry (trainer/ckpt/parts.py): each registers once with its scope, save and load walk it.
 DCP reshards on load, so a run may resume under another layout. The weights file: trainer/ckpt/weights_file.py.
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
-(trainer/ckpt/minimind_resume.py).
+(trainer/ckpt/minimind_resume.py). The resume's check of the flags that shaped the saved state is at the end.
 """
 import importlib
 import os
@@ -25,10 +25,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
+from model.provenance import short
 from model.weight_shapes import WeightsError, clean_state_dict, config_fields
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
-from trainer.ckpt.resume_fields import check_resume_fields
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
     MANIFEST,
@@ -167,3 +167,44 @@ def read_checkpoint_record(path):
 def tied_aliases(pipeline, config):
     """Under pp the tied embedding has a copy on the last stage; its optimizer state is saved once."""
     return TIED_EMBEDDING if pipeline is not None and config.tie_word_embeddings else None
+
+
+# ----------------------------------------------------------------------------- the flags that shaped the saved state
+# A resume checks every flag that shaped the saved state against the checkpoint (ARCHITECTURE.md, contracts). The
+# model's fields are checked by check_config; these are the rest, by flag: the tokenizer (its record, compared by the
+# sha256 of tokenizer.json) and what a stage declares in `resume_fields()` (LoRA: rank, alpha, targets, dropout; DPO:
+# beta and the reference; distillation: the teacher, alpha, temperature). Checkpoints save them as `resume_fields` in
+# train_state.pt; a value that differs now is one line naming the flag and both values.
+def resume_fields(plan):
+    """What shapes the saved state besides the model's fields, by flag: the tokenizer (its record) and the stage's
+    own (LoRA rank/alpha/targets/dropout, DPO beta and reference, distillation teacher/alpha/temperature)."""
+    fields = {"--tokenizer_path": plan.data.tokenizer_record}
+    if plan.model.config.use_moe:  # the routing bias is model state when on
+        fields["--router_balance"] = plan.model.router_balance
+    return dict(fields, **plan.stage.resume_fields())
+
+
+def _shown(value):
+    """A resume field as the user reads it: a file record as its path and content hash."""
+    return f"{value['path']} (sha256 {short(value['sha256'])})" if isinstance(value, dict) else str(value)
+
+
+def _same(saved, value):
+    """Equal resume fields; file records compare by content (by path where a hash is missing)."""
+    if isinstance(saved, dict) and isinstance(value, dict):
+        key = "sha256" if saved.get("sha256") and value.get("sha256") else "path"
+        return saved.get(key) == value.get(key)
+    return saved == value
+
+
+def check_resume_fields(saved, plan, path):
+    """ConfigError naming the first flag that shaped the checkpoint's state and has another value in this run."""
+    if not saved:  # MiniMind's resume file, or a checkpoint from before these were saved
+        return
+    for flag, value in resume_fields(plan).items():
+        if flag in saved and not _same(saved[flag], value):
+            was = saved[flag]
+            typed = was["path"] if isinstance(was, dict) else was
+            hint = f"leave {flag} out" if was is None else f"pass {flag} {typed}"
+            raise ConfigError(f"{path} was saved with {flag} {_shown(was)}, this run has {flag} {_shown(value)}; "
+                              f"{hint} to continue it, or --from_resume 0 to start over")

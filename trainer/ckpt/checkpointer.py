@@ -14,9 +14,8 @@ from trainer.base import launch
 from trainer.base.errors import ConfigError
 from trainer.base.launch import rank
 from trainer.base.log import Logger
+from trainer.ckpt.checkpoint import resume_fields
 from trainer.ckpt.parts import LEGACY_PARTS, PER_RANK, RANK0, SHARDED, missing_parts_line, note_unused_parts
-from trainer.ckpt.rank_files import read_rank_state, save_rank_state
-from trainer.ckpt.resume_fields import resume_fields
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
     MANIFEST,
@@ -26,6 +25,8 @@ from trainer.ckpt.step_dirs import (
     file_sizes,
     incomplete_line,
     latest_checkpoint,
+    read_rank_state,
+    save_rank_state,
 )
 from trainer.ckpt.storage import check_room, disk_full_as_one_line, from_rank0, tree_bytes
 

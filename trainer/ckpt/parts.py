@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
-from trainer.ckpt.rank_files import rng_state, set_rng_state
+from trainer.ckpt.step_dirs import rng_state, set_rng_state
 from trainer.parallel.data import comm_hooks
 from trainer.parallel.state_dict import load_full_state, load_sharded_state, sharded_state_dict
 

@@ -17,7 +17,7 @@ from trainer.base.errors import ConfigError
 from trainer.base.launch import count_sum, is_main_process
 from trainer.base.log import Logger
 from trainer.ckpt.checkpoint import latest_checkpoint, read_checkpoint_model, read_checkpoint_record
-from trainer.ckpt.rank_files import set_rng_state
+from trainer.ckpt.step_dirs import set_rng_state
 from trainer.ckpt.storage import rank0_write
 from trainer.parallel.state_dict import full_model_state_dict
 

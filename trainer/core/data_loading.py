@@ -3,7 +3,6 @@ DataLoader of one data-parallel rank's micro-batches of an epoch."""
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from transformers import AutoTokenizer
 
-from dataset.data_notes import dataset_notes
 from dataset.demo_data import ensure_demo_data
 from dataset.mixture import describe_mixture, load_data_spec
 from trainer.base.errors import ConfigError
@@ -43,6 +42,12 @@ def load_datasets(plan):
         raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
                           f"({plan.data.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
     return train_ds, eval_ds
+
+
+def dataset_notes(ds):
+    """The info lines a dataset gives about what it loses or lacks (its `notes()`: chat, preference and prompt data,
+    dataset/chat.py, preference_data.py, rlaif_dataset.py); none for pretraining's rows."""
+    return ds.notes() if hasattr(ds, "notes") else []
 
 
 def rows_line(ds, seq_len):

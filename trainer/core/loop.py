@@ -18,7 +18,7 @@ import torch.distributed as dist
 from trainer.base.errors import SignalStop
 from trainer.base.launch import OUTSIDE_LOOP, add_stats, count_sum, full_value, is_main_process, set_collective_timeout
 from trainer.base.log import Logger
-from trainer.ckpt.rank_files import rng_state
+from trainer.ckpt.step_dirs import rng_state
 from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed, save_weights
 from trainer.core.batches import autocast, loss_context, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader
@@ -40,10 +40,10 @@ from trainer.runtime.console import (
 from trainer.runtime.guard import (
     StepAbandoned,
     check_replicas,
+    out_of_memory_as_one_line,
     scaler_found_inf,
 )
 from trainer.runtime.metrics import step_timer, trim_heap
-from trainer.runtime.oom import out_of_memory_as_one_line
 from trainer.runtime.schedule import lr_at
 from trainer.runtime.tracking import StepProfiler
 

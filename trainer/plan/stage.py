@@ -4,13 +4,14 @@ A stage is a frozen dataclass subclassing `Stage` (its checked flags; `plan.stag
 (trainer/plan/objective.py: `LMObjective` is the base and the default) and an entry script trainer/train_<stage>.py that
 runs the numbered phases: parse_args(description, StageClass) -> setup(args, StageClass) -> load_datasets(plan) ->
 plan.stage.objective(plan, dims, train_ds) -> build_trainer(...) -> train(...). The loop, checkpoints, callbacks and
-config call the hooks below and nothing else of a stage; a hook a stage does not override keeps the default.
+config call the hooks below and nothing else of a stage; a hook a stage does not override keeps the default. SFT's
+stage is trainer/stages/sft.py.
 """
 import os
 from dataclasses import dataclass
 
-from dataset.lm_dataset import PretrainDataset, SFTDataset
-from dataset.token_cache import local_part
+from dataset.lm_dataset import PretrainDataset
+from dataset.shards import local_part
 from model.weights import save_weights_file
 from trainer.plan.objective import LMObjective
 
@@ -54,7 +55,7 @@ class Stage:
 
     def resume_fields(self):
         """The stage's flags that shape the saved state, {flag: value}, checked on resume
-        (trainer/ckpt/resume_fields.py)."""
+        (trainer/ckpt/checkpoint.py)."""
         return {}
 
     def weights_path(self, plan):
@@ -77,17 +78,3 @@ class Stage:
     def weights_bytes(self, model_state, save_dtype, record):
         """About what save_weights writes, for the free-space check before it."""
         return sum(v.numel() for v in self.weights_state(model_state).values()) * save_dtype.itemsize + SIDECAR_BYTES
-
-
-@dataclass(frozen=True)
-class SFTStage(Stage):
-    """Supervised fine-tuning: chat rows, the loss on the assistant's tokens (the labels of SFTDataset)."""
-    name = "SFT"
-    demo_kind = "sft"
-
-    def dataset(self, plan, tokenizer, path):
-        """Chat rows (SFTDataset); --packing 1: whole conversations packed into rows."""
-        data = plan.data
-        return SFTDataset(path, tokenizer, max_length=data.seq_len, skip_bad_lines=data.skip_bad_lines,
-                          cache_dir=data.cache_dir, num_proc=data.num_proc, part=local_part(), packing=data.packing,
-                          doc_mask=data.doc_mask)

@@ -1,3 +1,3 @@
 """What runs around the step: the guard (non-finite steps, signals), out-of-memory, optimizers, schedules,
-callbacks, the console (bar and records), tracking and metrics (launch.py is the old path of base/launch.py).
+callbacks, the console (bar and records), tracking and metrics.
 Floor 5: may import judge/, ckpt/, parallel/, base/, model/ and dataset/."""

@@ -10,32 +10,25 @@ Every rank calls every hook at the same point, so a hook may run collectives (al
 A callback stops the run after this step by setting `self.stop_reason` (a line the run prints), and asks for a
 checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
 travel in every checkpoint, so a resumed run continues with the same state.
-Built in, through the same hooks: the sinks (tracking.Tracker), EarlyStopping, BestCheckpoint, RankLog,
-bench.EvalBench (--eval_bench: lm-eval scores of the current model), health.HealthWatch (health lines) and
+Built in, through the same hooks: the sinks (tracking.Tracker), eval_callbacks.EarlyStopping and BestCheckpoint,
+RankLog, bench.EvalBench (--eval_bench: lm-eval scores of the current model), health.HealthWatch (health lines) and
 samples.Samples (greedy samples at each eval, SFT and later stages).
 """
 import importlib
 import importlib.util
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
 
-from model.atomic import atomic_write_text
-from model.weights import save_weights_file
 from trainer.base.errors import ConfigError, TrainingHalted
-from trainer.base.launch import is_main_process
-from trainer.base.log import Logger
 from trainer.base.rank_log import RankLog
 from trainer.base.schema import Flag, fill, flag
-from trainer.ckpt.checkpoint import read_checkpoint_model
-from trainer.ckpt.step_dirs import BEST_INDEX, MANIFEST, best_checkpoint_step
-from trainer.ckpt.weights_file import save_weights
 from trainer.judge.health import HealthWatch
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
 BENCH_MODULE = "trainer.runtime.bench"  # lm-eval scoring (--eval_bench): read by the runs that ask for it only
 SAMPLES_MODULE = "trainer.judge.samples"  # greedy samples at each eval: read by SFT and later stages only
+EVAL_CALLBACKS_MODULE = "trainer.runtime.eval_callbacks"  # --early_stop_patience, --save_best: read by those runs only
 
 
 @dataclass(frozen=True)
@@ -135,87 +128,6 @@ class Callbacks(list):
                 enumerate(zip(names, self))]
 
 
-class EarlyStopping:
-    """--early_stop_patience N: stop once N evals in a row (of those every --eval_interval steps; a run's extra
-    eval at its end does not count) brought no eval_loss below the best so far minus --early_stop_min_delta."""
-
-    def __init__(self, patience, min_delta, eval_interval):
-        self.patience, self.min_delta, self.eval_interval = patience, min_delta, eval_interval
-        self.best = self.best_step = self.stop_reason = None
-        self.evals_without_improvement = 0
-
-    def on_eval(self, trainer, record):
-        step, loss = record["step"], record["eval_loss"]
-        if step % self.eval_interval:
-            return
-        if self.best is None or loss < self.best - self.min_delta:
-            self.best, self.best_step, self.evals_without_improvement = loss, step, 0
-            return
-        self.evals_without_improvement += 1
-        if self.evals_without_improvement >= self.patience:
-            self.stop_reason = (f"early stopping at step {step}: {self.patience} evals without an eval_loss below "
-                                f"{self.best:.6f} - {self.min_delta:g} (the best, at step {self.best_step})")
-
-    def state_dict(self):
-        return dict(best=self.best, best_step=self.best_step, stop_reason=self.stop_reason,
-                    evals_without_improvement=self.evals_without_improvement)
-
-    def load_state_dict(self, state):
-        self.best, self.best_step = state["best"], state["best_step"]
-        self.evals_without_improvement, self.stop_reason = state["evals_without_improvement"], state["stop_reason"]
-
-
-class BestCheckpoint:
-    """--save_best 1: the resume checkpoint of the lowest eval_loss is saved (also off --save_interval), kept when
-    older ones are pruned, and named in <run_dir>/best.json; its weights go to <save_weight>_..._best.pth (a stage
-    that writes its own weight files, LoRA, keeps the checkpoint only)."""
-
-    def __init__(self, run_dir, weights_path):
-        self.index = os.path.join(run_dir, BEST_INDEX)
-        self.weights_path = weights_path  # None: a stage whose weights are not the whole model (LoRA's adapters)
-        self.best = self.best_step = self.save_step = None
-
-    def on_eval(self, trainer, record):
-        if self.best is None or record["eval_loss"] < self.best:
-            self.best, self.best_step = record["eval_loss"], record["step"]
-            self.save_step = record["step"]  # the loop checkpoints this step
-
-    def on_save(self, trainer, step):
-        if step != self.save_step:
-            return
-        self.save_step = None
-        trainer.checkpointer.wait()  # best.json names a complete checkpoint only
-        if self.weights_path:
-            save_weights(trainer, self.weights_path)  # a collective: every rank gathers
-        if is_main_process():
-            self.write_index(os.path.join(os.path.dirname(self.index), f"step_{step}"))
-            Logger(f"best eval_loss {self.best:.6f} at step {step}: checkpoint kept in {self.index}")
-
-    def write_index(self, checkpoint):
-        atomic_write_text(self.index, json.dumps(dict(step=self.best_step, eval_loss=self.best,
-                                                      checkpoint=checkpoint, weights=self.weights_path)) + "\n")
-
-    def state_dict(self):
-        return dict(best=self.best, best_step=self.best_step)
-
-    def load_state_dict(self, state):
-        """Resume: the best of the resumed timeline; best.json (and the weights) follow it when they name another
-        step (a run resumed from an earlier checkpoint, or killed between its save and the index)."""
-        self.best, self.best_step = state["best"], state["best_step"]
-        if not is_main_process() or self.best_step is None or best_checkpoint_step(
-                os.path.dirname(self.index)) == self.best_step:
-            return
-        checkpoint = os.path.join(os.path.dirname(self.index), f"step_{self.best_step}")
-        if not os.path.isfile(os.path.join(checkpoint, MANIFEST)):  # resumed from another run's checkpoint
-            Logger(f"--save_best: the resumed best (step {self.best_step}) has no checkpoint in {checkpoint}; "
-                   "best.json follows from the next better eval")
-            return
-        if self.weights_path:
-            model_state, config, _ = read_checkpoint_model(checkpoint)
-            save_weights_file(model_state, config, self.weights_path)
-        self.write_index(checkpoint)
-
-
 def load_user_callbacks(specs):
     """The objects --callbacks names: FILE.py:NAME, a class made with no arguments, or an object."""
     callbacks = []
@@ -246,11 +158,13 @@ def make_callbacks(plan):
         if plan.stage.demo_kind != "pretrain" and plan.data.eval_data_path else None
     if samples and samples.model_is_whole(plan.layout):
         callbacks.append(samples.Samples(plan.data.tokenizer_path, plan.io.metrics_file))  # greedy samples at evals
+    evals = importlib.import_module(EVAL_CALLBACKS_MODULE) \
+        if settings.early_stop_patience or settings.save_best else None
     if settings.early_stop_patience:
-        callbacks.append(EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta,
-                                       plan.schedule.eval_interval))
+        callbacks.append(evals.EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta,
+                                             plan.schedule.eval_interval))
     if settings.save_best:
-        callbacks.append(BestCheckpoint(plan.io.run_dir, plan.stage.best_weights_path(plan)))
+        callbacks.append(evals.BestCheckpoint(plan.io.run_dir, plan.stage.best_weights_path(plan)))
     if plan.io.log_dir:
         callbacks.append(RankLog())
     if settings.eval_bench:

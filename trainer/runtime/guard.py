@@ -1,4 +1,5 @@
-"""What keeps a run sane: preemption signals, the non-finite step guard, the data-parallel replica check.
+"""What keeps a run sane: preemption signals, the non-finite step guard, the data-parallel replica check, and the one
+line an out-of-memory error ends a run with (the end of this file).
 
 The loop calls `StepGuard.check` once per optimizer step, between clipping and the optimizer step: one small
 all-reduce tells every rank whether any rank saw a non-finite loss or gradient norm (skip the step), whether the
@@ -8,6 +9,7 @@ the same step; it also sums the step's loss for the progress bar. One process do
 during its micro-batches drops them (Preemption.abandonable).
 """
 import os
+import re
 import signal
 import sys
 import threading
@@ -19,11 +21,13 @@ import torch.distributed as dist
 
 from model.torch_compat import scaler_found_inf_per_device
 from trainer.base.errors import TrainingHalted
-from trainer.base.launch import local_shard
+from trainer.base.launch import local_shard, rank
 from trainer.base.log import Logger, say
 from trainer.base.streams import write_fd
+from trainer.ckpt.checkpoint import latest_checkpoint
 from trainer.parallel.perf import decoder_blocks
 from trainer.parallel.state_dict import clean_fqn
+from trainer.runtime.metrics import peak_mem_gb
 
 
 class StepAbandoned(Exception):
@@ -224,3 +228,59 @@ def check_replicas(model_parts, group, step):
             raise TrainingHalted(f"--check_replicas: at step {step} parameter {name} differs between data-parallel "
                                  f"replicas (group ranks {ranks} vs 0); the replicas diverged, resume from the last "
                                  "checkpoint and look for non-deterministic or rank-dependent code")
+
+
+# ----------------------------------------------------------------------------- out of memory
+# Out of memory during training, on any rank: one `error:` line from that rank with the step, its peak memory and what
+# to change, then the rank leaves (exit 3) and torchrun stops the others; checkpoints are only ever complete or
+# ignored, so the last complete one stays usable. CPU: MemoryError or the allocator's RuntimeError; CUDA:
+# torch.cuda.OutOfMemoryError.
+CPU_MESSAGES = ("can't allocate memory", "not enough memory", "out of memory")
+
+
+class OutOfMemory(TrainingHalted):
+    """An allocation failed: said by the rank it failed on (the others may be waiting in a collective)."""
+    every_rank = True
+
+
+def is_out_of_memory(error):
+    if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in CPU_MESSAGES)
+
+
+def advice(plan):
+    """What to change, most direct first, for this run's layout."""
+    changes = [f"lower --batch_size (now {plan.data.micro_batch}; raise --accumulation_steps to keep the global batch)"]
+    if plan.model.grad_checkpointing != "full":
+        changes.append("--grad_checkpointing full")
+    if plan.layout.dp * plan.layout.cp > 1 and plan.layout.zero_stage < 3:
+        changes.append(f"--zero_stage {plan.layout.zero_stage + 1} (shards more state over the data-parallel ranks)")
+    if plan.layout.dp_mode == "fsdp2" and plan.layout.device.startswith("cuda") and not plan.layout.cpu_offload:
+        changes.append("--cpu_offload 1")
+    if not plan.model.chunked_loss and plan.layout.tp == 1 and plan.layout.pp == 1:
+        changes.append("--loss_chunk_size 1024")
+    return ", ".join(changes[:-1]) + f" or {changes[-1]}" if len(changes) > 1 else changes[0]
+
+
+def what_failed(error):
+    """The allocator's words, without the C++ source location: "DefaultCPUAllocator: can't allocate memory: ..."."""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return re.sub(r"^\[enforce fail at [^\]]*\] [^.]*\. ", "", first)[:200]
+
+
+@contextmanager
+def out_of_memory_as_one_line(trainer):
+    """Around the loop: an allocation failure becomes OutOfMemory with the line that says what to do."""
+    try:
+        yield
+    except (MemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
+        plan, progress = trainer.plan, trainer.progress
+        kind = "CUDA" if isinstance(e, torch.cuda.OutOfMemoryError) else "CPU"
+        last, peak = latest_checkpoint(plan.io.run_dir), peak_mem_gb(plan.layout.device)
+        raise OutOfMemory(
+            f"out of {kind} memory on rank {rank()} in step {progress.global_step + 1} (peak {peak:.2f} GB on this "
+            f"rank; {what_failed(e)}): {advice(plan)}; the last complete checkpoint is "
+            f"{last or 'none yet'}" + (", continue with --from_resume 1" if last else "")) from None

@@ -4,8 +4,10 @@
 on_eval, on_train_end: trainer/runtime/callbacks.py). Only the main process writes.
 swanlab (MiniMind's --use_wandb, or --tracker swanlab) runs online when logged in and offline otherwise, its files
 under `<metrics file's folder>/swanlog/` (upload later with `swanlab sync DIR`); never a prompt. wandb (--tracker
-wandb, optional) runs offline under `<metrics file's folder>/wandb/` unless WANDB_MODE says otherwise.
+wandb, optional) runs offline under `<metrics file's folder>/wandb/` unless WANDB_MODE says otherwise. Both are started
+by trainer/runtime/dashboards.py, loaded by name for the runs that ask for one.
 """
+import importlib
 import importlib.util
 import json
 import os
@@ -23,6 +25,7 @@ from trainer.base.launch import rank as launch_rank
 from trainer.ckpt.storage import DiskFullError
 
 TRACKERS = ("swanlab", "wandb", "tensorboard", "none")
+DASHBOARDS = "trainer.runtime.dashboards"  # swanlab's and wandb's runs: read by the runs that ask for one only
 
 # Console line: (record key, format) in print order; other keys are left to the JSONL and the dashboards.
 CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", "aux_loss {:.6f}"),
@@ -112,31 +115,6 @@ def resolve_trackers(args, save_dir):
     return names, typed or (os.path.join(save_dir, "tensorboard") if "tensorboard" in names else None)
 
 
-def start_wandb(project, run_name, resume_id, config, log_dir):
-    """A wandb run, offline unless WANDB_MODE says otherwise (upload later with `wandb sync`)."""
-    import wandb  # optional dependency: only --tracker wandb needs it (checked by resolve_trackers)
-    os.makedirs(log_dir, exist_ok=True)
-    return wandb.init(project=project, name=run_name, id=resume_id, resume="allow" if resume_id else None,
-                      dir=log_dir, config=config, mode=os.environ.get("WANDB_MODE", "offline"))
-
-
-def start_swanlab(project, run_name, resume_id, config, log_dir):
-    """A swanlab run: online when logged in (SWANLAB_API_KEY or `swanlab login`), else offline; None if missing."""
-    try:
-        import swanlab  # optional dependency: only --use_wandb needs it
-    except ImportError:
-        print("--use_wandb: swanlab is not installed (pip install swanlab); continuing without it", flush=True)
-        return None
-    kwargs = dict(project=project, name=run_name, id=resume_id, resume="allow" if resume_id else None,
-                  log_dir=log_dir, config=config)
-    try:
-        return swanlab.init(settings=swanlab.Settings(interactive=False), **kwargs)  # never prompts on a TTY-less job
-    except Exception as e:  # not logged in, or the service is unreachable: keep the run, log it locally
-        print(f"swanlab: no online run ({str(e).rstrip('.')}); logging offline under {log_dir}, "
-              "upload later with `swanlab sync <run dir>`", flush=True)
-        return swanlab.init(mode="offline", **kwargs)
-
-
 class Tracker:
     """Every enabled sink for the run's records: metrics JSONL (always), console, TensorBoard, swanlab.
 
@@ -168,13 +146,14 @@ class Tracker:
                 self._writer = SummaryWriter(tensorboard_dir, purge_step=purge_step)
         plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
                  for k, v in (config or {}).items()}
+        dashboards = importlib.import_module(DASHBOARDS) if use_wandb or wandb else None
         if use_wandb:  # MiniMind's flag name: swanlab
-            self._swanlab = start_swanlab(wandb_project, run_name, resume_id, plain,
+            self._swanlab = dashboards.start_swanlab(wandb_project, run_name, resume_id, plain,
                                           os.path.join(os.path.dirname(metrics_path), "swanlog"))
             if self._swanlab is not None:
                 self.run_id = self._swanlab.id
         if wandb:  # the same run id as swanlab's when both run
-            self._wandb = start_wandb(wandb_project, run_name, self.run_id, plain,
+            self._wandb = dashboards.start_wandb(wandb_project, run_name, self.run_id, plain,
                                       os.path.dirname(metrics_path))
             self.run_id = self.run_id or self._wandb.id
 

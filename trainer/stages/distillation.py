@@ -27,8 +27,8 @@ from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
 from trainer.plan.checks import other_sizes
 from trainer.plan.objective import LMObjective
-from trainer.plan.stage import SFTStage
 from trainer.runtime.metrics import step_flops
+from trainer.stages.sft import SFTStage
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class DistillationPlan(SFTStage):
         return MiniMindConfig(**self.teacher_fields)
 
     def resume_fields(self):
-        """The flags that shape the saved state (checked on resume, trainer/ckpt/resume_fields.py)."""
+        """The flags that shape the saved state (checked on resume, trainer/ckpt/checkpoint.py)."""
         return {"--teacher_weight": {"path": self.teacher_path, "sha256": self.teacher_sha256}, "--alpha": self.alpha,
                 "--temperature": self.temperature}
 

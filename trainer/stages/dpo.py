@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dataset.lm_dataset import DPODataset
-from dataset.token_cache import local_part
+from dataset.preference_data import DPODataset
+from dataset.shards import local_part
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.weight_flags import mismatch_line, weights_line
@@ -23,8 +23,7 @@ from model.weight_shapes import WeightsError
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
-from trainer.ckpt.checkpoint import saved_resume_fields
-from trainer.ckpt.resume_fields import check_resume_fields
+from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.core.log_probs import sequence_log_probs
 from trainer.plan.checks import other_sizes
@@ -86,7 +85,7 @@ class DPOPlan(Stage):
         return objective
 
     def resume_fields(self):
-        """The flags that shape the saved state (checked on resume, trainer/ckpt/resume_fields.py)."""
+        """The flags that shape the saved state (checked on resume, trainer/ckpt/checkpoint.py)."""
         fields = {"--beta": self.beta, "--loss_type": self.loss_type, "--label_smoothing": self.label_smoothing,
                   "--simpo_gamma": self.simpo_gamma}
         if LOSSES[self.loss_type].needs_reference:

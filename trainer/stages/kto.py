@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 
 from dataset.preference_data import KTODataset
-from dataset.token_cache import local_part
+from dataset.shards import local_part
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
-from trainer.ckpt.checkpoint import saved_resume_fields
-from trainer.ckpt.resume_fields import check_resume_fields
+from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields
 from trainer.core.batches import step_targets
 from trainer.core.log_probs import sequence_log_probs
 from trainer.plan.objective import LMObjective

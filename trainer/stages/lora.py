@@ -19,7 +19,8 @@ from model.weights import save_weights_file
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
-from trainer.plan.stage import SIDECAR_BYTES, SFTStage
+from trainer.plan.stage import SIDECAR_BYTES
+from trainer.stages.sft import SFTStage
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class LoraPlan(SFTStage):
         return 2 * adapters + tokenizer + SIDECAR_BYTES
 
     def resume_fields(self):
-        """The flags that shape the saved state (checked on resume, trainer/ckpt/resume_fields.py)."""
+        """The flags that shape the saved state (checked on resume, trainer/ckpt/checkpoint.py)."""
         return {"--lora_rank": self.rank, "--lora_alpha": self.alpha, "--lora_dropout": self.dropout,
                 "--lora_targets": ",".join(self.targets) if self.targets else None}
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dataset.preference_data import RewardPairs
-from dataset.token_cache import local_part
+from dataset.shards import local_part
 from model.atomic import atomic_folder
 from model.hf_convert import save_hf_classifier
 from model.provenance import tokenizer_files

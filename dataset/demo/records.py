@@ -1,5 +1,5 @@
 """The rows of the embedded demo corpora (dataset/demo_data.py builds them into files; the agent's rows are
-dataset/demo_agent.py's): Python's documentation and docstrings, chatterbot-corpus dialogues, computed tool calls,
+dataset/demo/agent.py's): Python's documentation and docstrings, chatterbot-corpus dialogues, computed tool calls,
 reasoning, preference pairs and RL prompts. A pure function of the installed Python and packages."""
 import ast
 import datetime

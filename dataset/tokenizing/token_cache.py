@@ -1,4 +1,5 @@
-"""The on-disk token cache, built once per node and in parallel.
+"""The on-disk token cache's build, once per node and in parallel (dataset/shards.py loads this module by name on a
+cache miss; reading a complete cache, and its checks, are dataset/cache_guard.py's).
 
 A cache directory holds tokens.bin (uint16/uint32), offsets.bin (int64, num_docs + 1), mask.bin (uint8, SFT
 only) and meta.json, written last: a cache is complete exactly when its meta.json exists.
@@ -15,7 +16,8 @@ Building it goes through files only, so no collective (and no --dist_timeout) is
   stop with the same line instead of waiting for the timeout;
 - SIGINT/SIGTERM stop the build at once (CacheBuildInterrupted): workers are terminated, temporary files, the
   parts and the lock removed; the next run builds the cache from the start.
-A part's ranges and records: dataset/file_ranges.py; its worker processes: dataset/tokenize_pool.py.
+A part's ranges and records: dataset/tokenizing/file_ranges.py; its worker processes:
+dataset/tokenizing/tokenize_pool.py.
 """
 import json
 import math
@@ -30,11 +32,16 @@ from contextlib import contextmanager
 import numpy as np
 from tqdm import tqdm
 
-from dataset.cache_guard import cache_header, discard_if_damaged, disk_full_line
-from dataset.file_ranges import extent, is_parquet, split_range
-from dataset.tokenize_pool import tokenized_ranges
+from dataset.cache_guard import (
+    CACHE_FORMAT_VERSION,
+    CacheBuildInterrupted,
+    cache_header,
+    discard_if_damaged,
+    disk_full_line,
+)
+from dataset.tokenizing.file_ranges import extent, is_parquet, split_range
+from dataset.tokenizing.tokenize_pool import tokenized_ranges
 
-CACHE_FORMAT_VERSION = 2  # 2: SFT labels cover think blocks and tool calls; tools rendered
 TASK_BYTES = 4 << 20  # JSONL bytes per worker task: many tasks keep workers busy, each stays small in memory
 POLL_S = 0.1  # how often waiting ranks look for the cache, its error file and the lock
 HEARTBEAT_S = 5  # how often the lock holder touches the lock
@@ -42,21 +49,9 @@ STALE_LOCK_S = 60  # a lock from another host not touched for this long belongs 
 WAIT_TIMEOUT_S = 6 * 3600  # longest wait for another rank's part or another node's cache
 
 
-def read_token_cache(out_dir):
-    """(meta, {"tokens", "offsets", "mask": file}) of the complete cache `out_dir` (mask.bin exists for SFT only)."""
-    with open(os.path.join(out_dir, "meta.json")) as f:
-        meta = json.load(f)
-    return meta, {name: os.path.join(out_dir, f"{name}.bin") for name in ("tokens", "offsets", "mask")}
-
-
 def default_num_proc():
     """Worker processes to tokenize with: the cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def local_part():
-    """(local_rank, local_world_size) of this process under torchrun; (0, 1) otherwise."""
-    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
 
 
 def default_node():
@@ -205,14 +200,6 @@ def _write_error(error_path, message):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)  # a full disk took no error file either
-
-
-class CacheBuildInterrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped the build; `signum` tells which (exit code 128 + signum)."""
-
-    def __init__(self, message, signum):
-        super().__init__(message)
-        self.signum = signum
 
 
 @contextmanager

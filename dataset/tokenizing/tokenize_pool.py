@@ -1,5 +1,6 @@
-"""The token cache's worker processes: each tokenizes ranges of a file (dataset/file_ranges.py) with the dataset's
-encode function and returns token bytes, document lengths, the loss mask and the bad-line count, in file order.
+"""The token cache's worker processes: each tokenizes ranges of a file (dataset/tokenizing/file_ranges.py) with the
+dataset's encode function and returns token bytes, document lengths, the loss mask and the bad-line count, in file
+order.
 """
 import multiprocessing
 import multiprocessing.connection
@@ -8,7 +9,7 @@ import signal
 
 import numpy as np
 
-from dataset.file_ranges import BadLines, iter_records
+from dataset.tokenizing.file_ranges import BadLines, iter_records
 
 _task = None  # (data_path, field, encode, token_dtype, skip_bad_lines), set in each worker by _init_worker
 
