@@ -113,12 +113,13 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-@pytest.fixture(scope="module")
+# session scope: test_layouts and the four test_expert* modules compare with the same read-only runs (once, not 5x)
+@pytest.fixture(scope="session")
 def data(tmp_path_factory):
     return demo_slice(tmp_path_factory.mktemp("data"), "pretrain", 160)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(data, tmp_path_factory):
     """Single-process runs (the definition of correct), one per model."""
     refs = {}
