@@ -1,8 +1,8 @@
 """The token cache built by several local ranks / worker processes / nodes equals the single-process one, byte
 for byte; bad lines stop every rank with the original file:line; stale locks are taken over.
 
-Run as a script, this file is one rank (the tests fork it: tests/launch.py start_forked):
-`python tests/test_token_cache.py KIND DATA CACHE_DIR RANK PARTS NUM_PROC`.
+Run as __main__, this file is one rank (the tests fork it: tests/launch.py start_forked; by hand, from the repo
+root: `python -m tests.test_token_cache KIND DATA CACHE_DIR RANK PARTS NUM_PROC`).
 """
 import json
 import os
