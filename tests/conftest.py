@@ -1,6 +1,7 @@
 """Test markers: `slow` = starts processes (set here on every test that does; runs in .ci/run);
 `huge` = needs RUN_SLOW=1 (nothing in the suite is so marked today: the 16-process layout runs in CI)."""
 import dis
+import functools
 import os
 import socket
 import subprocess
@@ -39,8 +40,11 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
 
 
+@functools.cache  # a function of the code object alone; the marking pass asks again for every test that reaches it
 def calls_torch_compile(code):
     """`code` reads a `compile` attribute (torch.compile, nn.Module.compile) of anything but the re module."""
+    if "compile" not in code.co_names:  # LOAD_ATTR / LOAD_METHOD take their name from co_names
+        return False
     previous = None
     for instruction in dis.get_instructions(code):
         if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval == "compile" and not (
@@ -113,12 +117,13 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-@pytest.fixture(scope="module")
+# session scope: test_layouts and the four test_expert* modules compare with the same read-only runs (once, not 5x)
+@pytest.fixture(scope="session")
 def data(tmp_path_factory):
     return demo_slice(tmp_path_factory.mktemp("data"), "pretrain", 160)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(data, tmp_path_factory):
     """Single-process runs (the definition of correct), one per model."""
     refs = {}

@@ -2,8 +2,6 @@
 the retired formats 1/2, TrainState, atomic saves (MiniMind's resume file itself: tests/test_minimind_resume.py)."""
 import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -59,7 +57,6 @@ KILL_MIDWAY = r"""
 import os, signal, sys, torch
 sys.path.insert(0, sys.argv[1])
 from model.atomic import atomic_save
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 real_save = torch.save
 def save_then_die(obj, f, *a, **k):
     real_save(obj, f, *a, **k)
@@ -74,7 +71,8 @@ def test_killed_save_leaves_previous_file(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = str(tmp_path / "train_state.pt")
     atomic_save({"w": torch.zeros(2)}, path)
-    proc = subprocess.run([sys.executable, "-c", KILL_MIDWAY, root, path], timeout=120)
+    (tmp_path / "kill_midway.py").write_text(KILL_MIDWAY)
+    proc = forked(str(tmp_path / "kill_midway.py"), [root, path], timeout=120)  # forked: torch imported already
     assert proc.returncode == -9  # really killed midway
     assert torch.equal(torch.load(path)["w"], torch.zeros(2))  # the old one, intact
 

@@ -456,7 +456,7 @@ def _zero_fused_load_worker(rank, world_size, device):
 def test_zero1_fused_adamw_resumes_with_step_beside_params():
     """ZeroRedundancyOptimizer.load_state_dict moves `step` to the CPU (pytorch#124133); fused AdamW needs it
     beside the params. The reloaded fused step equals plain AdamW's on the same state."""
-    spawn(_zero_fused_load_worker, 1, "cpu")
+    spawn(_zero_fused_load_worker, 1, "cpu", start_method="fork")  # CPU: forked, no fresh torch import
 
 
 @pytest.mark.cuda

@@ -187,12 +187,13 @@ print("a warning printed during the save", file=sys.stderr, flush=True)
 """
 
 
-def test_a_signal_inside_a_write_to_the_same_stream_still_says_its_line():
+def test_a_signal_inside_a_write_to_the_same_stream_still_says_its_line(tmp_path):
     """A second SIGINT whose handler runs while the main thread is inside a write to stderr (CI: a warning printed by
     the save of the dropped step): the buffered writer refuses the handler's reentrant write, so the line goes to the
     file descriptor, and the exit code is the abort's, 130, not a traceback's 1."""
-    proc = subprocess.run([sys.executable, "-c", REENTRANT_WRITE.format(root=ROOT)], capture_output=True, text=True,
-                          timeout=60)
+    script = tmp_path / "reentrant_write.py"
+    script.write_text(REENTRANT_WRITE.format(root=ROOT))
+    proc = forked(str(script), [], timeout=60)  # forked: torch imported already
     assert proc.returncode == 130, proc.stderr[-2000:]
     assert proc.stderr.strip() == "error: second SIGINT: aborted at once, without a checkpoint of this step"
 

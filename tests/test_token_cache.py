@@ -1,15 +1,17 @@
 """The token cache built by several local ranks / worker processes / nodes equals the single-process one, byte
 for byte; bad lines stop every rank with the original file:line; stale locks are taken over.
 
-Run as a module from the repo root, this file is one rank:
-`python -m tests.test_token_cache KIND DATA CACHE_DIR RANK PARTS NUM_PROC`.
+Run as __main__, this file is one rank (the tests fork it: tests/launch.py start_forked; by hand, from the repo
+root: `python -m tests.test_token_cache KIND DATA CACHE_DIR RANK PARTS NUM_PROC`).
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -22,10 +24,10 @@ from dataset.chat import SFTDataset
 from dataset.lm_dataset import PretrainDataset
 from dataset.tokenizing.file_ranges import lines_before, split_range
 from dataset.tokenizing.token_cache import CacheBuildInterrupted, build_token_cache
-from tests.launch import demo_slice
+from tests.launch import demo_slice, forked, start_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RANK = [sys.executable, "-m", "tests.test_token_cache"]  # one rank, run from ROOT (which -m puts on sys.path)
+RANK = "tests/test_token_cache.py"  # one rank: this file as __main__ (tests/launch.py start_forked)
 CACHE_FILES = ("tokens.bin", "offsets.bin", "mask.bin", "meta.json")
 DATASETS = {"pretrain": PretrainDataset, "sft": SFTDataset}
 BIG_REPEAT = 16  # copies of a 5000-line demo slice: ~30 MB, over 10 s of tokenizing on two busy cores
@@ -44,24 +46,28 @@ def reference(kind, path, tokenizer, cache_dir):
 
 
 def launch_ranks(kind, path, cache_dir, num_parts, num_proc, nodes=1, timeout=180):
-    """Start nodes x num_parts rank processes at once; return [(node, returncode, stdout + stderr)]."""
-    procs = []
+    """Start nodes x num_parts rank processes at once; return [(node, returncode, stdout + stderr)]. The ranks are
+    forked from this process (tests/launch.py start_forked: this file as __main__, torch and transformers imported
+    already); they meet only through the files under cache_dir, as fresh interpreters would."""
+    log_dir, procs = tempfile.mkdtemp(), []
     for node in range(nodes):
-        env = dict(os.environ, OMP_NUM_THREADS="1", GROUP_RANK=str(node))
         for rank in range(num_parts):
-            args = [*RANK, kind, path, cache_dir, rank, num_parts, num_proc]
-            procs.append((node, subprocess.Popen(list(map(str, args)), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                                 stderr=subprocess.STDOUT, text=True)))
+            log = os.path.join(log_dir, f"{node}_{rank}.log")
+            procs.append((node, log, start_forked(RANK, [kind, path, cache_dir, rank, num_parts, num_proc], log,
+                                                  env={"GROUP_RANK": str(node)})))
     results = []
     deadline = time.time() + timeout
     try:
-        for node, p in procs:
-            out, _ = p.communicate(timeout=max(1, deadline - time.time()))
-            results.append((node, p.returncode, out))
+        for node, log, p in procs:
+            p.wait(timeout=max(1, deadline - time.time()))
+            with open(log) as f:
+                results.append((node, p.returncode, f.read()))
     finally:
-        for _, p in procs:
+        for _, _, p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait(timeout=30)
+        shutil.rmtree(log_dir, ignore_errors=True)
     return results
 
 
@@ -201,8 +207,7 @@ def test_killed_build_leaves_no_cache_and_is_taken_over(tokenizer, tmp_path):
     with open(source) as f, open(path, "w") as out:
         out.write(f.read() * 4)  # ~8 MB: a few seconds of tokenizing
     cache_dir = tmp_path / "cache"
-    args = [*RANK, "pretrain", path, str(cache_dir), 0, 1, 2]
-    builder = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    builder = start_forked(RANK, ["pretrain", path, cache_dir, 0, 1, 2])
     try:
         deadline = time.time() + 60
         while len(workers := children(builder.pid)) < 2:  # the lock is taken and both workers tokenize
@@ -281,9 +286,8 @@ def alive(pid):
 def test_signal_stops_the_build_and_its_workers_and_the_next_run_builds_it(tokenizer, tmp_path, big_corpus, sig):
     path, expected = big_corpus
     cache_dir = tmp_path / "cache"
-    args = [*RANK, "pretrain", path, str(cache_dir), 0, 1, 2]
-    builder = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    log = tmp_path / "builder.log"
+    builder = start_forked(RANK, ["pretrain", path, cache_dir, 0, 1, 2], str(log))
     try:
         deadline = time.time() + 60
         while len(workers := children(builder.pid)) < 2:  # the lock is taken and both workers tokenize
@@ -294,18 +298,18 @@ def test_signal_stops_the_build_and_its_workers_and_the_next_run_builds_it(token
         assert lock and builder.poll() is None, "the build ended before the signal"
         sent = time.monotonic()
         builder.send_signal(sig)
-        out = ""
-        while not out.startswith("error:") and builder.poll() is None:
-            out = builder.stdout.readline() or out
+        while "error:" not in log.read_text() and builder.poll() is None:
+            time.sleep(0.01)
         stopped_in = time.monotonic() - sent  # the build stopped and said so
-        out += builder.communicate(timeout=30)[0]
+        builder.wait(timeout=30)
         exited_in = time.monotonic() - sent
+        out = log.read_text()
     finally:
         if builder.poll() is None:
             builder.kill()
             builder.wait()
     cache_path = cache_dir / lock[0][:-len(".lock")]
-    # the build stops in ~0.1 s; the interpreter's exit (torch, transformers loaded) adds 1.5 s idle, ~4 s here busy
+    # the build stops in ~0.1 s; the process's exit (torch, transformers loaded) adds up to 1.5 s idle, ~4 s here busy
     assert stopped_in < 3 and exited_in < 15, (stopped_in, exited_in)
     assert builder.returncode == 128 + sig, out
     assert out.strip().splitlines()[0] == (f"error: {sig.name} while building the token cache {cache_path}: "
@@ -330,9 +334,8 @@ def test_bad_arguments(tokenizer, tmp_path):
 def test_pretokenize_num_proc_writes_the_cache_bytes(tokenizer, tmp_path):
     path = demo_slice(tmp_path, "pretrain", 200)
     expected = cache_bytes(reference("pretrain", path, tokenizer, str(tmp_path / "ref")).cache_path)
-    script = os.path.join(ROOT, "scripts", "pretokenize.py")
-    run = lambda *args: subprocess.run([sys.executable, script, "--data_path", path, "--out_dir",  # noqa: E731
-                                        str(tmp_path / "shard"), *args], capture_output=True, text=True, timeout=120)
+    run = lambda *args: forked("scripts/pretokenize.py", ["--data_path", path, "--out_dir",  # noqa: E731
+                                                          str(tmp_path / "shard"), *args], timeout=120)
     assert run("--num_proc", "2").returncode == 0
     shard = os.path.join(tmp_path, "shard", "pretrain_200")
     assert open(shard + ".bin", "rb").read() == expected["tokens.bin"]

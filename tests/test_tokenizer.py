@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from scripts.train_tokenizer import tokenizer_config
-from tests.launch import TINY_MODEL, forked, python
+from tests.launch import TINY_MODEL, forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "model")
@@ -177,7 +177,7 @@ def test_tokenizer_from_a_curated_folder_trains_and_feeds_the_trainer(tmp_path):
                                    encoding="utf-8")
     pd.DataFrame({"text": texts[900:]}).to_parquet(corpus / "00002.parquet")
     out = tmp_path / "tok"
-    proc = python("scripts/train_tokenizer.py", ["--data_path", corpus, "--vocab_size", 1000, "--out_dir", out,
+    proc = forked("scripts/train_tokenizer.py", ["--data_path", corpus, "--vocab_size", 1000, "--out_dir", out,
                                                  "--heldout_every", 10], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ours, minimind = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(MODEL_DIR)
