@@ -7,11 +7,10 @@ Each returns what its reference returns (tests/test_curate_data.py compares them
   repeats, comparing the strings themselves;
 - WordNgrams(words).top_repeated(n): Counter(ngrams(words, n)).most_common(1) through integer keys and numpy, after
   top_repeated_chars_at_most(n), a bound that clears most documents without it;
-- simplify_text: datatrove's simplify_text with one regex for the combining marks (Mn) it drops;
+- simplify_text: datatrove's simplify_text, the combining marks (Mn) it drops deleted by str.translate;
 - sha1_shingles: datatrove's sha1_hash64 of each " "-joined n-gram, as one uint64 array.
 """
 import hashlib
-import re
 import sys
 import unicodedata
 from collections import Counter
@@ -159,22 +158,26 @@ class WordNgrams:
         return int((counts[inverse] * chars).max())
 
 
-def _mark_pattern():
-    """A regex character class of every combining mark (Unicode Mn) of this Python's unicodedata."""
+def _mark_table():
+    """str.translate table deleting every combining mark (Unicode Mn) of this Python's unicodedata."""
     if "marks" not in _tables:
-        marks = "".join(chr(c) for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Mn")
-        _tables["marks"] = re.compile("[" + re.escape(marks) + "]")
+        _tables["marks"] = dict.fromkeys(c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Mn")
     return _tables["marks"]
 
 
+_NO_DIACRITICS = {}
+
+
 def simplify_text(text, config=DEF_TEXT_NORM_CONFIG):
-    """datatrove's simplify_text(text, config); its last step (NFD, drop Mn characters, strip) by one regex."""
+    """datatrove's simplify_text(text, config); its last step (NFD, drop Mn characters, strip) by str.translate."""
     if not config.norm_unicode_diacritics:
         return datatrove_simplify_text(text, config)
-    text = datatrove_simplify_text(text, replace(config, norm_unicode_diacritics=False))
+    if id(config) not in _NO_DIACRITICS:
+        _NO_DIACRITICS[id(config)] = (config, replace(config, norm_unicode_diacritics=False))
+    text = datatrove_simplify_text(text, _NO_DIACRITICS[id(config)][1])
     if text.isascii():  # NFD leaves ASCII as it is and ASCII has no combining marks
         return text
-    return _mark_pattern().sub("", unicodedata.normalize("NFD", text)).strip()
+    return unicodedata.normalize("NFD", text).translate(_mark_table()).strip()
 
 
 def sha1_shingles(words, n):

@@ -125,7 +125,7 @@ class RepetitionFilter(GopherRepetitionFilter):
 
 class FastMinhashSignature(MinhashDedupSignature):
     """datatrove's MinHash signature step, its shingles (simplified text, n-grams, SHA-1) computed by curate_fast:
-    the same signatures, about 2x faster."""
+    the same signatures."""
 
     def get_shingles(self, text: str) -> np.ndarray:
         hashing = self.config.hash_config
