@@ -115,6 +115,7 @@ def main():
         folder = tempfile.mkdtemp(prefix="bench_curate_", dir=args.tmp)
         try:
             size = write_corpus(folder, megabytes, args.files)
+            load_before = os.getloadavg()
             seconds, peak_rss, peak_pss = curate(folder, args.workers)
             read_seconds = plain_read(folder)
             with open(os.path.join(folder, "curated", "report.json"), encoding="utf-8") as f:
@@ -124,7 +125,8 @@ def main():
                               "curate_mb_per_s": round(size / 1e6 / seconds, 2), "peak_rss_mb": round(peak_rss / 1e6),
                               "peak_pss_mb": round(peak_pss / 1e6),
                               "json_read_mb_per_s": round(size / 1e6 / read_seconds, 1), "documents_kept": kept,
-                              "load_average": os.getloadavg()}), flush=True)
+                              "load_average_before": load_before, "load_average_after": os.getloadavg()}),
+                  flush=True)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

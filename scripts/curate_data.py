@@ -35,7 +35,6 @@ from datatrove.pipeline.dedup import (  # noqa: E402
     MinhashDedupBuckets,
     MinhashDedupCluster,
     MinhashDedupFilter,
-    MinhashDedupSignature,
 )
 from datatrove.pipeline.dedup.exact_dedup import (  # noqa: E402
     ExactDedupConfig,
@@ -53,6 +52,7 @@ from scripts.curate_report import print_report, removed_examples, stage_report  
 from scripts.curate_steps import (  # noqa: E402
     CharRatioFilter,
     EvalFilesIndexer,
+    FastMinhashSignature,
     MixedScriptTokenizer,
     RepetitionFilter,
     Tally,
@@ -151,7 +151,7 @@ def stages(args, files, work):
         source = "exact"
     last = [read(work, source)]
     if "near" in on:
-        plan += [("near_sig", [read(work, source), MinhashDedupSignature(os.path.join(work, "near_sig"), minhash,
+        plan += [("near_sig", [read(work, source), FastMinhashSignature(os.path.join(work, "near_sig"), minhash,
                                                                          MixedScriptTokenizer())], tasks),
                  ("near_buckets", [MinhashDedupBuckets(os.path.join(work, "near_sig"),
                                                        os.path.join(work, "near_buckets"), config=minhash)],

@@ -14,19 +14,21 @@
 import json
 import os
 import re
-import unicodedata
-from collections import Counter
 
 import numpy as np
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.decont import NGramsDecontIndexer
+from datatrove.pipeline.dedup import MinhashDedupSignature
 from datatrove.pipeline.filters import GopherRepetitionFilter
 from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.pipeline.filters.gopher_repetition_filter import find_duplicates
 from datatrove.utils.hashing import create_hash_func
-from datatrove.utils.text import ngrams, split_into_words
+from datatrove.utils.text import split_into_words
 from datatrove.utils.word_tokenizers import WordTokenizer, load_word_tokenizer
+
+from scripts.curate_fast import WordNgrams, char_classes, sha1_shingles, simplify_text
 
 # Han (basic, extension A, compatibility), Hiragana, Katakana and CJK symbols: scripts written without spaces
 CJK_RANGES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
@@ -53,19 +55,6 @@ class MixedScriptTokenizer(WordTokenizer):
             spans.append((start, start + len(sentence)))
             start += len(sentence)
         return spans
-
-
-def char_classes(text):
-    """(non-space characters, letters and digits, symbols (Unicode S*)) of `text`."""
-    visible = alnum = symbols = 0
-    for ch in text:
-        if ch.isspace():
-            continue
-        visible += 1
-        category = unicodedata.category(ch)[0]
-        alnum += category in "LN"
-        symbols += category == "S"
-    return visible, alnum, symbols
 
 
 class CharRatioFilter(BaseFilter):
@@ -107,17 +96,43 @@ class RepetitionFilter(GopherRepetitionFilter):
         self.repeated_top_n_grams = top_n_grams
 
     def filter(self, doc: Document):
-        result = super().filter(doc)
-        if result is not True:
-            return result
-        words = split_into_words(doc.text, self.language)
+        """GopherRepetitionFilter.filter with its duplicated n-gram count by curate_fast (same result), then the
+        repeated top n-gram rule."""
+        text = doc.text
+        if not text:
+            return False, "empty"
+        for parts, frac, char_frac, label in ((self.paragraph_exp.split(text.strip()), self.dup_para_frac,
+                                               self.dup_para_char_frac, "para"),
+                                              (self._line_splitter.split(text), self.dup_line_frac,
+                                               self.dup_line_char_frac, "line")):
+            duplicates, duplicate_chars = find_duplicates(parts)
+            if frac and duplicates / len(parts) > frac:
+                return False, f"dup_{label}_frac"
+            if char_frac and duplicate_chars / len(text) > char_frac:
+                return False, f"dup_{label}_char_frac"
+        grams = WordNgrams(split_into_words(text, self.language))
+        for n, fraction in self.dup_n_grams:
+            if grams.duplicated_chars(n) / len(text) > fraction:
+                return False, f"duplicated_{n}_n_grams"
         for n, fraction in self.repeated_top_n_grams:
-            counts = Counter(ngrams(words, n))
-            if counts:
-                gram, count = counts.most_common(1)[0]
-                if count > 1 and count * sum(map(len, gram)) > fraction * len(doc.text):
-                    return False, f"top_{n}_gram"
+            if grams.top_repeated_chars_at_most(n) <= fraction * len(text):
+                continue  # no n-gram can break the rule
+            top = grams.top_repeated(n)
+            if top and top[1] > 1 and top[1] * sum(map(len, top[0])) > fraction * len(text):
+                return False, f"top_{n}_gram"
         return True
+
+
+class FastMinhashSignature(MinhashDedupSignature):
+    """datatrove's MinHash signature step, its shingles (simplified text, n-grams, SHA-1) computed by curate_fast:
+    the same signatures."""
+
+    def get_shingles(self, text: str) -> np.ndarray:
+        hashing = self.config.hash_config
+        if hashing.hash_fc != "sha1" or hashing.precision != 64:
+            return super().get_shingles(text)
+        words = self.word_tokenizer.word_tokenize(simplify_text(text, self.config.norm_config))
+        return sha1_shingles(words, self.config.n_grams)
 
 
 class Tally(PipelineStep):

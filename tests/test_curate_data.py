@@ -9,11 +9,17 @@ import signal
 import subprocess
 import sys
 import time
+import unicodedata
+from collections import Counter
 
+import numpy as np
 import pandas as pd
 import pytest
+from datatrove.pipeline.filters.gopher_repetition_filter import find_all_duplicate
+from datatrove.utils.hashes.sha1 import sha1_hash64
+from datatrove.utils.text import ngrams, simplify_text
 
-from scripts import curate_data
+from scripts import curate_data, curate_fast
 from scripts.curate_steps import MixedScriptTokenizer
 from tests.launch import python
 
@@ -278,3 +284,41 @@ def test_sigterm_exits_143_and_the_rerun_finishes(tmp_path):
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert sorted(output_texts(tmp_path / "out")) == sorted(set(texts))  # all unique: all kept, once
+
+
+def test_fast_functions_equal_datatrove_and_a_plain_count():
+    """curate_fast against the functions it replaces (datatrove's, and a per-character count) on texts made to trip
+    them: repeats, words whose concatenations collide ("ab c" / "a bc"), CJK, diacritics, emoji, a lone surrogate."""
+    rng = random.Random(3)
+    texts = ENGLISH + CHINESE + JUNK + [english_doc(rng, 300), chinese_doc(rng, 400), "", "x", "ab c ab c ab c",
+                                        "a bc abc a bc ab c", "Café déjà vu naïve ÀÉÎ 12,5 x\u0301y 𝄞\u0301",
+                                        "😀😀 a😀 ☺☺ $$ 日本語 テスト \ud800 lone",
+                                        "一二三一二三一二三一二三一二三一二三"]
+    texts += [" ".join(rng.choice(["a", "b", "ab", "ba", "c", "日", "本", "😀"]) for _ in range(rng.randint(0, 60)))
+              for _ in range(200)]
+    tokenizer = MixedScriptTokenizer()
+    for text in texts:
+        visible = [ch for ch in text if not ch.isspace()]
+        categories = [unicodedata.category(ch)[0] for ch in visible]
+        assert curate_fast.char_classes(text) == (len(visible), sum(c in "LN" for c in categories),
+                                                  categories.count("S")), text
+        words = tokenizer.word_tokenize(text)
+        grams = curate_fast.WordNgrams(words)
+        for n in range(1, 11):
+            assert grams.duplicated_chars(n) == find_all_duplicate(words, n), (text, n)
+        for n in (2, 3, 4):
+            counts = Counter(ngrams(words, n))
+            assert grams.top_repeated(n) == (counts.most_common(1)[0] if counts else None), (text, n)
+            assert grams.top_repeated_chars_at_most(n) >= max((c * len("".join(g)) for g, c in counts.items()),
+                                                              default=0), (text, n)
+        simple = simplify_text(text)
+        assert curate_fast.simplify_text(text) == simple, text
+        words = tokenizer.word_tokenize(simple)
+        if not simple.isascii() and "\ud800" in simple:  # both raise: a lone surrogate has no UTF-8
+            with pytest.raises(UnicodeEncodeError):
+                curate_fast.sha1_shingles(words, 5)
+            continue
+        expected = [sha1_hash64(" ".join(gram)) for gram in ngrams(words, 5)]
+        shingles = curate_fast.sha1_shingles(words, 5)
+        assert shingles.dtype == np.uint64 and shingles.shape == (len(expected), 1), text
+        assert shingles[:, 0].tolist() == expected, text
