@@ -6,6 +6,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import runpy
 import shutil
 import socket
@@ -15,11 +16,13 @@ import tempfile
 import time
 import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dataset.demo_data import ensure_demo_data
+from trainer.base.launch import main_guard
 from trainer.parallel.pipeline import make_schedule, split_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -350,3 +353,20 @@ def resume_run(script, run, step, timeout=300):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resumed from epoch 0, step {step}" in resumed.stdout, resumed.stdout[-3000:]
     return resumed
+
+
+BAR = re.compile(r"tokenizing \S+: ")  # the token cache's tqdm bar (dataset/tokenizing/token_cache.py)
+
+
+def stderr_lines(err):
+    """stderr's lines less the token cache's progress bar: drawn once a build passes 1 s, which even a tiny file's does
+    on a busy machine (a test that compares the error lines exactly failed on it under load)."""
+    return [line for line in err.replace("\r", "\n").splitlines() if line.strip() and not BAR.match(line)]
+
+
+def run_in_process(monkeypatch, capsys, script, argv):
+    """(exit code, stderr lines less progress bars) of an entry script's main() under main_guard, in this process."""
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__.rsplit('.', 1)[-1]}.py", *map(str, argv)])
+    with pytest.raises(SystemExit) as exit_info:
+        main_guard(script.main)
+    return exit_info.value.code, stderr_lines(capsys.readouterr().err)

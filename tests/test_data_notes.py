@@ -1,15 +1,13 @@
 """The datasets' notes() (dataset/chat.py, preference_data.py): what a chat or preference dataset loses or lacks is
 counted in one line each, and DPO pairs that teach nothing (chosen == rejected) are counted, or refused when every pair
 is one."""
-import sys
 
 import pytest
 
 from dataset.chat import SFTDataset
 from dataset.preference_data import DPODataset, RewardPairs
-from tests.launch import TINY_MODEL, write_rows
+from tests.launch import TINY_MODEL, run_in_process, write_rows
 from trainer import train_dpo
-from trainer.base.launch import main_guard
 
 
 def conversation(question, answer):
@@ -55,15 +53,12 @@ def test_pairs_that_differ_only_past_max_seq_len_are_identical_as_trained(tmp_pa
 def test_all_identical_pairs_are_one_error_line_before_training(tmp_path, monkeypatch, capsys):
     data = write_rows(tmp_path / "same.jsonl", pairs(8, same=range(8)))
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["train_dpo.py", *TINY_MODEL, "--data_path", data, "--from_weight", "none",
-                                      "--max_seq_len", "48", "--batch_size", "2", "--save_dir", str(out),
-                                      "--checkpoint_dir", str(out / "ckpt"), "--cache_dir", str(out / "cache")])
-    with pytest.raises(SystemExit) as caught:
-        main_guard(train_dpo.main)
-    err = capsys.readouterr().err.strip()
-    assert caught.value.code == 2 and err == (
+    code, err = run_in_process(monkeypatch, capsys, train_dpo, [
+        *TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", "48", "--batch_size", "2",
+        "--save_dir", out, "--checkpoint_dir", out / "ckpt", "--cache_dir", out / "cache"])
+    assert code == 2 and err == [
         f"error: 8 of 8 pairs of {data} have chosen == rejected (within --max_seq_len 48): they teach nothing; give "
-        "each pair a rejected answer that differs from the chosen one")
+        "each pair a rejected answer that differs from the chosen one"]
     assert not list((out / "cache").glob("*.dpo_ref.*"))  # stopped before the reference model ran
 
 

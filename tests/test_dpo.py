@@ -4,7 +4,6 @@ import glob
 import hashlib
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -25,10 +24,11 @@ from tests.launch import (
     preference_run_args,
     preference_single_run,
     resume_run,
+    run_in_process,
     write_rows,
 )
 from trainer import train_dpo
-from trainer.base.launch import main_guard, setup_seed
+from trainer.base.launch import setup_seed
 from trainer.core.batches import step_targets
 from trainer.parallel.pipeline import PipelineLoss
 from trainer.stages.dpo import DPOObjective, sequence_log_probs
@@ -247,20 +247,13 @@ def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path
                                                                                             abs=1e-6), (a, b)
 
 
-def run_in_process(monkeypatch, capsys, argv):
-    monkeypatch.setattr(sys, "argv", ["train_dpo.py", *map(str, argv)])
-    with pytest.raises(SystemExit) as exit_info:
-        main_guard(train_dpo.main)
-    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
-
-
 def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     rows = pair_rows(8)
     del rows[4]["rejected"]
     data = write_rows(tmp_path / "bad.jsonl", rows)
-    code, err = run_in_process(monkeypatch, capsys, run_args(tmp_path, "bad", data))
+    code, err = run_in_process(monkeypatch, capsys, train_dpo, run_args(tmp_path, "bad", data))
     assert code == 2 and err[-1].startswith("error: ") and err[-1].endswith("bad.jsonl:5: no 'rejected' field"), err
-    code, err = run_in_process(monkeypatch, capsys, run_args(tmp_path, "beta", data) + ["--beta", "0"])
+    code, err = run_in_process(monkeypatch, capsys, train_dpo, run_args(tmp_path, "beta", data) + ["--beta", "0"])
     assert code == 2 and err == ["error: --beta must be > 0 (MiniMind uses 0.15), got 0.0"], err
 
 
@@ -294,12 +287,12 @@ def test_a_second_round_resumes_against_its_own_reference_after_overwriting_it(s
     for a, b in zip(got, want):  # same process count, same reduction order
         assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
 
-    code, err = run_in_process(monkeypatch, capsys, [*runs["killed"], "--from_resume", "1", "--beta", "0.3"])
+    code, err = run_in_process(monkeypatch, capsys, train_dpo, [*runs["killed"], "--from_resume", "1", "--beta", "0.3"])
     assert code == 2 and len(err) == 1 and "step_6 was saved with --beta 0.15, this run has --beta 0.3; pass --beta " \
                                            "0.15 to continue it, or --from_resume 0 to start over" in err[0], err
     (cache,) = glob.glob(os.path.join(runs["killed"][runs["killed"].index("--cache_dir") + 1], "*.dpo_ref.*.pt"))
     os.remove(cache)
-    code, err = run_in_process(monkeypatch, capsys, [*runs["killed"], "--from_resume", "1"])
+    code, err = run_in_process(monkeypatch, capsys, train_dpo, [*runs["killed"], "--from_resume", "1"])
     assert code == 2 and err == [
         f"error: --ref_weight {weights} no longer holds this run's reference (its content has changed since the run "
         f"started with sha256 {start_sha[:12]}: a save of this run over it?) and the run's reference log-probs "
@@ -398,10 +391,11 @@ def test_a_reference_free_loss_skips_the_reference_and_a_reference_flag_is_refus
     assert not glob.glob(os.path.join(run[run.index("--cache_dir") + 1], "*.dpo_ref.*"))
     records = metrics_of(run)
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["loss"] < records[0]["loss"]
-    code, err = run_in_process(monkeypatch, capsys, [*run, "--ref_weight", "none"])
+    code, err = run_in_process(monkeypatch, capsys, train_dpo, [*run, "--ref_weight", "none"])
     assert code == 2 and err == ["error: --loss_type simpo uses no reference model; leave out --ref_weight none (or "
                                  "pick a loss with one: sigmoid, ipo, hinge, robust)"], err
-    code, err = run_in_process(monkeypatch, capsys, [*run, "--loss_type", "hinge", "--label_smoothing", "0.1"])
+    code, err = run_in_process(monkeypatch, capsys, train_dpo,
+                               [*run, "--loss_type", "hinge", "--label_smoothing", "0.1"])
     assert code == 2 and err == ["error: --label_smoothing applies to --loss_type sigmoid, robust or simpo, not "
                                  "hinge; leave it out"], err
 

@@ -10,11 +10,10 @@ import sys
 import pytest
 import torch
 
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, kill_at_step, resume_run
+from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, kill_at_step, resume_run, run_in_process
 from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_grpo
 from trainer.base.errors import ConfigError
-from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
 from trainer.plan.resolve import resolve
@@ -393,20 +392,13 @@ def test_a_toy_task_is_learnt(tmp_path):
     assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 > 0.3, rewards
 
 
-def run_in_process(monkeypatch, capsys, argv):
-    monkeypatch.setattr(sys, "argv", ["train_grpo.py", *map(str, argv)])
-    with pytest.raises(SystemExit) as exit_info:
-        main_guard(train_grpo.main)
-    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
-
-
 @pytest.mark.parametrize("function,count", [("nan_for_some", 2), ("infinite", 1)])
 def test_non_finite_rewards_stop_the_run_naming_the_function(tmp_path, monkeypatch, capsys, function, count):
     """A reward function returning NaN (which counted as 0) or an infinity (which made reward_std Infinity): exit 3
     and one line naming the function, the step and the count, before any update."""
     data = demo_slice(tmp_path, "rlaif", 10)
     argv = [*run_flags(tmp_path, "bad", data), "--reward_fn", f"{REWARD_FNS}:{function}"]
-    code, err = run_in_process(monkeypatch, capsys, argv)
+    code, err = run_in_process(monkeypatch, capsys, train_grpo, argv)
     assert code == 3, err
     assert err[-1] == (f"error: step 1: reward function {function} returned {count} non-finite values (NaN or "
                        "infinite) of 4: return finite numbers, or None for no reward; no checkpoint saved yet")
@@ -419,14 +411,14 @@ def test_a_reward_function_that_raises_is_named_and_the_last_step_saved(tmp_path
     flags = [*run_flags(tmp_path, "raises", data, extra=["--num_iterations", "1", "--save_interval", "100",
                                                           "--max_steps", "4"])]
     failing = [a.replace(":distinct_chars", ":fails_at_step_3") for a in flags]
-    code, err = run_in_process(monkeypatch, capsys, failing)
+    code, err = run_in_process(monkeypatch, capsys, train_grpo, failing)
     assert code == 3, err
     checkpoint_dir = flags[flags.index("--checkpoint_dir") + 1]
     saved = glob.glob(os.path.join(checkpoint_dir, "*", "step_*"))
     assert [os.path.basename(path) for path in saved] == ["step_2"]
     assert err[-1] == ("error: step 3: reward function fails_at_step_3 raised KeyError: 'score_service'; step 2 saved "
                        f"in {os.path.dirname(saved[0])}; continue with --from_resume 1"), err
-    code, _ = run_in_process(monkeypatch, capsys, [*flags, "--from_resume", "1"])
+    code, _ = run_in_process(monkeypatch, capsys, train_grpo, [*flags, "--from_resume", "1"])
     assert code in (0, None)
     assert [r["step"] for r in metrics_of(flags)] == [1, 2, 3, 4]
 
@@ -441,7 +433,7 @@ def test_a_reward_function_that_raises_is_named_and_the_last_step_saved(tmp_path
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, flags, message):
     data = demo_slice(tmp_path, "rlaif", 10)
-    code, err = run_in_process(monkeypatch, capsys, [*run_flags(tmp_path, "bad", data), *flags])
+    code, err = run_in_process(monkeypatch, capsys, train_grpo, [*run_flags(tmp_path, "bad", data), *flags])
     assert code == 2 and err[-1].startswith("error: ") and message in err[-1], err
 
 

@@ -4,7 +4,6 @@ export read by GRPO/PPO's RewardModel, the layouts against one process, exact re
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -26,9 +25,9 @@ from tests.launch import (
     preference_run_args,
     preference_single_run,
     resume_run,
+    run_in_process,
 )
 from trainer import train_ppo, train_reward
-from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets
 from trainer.rl.rewards import RewardModel
 from trainer.stages.reward import RewardObjective, ScoreHead, hf_folder
@@ -179,13 +178,6 @@ def test_resume_after_a_kill_continues_with_the_same_losses(single_run, tmp_path
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for a, b in zip(got, records):  # same process count, same reduction order: the same values
         assert a["loss"] == b["loss"] and a["margin"] == b["margin"], (a, b)
-
-
-def run_in_process(monkeypatch, capsys, script, argv):
-    monkeypatch.setattr(sys, "argv", ["script.py", *map(str, argv)])
-    with pytest.raises(SystemExit) as exit_info:
-        main_guard(script.main)
-    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
 
 
 def test_bad_input_is_one_line_and_exit_2(single_run, tmp_path, monkeypatch, capsys):
