@@ -167,7 +167,8 @@ def extra_models(plan, config, run, est, act_bytes):
         notes.append(f"teacher: hidden {teacher.hidden_size}, {teacher.num_hidden_layers} layers"
                      f"{', MoE' if teacher.use_moe else ''}, {model_params(teacher) / 1e6:.1f}M parameters"
                      + (f" ({stage.teacher_path})" if at_hand else
-                        " (not at hand: MiniMind's default, the student's size as MoE, or --teacher_* flags)"))
+                        " (not at hand: MiniMind's default, the student's size as MoE, or --teacher_hidden_size, "
+                        "--teacher_num_hidden_layers, --teacher_use_moe)"))
     if stage.name == "PPO":  # the value head (hidden + 1) trains: weights, gradients and moments as the policy's
         state = (est["memory_gb"]["weights"] + est["memory_gb"]["grads"] + est["memory_gb"]["optimizer"]) * GIB
         parts["value_head"] = state / per_rank_params * (config.hidden_size + 1)
@@ -332,9 +333,10 @@ def parse_args(argv):
     parser.add_argument("--usd_per_hour", type=float, default=None, help="price of one GPU hour, for the cost")
     parser.add_argument("--corpus_tokens", type=float, default=None, help="the corpus's tokens, for a corpus not at "
                         "hand (default: counted from --data_path or the stage's demo data)")
-    for name, kind in (("hidden_size", int), ("num_hidden_layers", int), ("use_moe", int)):
-        parser.add_argument(f"--teacher_{name}", type=kind, default=None, help=f"distillation/GKD: the {name} of a "
-                            "teacher not at hand yet (default: the student's; use_moe 1, MiniMind's teacher)")
+    teacher = "distillation/GKD: the {} of a teacher not at hand yet (default: the student's; use_moe 1, MiniMind's)"
+    parser.add_argument("--teacher_hidden_size", type=int, default=None, help=teacher.format("hidden_size"))
+    parser.add_argument("--teacher_num_hidden_layers", type=int, default=None, help=teacher.format("num_hidden_layers"))
+    parser.add_argument("--teacher_use_moe", type=int, default=None, help=teacher.format("use_moe"))
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     return parser.parse_known_args(argv)
 
