@@ -11,9 +11,8 @@ def prompt_ids(tokenizer, text):
     prompt is tokenized with a letter after it and the letter's token dropped; where that does not give back exactly
     `text` (a trailing space joins the letter), the plain tokenization is kept.
     """
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if text == text.rstrip():
-        return ids
-    probe = tokenizer(text + "A", add_special_tokens=False)["input_ids"][:-1]
-    decoded = tokenizer.decode(probe, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return probe if decoded == text else ids
+    if text != text.rstrip():
+        probe = tokenizer(text + "A", add_special_tokens=False)["input_ids"][:-1]
+        if tokenizer.decode(probe, skip_special_tokens=False, clean_up_tokenization_spaces=False) == text:
+            return probe
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
