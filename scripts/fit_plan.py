@@ -5,13 +5,15 @@
 
 The memory per device by part: weights, gradients, optimizer state (fp32 master weights, fp32 gradients, two fp32
 AdamW moments: what the trainer keeps), activations at the micro-batch and length (scripts/layout_model.py's saved
-tensors, times ACTIVATION_OVERHEAD for autograd's backward temporaries and the allocator, measured), and the models
+tensors, times ACTIVATION_OVERHEAD for autograd's backward temporaries, measured), and the models
 beside the policy: RL's frozen reference, a distillation/GKD teacher (its own size: from its file, or --teacher_* when
 not at hand), PPO's value head, a reward model (sized by its folder's config), the rollouts' KV cache (DPO/KTO drop
 their reference before training); the cheapest change that makes it fit; the corpus's tokens (the trainer's token
 cache of --data_path when there is one, else a sample of its lines tokenized, scaled by bytes) and the time per epoch
-at the card's dense bf16 peak x MFU. tests/test_fit_plan.py checks the memory against measured peaks (dense, MoE,
-GRPO, distillation) and the FLOPs against a hand count.
+at the card's dense bf16 peak x MFU. The estimate is of tensors (torch.cuda.max_memory_allocated on a GPU); a run fits
+when it fits the card less the CUDA context and the allocator's slack (CUDA_CONTEXT_GIB, ALLOCATOR_SLACK).
+tests/test_fit_plan.py checks the memory against measured peaks (dense, MoE, GRPO, distillation) and the FLOPs
+against a hand count.
 """
 import argparse
 import importlib
@@ -38,10 +40,17 @@ from trainer.plan.resolve import resolve  # noqa: E402
 from trainer.runtime.metrics import model_flops_per_token  # noqa: E402
 
 # Saved activations x this = the activation peak: autograd's backward temporaries (each layer's input gradients
-# beside the saved tensors) and the allocator's slack. Measured on CPU (tests/memory_entry.py, peak resident set over
-# the loaded data): h256 L4 batch 8 x 256 fp32 dense, 0.487 GiB against 0.074 GiB of states + 0.252 GiB of saved
-# tensors -> 1.64; tests/test_fit_plan.py checks it on a MoE and a GRPO run.
-ACTIVATION_OVERHEAD = 1.64
+# beside the saved tensors). Measured on CPU as the most bytes of tensors alive at once (tests/memory_entry.py: torch's
+# profiler over the allocator, what torch.cuda.max_memory_allocated reports on a GPU; the same on every run): h256 L4
+# batch 8 x 256 fp32 dense, 0.3566 GiB against 0.0743 GiB of states + 0.2520 GiB of saved tensors -> 1.12;
+# tests/test_fit_plan.py checks it on a MoE (6.6% under: the router's and the experts' gathers are not in the layout
+# model's saved tensors), a GRPO and a distillation run.
+ACTIVATION_OVERHEAD = 1.12
+# A card holds less than its memory for tensors: the CUDA context with cuBLAS and NCCL workspaces (0.3-1 GiB by card
+# and driver) and the caching allocator's fragmentation (blocks reserved, not allocated; PyTorch's CUDA notes: set
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to lower it). A run fits when its tensors x (1 + ALLOCATOR_SLACK) +
+# CUDA_CONTEXT_GIB fit the card: allowances, stated, not measured here.
+CUDA_CONTEXT_GIB, ALLOCATOR_SLACK = 1.0, 0.10
 # Model FLOPs utilisation assumed for the epoch time. MiniMind-size models (26-104M, hidden 512-768) are too narrow to
 # fill a data-center GPU's tensor cores: nanoGPT's 124M reaches about 0.3-0.4 of an A100 with torch.compile and flash
 # attention; we take 0.3 dense and 0.2 MoE (the router and the per-expert gathers: docs/performance.md's MoE/dense
@@ -268,10 +277,11 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
         return out
     name, (peak, memory, bandwidth, source) = find_gpu(gpu)
     mfu = mfu or (DEFAULT_MFU_MOE if config.use_moe else DEFAULT_MFU)
-    out.update(gpu=name, gpu_source=source, gpu_memory_gib=memory / GIB, fits=total <= memory,
-               mfu=mfu, peak_flops=peak)
-    if total > memory:
-        out["cheapest_fix"] = cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes, teacher)
+    usable = usable_bytes(memory)
+    out.update(gpu=name, gpu_source=source, gpu_memory_gib=memory / GIB, usable_gib=usable / GIB,
+               fits=total <= usable, mfu=mfu, peak_flops=peak)
+    if total > usable:
+        out["cheapest_fix"] = cheapest_fix(stage_name, argv, nproc, plan, usable, act_bytes, teacher)
     if data_tokens:
         tokens, documents, how = data_tokens
         # packed rows train every token once; unpacked rows (chat, pairs, an RL prompt's completions) are full rows
@@ -288,6 +298,11 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
     return out
 
 
+def usable_bytes(memory):
+    """The tensor bytes a card of `memory` bytes holds: less the CUDA context, over the allocator's slack."""
+    return (memory - CUDA_CONTEXT_GIB * GIB) / (1 + ALLOCATOR_SLACK)
+
+
 def frozen_forward_flops(stage, config, seq_len):
     """FLOPs per token of the frozen models' forward passes (a third of their training FLOPs: 2 of 6 per parameter),
     as the stage's own flops() counts them: RL's reference, a distillation/GKD teacher."""
@@ -298,8 +313,9 @@ def frozen_forward_flops(stage, config, seq_len):
 
 
 def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None, teacher=None):
-    """The first change, cheapest first, whose estimate fits: a smaller micro-batch (accumulation keeps the global
-    batch), --grad_checkpointing 1, ZeRO-2/3 (several processes), --cpu_offload, a smaller --max_gen_len; or None."""
+    """The first change, cheapest first, whose estimate fits `memory` (the card's usable bytes): a smaller
+    micro-batch (accumulation keeps the global batch), --grad_checkpointing 1, ZeRO-2/3 (several processes),
+    --cpu_offload, a smaller --max_gen_len; or None."""
     batch, accumulation = plan.data.micro_batch, plan.data.num_microbatches
     tries = []
     while batch > 1:
@@ -344,7 +360,8 @@ def parse_args(argv):
 def describe(out):
     """The plan in lines a person reads."""
     mem = ", ".join(f"{k} {v:.2f}" for k, v in out["memory_gib"].items())
-    lines = [f"{out['stage']} on {out['nproc']} x {out['gpu']} ({out['gpu_memory_gib']:.0f} GiB; {out['gpu_source']})",
+    lines = [f"{out['stage']} on {out['nproc']} x {out['gpu']} ({out['gpu_memory_gib']:.0f} GiB, "
+             f"{out['usable_gib']:.1f} for tensors; {out['gpu_source']})",
              f"parameters: {out['params_total'] / 1e6:.1f}M total, {out['params_active'] / 1e6:.1f}M active",
              f"memory per GPU (GiB): {mem}; total {out['memory_total_gib']:.2f}: "
              + ("fits" if out["fits"] else "does NOT fit")]
