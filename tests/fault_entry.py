@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from trainer.base import launch  # noqa: E402
 from trainer.base.launch import main_guard, rank  # noqa: E402
 from trainer.core import loop as train_loop  # noqa: E402
+from trainer.parallel import data as data_parallel  # noqa: E402
 from trainer.plan.objective import LMObjective  # noqa: E402
 
 STAGE = "MINIMIND_TEST_STAGE"
@@ -69,7 +70,7 @@ def patch_kill(step, point, victim):
 
 def patch_corrupt(spec):
     victim, at_step, target = spec.split(":", 2)
-    real_check = train_loop.check_replicas
+    real_check = data_parallel.check_replicas  # the dp module's, which the loop calls
 
     def check_replicas(model_parts, group, step):
         if dist.get_rank() == int(victim) and step == int(at_step):
@@ -79,7 +80,7 @@ def patch_corrupt(spec):
                         with torch.no_grad():
                             param.view(-1)[0] += 1.0
         return real_check(model_parts, group, step)
-    train_loop.check_replicas = check_replicas
+    data_parallel.check_replicas = check_replicas
 
 
 def patch_fill_disk(spec):

@@ -7,6 +7,7 @@ the reference. The same job checks full-state gathering across pipeline stages.
 import copy
 import math
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ import trainer.parallel.state_dict as sd
 from tests.launch import spawn
 from tests.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
 from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.data import apply_data_parallel, grad_reduce_factor, gradient_sync, validate_data_parallel
+from trainer.parallel.data import apply_data_parallel, gradient_sync, validate_data_parallel
+from trainer.parallel.mesh import grad_reduce_factor
 from trainer.parallel.state_dict import (
     TIED_EMBEDDING,
     _load_zero,
@@ -138,7 +140,7 @@ def _full_grads(model):
 def _train_variant(dims, zero_stage, compression, extras, record=False):
     """Train STEPS steps; with `record`, also the weights before each step and its clipped gradients."""
     model, optimizer = _wrap_variant(dims, zero_stage, compression, extras)
-    factor = grad_reduce_factor(dims.size("dp"), dims.size("cp"))
+    factor = dims.size("dp") * dims.size("cp")  # the ranks a gradient is averaged over
     norms, first_grads, history = [], None, []
     for ids, labels in make_batches():
         before = full_model_state_dict(model) if record else None  # a collective; a dict on rank 0 only
@@ -419,7 +421,8 @@ def test_validate_data_parallel():
     assert "none, bf16, powersgd" in validate_data_parallel(0, "fp8")
     assert "--zero_stage 0 or 1" in validate_data_parallel(2, "powersgd")
     assert "use --zero_stage 2 or 3" in validate_data_parallel(1, "none", dp=2, tp=2)
-    assert grad_reduce_factor(2, 2) == 4
+    # the ranks a gradient is averaged over: dp x cp; the model dimensions leave it alone
+    assert grad_reduce_factor(SimpleNamespace(dp=2, cp=2, tp=3, pp=5, ep=7)) == 4
 
 
 def _adam_state(model, step):
@@ -516,7 +519,7 @@ def _accumulation_worker(rank, world_size, out_path):
                 row = slice(2 * i + rank, 2 * i + rank + 1)
                 with gradient_sync(model, enabled=i == ACCUMULATION - 1):
                     out = model(ids[row], labels=labels[row], num_items_in_batch=num_items(labels))
-                    (out.loss * grad_reduce_factor(dims.size("dp"))).backward()
+                    (out.loss * dims.size("dp")).backward()
             counts.append((calls.count("reduce_scatter"), calls.count("all_gather")))
             if step == 0:
                 grads = _full_grads(model)

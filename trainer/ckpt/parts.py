@@ -17,7 +17,6 @@ from typing import Callable, Optional
 from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import rng_state, set_rng_state
-from trainer.parallel.data import comm_hooks
 from trainer.parallel.state_dict import load_full_state, load_sharded_state, sharded_state_dict
 
 SHARDED, RANK0, PER_RANK = "sharded", "rank 0", "per rank"
@@ -88,6 +87,12 @@ def objective_part(objective):
                               "rollout is reused")
         objective.load_state_dict(state)
     return Part("objective", PER_RANK, lambda: objective.state_dict() or None, load)
+
+
+def comm_hooks(model_parts):
+    """The resumable (PowerSGD) hooks of the DDP-wrapped parts (one per pipeline stage this rank holds), in part
+    order: parallel/data.py sets `comm_hook` on those only."""
+    return [part.comm_hook for part in model_parts if getattr(part, "comm_hook", None) is not None]
 
 
 def powersgd_part(model_parts):

@@ -11,6 +11,7 @@ the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parall
 """
 import os
 import signal
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,7 @@ from trainer.core.batches import autocast, loss_context, shard_for_context, step
 from trainer.core.data_loading import epoch_loader
 from trainer.core.evaluation import evaluate
 from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.data import grad_reduce_factor, gradient_sync
-from trainer.parallel.mesh import dimension_module
+from trainer.parallel.mesh import dimension_module, grad_reduce_factor
 from trainer.plan.config_file import write_run_config
 from trainer.plan.objective import target_tokens
 from trainer.runtime.console import (
@@ -39,7 +39,6 @@ from trainer.runtime.console import (
 )
 from trainer.runtime.guard import (
     StepAbandoned,
-    check_replicas,
     out_of_memory_as_one_line,
     scaler_found_inf,
 )
@@ -127,8 +126,8 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
         trainer.expert_load.step_end(step, record)
     callbacks.call("on_step_end", trainer, record)
     run_end = should_stop(trainer) or (epoch_end and trainer.progress.epoch == plan.schedule.epochs - 1)
-    if plan.guard.check_replicas and step % plan.guard.check_replicas == 0 and plan.layout.dp * plan.layout.cp > 1:
-        check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)
+    if plan.guard.check_replicas and step % plan.guard.check_replicas == 0 and grad_reduce_factor(plan.layout) > 1:
+        dimension_module("dp").check_replicas(trainer.model_parts, trainer.dims.group("dp_cp"), step)
     scheduled = plan.schedule.eval_interval and step % plan.schedule.eval_interval == 0
     if eval_ds is not None and (scheduled or (run_end and not guard.stop)):
         callbacks.call("on_eval", trainer, evaluate(trainer, eval_ds))
@@ -219,7 +218,7 @@ def accumulate_gradients(trainer, micro_batches, bar):
         to_device(x, device), to_device(step_targets(labels), device), to_device(p, device),
         tuple(to_device(e, device) for e in extra)) for x, labels, p, extra in unpacked])
     aux_weight = plan.data.micro_batch / plan.data.global_batch / layout.cp  # every cp rank adds the (shared) aux
-    grad_factor = grad_reduce_factor(layout.dp, layout.cp)
+    grad_factor = grad_reduce_factor(layout)
     if trainer.pipeline is not None:  # the schedule runs every micro-batch, forward and backward
         (x, t), positions = shard_for_context(trainer.dims, [torch.cat(inputs), torch.cat(targets)],
                                               None if doc_positions[0] is None else torch.cat(doc_positions))
@@ -231,7 +230,7 @@ def accumulate_gradients(trainer, micro_batches, bar):
     for i, (x, t, p, extra) in enumerate(zip(inputs, targets, doc_positions, extras)):
         (x, t), positions = shard_for_context(trainer.dims, [x, t], p)
         # DDP and FSDP2 reduce gradients on the last micro-batch only
-        with gradient_sync(trainer.model_parts, i == len(inputs) - 1), loss_context(layout.tp):
+        with gradient_sync(layout, trainer.model_parts, i == len(inputs) - 1), loss_context(layout.tp):
             with autocast(plan):
                 main_loss, aux_loss, micro_stats = objective.loss(model, x, t, positions, extra, num_items)
             loss = main_loss + aux_loss * aux_weight
@@ -242,6 +241,14 @@ def accumulate_gradients(trainer, micro_batches, bar):
             bar.running_loss(ce, sum(counts[:i + 1]), num_items)
         bar.update(1)  # shows the loss just set
     return ce, aux, stats, num_items, num_tokens
+
+
+def gradient_sync(layout, model_parts, last):
+    """The context of one micro-batch's backward: under a data-parallel group (parallel/data.py gradient_sync),
+    gradients are reduced on the last micro-batch only; without one there is nothing to reduce."""
+    if layout.dp_mode == "none":
+        return nullcontext()
+    return dimension_module("dp").gradient_sync(model_parts, last)
 
 
 def clip_gradients(trainer, max_norm):

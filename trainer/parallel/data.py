@@ -3,8 +3,11 @@
 Gradient semantics: DDP and FSDP2 AVERAGE gradients over the data-parallel group (dp, or dp x cp
 when context parallel is on). The training step wants the gradient of the loss of the whole global
 batch, i.e. the SUM of the per-rank gradients of `ce_sum / num_items` (num_items counted over all
-ranks). So the trainer multiplies each rank's loss by `grad_reduce_factor(dp, cp)` = dp * cp; the
+ranks). So the trainer multiplies each rank's loss by `mesh.grad_reduce_factor(layout)` = dp * cp; the
 average of the scaled gradients is then exactly the single-process gradient.
+
+The dp dimension's module (mesh.py DIMENSIONS): read by a run with a data-parallel group or a ZeRO / compression
+flag only (plan/checks.py data_parallel_mode, parallelize.py, core/loop.py, runtime/optim.py).
 """
 import importlib
 from contextlib import ExitStack, contextmanager
@@ -16,16 +19,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.base.errors import TrainingHalted
+from trainer.base.launch import local_shard
 from trainer.parallel.perf import decoder_blocks
+from trainer.parallel.state_dict import clean_fqn
 
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_COMPRESSIONS = ("none", "bf16", "powersgd")
 POWERSGD_MODULE = "trainer.parallel.powersgd"  # read by --grad_compression powersgd runs only
-
-
-def grad_reduce_factor(dp, cp=1):
-    """Factor the trainer multiplies each rank's loss by so averaged gradients equal summed ones."""
-    return dp * cp
 
 
 def validate_data_parallel(zero_stage, grad_compression="none", dp=1, tp=1, pp=1):
@@ -63,13 +64,7 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
         hook = powersgd.ResumablePowerSGD(group, powersgd_rank, powersgd_start_iter,
                                           {id(p): name for name, p in ddp_model.module.named_parameters()})
         ddp_model.register_comm_hook(hook.state, hook.hook)
-        ddp_model.comm_hook = hook  # its state goes into resume checkpoints (trainer/ckpt/checkpoint.py)
-
-
-def comm_hooks(model_parts):
-    """The resumable (PowerSGD) hooks of the DDP-wrapped parts (one per pipeline stage this rank holds), in part
-    order: _register_compression sets `comm_hook` for those only."""
-    return [part.comm_hook for part in model_parts if getattr(part, "comm_hook", None) is not None]
+        ddp_model.comm_hook = hook  # its state goes into resume checkpoints (trainer/ckpt/parts.py powersgd_part)
 
 
 def apply_data_parallel(model, dp_mesh, zero_stage=0, grad_compression="none", *, powersgd_rank=1,
@@ -169,3 +164,27 @@ def data_parallel_optimizer(params, lr, zero_stage=0, dp_group=None, fused=None,
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=dp_group,
                                        lr=lr, **optimizer_kwargs)
     return optimizer_class(params, lr=lr, **optimizer_kwargs)
+
+
+def replica_checksums(model_parts):
+    """(names, tensor [n, 2]): float64 sum and sum of squares of each parameter's local values."""
+    names, sums = [], []
+    for part in model_parts:
+        for name, param in part.named_parameters():
+            local = local_shard(param.detach()).double()
+            names.append(clean_fqn(name))
+            sums.append(torch.stack([local.sum(), (local * local).sum()]))
+    return names, torch.stack(sums)
+
+
+def check_replicas(model_parts, group, step):
+    """Raise TrainingHalted naming the first parameter whose checksum differs across the replicas of `group`."""
+    names, mine = replica_checksums(model_parts)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    for i, name in enumerate(names):
+        ranks = [r for r, other in enumerate(gathered) if not torch.equal(other[i], gathered[0][i])]
+        if ranks:
+            raise TrainingHalted(f"--check_replicas: at step {step} parameter {name} differs between data-parallel "
+                                 f"replicas (group ranks {ranks} vs 0); the replicas diverged, resume from the last "
+                                 "checkpoint and look for non-deterministic or rank-dependent code")

@@ -12,7 +12,7 @@ With ep < dp (ep carved out of dp: parallel/mesh.py) each expert is held by dp/e
 expert-replica group, ep_replica); `reduce_expert_grads` sums their gradients once per step, as DDP does the rest.
 Under context parallel the ep groups join ranks at the same cp coordinate (the same sequence part of other samples;
 the MoE is token-wise, so each rank dispatches whatever tokens it holds) and ep_replica also holds the cp peers: each
-expert is held by dp*cp/ep ranks, and the loss scale the experts undo is dp*cp (data.grad_reduce_factor).
+expert is held by dp*cp/ep ranks, and the loss scale the experts undo is dp*cp (mesh.grad_reduce_factor).
 
 With tensor parallel the routed experts stay whole (ETP=1, torchtitan's choice; parallel/tensor.py leaves them out of
 its plan): they remain plain tensors, so the replica reduction, the clipped norm, FSDP2's ignored parameters and the

@@ -55,6 +55,15 @@ MODEL_DIMS = tuple(d.name for d in DIMENSIONS if not d.splits_data)  # the sizes
 PRODUCT_DIMS = tuple(name for name in MODEL_DIMS if name in MESH_DIMS)  # world size = dp * their product
 
 
+def grad_reduce_factor(layout):
+    """What the trainer multiplies each rank's loss by so that DDP's and FSDP2's averaged gradients equal summed ones:
+    the number of ranks a gradient is averaged over, the product of the REDUCE_DIMS sizes (dp x cp). layout: the
+    sizes as attributes (the plan's Layout). The step wants the gradient of the global batch's loss, `ce_sum /
+    num_items` with num_items counted over all ranks: the SUM of the ranks' gradients; the average of the scaled ones
+    is exactly the single-process gradient (parallel/data.py)."""
+    return prod(getattr(layout, name) for name in REDUCE_DIMS)
+
+
 def dimension_module(name):
     """The module of dimension `name` (its DIMENSIONS entry), imported on first use: a run reads the code of the
     dimensions it uses only."""

@@ -4,8 +4,7 @@ Order: pipeline split -> tensor parallel -> expert parallel -> context parallel 
 -> data parallel (DDP / ZeRO / FSDP2). For one process every step is skipped: the plain model trains. A dimension's
 module is read only when its size is above 1 (mesh.py dimension_module).
 """
-from trainer.parallel.data import apply_data_parallel, grad_reduce_factor
-from trainer.parallel.mesh import dimension_module
+from trainer.parallel.mesh import dimension_module, grad_reduce_factor
 from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks
 
 
@@ -17,6 +16,8 @@ def parallelize(model, dims, plan):
     """
     layout, model_plan = plan.layout, plan.model
     used = {name: dimension_module(name) for name in ("pp", "tp", "ep", "cp") if getattr(layout, name) > 1}
+    if layout.dp_mode != "none":  # a data-parallel group: dp x cp ranks reduce gradients
+        used["dp"] = dimension_module("dp")
     pipeline, parts = None, [model]
     if "pp" in used:
         pipeline = used["pp"].Pipeline(model, dims.group("pp"), layout.pp_schedule, plan.data.num_microbatches,
@@ -34,7 +35,7 @@ def parallelize(model, dims, plan):
                                              loss_parallel=layout.pp == 1, shard_experts=layout.ep == 1)
         if "ep" in used:  # experts over the ep ranks; the trainer scales the loss by dp*cp for DDP's average
             used["ep"].apply_expert_parallel(part, dims.group("ep"),
-                                             grad_divide=grad_reduce_factor(layout.dp, layout.cp))
+                                             grad_divide=grad_reduce_factor(layout))
         if "cp" in used:
             used["cp"].apply_context_parallel(part, dims.mesh("cp"), doc_mask=plan.data.doc_mask)
         if model_plan.grad_checkpointing:
@@ -42,9 +43,9 @@ def parallelize(model, dims, plan):
         if model_plan.use_compile:
             compile_blocks(part)
     experts = (lambda part: [name for name, _ in used["ep"].expert_params(part)]) if "ep" in used else (lambda part: ())
-    if layout.dp_mode != "none":
+    if "dp" in used:
         # FSDP2 gathers parameters in the autocast dtype and reduces gradients in fp32
-        parts = [apply_data_parallel(part, dims.mesh("dp_cp"), layout.zero_stage, layout.grad_compression,
+        parts = [used["dp"].apply_data_parallel(part, dims.mesh("dp_cp"), layout.zero_stage, layout.grad_compression,
                                      powersgd_rank=layout.powersgd_rank, powersgd_start_iter=layout.powersgd_start_step,
                                      param_dtype=model_plan.autocast_dtype, cpu_offload=layout.cpu_offload,
                                      ignored=experts(part))

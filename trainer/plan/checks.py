@@ -11,7 +11,6 @@ from model.tokenizer_choice import check_tokenizer  # noqa: F401
 from model.weight_names import other_sizes  # noqa: F401
 from trainer.base.errors import ConfigError
 from trainer.base.launch import per_rank
-from trainer.parallel.data import validate_data_parallel
 from trainer.parallel.mesh import MODEL_DIMS, REDUCE_DIMS, dimension_module, validate_layout
 from trainer.runtime import metrics  # read through the module: tests replace its CPU probes
 
@@ -76,9 +75,11 @@ def data_parallel_mode(world_size, zero_stage=0, grad_compression="none", **size
     if (tp > 1 or pp > 1) and replicas > 1 and zero_stage == 0 and grad_compression == "none":
         # DDP handles neither DTensor (tp) parameters nor a pipeline schedule's backward; FSDP2 does both
         zero_stage = 2
-    message = validate_data_parallel(zero_stage, grad_compression, dp=replicas, tp=tp, pp=pp)
-    if message:
-        raise ConfigError(message)
+    if replicas > 1 or zero_stage != 0 or grad_compression != "none":  # the dp module's check, read when used
+        message = dimension_module("dp").validate_data_parallel(zero_stage, grad_compression, dp=replicas, tp=tp,
+                                                                pp=pp)
+        if message:
+            raise ConfigError(message)
     mode = "none" if replicas == 1 else {0: "ddp", 1: "zero1"}.get(zero_stage, "fsdp2")
     return dp, zero_stage, mode
 

@@ -212,7 +212,8 @@ class IOPlan:
 
 @dataclass(frozen=True)
 class GuardPlan:
-    """Preemption, the non-finite step guard and the replica check (trainer/runtime/guard.py)."""
+    """Preemption and the non-finite step guard (trainer/runtime/guard.py); the replica check (trainer/parallel/data.py
+    check_replicas)."""
     grace_seconds: float = flag(60, "after SIGTERM/SIGINT: seconds to finish the step and save before exiting "
                                 "non-zero")
     max_bad_steps: int = flag(5, "stop after this many non-finite (skipped) optimizer steps in a row", min=1)

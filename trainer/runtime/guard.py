@@ -1,5 +1,5 @@
-"""What keeps a run sane: preemption signals, the non-finite step guard, the data-parallel replica check, and the one
-line an out-of-memory error ends a run with (the end of this file).
+"""What keeps a run sane: preemption signals, the non-finite step guard and the one line an out-of-memory error
+ends a run with (the end of this file); the data-parallel replica check is the dp module's (parallel/data.py).
 
 The loop calls `StepGuard.check` once per optimizer step, between clipping and the optimizer step: one small
 all-reduce tells every rank whether any rank saw a non-finite loss or gradient norm (skip the step), whether the
@@ -21,12 +21,11 @@ import torch.distributed as dist
 
 from model.torch_compat import scaler_found_inf_per_device
 from trainer.base.errors import TrainingHalted
-from trainer.base.launch import local_shard, rank
+from trainer.base.launch import rank
 from trainer.base.log import Logger, say
 from trainer.base.streams import write_fd
 from trainer.ckpt.checkpoint import latest_checkpoint
 from trainer.parallel.perf import decoder_blocks
-from trainer.parallel.state_dict import clean_fqn
 from trainer.runtime.metrics import peak_mem_gb
 
 
@@ -204,30 +203,6 @@ def scaler_found_inf(scaler, optimizer):
     if not scaler.is_enabled():
         return None
     return list(scaler_found_inf_per_device(scaler, optimizer).values())
-
-
-def replica_checksums(model_parts):
-    """(names, tensor [n, 2]): float64 sum and sum of squares of each parameter's local values."""
-    names, sums = [], []
-    for part in model_parts:
-        for name, param in part.named_parameters():
-            local = local_shard(param.detach()).double()
-            names.append(clean_fqn(name))
-            sums.append(torch.stack([local.sum(), (local * local).sum()]))
-    return names, torch.stack(sums)
-
-
-def check_replicas(model_parts, group, step):
-    """Raise TrainingHalted naming the first parameter whose checksum differs across the replicas of `group`."""
-    names, mine = replica_checksums(model_parts)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
-    for i, name in enumerate(names):
-        ranks = [r for r, other in enumerate(gathered) if not torch.equal(other[i], gathered[0][i])]
-        if ranks:
-            raise TrainingHalted(f"--check_replicas: at step {step} parameter {name} differs between data-parallel "
-                                 f"replicas (group ranks {ranks} vs 0); the replicas diverged, resume from the last "
-                                 "checkpoint and look for non-deterministic or rank-dependent code")
 
 
 # ----------------------------------------------------------------------------- out of memory

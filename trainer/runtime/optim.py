@@ -9,7 +9,7 @@ import torch
 
 from trainer.base.errors import ConfigError
 from trainer.base.schema import Flag, fill, flag
-from trainer.parallel.data import data_parallel_optimizer
+from trainer.parallel.mesh import dimension_module
 from trainer.parallel.state_dict import clean_fqn
 
 
@@ -96,5 +96,7 @@ def build_optimizer(model_parts, plan, dims):
     # for DTensor parameters
     fused = not layout.has_dtensor if plan.optim.name == "adamw" else None
     optimizer_class, kwargs = plan.optim.kwargs(fused)
-    return data_parallel_optimizer(params, plan.lr.peak, plan.layout.zero_stage, dims.group("dp_cp"),
-                                   optimizer_class=optimizer_class, **kwargs)
+    if layout.dp_mode == "zero1":  # ZeroRedundancyOptimizer: the state sharded over the dp_cp ranks
+        return dimension_module("dp").data_parallel_optimizer(params, plan.lr.peak, 1, dims.group("dp_cp"),
+                                                              optimizer_class=optimizer_class, **kwargs)
+    return optimizer_class(params, lr=plan.lr.peak, **kwargs)
