@@ -4,7 +4,7 @@
     python scripts/bench.py --packing 1 --baseline_flags doc_mask=0 --repeats 3  # one flag's cost, side by side
     python scripts/bench.py --nproc 2 --tp 2 --steps 5                         # under torchrun
     python scripts/bench.py --plan --nproc 64 --tp 4 --pp 4 --hidden_size 2048 --num_hidden_layers 32
-    python scripts/bench.py --plan --gpu 4090 --stage sft --epochs 2   # fits? how long? (scripts/fit_plan.py)
+    python scripts/bench.py --plan --gpu 4090 --stage sft --epochs 2   # fits? how long? (scripts/planner/fit.py)
     python scripts/bench.py --moe_layer --repeats 20                          # MoE MLP vs dense, loop vs grouped
     python scripts/bench.py --moe_vs_dense --steps 3 --warmup 2 --repeats 2   # MoE vs dense trainer, 4/8 x top-1/2
     python scripts/bench.py --ep_vs_dp --steps 3 --warmup 2 --repeats 2       # --ep 2 vs dp2 on 2 processes
@@ -35,8 +35,9 @@ from scripts.benchmarks.moe import print_moe_layer_bench  # noqa: E402
 from scripts.benchmarks.moe_dense import run_moe_bench  # noqa: E402
 from scripts.benchmarks.run import BENCH_DEFAULTS, given_trainer_flags, run_trainer, trainer_args  # noqa: E402
 from scripts.benchmarks.step_shares import shares_line, step_shares  # noqa: E402
-from scripts.fit_plan import main as fit_main  # noqa: E402
-from scripts.layout_model import plan_layout, plan_table  # noqa: E402
+from scripts.planner.cost import layout_sizes, plan_layout  # noqa: E402
+from scripts.planner.fit import main as fit_main  # noqa: E402
+from scripts.planner.scaling import plan_table  # noqa: E402
 from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
@@ -119,13 +120,13 @@ def plan_for(flags, nproc):
     lay, data = t.layout, t.data
     act_bytes = 4 if t.model.dtype == torch.float32 else 2
     # the layout model knows whole-block recomputation; a selective mode is estimated as none (an upper bound)
-    plan = plan_layout(config, data.seq_len, data.micro_batch, data.num_microbatches, lay.dp, lay.tp, lay.pp, lay.cp,
-                       lay.zero_stage, lay.pp_schedule, act_bytes, t.model.grad_checkpointing == "full",
-                       lay.sequence_parallel,
-                       run.loss_chunk_size if t.model.chunked_loss else 0,  # full logits where the trainer has them
-                       ep=lay.ep)
-    layout = dict(nproc=nproc, dp=lay.dp, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, zero_stage=lay.zero_stage,
-                  pp_schedule=lay.pp_schedule, act_bytes=act_bytes, micro_batch=data.micro_batch, seq_len=data.seq_len,
+    plan = plan_layout(config, data.seq_len, data.micro_batch, data.num_microbatches, lay, zero_stage=lay.zero_stage,
+                       pp_schedule=lay.pp_schedule, act_bytes=act_bytes,
+                       grad_checkpointing=t.model.grad_checkpointing == "full", sequence_parallel=lay.sequence_parallel,
+                       # full logits where the trainer has them
+                       loss_chunk_size=run.loss_chunk_size if t.model.chunked_loss else 0)
+    layout = dict(nproc=nproc, **layout_sizes(lay), zero_stage=lay.zero_stage, pp_schedule=lay.pp_schedule,
+                  act_bytes=act_bytes, micro_batch=data.micro_batch, seq_len=data.seq_len,
                   num_microbatches=data.num_microbatches)
     return layout, plan
 

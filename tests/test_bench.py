@@ -1,5 +1,5 @@
-"""scripts/bench.py, layout_model.py, quality.py: statistics by hand, the layout model against the real model and a
-measured run, tiny real bench and quality runs."""
+"""scripts/bench.py, the layout model (scripts/planner/cost.py), quality.py: statistics by hand, the layout model
+against the real model and a measured run, tiny real bench and quality runs."""
 import json
 
 import pytest
@@ -10,7 +10,7 @@ from scripts import bench, quality
 from scripts.bench import parse_args, plan_for, print_plan, step_stats
 from scripts.benchmarks import run as run_helper
 from scripts.benchmarks.run import run_trainer, trainer_command
-from scripts.layout_model import plan_layout
+from scripts.planner.cost import plan_layout
 from tests.launch import forked_argv
 from trainer.runtime.metrics import step_flops
 
@@ -48,8 +48,9 @@ def test_layout_model_counts_expert_parallel_by_hand():
                             use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96,
                             n_shared_experts=1)
     routed = sum(p.numel() for name, p in MiniMindForCausalLM(config).named_parameters() if ".experts." in name)
-    shape = dict(seq_len=32, micro_batch=2, num_microbatches=3, dp=4, act_bytes=2)
-    whole, split = plan_layout(config, **shape), plan_layout(config, **shape, ep=2)
+    shape = dict(seq_len=32, micro_batch=2, num_microbatches=3, act_bytes=2)
+    whole = plan_layout(config, **shape, layout=dict(dp=4))
+    split = plan_layout(config, **shape, layout=dict(dp=4, ep=2))
     assert split["params_per_rank"] == whole["params_per_rank"] - routed / 2
     gb = 2 ** 30
     comm = {k: v * gb for k, v in split["comm_gb_per_step"].items()}
@@ -59,7 +60,8 @@ def test_layout_model_counts_expert_parallel_by_hand():
     dense = whole["params_per_rank"] - routed
     assert comm["dp_allreduce"] == pytest.approx(2 * (3 / 4) * 4 * dense, rel=1e-12)
     assert "ep_alltoall" not in whole["comm_gb_per_step"]
-    zero3 = plan_layout(config, **shape, ep=2, zero_stage=3)["memory_gb"]  # FSDP2 shards the dense part only
+    # FSDP2 shards the dense part only
+    zero3 = plan_layout(config, **shape, layout=dict(dp=4, ep=2), zero_stage=3)["memory_gb"]
     assert zero3["weights"] * gb == pytest.approx(4 * (dense / 4 + routed / 2), rel=1e-12)
 
 
@@ -73,7 +75,8 @@ def test_layout_model_counts_expert_parallel_with_tensor_parallel_by_hand():
     params = dict(MiniMindForCausalLM(config).named_parameters())
     routed = sum(p.numel() for name, p in params.items() if ".experts." in name)
     rest = sum(p.numel() for name, p in params.items() if ".experts." not in name) - h  # the final norm: not per rank
-    plan = plan_layout(config, seq_len=32, micro_batch=2, num_microbatches=3, dp=2, tp=2, ep=2, act_bytes=2)
+    plan = plan_layout(config, seq_len=32, micro_batch=2, num_microbatches=3, layout=dict(dp=2, tp=2, ep=2),
+                       act_bytes=2)
     assert plan["params_per_rank"] == rest / 2 + routed / 2
     assert plan["memory_gb"]["weights"] * 2 ** 30 == pytest.approx(4 * (rest / 2 + routed / 2), rel=1e-12)
     comm = {k: v * 2 ** 30 for k, v in plan["comm_gb_per_step"].items()}

@@ -1,6 +1,7 @@
-"""scripts/fit_plan.py (`scripts/bench.py --plan --gpu NAME`): its memory against the peak measured here for four
-configs (dense, MoE, GRPO, distillation with its teacher), its FLOPs against a hand count, the extra models' sizes
-against the models themselves, the corpus's tokens from the token cache, the cheapest change that makes a run fit."""
+"""scripts/planner/fit.py (scripts/fit_plan.py, `scripts/bench.py --plan --gpu NAME`): its memory against the peak
+measured here for four configs (dense, MoE, GRPO, distillation with its teacher), its FLOPs against a hand count, the
+extra models' sizes against the models themselves, the corpus's tokens from the token cache, the cheapest change that
+makes a run fit."""
 import json
 import os
 
@@ -9,8 +10,8 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from scripts.fit_plan import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, corpus_tokens, estimate, memory_parts, stage_plan
-from scripts.gpus import GIB
+from scripts.planner.fit import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, corpus_tokens, estimate, memory_parts, stage_plan
+from scripts.planner.gpus import GIB
 from tests.launch import forked
 
 SMALL = ["--hidden_size", "256", "--num_hidden_layers", "4", "--accumulation_steps", "1", "--dtype", "float32",

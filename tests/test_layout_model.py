@@ -1,10 +1,12 @@
-"""scripts/layout_model.py: plan_layout's expert-parallel counts composed with other dimensions, against hand counts
+"""scripts/planner/cost.py: plan_layout's expert-parallel counts composed with other dimensions, against hand counts
 (the rest of the layout model: tests/test_bench.py)."""
 import pytest
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.bench import parse_args, print_plan
-from scripts.layout_model import plan_layout
+from scripts.planner import cost
+from scripts.planner.cost import COMMUNICATION, PARTS, Step, plan_layout
+from trainer.parallel.mesh import BY_NAME, DIMENSIONS, Dimension
 
 GB = 2 ** 30
 
@@ -26,8 +28,9 @@ def test_plan_layout_counts_ep_with_cp_by_hand():
     the dense gradients over dp*cp = 4 ranks."""
     config = moe_config()
     routed = routed_params(config)
-    shape = dict(seq_len=32, micro_batch=2, num_microbatches=3, dp=2, cp=2, act_bytes=2)
-    whole, split = plan_layout(config, **shape), plan_layout(config, **shape, ep=2)
+    shape = dict(seq_len=32, micro_batch=2, num_microbatches=3, act_bytes=2)
+    whole = plan_layout(config, **shape, layout=dict(dp=2, cp=2))
+    split = plan_layout(config, **shape, layout=dict(dp=2, cp=2, ep=2))
     assert split["params_per_rank"] == whole["params_per_rank"] - routed / 2
     comm = {k: v * GB for k, v in split["comm_gb_per_step"].items()}
     # 2 layers x 3 micro-batches x (forward + backward) x (out + back) x 32 tokens (2 x 32 / cp) x 2 slots x h 64
@@ -37,7 +40,7 @@ def test_plan_layout_counts_ep_with_cp_by_hand():
     assert comm["ep_replica_allreduce"] == pytest.approx(2 * (1 / 2) * 4 * routed / 2, rel=1e-12)
     dense = whole["params_per_rank"] - routed
     assert comm["dp_allreduce"] == pytest.approx(2 * (3 / 4) * 4 * dense, rel=1e-12)
-    no_cp = plan_layout(config, **dict(shape, cp=1), ep=2)["comm_gb_per_step"]
+    no_cp = plan_layout(config, **shape, layout=dict(dp=2, ep=2))["comm_gb_per_step"]
     assert "ep_replica_allreduce" not in no_cp  # ep = dp without cp: every expert on one rank
 
 
@@ -64,11 +67,12 @@ def test_ep2_pp2_counts_each_stages_experts_by_hand():
     stage 0), the all-to-alls run for its stage's 2 MoE layers only, and the experts' gradients go to their 2
     replicas (dp 4 / ep 2); hand counts."""
     config = MiniMindConfig(**MOE)
-    shape = dict(seq_len=32, micro_batch=2, num_microbatches=4, dp=4, pp=2, zero_stage=2, act_bytes=2)
-    plan = plan_layout(config, **shape, ep=2)
+    shape = dict(seq_len=32, micro_batch=2, num_microbatches=4, zero_stage=2, act_bytes=2)
+    plan = plan_layout(config, **shape, layout=dict(dp=4, pp=2, ep=2))
     assert plan["params_per_rank"] == first_stage_params(MiniMindForCausalLM(config), 0, 2)
     routed_rank = 2 * (3 * 64 * 96 * 4) / 2  # 2 layers x (gate, up, down of 4 experts) / ep
-    assert plan_layout(config, **shape)["params_per_rank"] - plan["params_per_rank"] == routed_rank
+    assert plan_layout(config, **shape, layout=dict(dp=4, pp=2))["params_per_rank"] - plan["params_per_rank"] \
+        == routed_rank
     comm = {name: value * GB for name, value in plan["comm_gb_per_step"].items()}
     # 2 layers x 4 micro-batches x (forward + backward) x (out + back) x 64 tokens x 2 slots x h 64 x 2 bytes x 1/2
     assert comm["ep_alltoall"] == pytest.approx(2 * 4 * 2 * 2 * 64 * 2 * 64 * 2 / 2, rel=1e-12)
@@ -84,3 +88,58 @@ def test_bench_plans_ep_with_pp():
                               "--num_key_value_heads", "2", "--max_seq_len", "32", "--accumulation_steps", "2"])
     plan = print_plan(args, flags)
     assert plan["comm_gb_per_step"]["ep_alltoall"] > 0 and "ep_replica_allreduce" not in plan["comm_gb_per_step"]
+
+
+def test_every_dimension_has_a_cost_term():
+    """Each DIMENSIONS entry has its communication function in the layout model, whose entries carry its name, and
+    divides only parts the model counts: a sixth dimension without a term fails here, by name."""
+    assert [d.name for d in DIMENSIONS if d.name not in COMMUNICATION] == []
+    assert [name for name in COMMUNICATION if name not in BY_NAME] == []  # no term of a dimension that is gone
+    assert [(d.name, p) for d in DIMENSIONS for p in d.divides if p not in PARTS] == []
+    sizes = dict(dp=4, pp=2, cp=2, tp=2, ep=2)
+    step = Step(moe_config(), sizes, tokens=64.0, layers=2, microbatches=3, zero_stage=3, act_bytes=2, virtual=1,
+                dense=1000.0, experts=500.0)
+    for name, term in COMMUNICATION.items():
+        entries = term(step)
+        assert entries and all(key.startswith(f"{name}_") for key in entries), (name, entries)
+
+
+def test_a_dimension_without_a_cost_term_is_named(monkeypatch):
+    """A DIMENSIONS entry the layout model has no communication function for stops the plan with its name; a layout
+    naming no dimension too."""
+    sixth = Dimension("xp", "example", "nothing", divides=("tokens",))
+    monkeypatch.setattr(cost, "DIMENSIONS", DIMENSIONS + (sixth,))
+    monkeypatch.setattr(cost, "BY_NAME", dict(BY_NAME, xp=sixth))
+    with pytest.raises(KeyError, match="dimension xp has no communication term"):
+        plan_layout(moe_config(), seq_len=32, micro_batch=2, num_microbatches=1, layout=dict(xp=2))
+    monkeypatch.undo()
+    with pytest.raises(KeyError, match="no parallel dimension"):
+        plan_layout(moe_config(), seq_len=32, micro_batch=2, num_microbatches=1, layout=dict(xp=2))
+
+
+def test_dense_layout_of_four_dimensions_by_hand():
+    """dp 2 x pp 2 x cp 2 x tp 2 (16 ranks), ZeRO-1, sequence parallel, 1F1B over 3 micro-batches, bf16: what each
+    dimension divides (pp the layers, tp the matrices, cp the tokens; ZeRO the states over dp x cp) and each one's
+    bytes, against hand counts on the real model's first stage."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    h, V, kv, inner = 64, config.vocab_size, 2 * 16, config.intermediate_size
+    params = dict(MiniMindForCausalLM(config).named_parameters())
+    stage = sum(p.numel() for n, p in params.items() if n.startswith(("model.embed_tokens.", "model.layers.0.",
+                                                                       "model.layers.1.")))
+    plan = plan_layout(config, seq_len=64, micro_batch=2, num_microbatches=3, layout=dict(dp=2, pp=2, cp=2, tp=2),
+                       zero_stage=1, act_bytes=2, sequence_parallel=True)
+    assert plan["params_per_rank"] == stage / 2
+    mem = {k: v * GB for k, v in plan["memory_gb"].items()}
+    assert mem["optimizer"] == pytest.approx(8 * stage / 2 / 4, rel=1e-12)  # over dp x cp = 4
+    assert mem["grads"] == pytest.approx(4 * stage / 2, rel=1e-12) == mem["weights"]
+    tokens = 2 * 64 / 2  # a rank's half of each sequence
+    per_token = (4 * h + 8 * h + 2 * kv + 4 * inner) / 2  # every saved element split by tp under sequence parallel
+    assert mem["activations_per_microbatch"] == pytest.approx(tokens * 2 * per_token * 2, rel=1e-12)
+    assert plan["memory_gb"]["microbatches_in_flight"] == 2  # 1F1B: min(3 micro-batches, 2 stages)
+    assert mem["logits"] == pytest.approx(2 * 4 * tokens * V / 2, rel=1e-12)
+    comm = {k: v * GB for k, v in plan["comm_gb_per_step"].items()}
+    assert comm["dp_allreduce"] == pytest.approx(2 * (3 / 4) * 4 * stage / 2, rel=1e-12)
+    assert comm["pp_p2p"] == pytest.approx(2 * 3 * tokens * h * 2, rel=1e-12)  # forward + backward, 3 micro-batches
+    assert comm["cp_kv_ring"] == pytest.approx(3 * 1 * (2 * tokens * kv * 2) * 2 * 3, rel=1e-12)
+    assert comm["tp_allreduce"] == pytest.approx(4 * 2 * 3 * 2 * (1 / 2) * tokens * h * 2, rel=1e-12)
+    assert plan["bubble_fraction"] == pytest.approx(1 / 4)  # (pp-1) / (m + pp-1)

@@ -1,5 +1,5 @@
 """The device mesh and the ParallelDims record the trainer passes around, both built from one table of parallel
-dimensions (DIMENSIONS): a new dimension is one entry here plus its module in parallel/ (docs/design.md).
+dimensions (DIMENSIONS): a new dimension is one entry here, its module in parallel/, a planner term (docs/design.md).
 
 Rank order follows torchtitan: the last dimension (tp) varies fastest, then cp, then pp, then dp, so the tp group of
 a rank is a run of consecutive ranks (one node, fast links) and dp spans the farthest ranks.
@@ -29,27 +29,28 @@ class Dimension:
     reduces_gradients: bool = False  # gradients are summed over its ranks (with dp: the gradient-reduction group)
     within: str = None  # carved out of that dimension's ranks (its size divides it), not a dimension of the mesh
     module: str = None  # the module applying it, with its check validate(args, config, zero_stage): read when used
+    divides: tuple = ()  # what of a rank's share it cuts, for the layout planner (scripts/planner/cost.py PARTS)
 
 
 # mesh order: the first varies slowest (dp spans the farthest ranks), the last fastest
 DIMENSIONS = (
     Dimension("dp", "data-parallel", "the batch: DDP replicas or ZeRO/FSDP2 shards", splits_data=True,
               reduces_gradients=True, module="trainer.parallel.data"),
-    Dimension("pp", "pipeline", "the layers, into pipeline stages", module="trainer.parallel.pipeline"),
+    Dimension("pp", "pipeline", "the layers, into pipeline stages", module="trainer.parallel.pipeline",
+              divides=("layers",)),
     Dimension("cp", "context-parallel", "each sequence, into chunks (ring attention)", reduces_gradients=True,
-              module="trainer.parallel.context"),
+              module="trainer.parallel.context", divides=("tokens",)),
     Dimension("tp", "tensor-parallel", "each layer's heads and MLP columns (DTensor)",
-              module="trainer.parallel.tensor"),
+              module="trainer.parallel.tensor", divides=("matrices",)),
     Dimension("ep", "expert-parallel", "each MoE layer's routed experts (tokens sent by all-to-all)", within="dp",
-              module="trainer.parallel.expert"),
+              module="trainer.parallel.expert", divides=("experts",)),
 )
 BY_NAME = {d.name: d for d in DIMENSIONS}
 MESH_DIMS = tuple(d.name for d in DIMENSIONS if d.within is None)
 CARVED = {d.name: d.within for d in DIMENSIONS if d.within}  # name -> the dimension it is carved from
 REPLICA_NAMES = tuple(f"{name}_replica" for name in CARVED)  # the ranks holding the same shard of a carved dimension
-# the flattened gradient-reduction dimension (dp x cp)
 REDUCE_DIMS = tuple(d.name for d in DIMENSIONS if d.reduces_gradients)
-REDUCE_NAME = "_".join(REDUCE_DIMS)
+REDUCE_NAME = "_".join(REDUCE_DIMS)  # the flattened gradient-reduction dimension (dp_cp)
 GROUP_NAMES = MESH_DIMS + (REDUCE_NAME,) + tuple(CARVED) + REPLICA_NAMES
 MODEL_DIMS = tuple(d.name for d in DIMENSIONS if not d.splits_data)  # the sizes a layout flag sets; dp follows
 PRODUCT_DIMS = tuple(name for name in MODEL_DIMS if name in MESH_DIMS)  # world size = dp * their product

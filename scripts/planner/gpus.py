@@ -1,5 +1,5 @@
-"""Named GPUs for the planner (`scripts/bench.py --plan --gpu NAME`): dense bf16 peak FLOP/s (tensor cores, fp32
-accumulate, no sparsity), memory and memory bandwidth, each row with the datasheet it comes from."""
+"""Named GPUs for the planner (`scripts/bench.py --plan --gpu NAME`, scripts/planner/fit.py): dense bf16 peak FLOP/s
+(tensor cores, fp32 accumulate, no sparsity), memory and memory bandwidth, each row with the datasheet it comes from."""
 
 GIB = 2 ** 30
 
@@ -29,4 +29,4 @@ def find_gpu(name):
     for key, row in GPUS.items():
         if key.lower() == wanted.lower():
             return key, row
-    raise ValueError(f"--gpu {name}: not in the table; known: {', '.join(GPUS)} (scripts/gpus.py)")
+    raise ValueError(f"--gpu {name}: not in the table; known: {', '.join(GPUS)} (scripts/planner/gpus.py)")
