@@ -154,7 +154,7 @@ def expert_parallel_bytes(step):
         comm["ep_alltoall"] = 2 * (2 * rows * config.hidden_size * step.act_bytes * (ep - 1) / ep) * step.layers \
             * step.microbatches
     replicas = reducers(step.sizes) // ep
-    if replicas > 1:
+    if replicas > 1 and step.experts:  # a dense model has no experts to reduce
         comm["ep_replica_allreduce"] = 2 * (replicas - 1) / replicas * 4 * step.experts
     return comm
 
