@@ -48,8 +48,8 @@ from datatrove.pipeline.writers import JsonlWriter  # noqa: E402
 from datatrove.utils.hashing import HashConfig  # noqa: E402
 
 from model.atomic import atomic_json, atomic_write_text  # noqa: E402
-from scripts.curate_report import print_report, removed_examples, stage_report  # noqa: E402
-from scripts.curate_steps import (  # noqa: E402
+from scripts.curate.report import print_report, removed_examples, stage_report  # noqa: E402
+from scripts.curate.steps import (  # noqa: E402
     CharRatioFilter,
     EvalFilesIndexer,
     FastMinhashSignature,

@@ -10,7 +10,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = ("model", "model/export", "dataset", "dataset/demo", "dataset/tokenizing", "trainer/base", "trainer/parallel",
            "trainer/ckpt", "trainer/judge", "trainer/runtime", "trainer/plan", "trainer/core", "trainer/stages",
-           "trainer/rl", "trainer", "scripts", "scripts/benchmarks", "scripts/inference",
+           "trainer/rl", "trainer", "scripts", "scripts/benchmarks", "scripts/curate", "scripts/inference",
            "scripts/planner", "scripts/serve")  # the floors, bottom first; then scripts/ and its packages
 LONGEST = 160  # characters of a module's line
 BEGIN, END = "<!-- module map: begin (scripts/module_map.py --write) -->", "<!-- module map: end -->"

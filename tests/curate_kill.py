@@ -7,7 +7,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts import curate_data, curate_steps  # noqa: E402
+from scripts import curate_data  # noqa: E402
+from scripts.curate import steps as curate_steps  # noqa: E402
 
 real_run = curate_steps.Tally.run
 

@@ -19,8 +19,9 @@ from datatrove.pipeline.filters.gopher_repetition_filter import find_all_duplica
 from datatrove.utils.hashes.sha1 import sha1_hash64
 from datatrove.utils.text import ngrams, simplify_text
 
-from scripts import curate_data, curate_fast
-from scripts.curate_steps import MixedScriptTokenizer
+from scripts import curate_data
+from scripts.curate import fast as curate_fast
+from scripts.curate.steps import MixedScriptTokenizer
 from tests.launch import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

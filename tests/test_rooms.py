@@ -17,7 +17,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = ("model", "dataset", "trainer", "scripts", "tests")
-PACKAGES = ("scripts/inference", "scripts/serve", "scripts/benchmarks", "scripts/planner")
+PACKAGES = ("scripts/inference", "scripts/serve", "scripts/benchmarks", "scripts/planner", "scripts/curate")
 # the packages that run or plan the trainer, and so import it: the benches and the layout planner
 TRAINER_USERS = (os.path.join("scripts", "benchmarks"), os.path.join("scripts", "planner"))
 # a function may import the trainer's reader of its own format only when the user names such a file

@@ -28,7 +28,7 @@ from datatrove.utils.hashing import create_hash_func
 from datatrove.utils.text import split_into_words
 from datatrove.utils.word_tokenizers import WordTokenizer, load_word_tokenizer
 
-from scripts.curate_fast import WordNgrams, char_classes, sha1_shingles, simplify_text
+from scripts.curate.fast import WordNgrams, char_classes, sha1_shingles, simplify_text
 
 # Han (basic, extension A, compatibility), Hiragana, Katakana and CJK symbols: scripts written without spaces
 CJK_RANGES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
@@ -96,7 +96,7 @@ class RepetitionFilter(GopherRepetitionFilter):
         self.repeated_top_n_grams = top_n_grams
 
     def filter(self, doc: Document):
-        """GopherRepetitionFilter.filter with its duplicated n-gram count by curate_fast (same result), then the
+        """GopherRepetitionFilter.filter with its duplicated n-gram count by fast.py (same result), then the
         repeated top n-gram rule."""
         text = doc.text
         if not text:
@@ -124,7 +124,7 @@ class RepetitionFilter(GopherRepetitionFilter):
 
 
 class FastMinhashSignature(MinhashDedupSignature):
-    """datatrove's MinHash signature step, its shingles (simplified text, n-grams, SHA-1) computed by curate_fast:
+    """datatrove's MinHash signature step, its shingles (simplified text, n-grams, SHA-1) computed by fast.py:
     the same signatures."""
 
     def get_shingles(self, text: str) -> np.ndarray:
