@@ -95,7 +95,7 @@ def console_line(record):
     parts = [f"step {record['step']}"]
     shown = [(record[key], fmt) for key, fmt in CONSOLE_FORMATS if record.get(key) is not None]
     parts += [fmt.format(value) for value, fmt in shown if value is not False]  # grad_clipped: only when it was
-    if record.get("rollout/time_share") == 0:  # no generation since the last record: a rollout trained on again
+    if record.get("rollout/reused"):  # no generation since the last record: an earlier rollout trained on again
         parts[-1] = "rollout reused"
     return " | ".join(parts)
 
