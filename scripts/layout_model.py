@@ -166,8 +166,8 @@ def plan_table():
         config = MiniMindConfig(**model)
         lines += [f"\n### {name}: {plan_layout(config, seq_len, micro_batch, 1)['total_params'] / 1e6:.0f}M params, "
                   f"seq {seq_len}, micro-batch {micro_batch}, {micro_batches} micro-batches per step per dp rank\n",
-                  "| GPUs | layout | weights+grads+Adam GB | activations GB | total GB/rank "
-                  "| dp GB | tp GB | pp GB | cp GB | bubble |",
+                  "| GPUs | layout | weights+grads+Adam GiB | activations GiB | total GiB/rank "
+                  "| dp GiB | tp GiB | pp GiB | cp GiB | bubble |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for gpus, layouts in SCALING_LAYOUTS.items():
             for layout in layouts:
