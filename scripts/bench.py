@@ -108,7 +108,7 @@ def bench_one(label, flags, args, peaks, world):
     print(f"[{label}] {stats['tokens_per_sec']:.0f} target tokens/s | step {stats['step_time_median']:.3f}s median "
           f"({stats['step_time_min']:.3f}-{stats['step_time_max']:.3f}, sd {stats['step_time_stdev']:.3f}) | "
           f"MFU {stats['mfu']:.1%} (trainer) {stats['mfu_vs_fp32_peak']:.1%} vs fp32 peak | "
-          f"peak mem {stats['peak_mem_gb']:.2f} GB | loss@{stats['final_step']} {stats['final_loss']:.4f}", flush=True)
+          f"peak mem {stats['peak_mem_gb']:.2f} GiB | loss@{stats['final_step']} {stats['final_loss']:.4f}", flush=True)
     return result
 
 
@@ -219,7 +219,7 @@ def main(argv=None):
         ratio = statistics.median(ratios)
         print(f"speed-up vs baseline: {ratio:.2f}x target tokens/s (median-step basis; per repeat: "
               f"{', '.join(f'{r:.2f}' for r in ratios)}); peak mem {pairs[-1][1]['peak_mem_gb']:.2f} vs "
-              f"{pairs[-1][0]['peak_mem_gb']:.2f} GB")
+              f"{pairs[-1][0]['peak_mem_gb']:.2f} GiB")
         with open(args.results_path, "a") as f:
             f.write(json.dumps(dict(label=f"{args.label}-ratio", speedup_target_tokens_per_sec=ratio, per_repeat=ratios,
                                     time=time.strftime("%Y-%m-%dT%H:%M:%S"))) + "\n")

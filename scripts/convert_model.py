@@ -4,7 +4,8 @@ Export (a .pth or a resume checkpoint -> folder: Qwen3 / Qwen3-MoE by default, o
     python scripts/convert_model.py --weight out/pretrain_768.pth --out_dir out/hf_model
     python scripts/convert_model.py --weight checkpoints/full_sft_768/step_1000 --out_dir out/mm --format minimind
 Merge a LoRA adapter (MiniMind's format, from trainer/train_lora.py) into the weights, then export; the merged .pth
-goes to --merged_weight (default: out/merge_<name>_<hidden>.pth beside --weight, MiniMind's name):
+goes to --merged_weight (default: out/merge_<name>_<hidden>.pth beside --weight, MiniMind's name; an existing one is
+replaced only with --overwrite 1, as every export's output):
     python scripts/convert_model.py --weight out/full_sft_768.pth --lora out/lora/lora_identity_768.pth --out_dir out/hf
 GGUF for llama.cpp / Ollama (f32, f16, bf16 or q8_0; a Modelfile beside it; see docs/elsewhere.md):
     python scripts/convert_model.py --to gguf --weight out/full_sft_768.pth --out_dir out/gguf --gguf_type q8_0
@@ -232,7 +233,8 @@ def parse_args(argv=None):
     parser.add_argument("--merged_weight", default=None,
                         help="with --lora: the merged .pth (default: merge_<adapter name>.pth beside --weight)")
     parser.add_argument("--overwrite", type=int, default=0, choices=[0, 1],
-                        help="1: replace an earlier export at --out_dir (--to minimind: the .pth at --weight)")
+                        help="1: replace an earlier export at --out_dir (--to minimind: the .pth at --weight) and "
+                             "the merged .pth at --merged_weight")
     parser.add_argument("--trust_remote_code", type=int, default=0, choices=[0, 1],
                         help="import: run a minimind folder's own code to compare logits")
     for name in SHAPE_FLAGS + ("num_experts_per_tok",):  # must agree with the weights; only for a .pth without .json
@@ -253,13 +255,16 @@ def parse_args(argv=None):
 
 
 def earlier_export(args):
-    """The file that marks an export already at the output (a folder's config.json, a GGUF or its Modelfile, an
-    imported .pth), or None: as a training run, an export does not replace another unasked."""
+    """(flag, the file that marks an export already at that flag's output: a folder's config.json, a GGUF or its
+    Modelfile, an imported .pth, a merged .pth at --merged_weight), or None: as a training run, an export does not
+    replace another unasked."""
     if args.to == "minimind":
-        return args.weight if os.path.isfile(args.weight) else None
+        return ("--weight", args.weight) if os.path.isfile(args.weight) else None
     names = sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []
     marks = [n for n in names if (n == "config.json" if args.to == "hf" else n.endswith(".gguf") or n == "Modelfile")]
-    return os.path.join(args.out_dir, marks[0]) if marks else None
+    if marks:
+        return "--out_dir", os.path.join(args.out_dir, marks[0])
+    return ("--merged_weight", args.merged_weight) if args.lora and os.path.isfile(args.merged_weight) else None
 
 
 def check_args(args):
@@ -281,8 +286,8 @@ def check_args(args):
         check_writable(args.out_dir, "--out_dir")
     held = earlier_export(args)
     if held and not args.overwrite:
-        flag = "--weight" if args.to == "minimind" else "--out_dir"
-        raise ConfigError(f"{flag} {getattr(args, flag[2:])} holds an earlier export ({os.path.basename(held)}); "
+        flag, mark = held
+        raise ConfigError(f"{flag} {getattr(args, flag[2:])} holds an earlier export ({os.path.basename(mark)}); "
                           f"--overwrite 1 replaces it, or choose another {flag}")
     if args.lora and (args.to == "minimind" or not os.path.isfile(args.lora)):
         raise ConfigError(f"--lora {args.lora} is not a file" if args.to != "minimind" else

@@ -242,7 +242,7 @@ def attention_variants(ctx, positions, heads, kv_heads):
 
 
 def time_attention(fn, q, k, v, repeats, backward=True):
-    """Median fwd(+bwd) seconds and peak memory (GB, CUDA only) of fn over `repeats` runs after one warm-up."""
+    """Median fwd(+bwd) seconds and peak memory (GiB, CUDA only) of fn over `repeats` runs after one warm-up."""
     cuda = q.is_cuda
     times = []
     for i in range(repeats + 1):

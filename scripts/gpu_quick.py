@@ -131,7 +131,7 @@ def quick_items(ctx, section_tests):
 
 def quick_markdown(rows):
     """The speed table (one line a config) and the top kernels of the profiled one."""
-    lines = ["| config | ok | target tokens/s | MFU (dense bf16 peak) | MFU (measured matmul) | peak GB | step s |",
+    lines = ["| config | ok | target tokens/s | MFU (dense bf16 peak) | MFU (measured matmul) | peak GiB | step s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     fmt = {"tokens_per_sec": "{:.0f}", "mfu": "{:.1%}", "mfu_vs_measured_matmul": "{:.1%}", "peak_mem_gb": "{:.2f}",
            "step_time_median": "{:.3f}"}

@@ -103,9 +103,9 @@ def test_layout_model_memory_against_a_measured_run(tmp_path):
     """The layout model's memory growth from micro-batch 2 to 16 against the trainer's measured peak RSS growth.
 
     peak_mem_gb on CPU is the process's ru_maxrss (KiB precision); the difference of two runs cancels the
-    interpreter, torch and tokenizer (~0.4 GB) and leaves the batch-dependent part: saved activations and
+    interpreter, torch and tokenizer (~0.4 GiB) and leaves the batch-dependent part: saved activations and
     logits, which the model counts, plus autograd's backward temporaries and allocator slack, which it does
-    not. Measured here: 1.44x the model's estimate (0.55 GB vs 0.38 GB); the model must be within 2x.
+    not. Measured here: 1.44x the model's estimate (0.55 GiB vs 0.38 GiB); the model must be within 2x.
     """
     measured, predicted = {}, {}
     for batch in (2, 16):

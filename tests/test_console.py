@@ -57,10 +57,13 @@ def test_the_start_lines_agree_with_the_bar_and_the_metrics(tmp_path):
 
 def test_rl_records_show_their_reward_and_a_reused_rollout():
     """PPO's console showed no reward (its record calls it ppo/mean_scores, TRL's name), and a step that trained on
-    the last rollout again showed an unexplained 'rollout 0%'."""
+    the last rollout again showed an unexplained 'rollout 0%'. A zero time share alone (GKD's offline step, which
+    trains on the data's answers) is not a reuse."""
     ppo = {"step": 4, "loss": 0.5, "ppo/mean_scores": 0.25, "tokens/responses_len_mean": 12.0,
-           "rollout/time_share": 0.0}
+           "rollout/time_share": 0.0, "rollout/reused": True}
     assert console_line(ppo) == "step 4 | loss 0.500000 | reward 0.2500 | len 12.0 | rollout reused"
+    gkd = {"step": 1, "loss": 0.5, "rollout/time_share": 0.0}
+    assert console_line(gkd) == "step 1 | loss 0.500000 | rollout 0% of the time"
     grpo = {"step": 5, "loss": 0.5, "reward": 0.75, "rollout/time_share": 0.625}
     assert console_line(grpo) == "step 5 | loss 0.500000 | reward 0.7500 | rollout 62% of the time"
 

@@ -230,6 +230,27 @@ def test_lora_merges_into_the_pth_and_the_folder(tmp_path, capsys):
     assert logits_diff(reference, tmp_path / "hf") <= TOL
 
 
+def test_an_existing_merged_weight_is_refused_unless_overwrite(tmp_path, capsys):
+    """--merged_weight at an existing file: one line naming it and --overwrite 1, exit 2, before any work (the file as
+    it was, no --out_dir made); --overwrite 1 replaces it with the merge (base + adapter folded by hand)."""
+    config = tiny()
+    torch.save(source_model(config).state_dict(), tmp_path / "full_sft_64.pth")
+    adapter, merged_path, out = lora_adapter(tmp_path, config), tmp_path / "merged.pth", tmp_path / "hf"
+    merged_path.write_bytes(b"an earlier merge")
+    argv = ["--weight", str(tmp_path / "full_sft_64.pth"), "--lora", str(adapter), "--merged_weight",
+            str(merged_path), "--out_dir", str(out)]
+    assert convert_main(argv) == 2
+    assert capsys.readouterr().err == (f"error: --merged_weight {merged_path} holds an earlier export (merged.pth); "
+                                       "--overwrite 1 replaces it, or choose another --merged_weight\n")
+    assert merged_path.read_bytes() == b"an earlier merge" and not out.exists()
+    assert convert_main(argv + ["--overwrite", "1"]) == 0
+    merged = MiniMindForCausalLM(config).eval()
+    merged.load_state_dict(torch.load(merged_path))
+    with torch.no_grad():
+        reference = hand_folded(tmp_path / "full_sft_64.pth", adapter, config)
+        torch.testing.assert_close(merged(ids()).logits, reference(ids()).logits, rtol=0, atol=TOL)
+
+
 def test_lora_for_another_model_is_one_error_line(tmp_path, capsys):
     torch.save(source_model(tiny()).state_dict(), tmp_path / "full_sft_64.pth")
     wide = lora_adapter(tmp_path, tiny(hidden_size=128))

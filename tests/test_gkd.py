@@ -197,6 +197,21 @@ def test_resume_after_a_kill_repeats_the_steps_exactly(files):
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
 
 
+def test_an_offline_step_is_not_called_a_reused_rollout(files):
+    """GKD trains an offline step on the data's answers, never on an earlier rollout: its console line said
+    "rollout reused" (read from a zero rollout time share), at step 1 too. With seed 42 and lmbda 0.5, step 1 is
+    offline and step 2 on-policy (checked against on_policy_step)."""
+    argv = run_flags(files, "console", ["--max_steps", "2"])
+    assert [on_policy_step(42, step, 0.5) for step in (0, 1)] == [False, True]
+    proc = forked(SCRIPT, argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {int(line.split()[1]): line for line in proc.stdout.splitlines() if line.startswith("step ")}
+    assert [r["on_policy"] for r in metrics_of(argv)] == [0.0, 1.0]
+    assert sorted(lines) == [1, 2] and "reused" not in proc.stdout, proc.stdout
+    assert lines[1].endswith("| rollout 0% of the time") and "rollout/reused" not in metrics_of(argv)[0]
+    assert metrics_of(argv)[1]["rollout/time_share"] > 0 and lines[2].endswith("of the time"), lines[2]
+
+
 @pytest.mark.parametrize("flag,value,was", [("--lmbda", "0.9", "0.5"), ("--beta", "1", "0.5")])
 def test_a_resume_with_another_lmbda_or_beta_is_one_line(files, monkeypatch, capsys, flag, value, was):
     """A finished run's last checkpoint continued with a flag that shaped its steps changed: one line naming the

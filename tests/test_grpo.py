@@ -298,6 +298,18 @@ def run_flags(tmp_path, name, data, dp=1, extra=()):
             "--cache_dir", f"{out}/c", "--metrics_file", f"{out}/metrics.jsonl", "--log_interval", "1", *extra]
 
 
+def test_the_console_says_reused_on_the_steps_that_generate_nothing(tmp_path):
+    """--num_iterations 2: steps 1 and 3 roll out, step 2 trains on step 1's rollout again; only step 2's line and
+    record say so (rollout/reused)."""
+    argv = run_flags(tmp_path, "console", demo_slice(tmp_path, "rlaif", 40))
+    proc = forked(SCRIPT, argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [r["rollout/reused"] for r in metrics_of(argv)] == [False, True, False]
+    assert [line.endswith("| rollout reused") for line in lines] == [False, True, False], lines
+    assert all(line.endswith("of the time") for line in lines[::2]), lines
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A local rollout server, the prompts, and the single process's records with its completions."""

@@ -48,8 +48,8 @@ def test_one_rank_out_of_memory_is_one_line_and_the_checkpoint_resumes(tmp_path)
     # the other rank, left waiting in a collective, says so in one line, not a traceback
     assert "stopped: rank 0 lost a peer in a collective" in proc.stderr and "Traceback" not in proc.stderr
     line = errors[0]
-    assert line.startswith("error: out of CPU memory on rank 1 in step 3 (peak ") and " GB on this rank;" in line
-    assert ("GB on this rank; DefaultCPUAllocator: can't allocate memory: you tried to allocate 4611686018427387904 "
+    assert line.startswith("error: out of CPU memory on rank 1 in step 3 (peak ") and " GiB on this rank;" in line
+    assert ("GiB on this rank; DefaultCPUAllocator: can't allocate memory: you tried to allocate 4611686018427387904 "
             "bytes. Error code 12 (Cannot allocate memory)): lower --batch_size (now 2;") in line
     assert line.endswith(f"the last complete checkpoint is {ckpt / 'pretrain_64' / 'step_2'}, continue with "
                          "--from_resume 1")

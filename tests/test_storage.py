@@ -13,6 +13,7 @@ from model.atomic import atomic_folder, atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.disks import no_small_disk
 from tests.launch import spawn
+from trainer.ckpt.checkpointer import keep_line
 from trainer.ckpt.storage import (
     DiskFullError,
     check_room,
@@ -20,6 +21,7 @@ from trainer.ckpt.storage import (
     disk_full_as_one_line,
     free_bytes,
     rank0_write,
+    room_line,
     room_warning,
     tree_bytes,
 )
@@ -82,15 +84,25 @@ def test_estimate_covers_a_real_checkpoint_and_weights_file(tmp_path):
     assert estimate <= actual <= estimate + 512 * 1024
 
 
+def test_sizes_are_printed_in_mebibytes():
+    """Bytes / 2**20 are MiB (the lines said MB). 5,000,000 bytes by hand: 5e6 / 1,048,576 = 4.768 -> 4.8 MiB (in MB
+    it would be 5.0); three of them 14.305 -> 14.3 MiB; 2,500,000 bytes 2.384 -> 2.4 MiB."""
+    assert keep_line("run", 3, 5_000_000) == ("checkpoints: the last 3 kept in run (--keep_checkpoints), "
+                                              "~3 x 4.8 MiB = 14.3 MiB")
+    assert keep_line("run", 0, 5_000_000).endswith("(--keep_checkpoints 0), ~4.8 MiB each")
+    assert room_line("d", 5_000_000, 2_500_000, None).startswith(
+        "disk full: d needs 4.8 MiB for a checkpoint but has 2.4 MiB free; no complete checkpoint yet;")
+
+
 def test_check_room_refuses_a_checkpoint_larger_than_the_free_space(small_disk):
     disk = small_disk(2)
     check_room(disk, 1 * MiB)  # fits: no error
     with pytest.raises(DiskFullError) as error:
         check_room(disk, 3 * MiB, last_complete=os.path.join(disk, "step_4"))
-    assert str(error.value) == (f"disk full: {disk} needs 3.0 MB for a checkpoint but has 2.0 MB free; "
+    assert str(error.value) == (f"disk full: {disk} needs 3.0 MiB for a checkpoint but has 2.0 MiB free; "
                                 f"the last complete checkpoint is {disk}/step_4; {HINT}")
     assert room_warning(disk, 1 * MiB) is None
-    assert room_warning(disk, 3 * MiB) == (f"warning: {disk} has 2.0 MB free, less than one checkpoint (~3.0 MB): "
+    assert room_warning(disk, 3 * MiB) == (f"warning: {disk} has 2.0 MiB free, less than one checkpoint (~3.0 MiB): "
                                            "saves will fail; free space or choose another --checkpoint_dir")
 
 
@@ -112,8 +124,8 @@ def test_disk_filling_during_a_dcp_save_is_one_line_and_the_last_checkpoint_surv
     # DCP reports the full disk as torch.save's "unexpected pos", not ENOSPC: the line is ours
     assert "unexpected pos" in str(error.value.__cause__)
     free_mb = free_before / MiB
-    assert str(error.value) == (f"disk full: {run_dir} needs {needed / MiB:.1f} MB for a checkpoint but has "
-                                f"{free_mb:.1f} MB free; the last complete checkpoint is {step_1}; {HINT}")
+    assert str(error.value) == (f"disk full: {run_dir} needs {needed / MiB:.1f} MiB for a checkpoint but has "
+                                f"{free_mb:.1f} MiB free; the last complete checkpoint is {step_1}; {HINT}")
     assert "\n" not in str(error.value)
     loaded = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
     dcp.load(loaded, checkpoint_id=step_1)
@@ -141,11 +153,11 @@ def test_a_weights_write_that_fills_the_disk_is_one_line_and_leaves_no_tmp(small
     with pytest.raises(DiskFullError) as error:
         rank0_write(os.path.dirname(path), 1024, path, "--save_dir", lambda: atomic_save(big, path))
     free = statvfs_free(disk) / MiB
-    assert str(error.value) == (f"disk full: {disk}/out needs 0.0 MB for {path} but has {free:.1f} MB free; no "
+    assert str(error.value) == (f"disk full: {disk}/out needs 0.0 MiB for {path} but has {free:.1f} MiB free; no "
                                 "complete checkpoint yet; free space or choose another --save_dir, then run again")
     assert os.listdir(os.path.join(disk, "out")) == ["pretrain_64.pth"]
     assert torch.equal(torch.load(path)["w"], torch.zeros(4))
-    with pytest.raises(DiskFullError, match=rf"^disk full: {disk}/out needs 3.0 MB for {path} but has "):
+    with pytest.raises(DiskFullError, match=rf"^disk full: {disk}/out needs 3.0 MiB for {path} but has "):
         rank0_write(os.path.dirname(path), 3 * MiB, path, "--save_dir", lambda: pytest.fail("written"))  # refused
 
 
@@ -178,4 +190,4 @@ def test_every_rank_stops_with_rank0_s_line(small_disk):
     disk = small_disk(2)
     spawn(_write_on_rank0, 2, disk, timeout=120, start_method="fork")
     lines = [open(os.path.join(disk, f"rank{r}.line")).read() for r in range(2)]
-    assert lines[0] == lines[1] and lines[0].startswith(f"disk full: {disk}/out needs 0.0 MB for {disk}/out/w.pth")
+    assert lines[0] == lines[1] and lines[0].startswith(f"disk full: {disk}/out needs 0.0 MiB for {disk}/out/w.pth")

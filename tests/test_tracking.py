@@ -46,7 +46,7 @@ def test_jsonl_records_and_console_line(tmp_path, capsys):
     tracker.close()
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("step 1 | epoch 0 | loss 8.762530 | aux_loss 0.000000 | lr 5.000e-04 | tokens/s 3001 "
-                        "| mfu 11.0% | mem 0.42GB")
+                        "| mfu 11.0% | mem 0.42GiB")
     assert lines[1] == "step 1 | eval_loss 8.7500 | ppl 6310.69"
     assert len(lines) == 3
 

@@ -293,7 +293,7 @@ def test_a_full_disk_at_the_adapter_save_is_one_line_and_the_resume_writes_the_f
     err = failed.stderr.strip().splitlines()
     assert failed.returncode == 3, failed.stdout[-2000:] + failed.stderr[-2000:]
     assert err[-1].startswith(f"error: disk full: {disk}/lora needs ") and \
-        err[-1].endswith(f"for {disk}/lora/{STEM}.pth but has 0.0 MB free; the last complete checkpoint is "
+        err[-1].endswith(f"for {disk}/lora/{STEM}.pth but has 0.0 MiB free; the last complete checkpoint is "
                          f"{workdir}/ckpt/{STEM}/step_4; free space or choose another --save_dir, then resume with "
                          "--from_resume 1"), err[-3:]
     files = sorted(os.path.relpath(os.path.join(root, n), disk) for root, _, names in os.walk(disk) for n in names)

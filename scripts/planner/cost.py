@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trainer.parallel.mesh import BY_NAME, DIMENSIONS, REDUCE_DIMS
 
-GB = 2 ** 30
+GB = 2 ** 30  # the figures named _gb are GiB
 # what a dimension can cut of one rank's share (mesh.py's Dimension.divides); ZeRO's shards of the weights, gradients
 # and optimizer state follow Dimension.reduces_gradients instead (the gradient-reduction group)
 PARTS = {"layers": "the decoder layers (one pipeline stage's share)",

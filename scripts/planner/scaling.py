@@ -21,7 +21,7 @@ SCALING_LAYOUTS = {8: [dict(), dict(zero_stage=2), dict(tp=2), dict(tp=2, pp=2),
 
 
 def dimension_gb(comm, name):
-    """GB per step a dimension's collectives move (its `<name>_...` entries; a count per layer is not bytes)."""
+    """GiB per step a dimension's collectives move (its `<name>_...` entries; a count per layer is not bytes)."""
     return sum(v for k, v in comm.items() if k.startswith(f"{name}_") and not k.endswith("_per_layer"))
 
 
@@ -49,8 +49,8 @@ def plan_table():
         config = MiniMindConfig(**model)
         lines += [f"\n### {name}: {plan_layout(config, seq_len, micro_batch, 1)['total_params'] / 1e6:.0f}M params, "
                   f"seq {seq_len}, micro-batch {micro_batch}, {micro_batches} micro-batches per step per dp rank\n",
-                  "| GPUs | layout | weights+grads+Adam GB | activations GB | total GB/rank | "
-                  + "".join(f"{d.name} GB | " for d in DIMENSIONS) + "bubble |",
+                  "| GPUs | layout | weights+grads+Adam GiB | activations GiB | total GiB/rank | "
+                  + "".join(f"{d.name} GiB | " for d in DIMENSIONS) + "bubble |",
                   "|---" * (6 + len(DIMENSIONS)) + "|"]
         for gpus, layouts in SCALING_LAYOUTS.items():
             lines += [table_row(config, seq_len, micro_batch, micro_batches, gpus, layout) for layout in layouts]

@@ -28,7 +28,7 @@ from trainer.ckpt.step_dirs import (
     read_rank_state,
     save_rank_state,
 )
-from trainer.ckpt.storage import check_room, disk_full_as_one_line, from_rank0, tree_bytes
+from trainer.ckpt.storage import check_room, disk_full_as_one_line, from_rank0, mib, tree_bytes
 
 RECORD_KEYS = ("format_version", "parts", "world_size", "global_batch", "layout", "args", "config", "tokenizer",
                "resume_fields")  # train_state.pt's own keys beside the rank-0 parts
@@ -37,11 +37,10 @@ MINIMIND_PARTS = ("model", "scaler", "train_state")  # what MiniMind's resume fi
 
 def keep_line(run_dir, keep, estimate):
     """The start-up line on what the checkpoints will hold on disk (`estimate`: bytes of one)."""
-    size = f"{estimate / 2**20:.1f} MB"
     if not keep:
-        return f"checkpoints: every complete one kept in {run_dir} (--keep_checkpoints 0), ~{size} each"
-    return (f"checkpoints: the last {keep} kept in {run_dir} (--keep_checkpoints), ~{keep} x {size} = "
-            f"{keep * estimate / 2**20:.1f} MB")
+        return f"checkpoints: every complete one kept in {run_dir} (--keep_checkpoints 0), ~{mib(estimate)} each"
+    return (f"checkpoints: the last {keep} kept in {run_dir} (--keep_checkpoints), ~{keep} x {mib(estimate)} = "
+            f"{mib(keep * estimate)}")
 
 
 class Checkpointer:

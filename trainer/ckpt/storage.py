@@ -61,8 +61,9 @@ def checkpoint_bytes_estimate(model, save_dtype_bytes):
     return saved * (FP32_WEIGHT_BYTES + save_dtype_bytes) + params * ADAM_MOMENT_BYTES
 
 
-def _mb(num_bytes):
-    return f"{num_bytes / 2**20:.1f} MB"
+def mib(num_bytes):
+    """'12.3 MiB': bytes in mebibytes (2**20 bytes), the unit of every size line about checkpoints."""
+    return f"{num_bytes / 2**20:.1f} MiB"
 
 
 def room_line(directory, needed, free, last_complete, what="a checkpoint", flag="--checkpoint_dir"):
@@ -70,7 +71,7 @@ def room_line(directory, needed, free, last_complete, what="a checkpoint", flag=
     `directory`; `flag` chooses the directory."""
     last = f"the last complete checkpoint is {last_complete}" if last_complete else "no complete checkpoint yet"
     then = "resume with --from_resume 1" if last_complete else "run again"
-    return (f"disk full: {directory} needs {_mb(needed)} for {what} but has {_mb(free)} free; {last}; "
+    return (f"disk full: {directory} needs {mib(needed)} for {what} but has {mib(free)} free; {last}; "
             f"free space or choose another {flag}, then {then}")
 
 
@@ -85,7 +86,7 @@ def room_warning(directory, needed):
     free = free_bytes(directory)
     if free >= needed:
         return None
-    return (f"warning: {directory} has {_mb(free)} free, less than one checkpoint (~{_mb(needed)}): "
+    return (f"warning: {directory} has {mib(free)} free, less than one checkpoint (~{mib(needed)}): "
             "saves will fail; free space or choose another --checkpoint_dir")
 
 

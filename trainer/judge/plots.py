@@ -14,7 +14,7 @@ PANELS = [("loss", "loss", 1, "train loss"), ("eval_loss", "eval loss", 1, "vali
           ("eval_bpb", "bits per byte (eval)", 1, "bits per UTF-8 byte of the eval text"),
           ("lr", "learning rate", 1, "lr"), ("grad_norm", "gradient norm", 1, "L2 norm before clipping"),
           ("tokens_per_sec", "tokens/s", 1, "target tokens / s"),
-          ("mfu", "MFU", 100, "% of peak FLOPs"), ("peak_mem_gb", "peak memory", 1, "GB (max over ranks)"),
+          ("mfu", "MFU", 100, "% of peak FLOPs"), ("peak_mem_gb", "peak memory", 1, "GiB (max over ranks)"),
           ("reward", "reward (RL)", 1, "mean reward of the step's completions"),
           ("completions/mean_length", "completion length (RL)", 1, "tokens"),
           ("ppo/mean_scores", "score (PPO)", 1, "mean reward of the rollout's completions"),

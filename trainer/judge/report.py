@@ -75,7 +75,7 @@ class Run:
             out["first / last train loss"] = f"{train[0]['loss']:.4f} / {train[-1]['loss']:.4f}"
             rates = [r["tokens_per_sec"] for r in train[1:] if "tokens_per_sec" in r] or [0.0]
             out["tokens/s (median)"] = f"{statistics.median(rates):.0f}"
-            out["peak memory GB"] = f"{max(r.get('peak_mem_gb', 0.0) for r in train):.2f}"
+            out["peak memory GiB"] = f"{max(r.get('peak_mem_gb', 0.0) for r in train):.2f}"
         if evals:
             out["last eval loss"] = f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']})"
             if "eval_bpb" in evals[-1]:

@@ -222,12 +222,15 @@ class RolloutObjective(LMObjective):
     rows come as (input_ids, labels, extra) micro-batches; extra holds per-row tensors (advantages, row stats, ...)
     that ride with the rows to the loss, on the last pipeline stage too."""
 
+    reuses_rollouts = True  # a step that generates nothing trains on the last rollout again
+
     def __init__(self, stage, plan, dims, engine, tokenizer, functions, weights, reference=(None, None)):
         self.stage, self.plan, self.dims, self.engine, self.tokenizer = stage, plan, dims, engine, tokenizer
         self.functions, self.weights, self.reference = functions, weights, reference
         self.reward_names = unique_names([reward_name(fn) for fn in functions])
         self.buffer, self.trained_positions, self.reused_next = None, 0, False  # the rollout's micro-batches
         self.rollout_seconds = self.rollout_tokens = 0.0
+        self.rollouts = 0  # engine calls since the last record
         self.window_start = None
         self.advantages_of = group_advantages  # the loss variant's advantage estimator (GRPO's: per group)
 
@@ -264,6 +267,7 @@ class RolloutObjective(LMObjective):
                                        prompt_lengths.to(self.plan.layout.device), num_generations, seed).to("cpu")
         self.rollout_seconds += time.perf_counter() - start
         self.rollout_tokens += rollout.generated_tokens
+        self.rollouts += 1
         return rollout
 
     def score(self, trainer, completions, lengths, truncated, data_rows, step):
@@ -285,12 +289,17 @@ class RolloutObjective(LMObjective):
                 "completions/clipped_ratio": stats["truncated_sum"] / rows}
 
     def rollout_record(self):
-        """This process's rollout speed and its share of the wall time since the last record."""
+        """This process's rollout speed and its share of the wall time since the last record; rollout/reused where
+        the objective trains on a rollout again (GRPO, PPO, agent): true when the steps since the last record
+        generated nothing, so trained on an earlier step's rollout."""
         now = time.perf_counter()
         elapsed = now - (self.window_start or now)
         out = {"rollout/tokens_per_sec": self.rollout_tokens / self.rollout_seconds if self.rollout_seconds else 0.0,
                "rollout/time_share": self.rollout_seconds / elapsed if elapsed > 0 else 0.0}
+        if self.reuses_rollouts:
+            out["rollout/reused"] = self.rollouts == 0
         self.rollout_seconds = self.rollout_tokens = 0.0
+        self.rollouts = 0
         self.window_start = now
         return out
 

@@ -174,6 +174,7 @@ class GKDObjective(RolloutObjective):
     token."""
 
     stat_names = ("rows", "on_policy_rows", "reverse_kl_sum")
+    reuses_rollouts = False  # a step that generates nothing trains on the data's answers (offline), not a rollout
     unpack = LMObjective.unpack  # rows are (input_ids, labels) either way
 
     def __init__(self, stage, plan, dims, engine, tokenizer, teacher):

@@ -256,6 +256,6 @@ def out_of_memory_as_one_line(trainer):
         kind = "CUDA" if isinstance(e, torch.cuda.OutOfMemoryError) else "CPU"
         last, peak = latest_checkpoint(plan.io.run_dir), peak_mem_gb(plan.layout.device)
         raise OutOfMemory(
-            f"out of {kind} memory on rank {rank()} in step {progress.global_step + 1} (peak {peak:.2f} GB on this "
+            f"out of {kind} memory on rank {rank()} in step {progress.global_step + 1} (peak {peak:.2f} GiB on this "
             f"rank; {what_failed(e)}): {advice(plan)}; the last complete checkpoint is "
             f"{last or 'none yet'}" + (", continue with --from_resume 1" if last else "")) from None

@@ -32,7 +32,7 @@ CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", 
                    ("lr", "lr {:.3e}"), ("grad_norm", "grad_norm {:.3f}"), ("grad_clipped", "clipped"),
                    ("tokens_per_sec", "tokens/s {:.0f}"), ("mfu", "mfu {:.1%}"),
                    ("mfu_provisional", "mfu peak provisional (CPU measured on busy cores)"),
-                   ("peak_mem_gb", "mem {:.2f}GB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}"),
+                   ("peak_mem_gb", "mem {:.2f}GiB"), ("eval_loss", "eval_loss {:.4f}"), ("eval_ppl", "ppl {:.2f}"),
                    ("eval_bpb", "bpb {:.4f}"), ("sample_repeated_4gram", "samples: repeated 4-grams {:.0%}"),
                    ("sample_distinct_2", "distinct-2 {:.2f}"),
                    ("ce", "ce {:.4f}"), ("kl", "kl {:.4f}"), ("rewards/margins", "margin {:.4f}"),
@@ -91,11 +91,11 @@ def scalars(record):
 
 
 def console_line(record):
-    """'step 12 | epoch 0 | loss 8.762530 | ... | mem 0.42GB': the record's known keys, in a fixed order."""
+    """'step 12 | epoch 0 | loss 8.762530 | ... | mem 0.42GiB': the record's known keys, in a fixed order."""
     parts = [f"step {record['step']}"]
     shown = [(record[key], fmt) for key, fmt in CONSOLE_FORMATS if record.get(key) is not None]
     parts += [fmt.format(value) for value, fmt in shown if value is not False]  # grad_clipped: only when it was
-    if record.get("rollout/time_share") == 0:  # no generation since the last record: a rollout trained on again
+    if record.get("rollout/reused"):  # no generation since the last record: an earlier rollout trained on again
         parts[-1] = "rollout reused"
     return " | ".join(parts)
 
