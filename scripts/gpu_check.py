@@ -3,8 +3,8 @@
     python scripts/gpu_check.py --out gpu_report              # one CUDA GPU, the repository, no network: < 9 min
     python scripts/gpu_check.py --dry_run --out /tmp/check    # the same plan on CPU with tiny shapes (CI runs it)
     python scripts/gpu_check.py --sections attention,bench    # a part of the plan
-    python scripts/gpu_check.py --quick --out $OUT            # the 8-minute plan (scripts/gpu_quick.py), written
-                                                              # row by row; --only NAME,... reruns some of its rows
+    python scripts/gpu_check.py --quick --out $OUT            # the 8-minute plan, written row by row; --only NAME,...
+                                                              # reruns some rows (scripts/benchmarks/gpu_quick.py)
 
 Sections, in order:
   tests      pytest -m cuda: the tests that take the GPU when there is one (model parity, chunked loss, masks, resume)
@@ -39,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from dataset.demo.records import pydoc_topic_texts, reasoning_records, stdlib_docstrings, tool_records  # noqa: E402
 from model.torch_compat import cpu_bf16_native  # noqa: E402
-from scripts.gpu_quick import quick_items, quick_markdown  # noqa: E402
+from scripts.benchmarks.gpu_quick import quick_items, quick_markdown  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
@@ -370,7 +370,8 @@ def parse_args(argv=None):
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per trainer run before it counts as failed")
     parser.add_argument("--quick", action="store_true", help="the 8-minute plan instead of the sections: cuda tests, "
-                        "speed/MFU/memory of the issue's configs, kill + resume, top kernels (scripts/gpu_quick.py)")
+                        "speed/MFU/memory of the issue's configs, kill + resume, top kernels "
+                        "(scripts/benchmarks/gpu_quick.py)")
     parser.add_argument("--only", default="", help="with --quick: comma list of its items to run (e.g. those that "
                         "failed the first time)")
     parser.add_argument("--budget_s", type=int, default=450, help="with --quick: start no item after this many seconds")

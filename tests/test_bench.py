@@ -7,9 +7,9 @@ import torch.nn as nn
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts import bench, quality
-from scripts.bench import parse_args, plan_for, print_plan, step_stats
+from scripts.bench import parse_args, plan_for, print_plan
 from scripts.benchmarks import run as run_helper
-from scripts.benchmarks.run import run_trainer, trainer_command
+from scripts.benchmarks.run import run_trainer, step_stats, trainer_command
 from scripts.planner.cost import plan_layout
 from tests.launch import forked_argv
 from trainer.runtime.metrics import step_flops

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from scripts import gpu_check
-from scripts import gpu_quick as gpu_check_quick
+from scripts.benchmarks import gpu_quick as gpu_check_quick
 from tests.launch import forked_argv
 
 # the first loss of a bf16-autocast run against fp32 on the same weights: matmul operands rounded to bf16 (unit

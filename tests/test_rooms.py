@@ -126,6 +126,20 @@ def test_rooms_are_packages_without_path_tricks():
     assert len(list(package_modules())) >= 20  # inference 4, serve 5, benchmarks 6, planner 5: the check saw them
 
 
+def test_no_command_imports_another_command():
+    """A command script (scripts/*.py) imports no other command: what two commands share lives in a package."""
+    commands = {n[:-3] for n in os.listdir(os.path.join(ROOT, "scripts")) if n.endswith(".py")}
+    problems = []
+    for name in sorted(commands):
+        path = os.path.join(ROOT, "scripts", name + ".py")
+        for imported in set(imports(path)) | set(imports(path, top_level=False)):
+            parts = imported.split(".")
+            if parts[0] == "scripts" and len(parts) > 1 and parts[1] in commands - {name}:
+                problems.append(f"scripts/{name}.py imports the command {imported}")
+    assert problems == []
+    assert len(commands) >= 20  # the check saw the commands
+
+
 def test_server_import_loads_no_trainer_module():
     """What Python itself loads, independent of the closure above: importing the server's entry script in a fresh
     interpreter leaves no trainer module in sys.modules."""

@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,3 +79,28 @@ def given_trainer_flags(parser, rest):
     if unknown:
         parser.error(f"unknown flags (neither {parser.prog} nor trainer): {' '.join(unknown)}")
     return vars(given)
+
+
+def step_stats(records, warmup):
+    """Figures over the step records after `warmup` steps (trainer metrics with --log_interval 1).
+
+    A step's time is its target tokens / its tokens_per_sec (the trainer's own window for that step).
+    """
+    steps = sorted((r for r in records if "tokens_per_sec" in r), key=lambda r: r["step"])
+    prev_tokens = {s["step"]: p["tokens"] for p, s in zip(steps, steps[1:])}
+    measured = [r for r in steps if r["step"] > warmup and r["step"] in prev_tokens]
+    if not measured:
+        raise ValueError(f"no step records after {warmup} warm-up steps")
+    tokens = [r["tokens"] - prev_tokens[r["step"]] for r in measured]
+    times = [t / r["tokens_per_sec"] for t, r in zip(tokens, measured)]
+    total_time = sum(times)
+    return dict(
+        steps=len(measured), tokens_per_sec=sum(tokens) / total_time,
+        step_time_median=statistics.median(times), step_time_min=min(times), step_time_max=max(times),
+        step_time_stdev=statistics.stdev(times) if len(times) > 1 else 0.0,
+        mfu=sum(r["mfu"] * t for r, t in zip(measured, times)) / total_time,  # time-weighted, as the trainer defines it
+        peak_mem_gb=max(r["peak_mem_gb"] for r in steps),
+        final_step=steps[-1]["step"], final_loss=steps[-1]["loss"],
+        final_loss_mean10=statistics.mean(r["loss"] for r in steps[-10:]),  # one step's batch is noisy
+        tokens_per_step=sum(tokens) / len(tokens),
+        tokens_per_sec_median=statistics.median(tokens) / statistics.median(times))  # robust to load spikes

@@ -15,9 +15,8 @@ Items, in order of what matters most when time runs out (`--only` picks some by 
 import glob
 import json
 import os
-import sys
 
-from scripts.bench import step_stats
+from scripts.benchmarks.run import step_stats
 
 M3 = dict(hidden_size=768, num_hidden_layers=8, dtype="bfloat16", accumulation_steps=1, packing=1)
 DEEP = dict(M3, num_hidden_layers=16, max_seq_len=2048, batch_size=8, use_compile=1)
@@ -145,7 +144,3 @@ def quick_markdown(rows):
             lines += [f"| `{name}` | {calls} | {ms:.2f} | {share:.1%} |"
                       for name, calls, ms, share in row["top_kernels"]]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit("run scripts/gpu_check.py --quick")
