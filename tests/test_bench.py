@@ -87,10 +87,12 @@ def test_layout_model_counts_expert_parallel_with_tensor_parallel_by_hand():
     assert plan["comm_gb_per_step"]["tp_allreduces_per_layer"] == 2  # o_proj forward, the q/k/v input backward
     # 2 per layer x 2 layers x 3 micro-batches x ring 2 (1/2) x 64 tokens x h 64 x 2 bytes
     assert comm["tp_allreduce"] == pytest.approx(2 * 2 * 3 * 2 * (1 / 2) * 64 * 64 * 2, rel=1e-12)
-    # saved activations per token per layer: 4h norms + (8h + 2 kv 32 x 2) / tp + 4 x 96 x 2 slots whole, bf16
+    # saved activations per token per layer: 4h norms + (8h + 2 kv 32 x 2) / tp + 4 x 96 x 2 slots whole, bf16; and
+    # per layer the grouped GEMMs' stacked gate, up and down weights of this rank's 2 experts: 3 x 2 x 64 x 96, bf16
     per_token = 4 * 64 + (8 * 64 + 2 * 32) / 2 + 4 * 96 * 2
-    assert plan["memory_gb"]["activations_per_microbatch"] * 2 ** 30 == pytest.approx(64 * 2 * per_token * 2,
-                                                                                        rel=1e-12)
+    stacked = 3 * 2 * 64 * 96
+    assert plan["memory_gb"]["activations_per_microbatch"] * 2 ** 30 == pytest.approx(
+        (64 * 2 * per_token + 2 * stacked) * 2, rel=1e-12)
 
 
 # the measured model: big enough that activations dominate the batch-size delta, small enough for 2 cores

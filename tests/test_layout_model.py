@@ -1,8 +1,9 @@
 """scripts/planner/cost.py: plan_layout's expert-parallel counts composed with other dimensions, against hand counts
 (the rest of the layout model: tests/test_bench.py)."""
 import pytest
+import torch
 
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, expert_compute_for
 from scripts.bench import parse_args, print_plan
 from scripts.planner import cost
 from scripts.planner.cost import COMMUNICATION, PARTS, Step, plan_layout
@@ -143,3 +144,47 @@ def test_dense_layout_of_four_dimensions_by_hand():
     assert comm["cp_kv_ring"] == pytest.approx(3 * 1 * (2 * tokens * kv * 2) * 2 * 3, rel=1e-12)
     assert comm["tp_allreduce"] == pytest.approx(4 * 2 * 3 * 2 * (1 / 2) * tokens * h * 2, rel=1e-12)
     assert plan["bubble_fraction"] == pytest.approx(1 / 4)  # (pp-1) / (m + pp-1)
+
+
+def saved_bytes(block, position_embeddings, rows, length, hidden):
+    """Bytes autograd saves for backward in one forward of `block` on rows x length tokens, weights, input and the
+    rotary tables left out; storages counted once."""
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    x = torch.randn(rows, length, hidden, requires_grad=True)
+    cos, sin = (t[:, :length].expand(rows, -1, -1) for t in position_embeddings)
+    skip |= {t.untyped_storage().data_ptr() for t in (x, cos, sin)}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, (cos, sin))
+    return sum(seen.values())
+
+
+def test_a_moe_layer_saves_its_experts_stacked_weights_once_per_forward():
+    """What a MoE layer saves for backward, measured on the real block at two token counts (fp32): the part that does
+    not grow with the tokens is the grouped GEMMs' stacked gate, up and down weights (3 x experts x h x moe width),
+    the planner's expert_weight_copies, to within its few per-expert counters."""
+    config = MiniMindConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                            use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96)
+    if cost.expert_weight_copies(config, cost.layout_sizes({})) == 0 or model_grouped(config) != "grouped":
+        pytest.skip("this torch runs the experts as a loop on CPU: no stacked copies")
+    model = MiniMindForCausalLM(config)
+    length = 32
+    position_embeddings = model.model.rotary_emb(torch.zeros(1, length, 64), torch.arange(length)[None])
+    block = model.model.layers[0]
+    small, large = (saved_bytes(block, position_embeddings, rows, length, 64) for rows in (2, 6))
+    per_token = (large - small) / (4 * length)
+    constant = small - per_token * 2 * length
+    stacked = 4 * 3 * 4 * 64 * 96  # fp32 bytes: gate, up and down of the 4 experts
+    assert cost.expert_weight_copies(config, cost.layout_sizes({})) * 4 == stacked
+    assert stacked <= constant <= stacked * 1.01, (constant, stacked)
+
+
+def model_grouped(config):
+    """The experts' compute this torch picks on CPU in fp32 (model/model_minimind.py expert_compute_for)."""
+    return expert_compute_for(torch.device("cpu"), torch.float32, config.hidden_size, config.moe_intermediate_size)

@@ -184,15 +184,28 @@ def state_bytes(dense, experts, shard, zero_stage):
     return weight_bytes, grad_bytes, optim_bytes
 
 
+def expert_weight_copies(config, sizes):
+    """Elements a MoE layer saves for backward whatever its tokens: the grouped GEMMs stack the rank's experts'
+    gate, up and down weights into one tensor each per forward, in the compute dtype (model/model_minimind.py
+    MOEFeedForward.grouped_experts), and autograd keeps them until that layer's backward; split with the experts (ep)
+    or, kept whole, with the matrices (tp). 0 for a dense MLP. (Where torch has no grouped matmul for the device the
+    experts run as a loop and keep no copy: the estimate is then this much high.)"""
+    if not config.use_moe:
+        return 0
+    split = divisor(sizes, "experts") if divisor(sizes, "experts") > 1 else divisor(sizes, "matrices")
+    return 3 * config.num_experts * config.hidden_size * config.moe_intermediate_size / split
+
+
 def activation_bytes(config, sizes, tokens, layers, act_bytes, grad_checkpointing, sequence_parallel,
                      loss_chunk_size):
     """(saved activations of one micro-batch, logits and their gradient) in bytes on one rank."""
     h = config.hidden_size
     per_token_layer = activation_elements(config, sizes, sequence_parallel) * act_bytes
+    per_layer = expert_weight_copies(config, sizes) * act_bytes
     if grad_checkpointing:  # keep each block's input, recompute one block at a time in backward
-        microbatch = tokens * (layers * h * act_bytes + per_token_layer)
+        microbatch = tokens * (layers * h * act_bytes + per_token_layer) + per_layer
     else:
-        microbatch = tokens * layers * per_token_layer
+        microbatch = tokens * layers * per_token_layer + layers * per_layer
     # fp32 logits + their gradient, over the whole micro-batch or one chunk; the vocabulary matrix split as the others
     rows = min(tokens, loss_chunk_size) if loss_chunk_size else tokens
     return microbatch, 2 * 4 * rows * config.vocab_size / divisor(sizes, "matrices")

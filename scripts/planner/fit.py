@@ -42,8 +42,8 @@ from trainer.runtime.metrics import model_flops_per_token
 # beside the saved tensors). Measured on CPU as the most bytes of tensors alive at once (tests/memory_entry.py: torch's
 # profiler over the allocator, what torch.cuda.max_memory_allocated reports on a GPU; the same on every run): h256 L4
 # batch 8 x 256 fp32 dense, 0.3566 GiB against 0.0743 GiB of states + 0.2520 GiB of saved tensors -> 1.12;
-# tests/test_fit_plan.py checks it on a MoE (6.6% under: the router's and the experts' gathers are not in the layout
-# model's saved tensors), a GRPO and a distillation run.
+# tests/test_fit_plan.py checks it on a MoE (with its experts' stacked weights, scripts/planner/cost.py
+# expert_weight_copies), a GRPO and a distillation run.
 ACTIVATION_OVERHEAD = 1.12
 # A card holds less than its memory for tensors: the CUDA context with cuBLAS and NCCL workspaces (0.3-1 GiB by card
 # and driver) and the caching allocator's fragmentation (blocks reserved, not allocated; PyTorch's CUDA notes: set
