@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from trainer.parallel.mesh import BY_NAME, DIMENSIONS, REDUCE_DIMS
+from trainer.parallel.mesh import BY_NAME, DIMENSIONS, grad_reduce_factor
 
 GB = 2 ** 30  # the figures named _gb are GiB
 # what a dimension can cut of one rank's share (mesh.py's Dimension.divides); ZeRO's shards of the weights, gradients
@@ -40,11 +40,6 @@ def divisor(sizes, part):
     if part not in PARTS:
         raise KeyError(f"no part {part!r}; the parts: {', '.join(PARTS)}")
     return math.prod(sizes[d.name] for d in DIMENSIONS if part in d.divides)
-
-
-def reducers(sizes):
-    """The ranks a gradient is reduced over, which ZeRO shards the states over: the gradient-reducing dimensions."""
-    return math.prod(sizes[name] for name in REDUCE_DIMS)
 
 
 def layer_params(config):
@@ -103,7 +98,7 @@ def data_parallel_bytes(step):
     """dp: the gradients reduced over the gradient-reducing ranks (dp x cp: the cp ranks hold the same weights), by
     all-reduce (DDP, ZeRO-1) or reduce-scatter, with the weights gathered once per step (ZeRO-2) or in forward and
     again in backward (ZeRO-3)."""
-    comm, shard, grad_buffer = {}, reducers(step.sizes), 4 * step.dense
+    comm, shard, grad_buffer = {}, grad_reduce_factor(step.sizes), 4 * step.dense
     if shard > 1:
         ring = (shard - 1) / shard
         if step.zero_stage <= 1:
@@ -153,7 +148,7 @@ def expert_parallel_bytes(step):
         rows = step.tokens * config.num_experts_per_tok
         comm["ep_alltoall"] = 2 * (2 * rows * config.hidden_size * step.act_bytes * (ep - 1) / ep) * step.layers \
             * step.microbatches
-    replicas = reducers(step.sizes) // ep
+    replicas = grad_reduce_factor(step.sizes) // ep
     if replicas > 1 and step.experts:  # a dense model has no experts to reduce
         comm["ep_replica_allreduce"] = 2 * (replicas - 1) / replicas * 4 * step.experts
     return comm
@@ -192,7 +187,8 @@ def expert_weight_copies(config, sizes):
     experts run as a loop and keep no copy: the estimate is then this much high.)"""
     if not config.use_moe:
         return 0
-    split = divisor(sizes, "experts") if divisor(sizes, "experts") > 1 else divisor(sizes, "matrices")
+    experts = divisor(sizes, "experts")
+    split = experts if experts > 1 else divisor(sizes, "matrices")
     return 3 * config.num_experts * config.hidden_size * config.moe_intermediate_size / split
 
 
@@ -229,7 +225,7 @@ def plan_layout(config, seq_len, micro_batch, num_microbatches, layout=None, zer
     experts_rank = routed / expert_split
     params_rank = (layers_rank * layer_params(config) + V * h - routed) / divisor(sizes, "matrices") + experts_rank
     dense = params_rank - experts_rank
-    weight_bytes, grad_bytes, optim_bytes = state_bytes(dense, experts_rank, reducers(sizes), zero_stage)
+    weight_bytes, grad_bytes, optim_bytes = state_bytes(dense, experts_rank, grad_reduce_factor(sizes), zero_stage)
     tokens = micro_batch * seq_len / divisor(sizes, "tokens")  # tokens of one micro-batch on one rank
     act_microbatch, logits_bytes = activation_bytes(config, sizes, tokens, layers_rank, act_bytes,
                                                     grad_checkpointing, sequence_parallel, loss_chunk_size)

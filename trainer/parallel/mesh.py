@@ -10,6 +10,7 @@ join the ranks holding the same slice position, i.e. the same experts, across th
 gradient-reducing dimension: those ranks see other tokens of the same experts).
 """
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from math import prod
 
@@ -56,13 +57,13 @@ MODEL_DIMS = tuple(d.name for d in DIMENSIONS if not d.splits_data)  # the sizes
 PRODUCT_DIMS = tuple(name for name in MODEL_DIMS if name in MESH_DIMS)  # world size = dp * their product
 
 
-def grad_reduce_factor(layout):
-    """What the trainer multiplies each rank's loss by so that DDP's and FSDP2's averaged gradients equal summed ones:
-    the number of ranks a gradient is averaged over, the product of the REDUCE_DIMS sizes (dp x cp). layout: the
-    sizes as attributes (the plan's Layout). The step wants the gradient of the global batch's loss, `ce_sum /
-    num_items` with num_items counted over all ranks: the SUM of the ranks' gradients; the average of the scaled ones
-    is exactly the single-process gradient (parallel/data.py)."""
-    return prod(getattr(layout, name) for name in REDUCE_DIMS)
+def grad_reduce_factor(sizes):
+    """The ranks a gradient is averaged over, the product of the REDUCE_DIMS sizes (dp x cp): what the trainer scales
+    each rank's loss by so that DDP's and FSDP2's average is the summed gradient (parallel/data.py), and what ZeRO
+    shards the states over. sizes: by dimension name, a mapping (missing ones 1) or the plan's Layout (attributes)."""
+    if not isinstance(sizes, Mapping):
+        sizes = {name: getattr(sizes, name) for name in REDUCE_DIMS}
+    return prod(sizes.get(name, 1) for name in REDUCE_DIMS)
 
 
 def dimension_module(name):

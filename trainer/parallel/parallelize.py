@@ -45,11 +45,10 @@ def parallelize(model, dims, plan):
     experts = (lambda part: [name for name, _ in used["ep"].expert_params(part)]) if "ep" in used else (lambda part: ())
     if "dp" in used:
         # FSDP2 gathers parameters in the autocast dtype and reduces gradients in fp32
-        parts = [used["dp"].apply_data_parallel(part, dims.mesh("dp_cp"), layout.zero_stage, layout.grad_compression,
-                                     powersgd_rank=layout.powersgd_rank, powersgd_start_iter=layout.powersgd_start_step,
-                                     param_dtype=model_plan.autocast_dtype, cpu_offload=layout.cpu_offload,
-                                     ignored=experts(part))
-                 for part in parts]
+        parts = [used["dp"].apply_data_parallel(
+            part, dims.mesh("dp_cp"), layout.zero_stage, layout.grad_compression, powersgd_rank=layout.powersgd_rank,
+            powersgd_start_iter=layout.powersgd_start_step, param_dtype=model_plan.autocast_dtype,
+            cpu_offload=layout.cpu_offload, ignored=experts(part)) for part in parts]
     if pipeline is not None:
         pipeline.make_schedule(parts)
     return parts, pipeline

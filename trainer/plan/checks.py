@@ -11,7 +11,7 @@ from model.tokenizer_choice import check_tokenizer  # noqa: F401
 from model.weight_names import other_sizes  # noqa: F401
 from trainer.base.errors import ConfigError
 from trainer.base.launch import per_rank
-from trainer.parallel.mesh import MODEL_DIMS, REDUCE_DIMS, dimension_module, validate_layout
+from trainer.parallel.mesh import MODEL_DIMS, dimension_module, grad_reduce_factor, validate_layout
 from trainer.runtime import metrics  # read through the module: tests replace its CPU probes
 
 # bf16 is picked only this much faster than fp32 on the matmul: autocast also casts outside it (gradients, norms)
@@ -71,7 +71,7 @@ def data_parallel_mode(world_size, zero_stage=0, grad_compression="none", **size
     if message:
         raise ConfigError(message)
     tp, pp = sizes.get("tp", 1), sizes.get("pp", 1)
-    replicas = dp * math.prod(sizes.get(name, 1) for name in REDUCE_DIMS if name != "dp")  # the gradient reducers
+    replicas = grad_reduce_factor(dict(sizes, dp=dp))  # the gradient reducers
     if (tp > 1 or pp > 1) and replicas > 1 and zero_stage == 0 and grad_compression == "none":
         # DDP handles neither DTensor (tp) parameters nor a pipeline schedule's backward; FSDP2 does both
         zero_stage = 2
