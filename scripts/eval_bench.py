@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from model.atomic import atomic_json, atomic_write, atomic_write_text, full_disk_reason  # noqa: E402
 from scripts.inference.flags import add_model_args, parsed  # noqa: E402
 from scripts.inference.load import load_or_exit  # noqa: E402
-from trainer.runtime.bench import (  # noqa: E402, F401
+from trainer.judge.bench import (  # noqa: E402, F401
     INSTALL,
     MINIMIND_TASKS,
     BenchError,

@@ -26,7 +26,7 @@ from trainer.base.schema import Flag, fill, flag
 from trainer.judge.health import HealthWatch
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
-BENCH_MODULE = "trainer.runtime.bench"  # lm-eval scoring (--eval_bench): read by the runs that ask for it only
+BENCH_MODULE = "trainer.judge.bench"  # lm-eval scoring (--eval_bench): read by the runs that ask for it only
 SAMPLES_MODULE = "trainer.judge.samples"  # greedy samples at each eval: read by SFT and later stages only
 EVAL_CALLBACKS_MODULE = "trainer.runtime.eval_callbacks"  # --early_stop_patience, --save_best: read by those runs only
 
