@@ -12,7 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.disks import fill
 from trainer.ckpt.storage import DiskFullError
-from trainer.runtime.tracking import StepProfiler, Tracker, parse_profile_steps, truncate_metrics
+from trainer.runtime.step_profiler import StepProfiler, parse_profile_steps
+from trainer.runtime.tracking import Tracker, truncate_metrics
 
 
 def train_record(step, loss):

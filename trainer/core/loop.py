@@ -9,6 +9,7 @@ trainer/core/batches.py, checkpoints in trainer/ckpt/checkpointer.py, the consol
 trainer/runtime/console.py, evaluation in trainer/core/evaluation.py, the callbacks in trainer/runtime/callbacks.py,
 the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parallelize.py).
 """
+import importlib
 import os
 import signal
 from contextlib import nullcontext
@@ -44,7 +45,7 @@ from trainer.runtime.guard import (
 )
 from trainer.runtime.metrics import step_timer, trim_heap
 from trainer.runtime.schedule import lr_at
-from trainer.runtime.tracking import StepProfiler
+from trainer.runtime.tracking import PROFILER
 
 
 def train(trainer, train_ds, eval_ds=None):
@@ -62,7 +63,7 @@ def train(trainer, train_ds, eval_ds=None):
     trainer.callbacks.insert(0, make_tracker(trainer))  # the sinks see each record first
     if is_main_process():
         write_run_config(plan)  # --config of it repeats this run
-    profiler = StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
+    profiler = step_profiler(plan)
     timer = step_timer(plan.layout.device, plan.model.dtype, plan.layout.world_size)
     Logger(run_line(trainer))  # the steps the bar counts to
     # the bar closes before an error line is printed
@@ -82,10 +83,20 @@ def train(trainer, train_ds, eval_ds=None):
             save_abandoned(trainer)
         bar.close()  # the final bar once, above the last records (no-op when closed already)
         trainer.checkpointer.wait()  # the last async save
-        profiler.close()
+        if profiler is not None:
+            profiler.close()
     OUTSIDE_LOOP["when"] = f"after the training loop; step {progress.global_step} is saved"
     trainer.callbacks.call("on_train_end", trainer)  # the sinks close
     finish(trainer)
+
+
+def step_profiler(plan):
+    """--profile_steps A:B: the StepProfiler of those steps, under <save_dir>/profile (its module is read by these runs
+    only); None without the flag."""
+    if plan.io.profile_steps is None:
+        return None
+    profiling = importlib.import_module(PROFILER)
+    return profiling.StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
 
 
 def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
@@ -93,7 +104,8 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
     plan, progress, preemption = trainer.plan, trainer.progress, trainer.guard.preemption
     timer.reset()
     while progress.step_in_epoch < trainer.steps_per_epoch and not should_stop(trainer):
-        profiler.begin(progress.global_step + 1)
+        if profiler is not None:
+            profiler.begin(progress.global_step + 1)
         trainer.step_rng = rng_state() if preemption.abandon else None  # what a dropped step saves
         with preemption.abandonable():
             micro_batches = [next(batches) for _ in range(plan.data.num_microbatches)]

@@ -4,6 +4,7 @@ after checking every flag: the one place the flags are read.
 Nothing is created (writability is checked on the nearest existing folder); it logs what it decides for the user
 (the zero stage a layout needs, the tokenizer a --from_weight file records, sizes a weights file overrides).
 """
+import importlib
 import os
 from dataclasses import replace
 
@@ -45,7 +46,7 @@ from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import resolve_callbacks
 from trainer.runtime.optim import resolve_optimizer
 from trainer.runtime.schedule import resolve_schedule
-from trainer.runtime.tracking import parse_profile_steps, resolve_trackers
+from trainer.runtime.tracking import PROFILER, resolve_trackers
 
 
 def resolve(args, world_size, local_rank=0, stage=Stage):
@@ -200,8 +201,11 @@ def check_offload(args, dp_mode):
 
 
 def profile_steps(spec):
-    """--profile_steps A:B as (A, B), or None; a bad spec is a ConfigError."""
+    """--profile_steps A:B as (A, B), or None; a bad spec is a ConfigError. The profiler's module is read when the
+    flag is given only."""
+    if not spec:
+        return None
     try:
-        return parse_profile_steps(spec) if spec else None
+        return importlib.import_module(PROFILER).parse_profile_steps(spec)
     except ValueError as e:
         raise ConfigError(str(e)) from None
