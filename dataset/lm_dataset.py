@@ -10,19 +10,29 @@ version.
 
 PretrainDataset and SFTDataset return `(input_ids, labels)` LongTensors of length max_length, labels aligned with
 input_ids (the trainer shifts them) and -100 where there is no loss; packed rows with doc_mask add per-document
-position ids as a third tensor (dataset/packing.py). DPODataset returns a (chosen, rejected) pair of them, plus the
+position ids as a third tensor (row_positions below). DPODataset returns a (chosen, rejected) pair of them, plus the
 reference model's log-probs once set. SFT and DPO rows are chat conversations: what they label, and how the chat
 template's rendering is labelled, is in dataset/chat.py.
 """
 
 import numpy as np
+import torch
 
-from dataset.packing import row_positions
 from dataset.shards import CHUNK_DOCS, TokenCacheDataset
 
 
 def _check_text(value):
     return None if isinstance(value, str) else f"'text' must be a string, got {type(value).__name__}"
+
+
+def row_positions(offsets, start, max_length):
+    """Position ids of the packed row of `max_length` tokens starting at token `start` of a stream whose documents
+    start at `offsets`: 0 at the row start and at each document start."""
+    inside = offsets[np.searchsorted(offsets, start, side="right"):
+                     np.searchsorted(offsets, start + max_length, side="left")]
+    starts = np.concatenate([[0], inside - start])  # the documents' first tokens, within the row
+    index = np.arange(max_length)
+    return torch.from_numpy(index - starts[np.searchsorted(starts, index, side="right") - 1])
 
 
 # ----------------------------------------------------------------------------- the datasets

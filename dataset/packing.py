@@ -1,12 +1,11 @@
-"""Packing: rows of max_length tokens holding several documents, and each document's positions within its row.
+"""SFT's packing (--packing 1): whole conversations placed into rows of max_length tokens, best-fit decreasing.
 
-pack_conversations places whole SFT conversations into rows (best-fit decreasing); row_positions gives a pretraining
-row cut from the concatenated stream the position ids that restart at each document (--doc_mask 1).
+pack_conversations is read by SFTDataset (dataset/chat.py) only; pretraining's rows are cut from the concatenated
+stream, and their per-document positions (row_positions) live with PretrainDataset in dataset/lm_dataset.py.
 """
 import bisect
 
 import numpy as np
-import torch
 
 
 def pack_conversations(lengths, max_length):
@@ -38,13 +37,3 @@ def pack_conversations(lengths, max_length):
     rows = sorted(sorted(row) for row in rows)
     row_offsets = np.cumsum([0] + [len(row) for row in rows]).astype(np.int64)
     return row_offsets, np.array([slot for row in rows for slot in row], dtype=np.int64)
-
-
-def row_positions(offsets, start, max_length):
-    """Position ids of the packed row of `max_length` tokens starting at token `start` of a stream whose documents
-    start at `offsets`: 0 at the row start and at each document start."""
-    inside = offsets[np.searchsorted(offsets, start, side="right"):
-                     np.searchsorted(offsets, start + max_length, side="left")]
-    starts = np.concatenate([[0], inside - start])  # the documents' first tokens, within the row
-    index = np.arange(max_length)
-    return torch.from_numpy(index - starts[np.searchsorted(starts, index, side="right") - 1])
