@@ -21,15 +21,20 @@ import trainer.parallel.state_dict as sd
 from tests.launch import spawn
 from tests.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
 from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.data import apply_data_parallel, gradient_sync, validate_data_parallel
+from trainer.parallel.data import (
+    apply_data_parallel,
+    gradient_sync,
+    load_zero,
+    place_step_for_kernel,
+    validate_data_parallel,
+    zero_state_dict,
+)
 from trainer.parallel.mesh import grad_reduce_factor
 from trainer.parallel.state_dict import (
     TIED_EMBEDDING,
-    _load_zero,
     clean_fqn,
     full_model_state_dict,
     load_full_state,
-    place_step_for_kernel,
 )
 
 # lr 1e-3: Adam divides by sqrt(v), so float reduction-order noise on near-zero grads grows with lr.
@@ -74,7 +79,7 @@ def full_optimizer_state_dict(model_parts, optimizers, pp_group=None, tied_alias
     local = {"state": {}, "param_groups": []}
     for part, optim in sd._optimizer_pairs(model_parts, optimizers):
         if isinstance(optim, ZeroRedundancyOptimizer):
-            osd = sd._zero_state_dict(part, optim)
+            osd = zero_state_dict(part, optim)
         else:
             osd = get_optimizer_state_dict(part, optim, options=options)
         _merge_optim(local, sd._cpu_fp32(osd), tied_aliases)
@@ -441,7 +446,7 @@ def _zero_fused_load_worker(rank, world_size, device):
     zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
     ref = torch.optim.AdamW(twin.parameters(), lr=LR, foreach=False)
     saved = _adam_state(model, step=5)
-    _load_zero(model, zero, saved)
+    load_zero(model, zero, saved)
     for p in model.parameters():  # where the fused kernel reads it: the parameter's device, fp32
         step = zero.optim.state[p]["step"]
         assert step.device == p.device and step.dtype == torch.float32 and float(step) == 5

@@ -43,22 +43,3 @@ def autocast(plan):
         return nullcontext()
     return torch.autocast(torch.device(plan.layout.device).type, dtype=plan.model.dtype)
 
-
-def pipeline_forward_only(pipeline, input_ids, targets, score, positions=None):
-    """Forward only through the pipeline's schedule (schedule.eval, torch >= 2.9) over stacked micro-batches: the
-    last stage returns each micro-batch's `score(logits, targets)`, which the schedule collects (concatenated here);
-    None on the other stages. positions: the rows' position ids (default 0..L-1), carried from stage to stage."""
-    if positions is None:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    positions = positions.float().expand(input_ids.shape).contiguous()
-    collected = []
-    pipeline.loss_fn.forward_only = score
-    args = (input_ids, positions) if pipeline.has_first else ()
-    try:
-        if pipeline.has_last:
-            pipeline.schedule.eval(*args, target=pipeline.loss_fn.pack(targets, None), losses=collected)
-            return torch.cat(collected)
-        pipeline.schedule.eval(*args)
-        return None
-    finally:
-        pipeline.loss_fn.forward_only = None  # the pipeline trains again after a forward-only pass

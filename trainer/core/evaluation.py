@@ -4,12 +4,13 @@ through the schedule's forward-only pass (schedule.eval) in groups of --accumula
 with rows without targets."""
 import itertools
 import math
+from functools import partial
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer.base.launch import full_value, world_sum
-from trainer.core.batches import loss_context, pipeline_forward_only, shard_for_context, step_targets
+from trainer.core.batches import loss_context, shard_for_context, step_targets
 from trainer.core.data_loading import leaf_datasets
 from trainer.judge.units import bits_per_byte, target_bytes, token_byte_lengths
 
@@ -58,18 +59,10 @@ def plain_eval(trainer, batches):
 
 
 def pipeline_eval(trainer, batches):
-    """(loss sum, item count) through the pipeline, --accumulation_steps micro-batches per forward-only pass."""
-    plan, dims, pipeline, objective = trainer.plan, trainer.dims, trainer.pipeline, trainer.objective
-    device, loss_sum, count = plan.layout.device, 0.0, 0.0
-    for start in range(0, len(batches), plan.data.num_microbatches):
-        group = batches[start:start + plan.data.num_microbatches]
-        count += float(sum(objective.count(labels, extra) for _, labels, _, extra in group)) \
-            if dims.counts_items else 0.0
-        filler = (group[0][0], torch.full_like(group[0][1], -100), *group[0][2:])  # no targets: counts nothing
-        group += [filler] * (plan.data.num_microbatches - len(group))  # the schedule runs whole groups
-        inputs, targets = torch.cat([b[0] for b in group]), torch.cat([step_targets(b[1]) for b in group])
-        doc_positions = None if group[0][2] is None else torch.cat([b[2] for b in group]).to(device)
-        (x, t), positions = shard_for_context(dims, [inputs.to(device), targets.to(device)], doc_positions)
-        values = pipeline_forward_only(pipeline, x, t, objective.eval_pipeline_loss, positions)
-        loss_sum += float(values.sum()) if values is not None and dims.counts_loss else 0.0
-    return loss_sum, count
+    """(loss sum, item count) through the pipeline's forward-only passes (trainer/parallel/pipeline.py
+    Pipeline.eval_sum: --accumulation_steps micro-batches per pass)."""
+    dims, objective = trainer.dims, trainer.objective
+    rows = [(input_ids, step_targets(labels), positions) for input_ids, labels, positions, _ in batches]
+    loss_sum = trainer.pipeline.eval_sum(rows, objective.eval_pipeline_loss, partial(shard_for_context, dims))
+    count = float(sum(objective.count(labels, extra) for _, labels, _, extra in batches))
+    return loss_sum if dims.counts_loss else 0.0, count if dims.counts_items else 0.0

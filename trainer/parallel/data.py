@@ -7,7 +7,8 @@ ranks). So the trainer multiplies each rank's loss by `mesh.grad_reduce_factor(l
 average of the scaled gradients is then exactly the single-process gradient.
 
 The dp dimension's module (mesh.py DIMENSIONS): read by a run with a data-parallel group or a ZeRO / compression
-flag only (plan/checks.py data_parallel_mode, parallelize.py, core/loop.py, runtime/optim.py).
+flag only (plan/checks.py data_parallel_mode, parallelize.py, core/loop.py, runtime/optim.py, and
+state_dict.py for a ZeRO-1 optimizer's state).
 """
 import importlib
 from contextlib import ExitStack, contextmanager
@@ -188,3 +189,83 @@ def check_replicas(model_parts, group, step):
             raise TrainingHalted(f"--check_replicas: at step {step} parameter {name} differs between data-parallel "
                                  f"replicas (group ranks {ranks} vs 0); the replicas diverged, resume from the last "
                                  "checkpoint and look for non-deterministic or rank-dependent code")
+
+
+# ----------------------------------------------------------------------------- ZeRO-1 state dicts
+# trainer/parallel/state_dict.py reaches these through dimension_module("dp") when the optimizer is a
+# ZeroRedundancyOptimizer: its state has no DTensor shards, so it is gathered and loaded whole, keyed by FQN.
+def zero_state_dict(part, optim):
+    """FQN-keyed full state of a ZeroRedundancyOptimizer via consolidate_state_dict (collective)."""
+    optim.consolidate_state_dict(to=0)
+    if dist.get_rank(optim.process_group) != 0:
+        return {}
+    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    index_to_fqn = [names[id(p)] for g in optim.param_groups for p in g["params"]]
+    sd = optim.state_dict()
+    return {"state": {index_to_fqn[i]: s for i, s in sd["state"].items()},
+            "param_groups": [dict(g, params=[index_to_fqn[i] for i in g["params"]]) for g in sd["param_groups"]]}
+
+
+def load_zero(part, optim, optim_sd):
+    """Load an FQN-keyed full state into a ZeroRedundancyOptimizer (each rank keeps its shard)."""
+    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    fqns = [names[id(p)] for g in optim.param_groups for p in g["params"]]
+    state, groups, index = {}, [], 0
+    for group in optim.param_groups:
+        first = names[id(group["params"][0])]
+        saved = next(g for g in optim_sd["param_groups"] if first in g["params"])
+        groups.append(dict(saved, params=list(range(index, index + len(group["params"])))))
+        index += len(group["params"])
+    for i, fqn in enumerate(fqns):
+        if fqn in optim_sd["state"]:
+            state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in optim_sd["state"][fqn].items()}
+    optim.load_state_dict({"state": state, "param_groups": groups})
+    place_step_for_kernel(optim.optim)
+
+
+def place_step_for_kernel(optim):
+    """Put AdamW's `step` where its kernel reads it: on the parameter's device, fp32, when fused or capturable.
+
+    ZeroRedundancyOptimizer.load_state_dict moves every 0-dim state tensor to the CPU, and the fused CUDA kernel
+    then fails on mixed devices (pytorch#124133). Does nothing for the default kernels or CPU parameters.
+    """
+    for group in optim.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for p in group["params"]:
+            step = optim.state.get(p, {}).get("step")
+            if torch.is_tensor(step) and (step.device != p.device or step.dtype != torch.float32):
+                optim.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
+
+
+def state_template(group, param):
+    """{state key: zeros} `param` holds under the optimizer of its param group `group`, known by the group's
+    hyper-parameters: momentum without betas (SGD, LARS) or a Muon group: momentum_buffer; else Adam's moments
+    (AdamW, LAMB, Muon's AdamW groups)."""
+    if group.get("muon") or ("momentum" in group and "betas" not in group):
+        return {"momentum_buffer": torch.zeros_like(param)} if group.get("momentum") else {}
+    return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+
+
+def zero_template(part, optim):
+    """The flattened state a ZeroRedundancyOptimizer's parameters take (full shapes: it loads the whole)."""
+    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    template = {}
+    for group in optim.param_groups:
+        for p in group["params"]:
+            fqn = names[id(p)]
+            template.update({f"state.{fqn}.{k}": v for k, v in state_template(group, p).items()})
+            template.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
+    return template
+
+
+def unflatten_zero(part, optim, flat):
+    """The FQN-keyed {"state", "param_groups"} dict load_zero takes, from the flattened template."""
+    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    state, groups = {}, []
+    for group in optim.param_groups:
+        fqns = [names[id(p)] for p in group["params"]]
+        for fqn, p in zip(fqns, group["params"]):
+            state[fqn] = {k: flat[f"state.{fqn}.{k}"] for k in state_template(group, p)}
+        groups.append(dict({k: flat[f"param_groups.{fqns[0]}.{k}"] for k in group if k != "params"}, params=fqns))
+    return {"state": state, "param_groups": groups}

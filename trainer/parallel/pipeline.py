@@ -249,7 +249,8 @@ def make_schedule(parts, stage_ids, num_stages, schedule_name, num_microbatches,
 
 
 class Pipeline:
-    """What the trainer needs of pipeline parallelism: the split, the schedule, the step, tied weights."""
+    """What the trainer needs of pipeline parallelism: the split, the schedule, the step, forward-only passes (held-out
+    loss, scoring forwards), tied weights."""
 
     def __init__(self, model, pp_group, schedule_name, num_microbatches, device, micro_batch_shape,
                  autocast_dtype=None):
@@ -288,6 +289,43 @@ class Pipeline:
         if not self.has_last:
             return torch.zeros(()), torch.zeros(()), {}
         return self.loss_fn.pop_step(self.num_microbatches)
+
+    def forward_only(self, input_ids, targets, score, positions=None):
+        """Forward only through the schedule (schedule.eval, torch >= 2.9) over stacked micro-batches: the last stage
+        returns each micro-batch's `score(logits, targets)`, which the schedule collects (concatenated here); None on
+        the other stages. positions: the rows' position ids (default 0..L-1), carried from stage to stage."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        positions = positions.float().expand(input_ids.shape).contiguous()
+        collected = []
+        self.loss_fn.forward_only = score
+        args = (input_ids, positions) if self.has_first else ()
+        try:
+            if self.has_last:
+                self.schedule.eval(*args, target=self.loss_fn.pack(targets, None), losses=collected)
+                return torch.cat(collected)
+            self.schedule.eval(*args)
+            return None
+        finally:
+            self.loss_fn.forward_only = None  # the pipeline trains again after a forward-only pass
+
+    def eval_sum(self, batches, score, shard):
+        """The sum of `score(logits, targets)` over held-out micro-batches, num_microbatches per forward-only pass (the
+        schedule runs whole groups: the last is filled up with rows without targets); 0.0 off the last stage.
+
+        batches: (input_ids, targets, position ids or None) CPU tensors per micro-batch, targets already shifted;
+        shard(tensors, positions) -> (tensors, positions): this rank's part of the sequence (context parallel)."""
+        total = 0.0
+        for start in range(0, len(batches), self.num_microbatches):
+            group = batches[start:start + self.num_microbatches]
+            filler = (group[0][0], torch.full_like(group[0][1], -100), group[0][2])  # no targets: scores nothing
+            group += [filler] * (self.num_microbatches - len(group))
+            inputs, targets = torch.cat([b[0] for b in group]), torch.cat([b[1] for b in group])
+            doc_positions = None if group[0][2] is None else torch.cat([b[2] for b in group]).to(self.device)
+            (x, t), positions = shard([inputs.to(self.device), targets.to(self.device)], doc_positions)
+            values = self.forward_only(x, t, score, positions)
+            total += float(values.sum()) if values is not None else 0.0
+        return total
 
     def sync_tied_grads(self):
         sync_tied_grads(self.stage_modules, self.pp_group)

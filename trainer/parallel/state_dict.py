@@ -10,6 +10,9 @@ optimizer state, which holds the shared parameter once under model.embed_tokens.
 Sharded (DCP) format, sharded_state_dict / load_sharded_state: {"model": {fqn: tensor or DTensor shard},
 "optim": {"state.<fqn>.<key>": ..., "param_groups.<fqn>.<key>": ...}} (flatten_optimizer_state_dict: keyed
 per FQN, so pipeline stages holding disjoint FQNs save and reload under any split).
+
+A ZeroRedundancyOptimizer (ZeRO-1) has no DTensor state: its paths (gathered and loaded whole, keyed by FQN) live
+in the dp dimension's module, trainer/parallel/data.py, read through dimension_module("dp") by ZeRO-1 runs only.
 """
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model.torch_compat import flatten_optim_state_dict
 from trainer.base.launch import is_main_process
+from trainer.parallel.mesh import dimension_module
 
 # alias -> canonical FQN of a weight a pipeline stage keeps a synchronised copy of (tied embeddings).
 TIED_EMBEDDING = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -142,18 +146,6 @@ def full_model_state_dict(model_parts, pp_group=None, ep_group=None):
     return merged
 
 
-def _zero_state_dict(part, optim):
-    """FQN-keyed full state of a ZeroRedundancyOptimizer via consolidate_state_dict (collective)."""
-    optim.consolidate_state_dict(to=0)
-    if dist.get_rank(optim.process_group) != 0:
-        return {}
-    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
-    index_to_fqn = [names[id(p)] for g in optim.param_groups for p in g["params"]]
-    sd = optim.state_dict()
-    return {"state": {index_to_fqn[i]: s for i, s in sd["state"].items()},
-            "param_groups": [dict(g, params=[index_to_fqn[i] for i in g["params"]]) for g in sd["param_groups"]]}
-
-
 def _with_aliases(optim_sd, tied_aliases):
     """Copy of optim_sd where each alias FQN also carries its canonical weight's state and group."""
     state = dict(optim_sd["state"])
@@ -163,38 +155,6 @@ def _with_aliases(optim_sd, tied_aliases):
             state[alias] = state[canonical]
             next(g for g in groups if canonical in g["params"])["params"].append(alias)
     return {"state": state, "param_groups": groups}
-
-
-def _load_zero(part, optim, optim_sd):
-    """Load an FQN-keyed full state into a ZeroRedundancyOptimizer (each rank keeps its shard)."""
-    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
-    fqns = [names[id(p)] for g in optim.param_groups for p in g["params"]]
-    state, groups, index = {}, [], 0
-    for group in optim.param_groups:
-        first = names[id(group["params"][0])]
-        saved = next(g for g in optim_sd["param_groups"] if first in g["params"])
-        groups.append(dict(saved, params=list(range(index, index + len(group["params"])))))
-        index += len(group["params"])
-    for i, fqn in enumerate(fqns):
-        if fqn in optim_sd["state"]:
-            state[i] = {k: v.clone() if torch.is_tensor(v) else v for k, v in optim_sd["state"][fqn].items()}
-    optim.load_state_dict({"state": state, "param_groups": groups})
-    place_step_for_kernel(optim.optim)
-
-
-def place_step_for_kernel(optim):
-    """Put AdamW's `step` where its kernel reads it: on the parameter's device, fp32, when fused or capturable.
-
-    ZeroRedundancyOptimizer.load_state_dict moves every 0-dim state tensor to the CPU, and the fused CUDA kernel
-    then fails on mixed devices (pytorch#124133). Does nothing for the default kernels or CPU parameters.
-    """
-    for group in optim.param_groups:
-        if not (group.get("fused") or group.get("capturable")):
-            continue
-        for p in group["params"]:
-            step = optim.state.get(p, {}).get("step")
-            if torch.is_tensor(step) and (step.device != p.device or step.dtype != torch.float32):
-                optim.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
 
 def load_full_state(model_parts, optimizers, model_sd, optim_sd=None, tied_aliases=None):
@@ -217,7 +177,7 @@ def load_full_state(model_parts, optimizers, model_sd, optim_sd=None, tied_alias
     optim_sd = _with_aliases(optim_sd, tied_aliases)
     for part, optim in _optimizer_pairs(model_parts, optimizers):
         if isinstance(optim, ZeroRedundancyOptimizer):
-            _load_zero(part, optim, optim_sd)
+            dimension_module("dp").load_zero(part, optim, optim_sd)
         else:
             set_optimizer_state_dict(part, optim, optim_state_dict=optim_sd, options=options)
 
@@ -241,45 +201,12 @@ def sharded_state_dict(model_parts, optimizer, tied_aliases=None):
         model.update(get_model_state_dict(part))
     part, optim = _optim_pair(model_parts, optimizer)
     if isinstance(optim, ZeroRedundancyOptimizer):  # no DTensor state to shard: rank 0 of the group saves it whole
-        osd = _zero_state_dict(part, optim)
+        osd = dimension_module("dp").zero_state_dict(part, optim)
         optim_sd = flatten_optim_state_dict(osd) if osd else {}
     else:
         optim_sd = get_optimizer_state_dict(part, optim, options=_FLAT)
     aliases = tuple(f"{section}.{alias}." for alias in tied_aliases or {} for section in ("state", "param_groups"))
     return {"model": model, "optim": {k: v for k, v in optim_sd.items() if not k.startswith(aliases)}}
-
-
-def state_template(group, param):
-    """{state key: zeros} `param` holds under the optimizer of its param group `group`, known by the group's
-    hyper-parameters: momentum without betas (SGD, LARS) or a Muon group: momentum_buffer; else Adam's moments
-    (AdamW, LAMB, Muon's AdamW groups)."""
-    if group.get("muon") or ("momentum" in group and "betas" not in group):
-        return {"momentum_buffer": torch.zeros_like(param)} if group.get("momentum") else {}
-    return {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-
-
-def _zero_template(part, optim):
-    """The flattened state a ZeroRedundancyOptimizer's parameters take (full shapes: it loads the whole)."""
-    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
-    template = {}
-    for group in optim.param_groups:
-        for p in group["params"]:
-            fqn = names[id(p)]
-            template.update({f"state.{fqn}.{k}": v for k, v in state_template(group, p).items()})
-            template.update({f"param_groups.{fqn}.{k}": v for k, v in group.items() if k != "params"})
-    return template
-
-
-def _unflatten_zero(part, optim, flat):
-    """The FQN-keyed {"state", "param_groups"} dict _load_zero takes, from the flattened template."""
-    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
-    state, groups = {}, []
-    for group in optim.param_groups:
-        fqns = [names[id(p)] for p in group["params"]]
-        for fqn, p in zip(fqns, group["params"]):
-            state[fqn] = {k: flat[f"state.{fqn}.{k}"] for k in state_template(group, p)}
-        groups.append(dict({k: flat[f"param_groups.{fqns[0]}.{k}"] for k in group if k != "params"}, params=fqns))
-    return {"state": state, "param_groups": groups}
 
 
 def _read_tied(section, saved_keys, tied_aliases):
@@ -301,8 +228,8 @@ def load_sharded_state(model_parts, optimizer, checkpoint_dir, tied_aliases=None
     for part in _as_list(model_parts):
         model.update(get_model_state_dict(part))
     part, optim = _optim_pair(model_parts, optimizer)
-    is_zero = isinstance(optim, ZeroRedundancyOptimizer)
-    optim_sd = _zero_template(part, optim) if is_zero else get_optimizer_state_dict(part, optim, options=_FLAT)
+    zero = dimension_module("dp") if isinstance(optim, ZeroRedundancyOptimizer) else None
+    optim_sd = zero.zero_template(part, optim) if zero else get_optimizer_state_dict(part, optim, options=_FLAT)
     reads = {name: _read_tied(section, {k[len(name) + 1:] for k in saved if k.startswith(name + ".")}, tied_aliases)
              for name, section in (("model", model), ("optim", optim_sd))}
     state = {"model": {r: model[k] for r, k in reads["model"].items()},
@@ -313,7 +240,7 @@ def load_sharded_state(model_parts, optimizer, checkpoint_dir, tied_aliases=None
     for part_module in _as_list(model_parts):
         keys = get_model_state_dict(part_module).keys()
         set_model_state_dict(part_module, {k: model[k] for k in keys})
-    if is_zero:
-        _load_zero(part, optim, _unflatten_zero(part, optim, optim_sd))
+    if zero:
+        zero.load_zero(part, optim, zero.unflatten_zero(part, optim, optim_sd))
     else:
         set_optimizer_state_dict(part, optim, optim_state_dict=optim_sd, options=_FLAT)

@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from trainer.core.batches import autocast, pipeline_forward_only, step_targets
+from trainer.core.batches import autocast, step_targets
 from trainer.core.log_probs import token_log_probs
 from trainer.parallel.tensor import tp_loss_context
 from trainer.rl.policy_loss import group_advantages
@@ -95,7 +95,7 @@ def scoring_forward(model_parts, pipeline, micro_batches, plan, score, columns=1
                 out.append(score(logits, t.to(plan.layout.device)).cpu())
         return out
     input_ids = torch.cat([ids for ids, _ in micro_batches]).to(plan.layout.device)
-    values = pipeline_forward_only(pipeline, input_ids, torch.cat(targets).to(plan.layout.device), score)
+    values = pipeline.forward_only(input_ids, torch.cat(targets).to(plan.layout.device), score)
     if values is None:
         return [torch.zeros(t.shape + ((columns,) if columns > 1 else ())) for t in targets]
     return list(values.cpu().split([t.shape[0] for t in targets]))

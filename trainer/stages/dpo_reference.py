@@ -24,7 +24,7 @@ from trainer.base.launch import count_sum, is_main_process, setup_seed
 from trainer.base.log import Logger
 from trainer.ckpt.storage import rank0_write
 from trainer.ckpt.weights_file import init_model
-from trainer.core.batches import autocast, pipeline_forward_only, step_targets
+from trainer.core.batches import autocast, step_targets
 from trainer.core.data_loading import leaf_datasets
 from trainer.core.log_probs import sequence_log_probs
 from trainer.parallel.parallelize import parallelize
@@ -155,5 +155,5 @@ def forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective
     if pipeline is None:
         with tp_loss_context(plan.layout.tp > 1), autocast(plan):
             return objective.log_probs(model_parts[0], input_ids, targets)[0]
-    values = pipeline_forward_only(pipeline, input_ids, targets, sequence_log_probs)
+    values = pipeline.forward_only(input_ids, targets, sequence_log_probs)
     return torch.zeros(input_ids.shape[0]) if values is None else values
