@@ -3,6 +3,8 @@ the MFU peak is not below any matmul rate measured here. The timings in this fil
 metrics.py's (nn.Linear forward and backward under torch.autocast, plain matmuls of other shapes)."""
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -168,6 +170,22 @@ def test_a_measurement_with_other_work_in_the_load_average_is_busy(monkeypatch):
     monkeypatch.setattr(metrics, "cores_free_of_others", lambda own_threads=0: False)
     rates = metrics.measure_cpu_rates()
     assert rates["quiet"] is False and rates["float32"] > 0
+
+
+@pytest.mark.skipif(metrics.cpu_busy_seconds() is None, reason="no /proc/stat: the load average decides alone")
+def test_work_that_starts_during_the_measurement_makes_it_busy():
+    """The load average lags a minute behind new work (a CI run of two suites side by side cached a peak measured
+    beside a fresh one as quiet, and a matmul then ran 1.44x that peak): the kernel's busy time over the measurement
+    itself says other work ran. A process spinning on a core throughout (its CPU time ~ the wall time, far over
+    OTHERS_SHARE of it) makes the measurement busy."""
+    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.5)  # the spinner holds its core before the measurement starts
+        assert metrics.measure_cpu_rates()["quiet"] is False
+    finally:
+        spinner.kill()
+        spinner.wait(timeout=30)
 
 
 def test_the_bar_and_the_record_rate_the_same_window():

@@ -121,16 +121,45 @@ RETRY_S = 300  # a provisional peak is measured again at a log step this long af
 def measure_cpu_rates(own_threads=0):
     """{name: FLOP/s} with this process's threads at TRAINING_SHAPE: fp32, and where native bf16 and
     "bfloat16_autocast" (bf16 with its inputs cast from fp32 first, as autocast runs it); "quiet": this process's
-    threads got the cores (CPU time >= QUIET_SHARE x wall time x threads) and the load average shows no other work
-    (cores_free_of_others: work on a core's SMT sibling slows a matmul without taking its CPU time)."""
+    threads got the cores (CPU time >= QUIET_SHARE x wall time x threads), the load average shows no other work
+    (cores_free_of_others: work on a core's SMT sibling slows a matmul without taking its CPU time) and, where the
+    kernel says (Linux), no other work ran during the measurement itself (others_were_idle: the load average lags a
+    minute behind work that has just started)."""
+    busy_before = cpu_busy_seconds()
     device, wall, cpu = torch.device("cpu"), time.perf_counter(), time.process_time()
     rates = {"float32": matmul_rate(device, torch.float32, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)}
     if cpu_bf16_native():
         rates["bfloat16"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS, seconds=WINDOW_S)
         rates["bfloat16_autocast"] = matmul_rate(device, torch.bfloat16, TRAINING_SHAPE, TRIALS,
                                                  cast_from=torch.float32, seconds=WINDOW_S)
-    share = (time.process_time() - cpu) / ((time.perf_counter() - wall) * torch.get_num_threads())
-    return dict(rates, quiet=share >= QUIET_SHARE and cores_free_of_others(own_threads))
+    own, elapsed = time.process_time() - cpu, time.perf_counter() - wall
+    share = own / (elapsed * torch.get_num_threads())
+    return dict(rates, quiet=share >= QUIET_SHARE and cores_free_of_others(own_threads)
+                and others_were_idle(busy_before, own, elapsed))
+
+
+OTHERS_SHARE = 0.2  # other work during a measurement: at most this share of one core's time (background noise)
+
+
+def cpu_busy_seconds():
+    """Every core's busy time since boot, in seconds (Linux /proc/stat: all states but idle and iowait; steal counts,
+    it is time the hypervisor gave our cores to someone else), or None where the kernel has no such file."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def others_were_idle(busy_before, own_seconds, elapsed):
+    """Whether the cores' busy time over a measurement of `elapsed` seconds was this process's own CPU time, give or
+    take OTHERS_SHARE of one core; True where cpu_busy_seconds is unknown (the load average decides alone there)."""
+    busy_after = cpu_busy_seconds()
+    if busy_before is None or busy_after is None:
+        return True
+    return busy_after - busy_before - own_seconds <= OTHERS_SHARE * elapsed
 
 
 def cpu_rates_key():
