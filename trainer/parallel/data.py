@@ -194,12 +194,17 @@ def check_replicas(model_parts, group, step):
 # ----------------------------------------------------------------------------- ZeRO-1 state dicts
 # trainer/parallel/state_dict.py reaches these through dimension_module("dp") when the optimizer is a
 # ZeroRedundancyOptimizer: its state has no DTensor shards, so it is gathered and loaded whole, keyed by FQN.
+def param_fqns(part):
+    """{id(parameter): its clean FQN} of a model part: how a ZeroRedundancyOptimizer's index-keyed state is named."""
+    return {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+
+
 def zero_state_dict(part, optim):
     """FQN-keyed full state of a ZeroRedundancyOptimizer via consolidate_state_dict (collective)."""
     optim.consolidate_state_dict(to=0)
     if dist.get_rank(optim.process_group) != 0:
         return {}
-    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    names = param_fqns(part)
     index_to_fqn = [names[id(p)] for g in optim.param_groups for p in g["params"]]
     sd = optim.state_dict()
     return {"state": {index_to_fqn[i]: s for i, s in sd["state"].items()},
@@ -208,7 +213,7 @@ def zero_state_dict(part, optim):
 
 def load_zero(part, optim, optim_sd):
     """Load an FQN-keyed full state into a ZeroRedundancyOptimizer (each rank keeps its shard)."""
-    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    names = param_fqns(part)
     fqns = [names[id(p)] for g in optim.param_groups for p in g["params"]]
     state, groups, index = {}, [], 0
     for group in optim.param_groups:
@@ -249,7 +254,7 @@ def state_template(group, param):
 
 def zero_template(part, optim):
     """The flattened state a ZeroRedundancyOptimizer's parameters take (full shapes: it loads the whole)."""
-    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    names = param_fqns(part)
     template = {}
     for group in optim.param_groups:
         for p in group["params"]:
@@ -261,7 +266,7 @@ def zero_template(part, optim):
 
 def unflatten_zero(part, optim, flat):
     """The FQN-keyed {"state", "param_groups"} dict load_zero takes, from the flattened template."""
-    names = {id(p): clean_fqn(n) for n, p in part.named_parameters()}
+    names = param_fqns(part)
     state, groups = {}, []
     for group in optim.param_groups:
         fqns = [names[id(p)] for p in group["params"]]
