@@ -342,7 +342,7 @@ def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None, teacher=
 def describe(out):
     """The plan in lines a person reads."""
     mem = ", ".join(f"{k} {v:.2f}" for k, v in out["memory_gib"].items())
-    lines = [f"{out['stage']} on {out['nproc']} x {out['gpu']} ({out['gpu_memory_gib']:.3g} GiB, "
+    lines = [f"{out['stage']} on {out['nproc']} x {out['gpu']} ({out['gpu_memory_gib']:.0f} GiB, "
              f"{out['usable_gib']:.1f} for tensors; {out['gpu_source']})",
              f"parameters: {out['params_total'] / 1e6:.1f}M total, {out['params_active'] / 1e6:.1f}M active",
              f"memory per GPU (GiB): {mem}; total {out['memory_total_gib']:.2f}: "

@@ -38,8 +38,8 @@ GPUS = {
     "H100-PCIe": (756e12, 80 * GIB, 2e12, "NVIDIA H100 datasheet (PCIe): bf16 1513 TFLOPS sparse, 80 GB, 2 TB/s"),
     "H200": (989.4e12, 141 * GIB, 4.8e12, "NVIDIA H200 datasheet (SXM): bf16 1979 TFLOPS sparse, 141 GB, 4.8 TB/s"),
 }
-# names that do not reduce to a key (spaces, dashes, "RTX", "GeForce" and a trailing "GB" are dropped before matching)
-ALIASES = {"a100": "A100-80", "h100sxm": "H100", "4060ti8": "4060Ti"}
+ALIASES = {"A100": "A100-80", "A100-40GB": "A100-40", "A100-80GB": "A100-80", "RTX4090": "4090", "RTX3090": "3090",
+           "RTX 4090": "4090", "RTX 3090": "3090", "H100-SXM": "H100"}
 
 
 def plain(name):
@@ -52,7 +52,7 @@ def find_gpu(name):
     the known ones. A (name, row) pair already found or described (described_card) is returned as it is."""
     if isinstance(name, tuple):
         return name
-    wanted = ALIASES.get(plain(name), plain(name))
+    wanted = {plain(alias): key for alias, key in ALIASES.items()}.get(plain(name), name)
     for key, row in GPUS.items():
         if plain(key) == plain(wanted):
             return key, row
