@@ -24,8 +24,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `trainer.` imports
+from scripts.planner import flags as gpu_plan  # noqa: E402 (argparse and the GPU table only)
 from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at once, Ctrl-C in one line)
 
+if __name__ == "__main__" and gpu_plan.plans_a_gpu(sys.argv[1:]):  # a bad plan flag: one line, exit 2, before torch
+    gpu_plan.parse_args([a for a in sys.argv[1:] if a != "--plan"])
 loading(__name__, "torch and the trainer")
 
 import torch  # noqa: E402
@@ -161,7 +164,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--plan" in argv and any(a == "--gpu" or a.startswith("--gpu=") for a in argv):  # for a named GPU
+    if gpu_plan.plans_a_gpu(argv):  # for a named or described GPU
         return fit_main([a for a in argv if a != "--plan"])
     args, flags = parse_args(argv)
     if args.plan_table:

@@ -4,15 +4,18 @@ extra models' sizes against the models themselves, the corpus's tokens from the 
 makes a run fit."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
+from scripts.planner import fit
 from scripts.planner.fit import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, corpus_tokens, estimate, memory_parts, stage_plan
-from scripts.planner.gpus import GIB
-from tests.launch import forked
+from scripts.planner.gpus import GIB, GPUS, find_gpu
+from tests.launch import ROOT, forked
 
 SMALL = ["--hidden_size", "256", "--num_hidden_layers", "4", "--accumulation_steps", "1", "--dtype", "float32",
          "--device", "cpu"]
@@ -154,3 +157,93 @@ def test_corpus_tokens_from_the_token_cache(tmp_path):
     tokens, documents, how = corpus_tokens(str(data), tokenizer, cache_dir=str(tmp_path), kinds=("pretrain",))
     assert how.startswith("the token cache corpus.jsonl.pretrain.")
     assert (tokens, documents) == (int(ds.offsets[-1]), len(ds.offsets) - 1) == (before[0], 40)
+
+
+BAD_FLAGS = [  # (flags, the start of the one error line); every one names the flag and the value it was given
+    (["--gpu", "NOPE"], "error: --gpu NOPE: not in the table; known: T4, L4, 3060"),
+    (["--gpu", "4090", "--nproc", "0"], "error: --nproc 0: takes a whole number of GPUs"),
+    (["--gpu", "4090", "--mfu", "-1"], "error: --mfu -1: takes a share of the card's peak in (0, 1]"),
+    (["--gpu", "4090", "--mfu", "0"], "error: --mfu 0: takes a share of the card's peak in (0, 1]"),
+    (["--gpu", "4090", "--usd_per_hour", "-2"], "error: --usd_per_hour -2: takes the price of one GPU hour"),
+    (["--gpu", "4090", "--corpus_tokens", "0"], "error: --corpus_tokens 0: takes the corpus's token count"),
+    (["--gpu", "4090", "--corpus_tokens", "nan"], "error: --corpus_tokens nan: takes the corpus's token count"),
+    (["--gpu_memory_gib", "8"], "error: --gpu_memory_gib 8 without --gpu_tflops: an unlisted card takes both"),
+    (["--gpu_tflops", "40"], "error: --gpu_tflops 40 without --gpu_memory_gib: an unlisted card takes both"),
+    (["--gpu", "4090", "--gpu_memory_gib", "8", "--gpu_tflops", "40"], "error: --gpu 4090 with --gpu_memory_gib and "
+     "--gpu_tflops: name a card or describe one, not both"),
+    ([], "error: which GPU? --gpu NAME"),
+    (["--gpu", "4090", "--tp", "2"], "error: world size 1 is not divisible by pp*cp*tp"),  # the trainer's own check
+]
+
+
+@pytest.mark.parametrize("flags, line", BAD_FLAGS)
+def test_a_bad_flag_is_one_error_line_and_exit_2(flags, line, capsys):
+    with pytest.raises(SystemExit) as stop:
+        fit.main(flags + TINY)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(line) and err.count("\n") == 1, (stop.value.code, err)
+
+
+BLOCK_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; "  # `import torch` raises
+               "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+@pytest.mark.parametrize("command", [["scripts/fit_plan.py"], ["scripts/bench.py", "--plan"]])
+def test_a_bad_gpu_name_is_said_before_torch_loads(command):
+    """Both commands check the plan's flags before their heavy imports: with torch unimportable, the error line and
+    exit 2 still come (before, the import of torch and the trainer came first)."""
+    proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH, *command, "--gpu", "NOPE"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --gpu NOPE: not in the table"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+# GeForce cards: (streaming multiprocessors, boost clock GHz) from NVIDIA's spec pages; the whitepapers' GeForce tensor
+# rate is 512 dense bf16 FLOPs (fp32 accumulate) per SM per clock on Ampere (GA10x) and Ada alike
+GEFORCE = {"3060": (28, 1.777), "3060Ti": (38, 1.665), "3070": (46, 1.725), "3080": (68, 1.71), "3090": (82, 1.695),
+           "4060": (24, 2.46), "4060Ti": (34, 2.535), "4060Ti-16": (34, 2.535), "4070": (46, 2.475),
+           "4070Ti": (60, 2.61), "4080": (76, 2.505), "4090": (128, 2.52)}
+
+
+def test_the_cards_students_own_are_in_the_table_at_their_peak():
+    """Cards under 16 GB are there (3060 12 GB, 3070 8 GB, 4060 8 GB, 4070 12 GB ...), found by the names people
+    write, each GeForce row's peak within 1% of SMs x boost clock x 512 FLOPs per clock."""
+    for name, memory in {"RTX 3060": 12, "rtx3070": 8, "GeForce RTX 4060": 8, "RTX 4070": 12, "4060 Ti 16GB": 16,
+                         "3080": 10}.items():
+        assert find_gpu(name)[1][1] == memory * GIB, name
+    for name, (sms, ghz) in GEFORCE.items():
+        assert GPUS[name][0] == pytest.approx(sms * ghz * 1e9 * 512, rel=0.01), name
+        assert "NVIDIA" in GPUS[name][3]  # the source named
+
+
+TINY_FLOPS = 6 * (2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 256) + 6400 * 64) + 6 * 2 * 64 * 128  # by hand above
+
+
+def test_an_unlisted_card_described_by_its_memory_and_peak():
+    """--gpu_memory_gib 8 --gpu_tflops 40: the card's usable memory and the epoch time, by hand."""
+    out = fit.main(["--gpu_memory_gib", "8", "--gpu_tflops", "40", "--corpus_tokens", "1e9", *TINY])
+    assert out["usable_gib"] == pytest.approx((8 - CUDA_CONTEXT_GIB) / (1 + ALLOCATOR_SLACK), rel=1e-12)
+    assert out["epoch_hours"] * 3600 == pytest.approx(TINY_FLOPS * 10 ** 9 / (40e12 * fit.DEFAULT_MFU), rel=1e-12)
+
+
+def test_a_small_corpus_s_epoch_is_said_in_seconds_and_a_given_count_in_no_lines(capsys):
+    """A 1e5-token corpus on an H100 trains in milliseconds: said as such (it read "0.0 min"); a --corpus_tokens count
+    has no lines to say (it said tokens / seq_len of them)."""
+    fit.main(["--gpu", "H100", "--corpus_tokens", "1e5", *TINY])
+    printed = capsys.readouterr().out.splitlines()
+    seconds = TINY_FLOPS * 10 ** 5 / (989.4e12 * fit.DEFAULT_MFU)
+    assert f"time per epoch: {seconds:.2g} s at MFU 30% of 989.4 TFLOP/s" in printed, printed
+    corpus = next(line for line in printed if line.startswith("corpus:"))
+    assert corpus.startswith("corpus: 0.10M tokens (given (--corpus_tokens))") and "lines" not in corpus
+
+
+def test_an_rl_plan_gives_no_epoch_time():
+    """GRPO's epoch is mostly generation (memory-bound), which the plan does not count: the figure it has is named the
+    updates' (docs/judging.md), and without the card's bandwidth no decoding time is guessed."""
+    rl = ["--stage", "grpo", "--corpus_tokens", "1e5", *TINY[:-2], "--json"]
+    out = fit.main(["--gpu_memory_gib", "8", "--gpu_tflops", "40", *rl])
+    assert "epoch_hours" not in out and out["updates_hours"] > 0
+    assert out["rollout_note"].endswith("give --gpu_bandwidth_gbs for the time of a decoding step")
+    named = fit.main(["--gpu", "4060", *rl])
+    ms = 2 * named["params_total"] / 272e9 * 1e3  # every weight read once per token, bf16, at 272 GB/s
+    assert named["rollout_note"].endswith(f"about {ms:.3f} ms per decoding step")

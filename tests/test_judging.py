@@ -5,13 +5,15 @@ import argparse
 import json
 import math
 import os
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
 from transformers import AutoTokenizer
 
-from tests.launch import TINY_MODEL, demo_slice, forked
+from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, resume_run
 from trainer.core.build import build_trainer, setup
 from trainer.core.evaluation import evaluate
 from trainer.judge.health import HealthWatch, scan
@@ -122,6 +124,21 @@ def test_health_says_each_line_once_and_remembers_through_a_resume():
     assert len(lines) == 1
 
 
+def test_a_spike_right_after_a_resume_is_said_as_without_one():
+    """The watch's saved state carries the records the checks read: the spike two records after a resume is said at
+    the step and in the words scan() finds on the whole stream."""
+    stream, step = MADE_TO_SHOW["spike"]
+    watch = HealthWatch(6400)
+    for record in stream[:-2]:
+        watch.on_step_end(None, record)
+    resumed, lines = HealthWatch(6400), []
+    resumed.load_state_dict(watch.state_dict())
+    resumed.say = lambda found: lines.extend(found)
+    for record in stream[-2:]:
+        resumed.on_step_end(None, record)
+    assert lines == scan(stream, 6400) and lines[0][:2] == ("spike", step)
+
+
 @pytest.mark.parametrize("report, elapsed, writes", [("auto", 59.9, False), ("auto", 60.0, True), ("1", 1.0, True),
                                                      ("0", 3600.0, False)])
 def test_the_report_at_the_end_under_report(report, elapsed, writes):
@@ -166,3 +183,28 @@ def test_a_real_run_says_the_stuck_line_once(tmp_path):
     health = [line for line in proc.stdout.splitlines() if "health:" in line]
     assert len(health) == 1 and "health: step 50: loss" in health[0] and "ln(vocab)" in health[0], health
     assert "report of this run: python scripts/report.py" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_real_run_says_a_spike_two_steps_after_its_resume(tmp_path):
+    """A pretraining run on one repeated line (its loss falls to about 2 within a few steps) whose step 12 draws two
+    rows of random CJK characters (placed where the sampler's order puts step 12), killed after step 10 and resumed:
+    the resumed run says the spike at step 12, as scan() finds it in the whole metrics file."""
+    rows, spike_step, batch, seed = 32, 12, 2, 42
+    order = list(DistributedSampler(range(rows), num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True))
+    bad, rng = set(order[(spike_step - 1) * batch:spike_step * batch]), random.Random(0)
+    texts = ["".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(12)) if i in bad else
+             "the cat sat on the mat. " * 3 for i in range(rows)]
+    data = tmp_path / "spike.jsonl"
+    data.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
+    run = [*TINY_MODEL, "--data_path", str(data), "--from_weight", "none", "--packing", "0", "--max_seq_len", "32",
+           "--batch_size", str(batch), "--accumulation_steps", "1", "--learning_rate", "3e-2", "--seed", str(seed),
+           "--max_steps", str(spike_step + 1), "--log_interval", "1", "--save_interval", str(spike_step - 2),
+           "--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt"),
+           "--cache_dir", str(tmp_path / "cache"), "--metrics_file", str(tmp_path / "metrics.jsonl")]
+    kill_at_step("train_pretrain", run, spike_step - 2)
+    resumed = resume_run("trainer/train_pretrain.py", run, spike_step - 2)
+    found = scan(read_records(tmp_path / "metrics.jsonl"), 6400)
+    assert [(kind, step) for kind, step, _ in found] == [("spike", spike_step)], found
+    said = [line for line in resumed.stdout.splitlines() if "health:" in line]
+    assert len(said) == 1 and said[0].endswith(f"health: step {spike_step}: {found[0][2]}"), said

@@ -113,3 +113,68 @@ def test_the_run_writes_its_report_at_its_end(sft_run, tmp_path):
     assert "- plots: `" in at_the_end and "| last eval bits per byte |" in at_the_end
     with open(sft_run / "out" / "full_sft_64_report.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+CLEAN = os.path.join(ROOT, "docs", "reference", "clean")  # metrics files real runs wrote
+
+
+def test_a_killed_run_s_cut_last_line_is_left_out(tmp_path, capsys):
+    """A run stopped while writing a record leaves a last line cut short (no newline, not JSON): the page shows the
+    records before it, says so, and counts the steps of the last whole record; a broken line inside is an error that
+    names the file and the line."""
+    lines = open(os.path.join(CLEAN, "sft_64_metrics.jsonl")).read().splitlines(keepends=True)
+    cut = tmp_path / "out" / "killed_metrics.jsonl"
+    cut.parent.mkdir()
+    cut.write_text("".join(lines[:-1]) + lines[-1][:len(lines[-1]) // 2])
+    page = open(report([str(cut), "--out", str(tmp_path / "killed.md")])).read()
+    whole = [json.loads(line) for line in lines[:-1]]
+    assert f"| steps | {[r for r in whole if 'loss' in r][-1]['step']} |" in page
+    assert f"note: the last line of `{cut}` was cut short" in page
+    broken = tmp_path / "out" / "broken_metrics.jsonl"
+    broken.write_text("".join(lines[:2]) + lines[2][:20] + "\n" + "".join(lines[3:]))
+    with pytest.raises(SystemExit) as stop:
+        report([str(broken), "--out", str(tmp_path / "broken.md")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"error: {broken}: line 3 is not JSON") and err.count("\n") == 1
+    assert not os.path.exists(tmp_path / "broken.md")
+
+
+def test_a_panel_with_the_reference_s_curve_alone_is_drawn_in_its_colour_with_a_legend():
+    """A pretraining run beside a GRPO reference: the reward panel holds the reference's curve only; it is drawn in
+    the reference's colour of the other panels (not the run's) and its legend names it."""
+    from trainer.judge.plots import load_metrics, plot
+    frames = [load_metrics(os.path.join(CLEAN, name)) for name in ("pretrain_64_demo_metrics.jsonl",
+                                                                     "grpo_64_metrics.jsonl")]
+    figure = plot(frames, ["pretrain_64_demo", "reference"])
+    panels = {ax.get_title(): ax for ax in figure.axes if ax.get_visible()}
+    colour = {line.get_label(): line.get_color() for line in panels["loss"].lines}
+    assert colour["pretrain_64_demo"] != colour["reference"]
+    reward = panels["reward (RL)"]
+    assert [(line.get_label(), line.get_color()) for line in reward.lines] == [("reference", colour["reference"])]
+    assert [text.get_text() for text in reward.get_legend().get_texts()] == ["reference"]
+
+
+def provisional_steps(name):
+    """(logged steps with an MFU, those whose MFU peak was provisional) of a clean reference run, counted here."""
+    records = [json.loads(line) for line in open(os.path.join(CLEAN, name))]
+    mfu = [r for r in records if "mfu" in r]
+    return len(mfu), sum(1 for r in mfu if r.get("mfu_provisional") is True)
+
+
+def test_mfu_against_differently_measured_peaks_is_said_on_the_page(tmp_path):
+    """pretrain_256_demo's MFU is against a settled CPU peak at every step, pretrain_64_demo's and sft_64's against a
+    provisional one at every step: side by side (or as a reference) the first two get a note, the last two none."""
+    assert provisional_steps("pretrain_256_demo_metrics.jsonl") == (16, 0)
+    assert provisional_steps("pretrain_64_demo_metrics.jsonl") == (31, 31)
+    assert provisional_steps("sft_64_metrics.jsonl") == (15, 15)
+    path = {name: os.path.join(CLEAN, f"{name}_metrics.jsonl") for name in ("pretrain_256_demo", "pretrain_64_demo",
+                                                                            "sft_64")}
+    both = open(report([path["pretrain_256_demo"], path["pretrain_64_demo"], "--out", str(tmp_path / "a.md")])).read()
+    note = [line for line in both.splitlines() if "MFU" in line]
+    assert len(note) == 1 and "peaks measured differently" in note[0], note
+    assert "pretrain_256_demo: peak settled" in note[0] and "pretrain_64_demo: peak provisional" in note[0]
+    alike = open(report([path["pretrain_64_demo"], path["sft_64"], "--out", str(tmp_path / "b.md")])).read()
+    assert "MFU" not in alike
+    referenced = open(report([path["sft_64"], "--reference", path["pretrain_256_demo"], "--out",
+                              str(tmp_path / "c.md")])).read()
+    assert "reference (pretrain_256_demo): peak settled" in referenced and "sft_64: peak provisional" in referenced

@@ -1,5 +1,5 @@
-"""Will a run fit a named GPU, how long is an epoch, what to change: the library and the flags of
-`scripts/bench.py --plan --gpu NAME` and scripts/fit_plan.py.
+"""Will a run fit a GPU, how long is an epoch, what to change: the library of `scripts/bench.py --plan --gpu NAME`
+and scripts/fit_plan.py (their flags and checks: scripts/planner/flags.py).
 
     python scripts/bench.py --plan --gpu 4090 --stage pretrain --hidden_size 768 --num_hidden_layers 16
     python scripts/fit_plan.py --gpu H100 --stage grpo --data_path prompts.jsonl --usd_per_hour 2.5
@@ -31,7 +31,8 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_shapes import config_fields
 from model.weights import save_weights_file
 from scripts.planner.cost import divisor, layout_sizes, plan_layout, routed_expert_params
-from scripts.planner.gpus import GIB, GPUS, find_gpu
+from scripts.planner.flags import parse_args
+from scripts.planner.gpus import GIB, find_gpu
 from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.model_config import build_config
@@ -56,7 +57,6 @@ CUDA_CONTEXT_GIB, ALLOCATOR_SLACK = 1.0, 0.10
 # step-time row). Give --mfu the MFU your own run logs (its records' `mfu`) to replace it.
 DEFAULT_MFU, DEFAULT_MFU_MOE = 0.3, 0.2
 SAMPLE_LINES = 2000  # lines of the corpus tokenized to count its tokens
-STAGES = ("pretrain", "sft", "lora", "dpo", "kto", "reward", "distillation", "gkd", "grpo", "ppo", "agent")
 
 
 class Captured(Exception):
@@ -339,25 +339,6 @@ def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None, teacher=
     return None
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     allow_abbrev=False)
-    parser.add_argument("--gpu", required=True, help="a named GPU: " + ", ".join(GPUS))
-    parser.add_argument("--stage", default="pretrain", choices=STAGES, help="the trainer/train_<stage>.py planned")
-    parser.add_argument("--nproc", type=int, default=1, help="GPUs (the layout flags split the model over them)")
-    parser.add_argument("--mfu", type=float, default=None, help=f"model FLOPs utilisation for the epoch time "
-                        f"(default {DEFAULT_MFU} dense, {DEFAULT_MFU_MOE} MoE: see this file)")
-    parser.add_argument("--usd_per_hour", type=float, default=None, help="price of one GPU hour, for the cost")
-    parser.add_argument("--corpus_tokens", type=float, default=None, help="the corpus's tokens, for a corpus not at "
-                        "hand (default: counted from --data_path or the stage's demo data)")
-    teacher = "distillation/GKD: the {} of a teacher not at hand yet (default: the student's; use_moe 1, MiniMind's)"
-    parser.add_argument("--teacher_hidden_size", type=int, default=None, help=teacher.format("hidden_size"))
-    parser.add_argument("--teacher_num_hidden_layers", type=int, default=None, help=teacher.format("num_hidden_layers"))
-    parser.add_argument("--teacher_use_moe", type=int, default=None, help=teacher.format("use_moe"))
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    return parser.parse_known_args(argv)
-
-
 def describe(out):
     """The plan in lines a person reads."""
     mem = ", ".join(f"{k} {v:.2f}" for k, v in out["memory_gib"].items())
@@ -370,23 +351,50 @@ def describe(out):
         fix = out.get("cheapest_fix")
         lines.append(f"cheapest change that fits: {fix['flags']} ({fix['memory_total_gib']:.2f} GiB)" if fix else
                      "no single change fits: add GPUs with --nproc and --zero_stage 3, or --tp")
+    if "corpus_tokens" in out:  # a given count has no lines: only a counted corpus says how many
+        lines_read = "" if out["corpus_count"].startswith("given") else f" in {out['corpus_documents']} lines"
+        lines.append(f"corpus: {out['corpus_tokens'] / 1e6:.2f}M tokens{lines_read} ({out['corpus_count']}); "
+                     f"{out['train_flops_per_token'] / 1e6:.1f} MFLOP per trained token")
+    at = f"at MFU {out['mfu']:.0%} of {out['peak_flops'] / 1e12:.4g} TFLOP/s"
     if "epoch_hours" in out:
-        lines.append(f"corpus: {out['corpus_tokens'] / 1e6:.2f}M tokens in {out['corpus_documents']} lines "
-                     f"({out['corpus_count']}); {out['train_flops_per_token'] / 1e6:.1f} MFLOP per trained token")
-        hours = out["epoch_hours"]
-        span = f"{hours:.2f} h" if hours >= 1 else f"{hours * 60:.1f} min"
-        lines.append(f"time per epoch: {span} at MFU {out['mfu']:.0%} of {out['peak_flops'] / 1e12:.0f} TFLOP/s"
-                     + (f"; cost ${out['epoch_usd']:.2f}" if "epoch_usd" in out else ""))
+        lines.append(f"time per epoch: {span(out['epoch_hours'])} {at}" + cost(out.get("epoch_usd")))
+    if "updates_hours" in out:
+        lines.append(f"time per epoch: not estimated for RL (generation, memory-bound, takes most of it); the policy's "
+                     f"updates alone: {span(out['updates_hours'])} {at}" + cost(out.get("updates_usd")))
     if "rollout_note" in out:
         lines.append(out["rollout_note"])
     lines += out["notes"]
     return "\n".join(lines)
 
 
+def span(hours):
+    """A duration a person reads: hours, minutes, or seconds under a minute (a small corpus's epoch)."""
+    return f"{hours:.2f} h" if hours >= 1 else f"{hours * 60:.1f} min" if hours >= 1 / 60 else \
+        f"{hours * 3600:.2g} s"
+
+
+def cost(usd):
+    """'; cost $X' (two figures under a cent), or nothing without --usd_per_hour."""
+    return "" if usd is None else f"; cost ${usd:.2f}" if usd >= 0.01 else f"; cost ${usd:.2g}"
+
+
+def rl_updates(out, bandwidth):
+    """An RL plan's epoch figures are its updates' only (generation is not counted): named so; without the card's
+    bandwidth (an unlisted card without --gpu_bandwidth_gbs) the decoding step's time is not given."""
+    if "rollout_note" not in out:
+        return out
+    for old, new in (("epoch_hours", "updates_hours"), ("epoch_usd", "updates_usd")):
+        if old in out:
+            out[new] = out.pop(old)
+    if math.isnan(bandwidth):
+        out["rollout_note"] = ("RL: generation not included; it is memory-bound: give --gpu_bandwidth_gbs for the "
+                               "time of a decoding step")
+    return out
+
+
 def main(argv=None):
-    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
+    args, rest = parse_args(sys.argv[1:] if argv is None else argv)  # a bad plan flag: one line, exit 2
     try:
-        find_gpu(args.gpu)
         stage, defaults = script_stage(args.stage)
         data = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--data_path"), None)
         if data is None:
@@ -400,10 +408,13 @@ def main(argv=None):
         tokens = corpus_tokens(data, plan.data.tokenizer_path, cache_dir=plan.data.cache_dir,
                                kinds=CACHE_KINDS.get(stage.demo_kind, ()),
                                skip_bad_lines=plan.data.skip_bad_lines) if args.corpus_tokens is None else \
-            (int(args.corpus_tokens), int(args.corpus_tokens) // plan.data.seq_len, "given (--corpus_tokens)")
-        out = estimate(args.stage, rest, args.nproc, args.gpu, args.mfu, args.usd_per_hour, tokens, act_bytes,
+            (int(args.corpus_tokens), int(args.corpus_tokens) // plan.data.seq_len, "given (--corpus_tokens)"
+             + ("" if plan.data.packing else f"; its rows taken as full rows of {plan.data.seq_len} tokens"))
+        out = estimate(args.stage, rest, args.nproc, args.card, args.mfu, args.usd_per_hour, tokens, act_bytes,
                        teacher)
     except (ValueError, ConfigError) as e:
-        raise SystemExit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    out = rl_updates(out, args.card[1][2])
     print(json.dumps(out, indent=1) if args.json else describe(out))
     return out

@@ -182,8 +182,9 @@ class HealthWatch:
         for _, step, line in found:
             Logger(f"health: step {step}: {line}")
 
-    def state_dict(self):
-        return dict(said=sorted(self.health.said))
+    def state_dict(self):  # the records the checks read too: a resume says a spike as the run without one would
+        return dict(said=sorted(self.health.said), train=self.health.train, evals=self.health.evals)
 
     def load_state_dict(self, state):
-        self.health.said = set(state["said"])
+        self.health.said, self.health.train, self.health.evals = set(state["said"]), state.get("train", []), \
+            state.get("evals", [])

@@ -26,23 +26,37 @@ PANEL_SIZE = (4.5, 3.2)  # inches per panel; the PNG is columns*4.5 x rows*3.2 i
 COLUMNS = 4
 
 
-def load_metrics(path):
-    """A metrics JSONL as a DataFrame sorted by step, one row per (step, kind): training and eval records apart."""
-    records = []
+def read_records(path):
+    """(records, cut) of a metrics JSONL: cut when its last line was cut short (a run stopped while writing it: no
+    newline at its end, not JSON), a line left out as a resume drops it; ValueError naming any other line not JSON."""
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+        lines = f.readlines()
+    records, cut = [], False
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines) or line.endswith("\n"):
                 raise ValueError(f"line {number} is not JSON") from None
+            cut = True
+    return records, cut
+
+
+def metrics_frame(records):
+    """Metrics records as a DataFrame sorted by step, one row per (step, kind): training and eval records apart."""
     frame = pd.DataFrame.from_records(records)
     if frame.empty or "step" not in frame:
         raise ValueError("no records with a step")
     frame["kind"] = frame["eval_loss"].notna().map({True: "eval", False: "train"}) if "eval_loss" in frame else "train"
     frame = frame.drop_duplicates(["step", "kind"], keep="last")
     return frame.sort_values("step", kind="stable").reset_index(drop=True)
+
+
+def load_metrics(path):
+    """A metrics JSONL as metrics_frame's DataFrame (a last line cut short left out: read_records)."""
+    return metrics_frame(read_records(path)[0])
 
 
 def panel_columns(frame, column):
@@ -61,17 +75,19 @@ def plot(frames, labels):
     rows = math.ceil(len(panels) / columns)
     fig = Figure(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows))
     axes = fig.subplots(rows, columns, squeeze=False)
+    colours = {(i, ""): f"C{i % 10}" for i in range(len(frames))}  # a file's line keeps its colour in every panel
     for ax, (column, title, scale, ylabel) in zip(axes.flat, panels):
-        lines = [(frame, label, name) for frame, label in zip(frames, labels) for name in panel_columns(frame, column)]
-        for frame, label, name in lines:
-            data = frame[frame[name].notna()]
-            name_label = label if name == column else f"{label} {name.rsplit('/', 1)[1]}"
-            ax.plot(data["step"], data[name] * scale, label=name_label, marker="." if len(data) < 30 else None)
+        lines = [(i, name) for i, frame in enumerate(frames) for name in panel_columns(frame, column)]
+        for i, name in lines:
+            data, part = frames[i][frames[i][name].notna()], "" if name == column else name.rsplit("/", 1)[1]
+            colour = colours.setdefault((i, part), f"C{len(colours) % 10}")  # a MoE layer: a colour of its own
+            ax.plot(data["step"], data[name] * scale, label=f"{labels[i]} {part}".strip(), color=colour,
+                    marker="." if len(data) < 30 else None)
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if len(lines) > 1:
+        if len(lines) > 1 or len(frames) > 1:  # several files: the legend says whose line a panel holds
             ax.legend(fontsize="small")
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
