@@ -95,14 +95,14 @@ def planned_dtype(name, gpu=None):
     return dtype, ""
 
 
-def activation_bytes(dtype):
+def dtype_bytes(dtype):
     """Bytes per activation element: 4 in float32, 2 under bf16/fp16 autocast (weights and states stay fp32)."""
     return 4 if dtype == "float32" else 2
 
 
 def resolve_for_gpu(run, nproc, stage=Stage):
     """resolve() as the trainer would on `nproc` processes, its checks run on this machine in float32 (every CPU runs
-    it): the planned GPU's dtype (planned_dtype of run.dtype) enters the estimate through activation_bytes, so the
+    it): the planned GPU's dtype (planned_dtype of run.dtype) enters the estimate through dtype_bytes, so the
     planning CPU's bf16 probe and rates never do."""
     given, run.dtype = run.dtype, "float32"
     try:
@@ -173,10 +173,10 @@ def reward_model_params(path):
 
 def memory_parts(plan, config, run, act_bytes=None):
     """Bytes per device by part, and the layout model's estimate they come from; act_bytes: bytes per activation
-    element (default: the planned GPU dtype's, activation_bytes); est["notes"]: how the extra models were counted."""
+    element (default: the planned GPU dtype's, dtype_bytes); est["notes"]: how the extra models were counted."""
     lay, data, stage = plan.layout, plan.data, plan.stage
     rows, length = plan.micro_batch_shape  # a row's tokens on one rank: the sequence over the dimensions cutting it
-    act_bytes = act_bytes or activation_bytes(planned_dtype(run.dtype)[0])
+    act_bytes = act_bytes or dtype_bytes(planned_dtype(run.dtype)[0])
     est = plan_layout(config, length * divisor(layout_sizes(lay), "tokens"), rows, data.num_microbatches, lay,
                       zero_stage=lay.zero_stage, pp_schedule=lay.pp_schedule, act_bytes=act_bytes,
                       grad_checkpointing=plan.model.grad_checkpointing == "full",
