@@ -34,7 +34,7 @@ def patch_probe(monkeypatch, native):
 def seeded_entry(measured, mode):
     """The cache entry of a CPU of `mode` from a measurement here: quiet (one measurement per session, whatever the
     load: the session's own cache), and for a forced mode bf16 autocast at MODES' ratio to the measured fp32 rate;
-    the bf16 peak stays measured where this CPU has one (an MFU's denominator, not a decision)."""
+    the bf16 peak stays the measured one where the measurement took one (an MFU's denominator, not a decision)."""
     entry = dict(measured, quiet=True)
     ratio = MODES[mode][1]
     if ratio is not None:
