@@ -39,6 +39,7 @@ from scripts.benchmarks.moe_dense import run_moe_bench  # noqa: E402
 from scripts.benchmarks.run import BENCH_DEFAULTS, given_trainer_flags, run_trainer, step_stats, trainer_args  # noqa: E402
 from scripts.benchmarks.step_shares import shares_line, step_shares  # noqa: E402
 from scripts.planner.cost import layout_sizes, plan_layout  # noqa: E402
+from scripts.planner.fit import dtype_bytes, planned_dtype, resolve_for_gpu  # noqa: E402
 from scripts.planner.fit import main as fit_main  # noqa: E402
 from scripts.planner.scaling import plan_table  # noqa: E402
 from trainer.base.errors import ConfigError  # noqa: E402
@@ -94,9 +95,9 @@ def plan_for(flags, nproc):
     """(layout, plan_layout's estimate) for trainer `flags` on `nproc` processes, laid out as the trainer would."""
     run = trainer_args(flags)
     config = build_config(run)
-    t = resolve(run, nproc)  # the TrainPlan: the layout exactly as the trainer would run it
+    act_bytes = dtype_bytes(planned_dtype(run.dtype)[0])  # a GPU's dtype, not this CPU's --dtype auto
+    t = resolve_for_gpu(run, nproc)  # the TrainPlan: the layout exactly as the trainer would run it
     lay, data = t.layout, t.data
-    act_bytes = 4 if t.model.dtype == torch.float32 else 2
     # the layout model knows whole-block recomputation; a selective mode is estimated as none (an upper bound)
     plan = plan_layout(config, data.seq_len, data.micro_batch, data.num_microbatches, lay, zero_stage=lay.zero_stage,
                        pp_schedule=lay.pp_schedule, act_bytes=act_bytes,

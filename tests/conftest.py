@@ -20,9 +20,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 tqdm.tqdm.monitor_interval = 0
 
 from tests import launch  # noqa: E402  (after the repo root is on sys.path)
+from tests.cpu_probe import MODES, patch_probe, seed_rates  # noqa: E402
 from tests.disks import no_small_disk  # noqa: E402
 from tests.launch import demo_slice, forked, read_metrics  # noqa: E402
 from tests.layouts import MODELS, REFERENCE_TIMEOUT, SCRIPT, STEPS, run_args  # noqa: E402
+from trainer.runtime import metrics  # noqa: E402
 
 # the ways a test starts another process: the helpers of tests/launch.py, subprocess, multiprocessing
 LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, launch.forked, launch.start_forked, subprocess.run,
@@ -32,6 +34,40 @@ LAUNCH_HELPERS = {"spawn", "torchrun", "python", "forked"}  # tests/launch.py's,
 # torch.compile on CPU runs the C++ compiler in worker processes (tens of seconds on 2 cores)
 COMPILERS = (torch.compile,)
 
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-bf16", choices=sorted(MODES), default="real",
+                     help="the CPU's bf16 probe for this session, forced where the code reads it: faster (native bf16, "
+                     "--dtype auto takes it), slower (native, auto takes fp32), absent (an AVX2 CPU); real: this CPU's "
+                     "(tests/cpu_probe.py)")
+
+
+def pytest_configure(config):
+    """--cpu-bf16 forced before collection: a test module that reads the probe at import sees the forced answer."""
+    native = MODES[config.getoption("--cpu-bf16")][0]
+    config.cpu_probe_patch = pytest.MonkeyPatch()
+    if native is not None:
+        patch_probe(config.cpu_probe_patch, native)
+
+
+def pytest_unconfigure(config):
+    config.cpu_probe_patch.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_rates_cache(tmp_path_factory, pytestconfig):
+    """The session's own CPU-rate cache: XDG_CACHE_HOME (read by every process a test starts) and metrics.RATES_FILE
+    (computed at import) in a temporary folder, seeded with one measurement (as --cpu-bf16 says) for one thread (what
+    tests/launch.py gives a process) and this process's threads; the user's ~/.cache/minimind4d is never read."""
+    patch, cache = pytest.MonkeyPatch(), tmp_path_factory.mktemp("xdg_cache")
+    path = str(cache / "minimind4d" / os.path.basename(metrics.RATES_FILE))
+    patch.setenv("XDG_CACHE_HOME", str(cache))
+    patch.setattr(metrics, "RATES_FILE", path)
+    patch.setattr(metrics, "_PEAK_CACHE", {})
+    seed_rates(path, pytestconfig.getoption("--cpu-bf16"), (1, torch.get_num_threads()))
+    yield path
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

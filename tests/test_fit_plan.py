@@ -15,7 +15,9 @@ from model.weights import save_weights_file
 from scripts.planner import fit
 from scripts.planner.fit import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, corpus_tokens, estimate, memory_parts, stage_plan
 from scripts.planner.gpus import GIB, GPUS, find_gpu
+from tests.cpu_probe import force_cpu_bf16
 from tests.launch import ROOT, forked
+from trainer.plan.checks import resolve_dtype
 
 SMALL = ["--hidden_size", "256", "--num_hidden_layers", "4", "--accumulation_steps", "1", "--dtype", "float32",
          "--device", "cpu"]
@@ -97,7 +99,7 @@ def test_moe_active_parameters_by_hand():
 def test_the_cheapest_change_is_the_first_that_fits():
     """A GRPO run of the 104M model (fp32) does not fit a 24 GiB card at its defaults; the change found fits what the
     card holds for tensors, and the change before it in the order (a micro-batch twice as large) does not."""
-    flags = ["--hidden_size", "768", "--num_hidden_layers", "16", "--device", "cpu"]
+    flags = ["--hidden_size", "768", "--num_hidden_layers", "16", "--device", "cpu", "--dtype", "float32"]
     out = estimate("grpo", flags, 1, "4090")
     assert not out["fits"]
     fix = out["cheapest_fix"]["flags"].split()
@@ -106,6 +108,38 @@ def test_the_cheapest_change_is_the_first_that_fits():
     usable = (24 * GIB - CUDA_CONTEXT_GIB * GIB) / (1 + ALLOCATOR_SLACK)  # the card less the context and slack
     assert out["usable_gib"] * GIB == pytest.approx(usable, rel=1e-12)
     assert sum(memory_parts(plan, plan.model.config, run)[0].values()) <= usable
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float32"])
+def test_a_plan_for_a_gpu_is_the_same_on_every_cpu(monkeypatch, dtype):
+    """The planning machine's bf16 probe and rates never enter a plan for a GPU: forced three ways (a CPU whose --dtype
+    auto takes bf16, one where it takes fp32, an AVX2 one that refuses --dtype bfloat16), the same plan. Without --dtype
+    the GPU trains under bf16 autocast: the rollouts' KV cache is half of fp32's (2 bytes an element, not 4), the fp32
+    states the same; the 104M model's GRPO run fits a 4090 so, and does not in fp32 (a CPU that picked fp32 said so)."""
+    flags = ["--hidden_size", "768", "--num_hidden_layers", "16", "--device", "cpu"]
+    flags += ["--dtype", dtype] if dtype else []
+    plans, local = {}, {}
+    for mode in ("faster", "slower", "absent"):
+        force_cpu_bf16(monkeypatch, mode)
+        local[mode] = resolve_dtype("auto", "cpu")[0]
+        plans[mode] = estimate("grpo", flags, 1, "4090")
+    assert local == dict(faster=torch.bfloat16, slower=torch.float32, absent=torch.float32)  # the probe was forced
+    assert plans["faster"] == plans["slower"] == plans["absent"]
+    assert plans["absent"]["dtype"] == (dtype or "bfloat16")
+    if dtype is None:
+        fp32 = estimate("grpo", flags + ["--dtype", "float32"], 1, "4090")
+        assert plans["absent"]["memory_gib"]["rollout_kv_cache"] * 2 == fp32["memory_gib"]["rollout_kv_cache"]
+        assert all(plans["absent"]["memory_gib"][k] == fp32["memory_gib"][k] for k in ("weights", "optimizer"))
+        assert plans["absent"]["fits"] and not fp32["fits"]
+
+
+def test_a_card_without_bf16_is_planned_in_float16_when_asked():
+    """The T4 (no bf16 tensor cores) is planned in fp16 when --dtype float16 says so, on a CPU that refuses fp16
+    training (the plan's checks run in fp32 here), with bf16's 2-byte activations; without it a note says to pass it."""
+    fp16 = estimate("pretrain", TINY + ["--dtype", "float16"], 1, "T4")
+    auto = estimate("pretrain", TINY, 1, "T4")
+    assert fp16["dtype"] == "float16" and fp16["memory_gib"] == auto["memory_gib"] and fp16["notes"] == []
+    assert auto["dtype"] == "bfloat16" and "pass --dtype float16" in auto["notes"][-1]
 
 
 def test_extra_models_by_hand(tmp_path):

@@ -15,7 +15,7 @@ from trainer.plan.checks import resolve_dtype
 from trainer.runtime import metrics
 from trainer.runtime.tracking import console_line
 
-NATIVE_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+NATIVE_BF16 = metrics.cpu_bf16_native()  # the probe metrics.py reads (tests/conftest.py's --cpu-bf16 may force it)
 
 
 @pytest.fixture

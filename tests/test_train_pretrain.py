@@ -8,6 +8,7 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from trainer.runtime import metrics
 
 SCRIPT = "trainer/train_pretrain.py"
 
@@ -168,7 +169,7 @@ def test_empty_and_malformed_data_files(tmp_path):
     expect_rejected(tmp_path, ["--data_path", str(bad)], "bad.jsonl:2")
 
 
-@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU supports bf16")
+@pytest.mark.skipif(metrics.cpu_bf16_native(), reason="this CPU supports bf16")  # the probe the forked trainer reads
 def test_bf16_rejected_on_cpu_without_it(tmp_path):
     expect_rejected(tmp_path, ["--dtype", "bfloat16", "--device", "cpu"], "--dtype bfloat16 is not supported")
 

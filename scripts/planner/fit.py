@@ -5,8 +5,9 @@ and scripts/fit_plan.py (their flags and checks: scripts/planner/flags.py).
     python scripts/fit_plan.py --gpu H100 --stage grpo --data_path prompts.jsonl --usd_per_hour 2.5
 
 The memory per device by part: weights, gradients, optimizer state (fp32 master weights, fp32 gradients, two fp32
-AdamW moments: what the trainer keeps), activations at the micro-batch and length (scripts/planner/cost.py's saved
-tensors, times ACTIVATION_OVERHEAD for autograd's backward temporaries, measured), and the models
+AdamW moments: what the trainer keeps), activations at the micro-batch and length in the GPU's dtype (bf16 autocast,
+2 bytes, unless --dtype says otherwise: never what --dtype auto picks on the planning machine's CPU; scripts/planner/
+cost.py's saved tensors, times ACTIVATION_OVERHEAD for autograd's backward temporaries, measured), and the models
 beside the policy: RL's frozen reference, a distillation/GKD teacher (its own size: from its file, or --teacher_* when
 not at hand), PPO's value head, a reward model (sized by its folder's config), the rollouts' KV cache (DPO/KTO drop
 their reference before training); the cheapest change that makes it fit; the corpus's tokens (the trainer's token
@@ -32,11 +33,12 @@ from model.weight_shapes import config_fields
 from model.weights import save_weights_file
 from scripts.planner.cost import divisor, layout_sizes, plan_layout, routed_expert_params
 from scripts.planner.flags import parse_args
-from scripts.planner.gpus import GIB, find_gpu
+from scripts.planner.gpus import GIB, NO_BF16, find_gpu
 from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.model_config import build_config
 from trainer.plan.resolve import resolve
+from trainer.plan.stage import Stage
 from trainer.runtime.metrics import model_flops_per_token
 
 # Saved activations x this = the activation peak: autograd's backward temporaries (each layer's input gradients
@@ -57,6 +59,7 @@ CUDA_CONTEXT_GIB, ALLOCATOR_SLACK = 1.0, 0.10
 # step-time row). Give --mfu the MFU your own run logs (its records' `mfu`) to replace it.
 DEFAULT_MFU, DEFAULT_MFU_MOE = 0.3, 0.2
 SAMPLE_LINES = 2000  # lines of the corpus tokenized to count its tokens
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # the trainer's --dtype values
 
 
 class Captured(Exception):
@@ -79,23 +82,54 @@ def script_stage(name):
     raise RuntimeError(f"trainer/train_{name}.py did not call parse_args")
 
 
+def planned_dtype(name, gpu=None):
+    """(dtype, note): what a GPU run with --dtype `name` trains in, whatever CPU plans it: as given; auto: bfloat16
+    autocast (the trainer's auto on CUDA, torch.cuda.is_bf16_supported: every listed card, emulated on gpus.NO_BF16's);
+    note: what to pass where `gpu` has no bf16 unit, else ''."""
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name} is unknown; use auto, bfloat16, float16 or float32")
+    dtype = "bfloat16" if name == "auto" else name
+    if dtype == "bfloat16" and gpu in NO_BF16:
+        return dtype, (f"dtype: the {gpu} has no bf16 tensor cores ({NO_BF16[gpu]}): bfloat16 runs emulated, far below "
+                       "the peak taken here; pass --dtype float16 to train on its fp16 tensor cores")
+    return dtype, ""
+
+
+def dtype_bytes(dtype):
+    """Bytes per activation element: 4 in float32, 2 under bf16/fp16 autocast (weights and states stay fp32)."""
+    return 4 if dtype == "float32" else 2
+
+
+def resolve_for_gpu(run, nproc, stage=Stage):
+    """resolve() as the trainer would on `nproc` processes, its checks run on this machine in float32 (every CPU runs
+    it): the planned GPU's dtype (planned_dtype of run.dtype) enters the estimate through dtype_bytes, so the
+    planning CPU's bf16 probe and rates never do."""
+    given, run.dtype = run.dtype, "float32"
+    try:
+        return resolve(run, nproc, 0, stage)
+    finally:
+        run.dtype = given
+
+
 def stage_plan(stage_name, argv, nproc, teacher=None):
-    """The TrainPlan the stage's script would run with `argv` on `nproc` processes (weights are not read), and the
-    parsed flags. A distillation/GKD teacher not at hand is planned from a stand-in of its shapes (stand_in_teacher)."""
+    """The TrainPlan the stage's script would run with `argv` on `nproc` processes (weights are not read; the dtype:
+    resolve_for_gpu), and the parsed flags. A distillation/GKD teacher not at hand is planned from a stand-in of its
+    shapes (stand_in_teacher)."""
     stage, defaults = script_stage(stage_name)
     parser = add_train_args(argparse.ArgumentParser(allow_abbrev=False), stage, **dict(defaults, from_weight="none"))
     run = parser.parse_args(argv)
+    planned_dtype(run.dtype)  # an unknown name: one line, before anything else
     reward_model = getattr(run, "reward_model", None)
     if reward_model:
         run.reward_model = None  # the folder need not exist here: reward_model_params sizes it when it does
     try:
-        plan = resolve(run, nproc, 0, stage)
+        plan = resolve_for_gpu(run, nproc, stage)
     except ConfigError as e:
         if not (hasattr(run, "teacher_weight") and str(e).startswith("--teacher_weight:") and "not exist" in str(e)):
             raise
         with tempfile.TemporaryDirectory() as folder:
             run.teacher_weight = stand_in_teacher(build_config(run), teacher or {}, folder)
-            plan = resolve(run, nproc, 0, stage)
+            plan = resolve_for_gpu(run, nproc, stage)
         run.teacher_weight = None  # planned from its shapes, not a file
     run.reward_model = reward_model
     return plan, run
@@ -139,10 +173,10 @@ def reward_model_params(path):
 
 def memory_parts(plan, config, run, act_bytes=None):
     """Bytes per device by part, and the layout model's estimate they come from; act_bytes: bytes per activation
-    element (default: 4 under --dtype float32, else 2); est["notes"]: how the extra models were counted."""
+    element (default: the planned GPU dtype's, dtype_bytes); est["notes"]: how the extra models were counted."""
     lay, data, stage = plan.layout, plan.data, plan.stage
     rows, length = plan.micro_batch_shape  # a row's tokens on one rank: the sequence over the dimensions cutting it
-    act_bytes = act_bytes or (4 if plan.model.dtype == torch.float32 else 2)
+    act_bytes = act_bytes or dtype_bytes(planned_dtype(run.dtype)[0])
     est = plan_layout(config, length * divisor(layout_sizes(lay), "tokens"), rows, data.num_microbatches, lay,
                       zero_stage=lay.zero_stage, pp_schedule=lay.pp_schedule, act_bytes=act_bytes,
                       grad_checkpointing=plan.model.grad_checkpointing == "full",
@@ -267,10 +301,12 @@ def estimate(stage_name, argv, nproc=1, gpu=None, mfu=None, usd_per_hour=None, d
     parts, est = memory_parts(plan, config, run, act_bytes)
     total = sum(parts.values())
     sizes = layout_sizes(plan.layout)
-    out = dict(stage=stage_name, nproc=nproc, layout=dict(sizes, zero_stage=plan.layout.zero_stage),
+    dtype, dtype_note = planned_dtype(run.dtype, gpu and find_gpu(gpu)[0])
+    out = dict(stage=stage_name, nproc=nproc, dtype=dtype, layout=dict(sizes, zero_stage=plan.layout.zero_stage),
                micro_batch_rows=plan.micro_batch_shape[0], row_tokens=plan.micro_batch_shape[1],
                params_total=est["total_params"], params_active=active_params(config, est["total_params"]),
-               memory_gib={k: v / GIB for k, v in parts.items()}, memory_total_gib=total / GIB, notes=est["notes"])
+               memory_gib={k: v / GIB for k, v in parts.items()}, memory_total_gib=total / GIB,
+               notes=est["notes"] + [dtype_note] * bool(dtype_note))
     seq_len = plan.micro_batch_shape[1] * divisor(sizes, "tokens")
     out["train_flops_per_token"] = model_flops_per_token(config, seq_len) + frozen_forward_flops(plan.stage, config,
                                                                                                 seq_len)
@@ -342,7 +378,7 @@ def cheapest_fix(stage_name, argv, nproc, plan, memory, act_bytes=None, teacher=
 def describe(out):
     """The plan in lines a person reads."""
     mem = ", ".join(f"{k} {v:.2f}" for k, v in out["memory_gib"].items())
-    lines = [f"{out['stage']} on {out['nproc']} x {out['gpu']} ({out['gpu_memory_gib']:.0f} GiB, "
+    lines = [f"{out['stage']} on {out['nproc']} x {out['gpu']} in {out['dtype']} ({out['gpu_memory_gib']:.0f} GiB, "
              f"{out['usable_gib']:.1f} for tensors; {out['gpu_source']})",
              f"parameters: {out['params_total'] / 1e6:.1f}M total, {out['params_active'] / 1e6:.1f}M active",
              f"memory per GPU (GiB): {mem}; total {out['memory_total_gib']:.2f}: "
@@ -400,8 +436,6 @@ def main(argv=None):
         if data is None:
             from dataset.demo_data import ensure_demo_data  # the stage's demo corpus, as its script would use
             data = ensure_demo_data(stage.demo_kind)
-        # without --dtype a GPU run takes bf16 autocast (--dtype auto): 2-byte activations, fp32 states
-        act_bytes = None if any(a == "--dtype" or a.startswith("--dtype=") for a in rest) else 2
         teacher = dict(hidden_size=args.teacher_hidden_size, num_hidden_layers=args.teacher_num_hidden_layers,
                        use_moe=None if args.teacher_use_moe is None else bool(args.teacher_use_moe))
         plan, _ = stage_plan(args.stage, rest, args.nproc, teacher)
@@ -410,8 +444,7 @@ def main(argv=None):
                                skip_bad_lines=plan.data.skip_bad_lines) if args.corpus_tokens is None else \
             (int(args.corpus_tokens), int(args.corpus_tokens) // plan.data.seq_len, "given (--corpus_tokens)"
              + ("" if plan.data.packing else f"; its rows taken as full rows of {plan.data.seq_len} tokens"))
-        out = estimate(args.stage, rest, args.nproc, args.card, args.mfu, args.usd_per_hour, tokens, act_bytes,
-                       teacher)
+        out = estimate(args.stage, rest, args.nproc, args.card, args.mfu, args.usd_per_hour, tokens, teacher=teacher)
     except (ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

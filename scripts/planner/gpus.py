@@ -38,6 +38,9 @@ GPUS = {
     "H100-PCIe": (756e12, 80 * GIB, 2e12, "NVIDIA H100 datasheet (PCIe): bf16 1513 TFLOPS sparse, 80 GB, 2 TB/s"),
     "H200": (989.4e12, 141 * GIB, 4.8e12, "NVIDIA H200 datasheet (SXM): bf16 1979 TFLOPS sparse, 141 GB, 4.8 TB/s"),
 }
+# Cards without bf16 tensor cores: torch emulates bf16 there (torch.cuda.is_bf16_supported() says True, so the trainer's
+# --dtype auto takes bf16, far below the row's peak, which is the card's fp16 one)
+NO_BF16 = {"T4": "Turing, sm75: fp16 tensor cores only"}
 ALIASES = {"A100": "A100-80", "A100-40GB": "A100-40", "A100-80GB": "A100-80", "RTX4090": "4090", "RTX3090": "3090",
            "RTX 4090": "4090", "RTX 3090": "3090", "H100-SXM": "H100"}
 
