@@ -3,6 +3,7 @@
 import dis
 import functools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +35,16 @@ LAUNCH_HELPERS = {"spawn", "torchrun", "python", "forked"}  # tests/launch.py's,
 # torch.compile on CPU runs the C++ compiler in worker processes (tens of seconds on 2 cores)
 COMPILERS = (torch.compile,)
 
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored():
+    """main_guard ends its process and leaves its own signal handlers and unraisable hook for the exit: a test that runs
+    it in this process gets this process's back."""
+    handlers, hook = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}, sys.unraisablehook
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    sys.unraisablehook = hook
 
 
 def pytest_addoption(parser):

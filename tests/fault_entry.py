@@ -16,6 +16,9 @@ train_pretrain); the environment says which fault, on torchrun's first attempt o
                                    SIGTERM after rank 0's exit finds every other rank inside its report window
   MINIMIND_TEST_OOM_AT_STEP=N      rank MINIMIND_TEST_OOM_RANK (default 0) asks the allocator for 2**62 bytes in the
                                    forward of step N's first micro-batch: a real allocation failure
+  MINIMIND_TEST_SIGTERM_IN_REPORT=1  a rank SIGTERMs itself as main_guard begins the report of an error main() raised
+                                   (its traceback to the rank log): torchrun's SIGTERM after a lost peer lands there
+                                   on every run, not by chance
 """
 import os
 import signal
@@ -30,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from trainer.base import launch  # noqa: E402
+from trainer.base import launch, rank_log  # noqa: E402
 from trainer.base.launch import main_guard, rank  # noqa: E402
 from trainer.core import loop as train_loop  # noqa: E402
 from trainer.parallel import data as data_parallel  # noqa: E402
@@ -127,6 +130,16 @@ def patch_report_after_all(marks):
     launch.report_error = report_error
 
 
+def patch_sigterm_in_report():
+    real_write = rank_log.write
+
+    def write(text):
+        if text.startswith("error:\n"):  # main_guard's report of an error, first thing
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before os.kill returns
+        real_write(text)
+    rank_log.write = write
+
+
 def main():
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if os.environ.get(KILL_AT_STEP) and first_attempt:
@@ -143,6 +156,8 @@ def main():
     if os.environ.get("MINIMIND_TEST_OOM_AT_STEP"):
         patch_out_of_memory(int(os.environ["MINIMIND_TEST_OOM_AT_STEP"]),
                             int(os.environ.get("MINIMIND_TEST_OOM_RANK", 0)))
+    if os.environ.get("MINIMIND_TEST_SIGTERM_IN_REPORT"):
+        patch_sigterm_in_report()
     importlib.import_module(f"trainer.{os.environ.get(STAGE, 'train_pretrain')}").main()
 
 

@@ -266,8 +266,8 @@ def test_a_part_added_later_starts_from_its_start_value_and_one_without_is_refus
                               "powersgd": "per rank", "scaler": "rank 0", "train_state": "rank 0",
                               "callbacks": "rank 0"}
     atomic_save({k: v for k, v in saved.items() if k != "parts"}, os.path.join(path, "train_state.pt"))  # legacy
-    with open(os.path.join(path, "complete.json")) as f:  # and its manifest, written before sizes were recorded
-        manifest = {k: v for k, v in json.load(f).items() if k != "files"}
+    with open(os.path.join(path, "complete.json")) as f:  # and its manifest, written before sizes and sums were
+        manifest = {k: v for k, v in json.load(f).items() if k not in ("files", "crc32")}
     with open(os.path.join(path, "complete.json"), "w") as f:
         json.dump(manifest, f)
 

@@ -18,7 +18,7 @@ from dataset.cache_guard import CacheBuildInterrupted
 from model.torch_compat import set_default_pg_timeout
 from trainer.base import rank_log
 from trainer.base.errors import ConfigError, SignalStop, TrainingHalted
-from trainer.base.streams import survive_closed_output
+from trainer.base.streams import survive_closed_output, write_fd
 
 RANK0_REPORT_SECONDS = 2
 
@@ -27,6 +27,7 @@ RANK0_REPORT_SECONDS = 2
 BEFORE_THE_LOOP = "before the first optimizer step; nothing was saved"
 OUTSIDE_LOOP = {"when": BEFORE_THE_LOOP}
 SAVED = {"path": None}  # the newest checkpoint this process saw complete (the Checkpointer sets it)
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def saved_line():
@@ -37,17 +38,35 @@ def saved_line():
 
 def stop_on_signals():
     """Until the loop installs its own (trainer/runtime/guard.py Preemption): SIGINT/SIGTERM raise SignalStop, which
-    main_guard turns into one line and exit 130/143 instead of a traceback (SIGINT) or a silent death (SIGTERM)."""
+    main_guard turns into one line and exit 130/143 instead of a traceback (SIGINT) or a silent death (SIGTERM).
+
+    Once: the handler hands the signals to leave_on_signals before it raises, so a later one ends the process with
+    the first one's line and code and never raises again inside the code that reports the first. Raised where Python
+    cannot pass it on (a __del__, a weakref or atexit callback prints "Exception ignored" and goes on), the
+    SignalStop ends the process there, with its line (stopped_where_unraisable)."""
     OUTSIDE_LOOP["when"], SAVED["path"] = BEFORE_THE_LOOP, None  # a new run in this process (tests run main())
     if threading.current_thread() is not threading.main_thread():
-        return {}
+        return
 
     def handle(signum, frame):
         when = OUTSIDE_LOOP["when"]
         if when == BEFORE_THE_LOOP and SAVED["path"]:  # the loop left early (an error) after a save
             when = f"outside the training loop; {saved_line()}"
-        raise SignalStop(signum, f"{signal.Signals(signum).name}: stopped {when}")
-    return {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        line = f"{signal.Signals(signum).name}: stopped {when}"
+        leave_on_signals(128 + signum, line)
+        raise SignalStop(signum, line)
+    for sig in SIGNALS:
+        signal.signal(sig, handle)
+    sys.unraisablehook = stopped_where_unraisable
+
+
+def stopped_where_unraisable(unraisable):
+    """sys.unraisablehook while main_guard runs: a SignalStop ends the process (its line, its code); any other
+    exception is printed as Python prints it."""
+    stop = unraisable.exc_value
+    if isinstance(stop, SignalStop):
+        leave_now(128 + stop.signum, stop.message)
+    sys.__unraisablehook__(unraisable)
 
 
 def rank():
@@ -164,43 +183,57 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 
 def main_guard(main):
-    """Run main(); a ConfigError becomes one line on stderr and exit code 2 on every rank, a TrainingHalted (the run
-    stopped itself) one line and exit code 3, a signal (SignalStop) exit 128 + signum; console output survives a
-    reader that left (trainer/base/streams.py). A signal that comes while a rank reports or leaves (torchrun stops
-    every rank once one left) ends it with its code and no more words (leave_on_signals)."""
-    code = 0
+    """Run main() and end the process: a ConfigError becomes one line on stderr and exit code 2 on every rank, a
+    TrainingHalted (the run stopped itself) one line and exit code 3, a signal (SignalStop) its line and exit
+    128 + signum, wherever it lands (main(), the report of how main() ended, its first or a second signal); console
+    output survives a reader that left (trainer/base/streams.py). Once the code is known a signal ends the rank with it
+    and no more words (leave_on_signals), through the exit (atexit, finalization) too."""
     survive_closed_output()
-    previous = stop_on_signals()
+    try:
+        stop_on_signals()  # inside the try: a signal from the moment the handlers are in place is reported
+        code = run_and_report(main)
+    except SignalStop as e:  # came while main()'s end was reported; the handler raises once, so not again here
+        code = report_stop(e.__context__ if isinstance(e.__context__, SignalStop) else e)
+    if int(os.environ.get("RANK", -1)) != -1:  # a torchrun worker
+        leave_without_finalizing(code)
+    sys.exit(code)
+
+
+def run_and_report(main):
+    """main() and the report of how it ended; the exit code. Every way out hands the signals to leave_on_signals
+    first, so that none raises in the code after it."""
     try:
         main()
     except SignalStop as e:
-        code = 128 + e.signum
-        leave_on_signals(code)
-        if e.message:
-            rank_log.write(e.message)
-            if int(os.environ.get("RANK", 0)) == 0:
-                print(e.message, file=sys.stderr, flush=True)
+        return report_stop(e)
     except (ConfigError, TrainingHalted, CacheBuildInterrupted) as e:
         code = 2 if isinstance(e, ConfigError) else 3 if isinstance(e, TrainingHalted) else 128 + e.signum
         leave_on_signals(code)
         report_error(e)
+        return code
     except RuntimeError as e:
         rank_log.write(f"error:\n{traceback.format_exc()}")
         if not (dist.is_initialized() and any(m in str(e) for m in PEER_LOST)):
             raise
-        code = 1
-        leave_on_signals(code)
+        leave_on_signals(1)
         report_lost_peer(e)
+        return 1
     except BaseException:
         rank_log.write(f"error:\n{traceback.format_exc()}")
         raise
-    finally:
-        for sig, handler in previous.items():  # main() run in-process (tests) leaves the handlers as they were
-            signal.signal(sig, handler)
-    if int(os.environ.get("RANK", -1)) != -1:  # a torchrun worker
-        leave_on_signals(code)
-        leave_without_finalizing(code)
-    sys.exit(code)
+    leave_on_signals(0)
+    return 0
+
+
+def report_stop(e):
+    """A SignalStop's exit code, after its line (rank 0; None: the loop said it already, after saving)."""
+    code = 128 + e.signum
+    leave_on_signals(code)  # before the line: a second signal ends the rank with this code, and never twice the line
+    if e.message:
+        rank_log.write(e.message)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(e.message, file=sys.stderr, flush=True)
+    return code
 
 
 def report_error(e):
@@ -226,18 +259,30 @@ def report_lost_peer(e):
     time.sleep(RANK0_REPORT_SECONDS)
 
 
-def leave_on_signals(code):
+def leave_on_signals(code, line=None):
     """From here this rank only reports and leaves: SIGINT/SIGTERM (torchrun stopping the ranks once one left, or a
-    second Ctrl-C) end it at once with `code`, silently, instead of raising inside the report (a traceback)."""
+    second Ctrl-C) end it at once with `code`, silently, or after `line` (a stop's own that is not said yet), instead
+    of raising inside the report (a traceback)."""
     if threading.current_thread() is not threading.main_thread():
         return
 
     def leave(signum, frame):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+        leave_now(code, line)
+    for sig in SIGNALS:
         signal.signal(sig, leave)
+
+
+def leave_now(code, line=None):
+    """End this rank at once with `code`, after `line` (rank 0) straight to stderr's descriptor: a signal handler may
+    run inside a write to the same stream, whose buffer then refuses a second one."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (RuntimeError, OSError, ValueError):
+            pass  # reentrant, or closed: what it held is lost, the exit is not
+    if line and int(os.environ.get("RANK", 0)) == 0:
+        write_fd(2, f"{line}\n")
+    os._exit(code)
 
 
 def leave_without_finalizing(code):

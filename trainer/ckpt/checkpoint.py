@@ -9,7 +9,9 @@ read_checkpoint_record for a step directory named as weights).
       rng_<rank>.pt           each rank's own files (trainer/ckpt/step_dirs.py): RNG states; the objective's state,
       objective_<rank>.pt       where it has one (GRPO: a rollout being reused); PowerSGD's residuals and Qs
       powersgd_<rank>.pt        (--grad_compression powersgd)
-      complete.json           written last, by rank 0, once every rank's files are there: only then it counts
+      crc32_<rank>.json       each rank's crc32 of the shards it wrote, taken as it wrote them
+      complete.json           written last, by rank 0, once every rank's files are there: only then it counts; every
+                              file's size and crc32, checked before a step is loaded (step_dirs.damage)
 The parts are a registry (trainer/ckpt/parts.py): each registers once with its scope, save and load walk it.
 DCP reshards on load, so a run may resume under another layout. The weights file: trainer/ckpt/weights_file.py.
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
@@ -34,6 +36,7 @@ from trainer.ckpt.step_dirs import (
     MANIFEST,
     TRAIN_STATE,
     agreed_checkpoint,
+    agreed_damage,
     damage,
     latest_checkpoint,  # noqa: F401 (re-exported: console, oom, weights_file and rl import it from here)
     load_train_state,
@@ -110,7 +113,7 @@ def read_resume(config, plan):
     if plan.io.from_resume == "0":
         return None
     path = plan.io.resume_path or agreed_checkpoint(plan.io.run_dir)  # --from_resume <step dir>: that one
-    why = damage(path) if plan.io.resume_path else None
+    why = agreed_damage(path) if plan.io.resume_path else None
     if why:
         raise ConfigError(f"--from_resume {path}: {os.path.join(path, why)}; name another step directory, or pass "
                           "--from_resume 1 for the newest one that loads")
@@ -136,7 +139,7 @@ def read_resume(config, plan):
 def read_checkpoint_model(path):
     """(state_dict, config fields, typed args) of a step directory's model, whatever layout saved it: the full
     tensors from every rank's shards, in this one process (eval_llm --checkpoint, convert_model, --from_weight)."""
-    why = damage(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None  # sizes recorded at save
+    why = damage(path) if os.path.isfile(os.path.join(path, MANIFEST)) else None  # sizes and crc32 recorded at save
     if why:
         raise WeightsError(f"{os.path.join(path, why)}: the checkpoint is damaged; pass another step_<N> directory")
     try:

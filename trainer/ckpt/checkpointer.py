@@ -1,13 +1,18 @@
 """The Checkpointer: the one writer of resume checkpoints (a DCP directory per save, trainer/ckpt/checkpoint.py
 describes it) and their restorer once the model is wrapped. It walks the registered parts (trainer/ckpt/parts.py),
-marks a step complete only when every rank's files are there, and prunes to --keep_checkpoints.
+marks a step complete only when every rank's files are there (with each file's size and crc32: step_dirs.py), and
+prunes to --keep_checkpoints.
 """
 import os
 import shutil
 import threading
+import zlib
+from contextlib import contextmanager
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from model.atomic import atomic_json, atomic_save
 from trainer.base import launch
@@ -17,6 +22,7 @@ from trainer.base.log import Logger
 from trainer.ckpt.checkpoint import resume_fields
 from trainer.ckpt.parts import LEGACY_PARTS, PER_RANK, RANK0, SHARDED, missing_parts_line, note_unused_parts
 from trainer.ckpt.step_dirs import (
+    CRC_FILE,
     FORMAT_VERSION,
     MANIFEST,
     TRAIN_STATE,
@@ -26,6 +32,7 @@ from trainer.ckpt.step_dirs import (
     incomplete_line,
     latest_checkpoint,
     read_rank_state,
+    record_crcs,
     save_rank_state,
 )
 from trainer.ckpt.storage import check_room, disk_full_as_one_line, from_rank0, mib, tree_bytes
@@ -33,6 +40,53 @@ from trainer.ckpt.storage import check_room, disk_full_as_one_line, from_rank0, 
 RECORD_KEYS = ("format_version", "parts", "world_size", "global_batch", "layout", "args", "config", "tokenizer",
                "resume_fields")  # train_state.pt's own keys beside the rank-0 parts
 MINIMIND_PARTS = ("model", "scaler", "train_state")  # what MiniMind's resume file restores; the rest starts fresh
+
+
+class SummingFileSystem(FileSystem):
+    """DCP's file system for a save: each shard file's crc32 is taken from the bytes as they are written (`crcs`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.crcs = {}
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if mode != "wb" or not str(path).endswith(".distcp"):
+                yield stream  # .metadata goes through a temporary name: summed from the file once complete
+                return
+            summing = SummingStream(stream)
+            yield summing
+            self.crcs[os.path.basename(path)] = f"{summing.crc:08x}"
+
+
+class SummingStream:
+    """A written stream that keeps the crc32 of what went through it (DCP appends: torch.save writes, never seeks)."""
+
+    def __init__(self, stream):
+        self.stream, self.crc = stream, 0
+
+    def write(self, data):
+        self.crc = zlib.crc32(data, self.crc)
+        return self.stream.write(data)
+
+    def __getattr__(self, name):  # tell, flush, fileno (fsync), close
+        return getattr(self.stream, name)
+
+
+class SummingWriter(FileSystemWriter):
+    """DCP's FileSystemWriter that writes the crc32 of each shard it wrote beside it (step_dirs.CRC_FILE) before DCP
+    hands the write results to the coordinator, so they are there when rank 0 marks the step complete."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.fs = SummingFileSystem()
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        written.wait()  # FileSystemWriter writes before it returns; a failure is raised here, nothing recorded
+        atomic_json(self.fs.crcs, os.path.join(self.path, CRC_FILE.format(rank=rank())))
+        return written
 
 
 def keep_line(run_dir, keep, estimate):
@@ -142,7 +196,8 @@ class Checkpointer:
             self.write(state, path)
             return
         # FileSystemWriter stages (copies into new CPU buffers) before returning: training may then update the weights
-        response = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+        response = dcp.async_save(state, checkpoint_id=path, storage_writer=SummingWriter(path),
+                                  process_group=self.group)
         # newer torch may return an AsyncSaveResponse
         future, marked = getattr(response, "upload_completion", response), threading.Event()
         if rank() == 0:
@@ -157,7 +212,7 @@ class Checkpointer:
 
     def write(self, state, path):
         """The synchronous save: shards, then a barrier, then rank 0's manifest."""
-        dcp.save(state, checkpoint_id=path)
+        dcp.save(state, checkpoint_id=path, storage_writer=SummingWriter(path))
         if dist.is_initialized():
             dist.barrier()  # every rank's shards and RNG file are on disk
         line = self.mark_complete(path) if rank() == 0 else None
@@ -200,8 +255,8 @@ class Checkpointer:
         if line:
             return line
         step = int(path.rsplit("_", 1)[1])
-        # the sizes of what was written: a damaged file is found before any rank builds a model (step_dirs.damage)
-        record = dict(step=step, format_version=FORMAT_VERSION, files=file_sizes(path))
+        # the sizes and crc32 of what was written: a damaged file is found before any rank builds a model (damage)
+        record = dict(step=step, format_version=FORMAT_VERSION, files=file_sizes(path), crc32=record_crcs(path))
         atomic_json(record, os.path.join(path, MANIFEST))
         self.prune(step)
         return None
