@@ -208,6 +208,7 @@ def test_the_bar_shows_the_log_lines_loss_under_data_parallel(tmp_path):
         "--accumulation_steps", "2", "--max_steps", "3", "--log_interval", "1", "--save_dir", out, "--checkpoint_dir",
         os.path.join(out, "ckpt"), "--metrics_file", os.path.join(out, "m.jsonl")], 2, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    final = re.findall(r"\| 6/6 .*?loss=([0-9.]+), lr=", proc.stderr)  # the final bar (3 steps x 2 micro-batches)
+    # the final bar (3 steps x 2 micro-batches); a slow machine may draw 6/6 once more before the step's loss is set
+    final = re.findall(r"\| 6/6 .*?loss=([0-9.]+), lr=", proc.stderr)
     records = read_metrics(os.path.join(out, "m.jsonl"))
-    assert final == [f"{records[-1]['loss']:.4f}"], (final, records[-1]["loss"], proc.stderr[-2000:])
+    assert final and final[-1] == f"{records[-1]['loss']:.4f}", (final, records[-1]["loss"], proc.stderr[-2000:])
