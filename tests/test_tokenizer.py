@@ -197,3 +197,6 @@ def test_tokenizer_from_a_curated_folder_trains_and_feeds_the_trainer(tmp_path):
                  timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"tokenizer {out}" in run.stdout + run.stderr
+    # the model's rows follow the tokenizer: its 1,000 ids rounded up to a multiple of 64 (MiniMind's 6,400 before)
+    assert json.loads((tmp_path / "o" / "pretrain_64.json").read_text())["vocab_size"] == 1024
+    assert "(vocab 1,024), initialised from --seed" in run.stdout
