@@ -8,7 +8,7 @@ import shlex
 
 from scripts import report
 from tests.launch import ROOT, forked, python
-from tests.readme_lines import quick_start, readme_chain
+from tests.readme_lines import own_corpus, quick_start, readme_chain
 
 # the README's size, and the test's: the file names follow (_256 -> _64)
 SMALLER = [("--hidden_size 256", "--hidden_size 64 --num_attention_heads 4 --num_key_value_heads 2"),
@@ -118,3 +118,19 @@ def chain_reports_name_their_files(out):
                            ("log", os.path.join(out, "logs", f"{run}_rank_0.log"))):
             assert (f"- {kind}: `{path}`" in page) == os.path.isfile(path), (run, kind)
         assert page.split("## Health", 1)[1].split("\n## ", 1)[0].strip() == "- no health line", run
+
+
+def test_the_own_corpus_path_runs_on_a_small_corpus(tmp_path):
+    """The README's own-corpus block after curation (datatrove's run: tests/test_curate_data.py), as written there on a
+    curated folder of 142 documents: its tokenizer line, then its last pretraining line (the small corpus's flags),
+    smaller and for 2 steps; the default global batch of 256 rows is more than such a corpus holds."""
+    lines = own_corpus()
+    assert [line.split()[0] for line in lines] == ["scripts/curate_data.py", "scripts/train_tokenizer.py",
+                                                  "trainer/train_pretrain.py", "trainer/train_pretrain.py"]
+    with open(os.path.join(ROOT, "dataset", "pretrain_demo.jsonl"), encoding="utf-8") as f:
+        rows = [next(f) for _ in range(142)]
+    os.makedirs(tmp_path / "curated")
+    (tmp_path / "curated" / "00000.jsonl").write_text("".join(rows), encoding="utf-8")  # as curate_data writes it
+    run(lines[1], str(tmp_path))
+    output = run(lines[-1], str(tmp_path))
+    assert f"tokenizer {tmp_path / 'out' / 'my_tokenizer'}" in output and "Done: 2 steps" in output

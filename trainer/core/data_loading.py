@@ -39,9 +39,23 @@ def load_datasets(plan):
     if describe_mixture(train_ds, data_path):
         Logger(describe_mixture(train_ds, data_path))
     if len(train_ds) < plan.data.global_batch:
-        raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
-                          f"({plan.data.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
+        data, dp = plan.data, plan.layout.dp
+        factors = f"--batch_size {data.micro_batch} x --accumulation_steps {data.num_microbatches} x dp {dp}"
+        raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch ({data.global_batch} "
+                          f"= {factors}); {small_batch(len(train_ds), data.micro_batch, dp)}")
     return train_ds, eval_ds
+
+
+def small_batch(samples, micro_batch, dp):
+    """The flags that fit a global batch to a small dataset: --accumulation_steps 1 and the largest power-of-two
+    --batch_size (at most the typed one) that leaves an epoch of at least 4 steps (1 where the data is that small)."""
+    if samples < dp:
+        return f"run on at most {samples} data-parallel processes"
+    fits = max(1, samples // (4 * dp))
+    batch = min(micro_batch, 1 << (fits.bit_length() - 1))
+    steps = samples // (batch * dp)
+    return (f"pass --batch_size {batch} --accumulation_steps 1 ({steps} step{'s' if steps != 1 else ''} an epoch; "
+            "--epochs for more)")
 
 
 def dataset_notes(ds):
