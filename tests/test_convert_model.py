@@ -410,3 +410,36 @@ def test_a_gguf_export_that_fills_the_disk_is_one_line_and_keeps_the_earlier_one
                            "free space or choose another --out_dir, then run again")
     assert {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)} == before
     assert sorted(os.listdir(disk)) == ["filler", "gguf"]
+
+
+QA = [("Hi", "Hello there"), ("Bye", "Goodbye now"), ("Thanks", "You are welcome"), ("Sorry", "No problem")]
+
+
+def test_the_exported_model_answers_a_stock_chat_prompt_without_closing_its_think_block_again(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """A tiny model SFT-trained from scratch on four one-line chats (seconds, fp32), exported: transformers' own chat
+    template (add_generation_prompt=True, tokenize=True) on the folder, then its own generate(), gives each answer's
+    first token, not "</think>" (what a row tokenized whole, "</think>", "\\n", "\\n", taught: a stock prompt ends in
+    one "\\n\\n" token, which such a model had only seen inside the empty think block)."""
+    from transformers import AutoTokenizer
+
+    from tests.launch import run_in_process, write_rows
+    from trainer import train_sft
+    data = write_rows(tmp_path / "qa.jsonl", [{"conversations": [{"role": "user", "content": q}, {
+        "role": "assistant", "content": a}]} for q, a in QA] * 8)
+    out = tmp_path / "out"
+    code, err = run_in_process(monkeypatch, capsys, train_sft, [
+        *TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", 32, "--batch_size", 4,
+        "--packing", 0, "--epochs", 10, "--learning_rate", 5e-3, "--save_dir", out, "--checkpoint_dir", out / "ckpt",
+        "--cache_dir", out / "cache", "--log_interval", 100])
+    assert code == 0, err
+    assert convert_main(["--weight", str(out / "full_sft_64.pth"), "--out_dir", str(tmp_path / "hf")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    for question, answer in QA:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        first = tokenizer.convert_ids_to_tokens(out[0, -1].item())
+        assert first != "</think>" and first == tokenizer.tokenize(answer)[0], (question, first)
