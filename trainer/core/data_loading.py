@@ -65,15 +65,18 @@ def dataset_notes(ds):
 
 
 def rows_line(ds, seq_len):
-    """What the training rows are: '8177 rows of 64 tokens packed from 5026 documents' (the file's lines), '5026
-    rows, one per document' or '600 samples' (pairs, prompts): the count the steps per epoch come from."""
+    """What the training rows are: '8177 rows of 64 tokens packed from 5026 documents' (the file's lines; SFT: the
+    conversations with a target, the others are left out), '5026 rows, one per document' or '600 samples' (pairs,
+    prompts): the count the steps per epoch come from."""
     leaves = leaf_datasets(ds)
     documents = [len(leaf.offsets) - 1 for leaf in leaves if getattr(leaf, "offsets", None) is not None]
     if len(documents) < len(leaves) or not leaves:  # a dataset without a token cache (pairs, prompts)
         return f"{len(ds)} samples"
     unit = "documents" if all(getattr(leaf, "kind", None) == "pretrain" for leaf in leaves) else "conversations"
-    if any(getattr(leaf, "packing", False) for leaf in leaves):
-        return f"{len(ds)} rows of {seq_len} tokens packed from {sum(documents)} {unit}"
+    if any(getattr(leaf, "packing", False) for leaf in leaves):  # SFT packs the conversations with a target only
+        packed = sum(len(leaf.row_docs) if getattr(leaf, "row_docs", None) is not None else n
+                     for leaf, n in zip(leaves, documents))
+        return f"{len(ds)} rows of {seq_len} tokens packed from {packed} {unit}"
     return f"{len(ds)} rows, one per {unit[:-1]}" if len(ds) == sum(documents) else \
         f"{len(ds)} rows from {sum(documents)} {unit}"
 
