@@ -328,7 +328,7 @@ def test_gguf_export_merges_lora_and_writes_the_modelfile_beside_it(tmp_path, ca
     out = tmp_path / "gguf"
     assert convert_main(["--to", "gguf", "--weight", str(tmp_path / "full_sft_64.pth"), "--lora", str(adapter),
                          "--out_dir", str(out), "--gguf_type", "f32"]) == 0
-    assert "within 0 of their f32 rounding bound" in capsys.readouterr().out
+    assert "verify: tensors read back exactly" in capsys.readouterr().out  # f32 (it said "within 0 of their bound")
     state_dict, fields = read_gguf(str(out / "minimind-f32.gguf"))
     assert fields["general.architecture"] == "qwen3" and fields["qwen3.block_count"] == 2
     reference = hand_folded(tmp_path / "full_sft_64.pth", adapter, config)
@@ -338,9 +338,16 @@ def test_gguf_export_merges_lora_and_writes_the_modelfile_beside_it(tmp_path, ca
     second = ["--to", "gguf", "--weight", str(tmp_path / "merge_medical_64.pth"), "--out_dir", str(out),
               "--gguf_type", "q8_0"]
     capsys.readouterr()
-    assert convert_main(second) == 2 and "holds an earlier export (Modelfile); --overwrite 1" in capsys.readouterr().err
-    assert convert_main(second + ["--overwrite", "1"]) == 0  # a second export: the Modelfile names the new file
+    # another type is another file: it goes beside the first, and the Modelfile names it (saying what it named)
+    assert convert_main(second) == 0
     assert (out / "Modelfile").read_text().startswith("FROM ./minimind-q8_0.gguf\n")
+    assert sorted(os.listdir(out)) == ["Modelfile", "minimind-f32.gguf", "minimind-q8_0.gguf"]
+    said = capsys.readouterr().out
+    assert "the Modelfile named minimind-f32.gguf before; that file stays beside minimind-q8_0.gguf" in said
+    assert "verify: tensors read back within " in said and "x their q8_0 rounding bound (<= 1 passes)" in said
+    assert convert_main(second) == 2 and "holds an earlier export (minimind-q8_0.gguf); --overwrite 1" in \
+        capsys.readouterr().err  # the same type again: as training, not replaced unasked
+    assert convert_main(second + ["--overwrite", "1"]) == 0
 
 
 def serving_names(config):
