@@ -8,9 +8,13 @@ from tests.launch import ROOT
 MARK = "# the small chain, after the quick start:"
 
 
-def readme_blocks():
+def readme_text():
     with open(os.path.join(ROOT, "README.md")) as f:
-        return re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+        return f.read()
+
+
+def readme_blocks():
+    return re.findall(r"```bash\n(.*?)```", readme_text(), re.S)
 
 
 def readme_chain():

@@ -8,7 +8,7 @@ import shlex
 
 from scripts import report
 from tests.launch import ROOT, forked, python
-from tests.readme_lines import own_corpus, quick_start, readme_chain
+from tests.readme_lines import own_corpus, quick_start, readme_chain, readme_text
 
 # the README's size, and the test's: the file names follow (_256 -> _64)
 SMALLER = [("--hidden_size 256", "--hidden_size 64 --num_attention_heads 4 --num_key_value_heads 2"),
@@ -67,6 +67,8 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     assert started_from(lora, w["full_sft_64.pth"], digests) and os.path.isfile(w["lora/lora_identity_64.pth"])
     assert "on 4 modules (o_proj, q_proj in 2 layers)" in lora  # the square layers of 2 blocks (it said "4 layers")
     assert started_from(dpo, w["full_sft_64.pth"], digests) and os.path.isfile(os.path.join(out, "dpo_64.pth"))
+    # the pass before DPO's step 1 that the README's times name (minutes at the README's size): its line, then its bar
+    assert "reference log-probs: computing them with" in dpo and "`reference log-probs` bar" in readme_text()
     assert "initialised from --seed" in moe and started_from(moe_sft, w["pretrain_64_moe.pth"], digests)
     assert started_from(reward, w["full_sft_64.pth"], digests)
     assert os.path.isfile(os.path.join(out, "reward_64_hf", "config.json"))  # the folder PPO's --reward_model reads
