@@ -19,6 +19,7 @@ from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args as eval_args
 from scripts.inference.load import tokenizer_folder
 from tests.launch import ROOT, TINY_CONFIG, TINY_MODEL, demo_slice, forked
+from tests.weight_files import wider_tokenizer
 from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
@@ -138,19 +139,6 @@ def test_tokenizer_for_by_hand(tmp_path):
     shutil.copy(os.path.join(MODEL_DIR, "tokenizer.json"), os.path.join(other, "tokenizer.json"))  # changed since
     with pytest.raises(TokenizerMismatch, match="which has changed; pass --tokenizer_path"):
         tokenizer_for({"path": other, "sha256": other_sha}, None, MODEL_DIR, "w")
-
-
-def wider_tokenizer(folder, extra):
-    """model/'s tokenizer with `extra` added tokens after its 6,400 ids (6400 .. 6400 + extra - 1)."""
-    os.makedirs(folder)
-    with open(os.path.join(MODEL_DIR, "tokenizer.json"), encoding="utf-8") as f:
-        state = json.load(f)
-    state["added_tokens"] += [{"id": 6400 + i, "content": f"<|extra{i}|>", "single_word": False, "lstrip": False,
-                               "rstrip": False, "normalized": False, "special": True} for i in range(extra)]
-    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    shutil.copy(os.path.join(MODEL_DIR, "tokenizer_config.json"), folder)
-    return str(folder)
 
 
 def test_the_model_s_vocab_size_follows_the_tokenizer(tmp_path):
