@@ -73,3 +73,13 @@ def model_vocab_size(folder):
     """The model's vocab_size for the tokenizer in `folder`: its ids rounded up to a multiple of VOCAB_MULTIPLE, so the
     model's embedding follows the tokenizer it is trained with (model/tokenizer.json: 6,400, MiniMind's own)."""
     return -(-tokenizer_ids(folder) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def vocab_refusal(folder, rows, what):
+    """The line refusing the tokenizer in `folder` for weights of `rows` embedding rows (`what`: the weights as the
+    user named them) when its ids reach past them (its tokens would index rows that do not exist); else None."""
+    ids = tokenizer_ids(folder)
+    if ids <= rows:
+        return None
+    return (f"--tokenizer_path {folder} has {ids} token ids but {what} has {rows} embedding rows: pass the tokenizer "
+            "those weights were trained with, or pretrain with this one (the model's vocab_size follows its tokenizer)")

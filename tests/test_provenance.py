@@ -162,9 +162,10 @@ def test_the_model_s_vocab_size_follows_the_tokenizer(tmp_path):
         assert plan.model.config.vocab_size == rows
 
 
-def test_a_tokenizer_wider_than_the_weights_is_refused(tmp_path):
+def test_a_tokenizer_wider_than_the_weights_is_refused(tmp_path, capsys):
     """A later stage keeps its --from_weight file's rows; a tokenizer with ids past them (here: weights without a
-    sidecar, so nothing records their tokenizer) is one line before training, not an IndexError in the embedding."""
+    sidecar, so nothing records their tokenizer) is one line before training, not an IndexError in the embedding;
+    so is a chat on them (eval_llm, the server and the web chat load through the same loader)."""
     config = MiniMindConfig(**TINY_CONFIG)
     weights = str(tmp_path / "pretrain_64.pth")
     torch.save(MiniMindForCausalLM(config).state_dict(), weights)
@@ -176,3 +177,9 @@ def test_a_tokenizer_wider_than_the_weights_is_refused(tmp_path):
     assert str(caught.value) == (f"--tokenizer_path {wide} has 6401 token ids but --from_weight {weights} has 6400 "
                                  "embedding rows: pass the tokenizer those weights were trained with, or pretrain "
                                  "with this one (the model's vocab_size follows its tokenizer)")
+    with pytest.raises(SystemExit) as caught:
+        eval_main(["--weight", weights, "--tokenizer_path", wide, "--prompt", "hi", "--device", "cpu"])
+    assert caught.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        f"error: --tokenizer_path {wide} has 6401 token ids but {weights} has 6400 embedding rows: pass the "
+        "tokenizer those weights were trained with, or pretrain with this one (the model's vocab_size follows its "
+        "tokenizer)")

@@ -2,7 +2,7 @@
 the tokenizer (model/tokenizer_choice.py: model_vocab_size), and a tokenizer with more ids than the model has rows is
 refused (check_vocab)."""
 from model.model_minimind import MiniMindConfig
-from model.tokenizer_choice import check_tokenizer, model_vocab_size, tokenizer_ids
+from model.tokenizer_choice import check_tokenizer, model_vocab_size, vocab_refusal
 from model.weight_flags import flag_conflicts, weights_line
 from model.weight_names import typed_or_default
 from model.weight_shapes import WeightsError, infer_config
@@ -28,13 +28,11 @@ def build_config(args, weight_fields=None, tokenizer_path=None):
 
 
 def check_vocab(config, tokenizer_path, from_weight):
-    """A tokenizer whose ids reach past the model's embedding rows is refused in one line (its tokens would index
-    rows that do not exist): only a --from_weight file's rows can be fewer than the tokenizer's ids."""
-    ids = tokenizer_ids(tokenizer_path)
-    if ids > config.vocab_size:
-        raise ConfigError(f"--tokenizer_path {tokenizer_path} has {ids} token ids but --from_weight {from_weight} has "
-                          f"{config.vocab_size} embedding rows: pass the tokenizer those weights were trained with, "
-                          "or pretrain with this one (the model's vocab_size follows its tokenizer)")
+    """A tokenizer whose ids reach past the model's embedding rows is refused in one line: only a --from_weight
+    file's rows can be fewer than the tokenizer's ids."""
+    refusal = vocab_refusal(tokenizer_path, config.vocab_size, f"--from_weight {from_weight}")
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def weight_shapes(args, path):
