@@ -53,7 +53,7 @@ def check_tokenizer(path):
                           "pass a Hugging Face tokenizer folder")
 
 
-VOCAB_MULTIPLE = 64  # the embedding's rows are padded to a multiple of 64 (MiniMind's 6,400 is one)
+VOCAB_MULTIPLE = 64  # rows padded to a multiple of 64 (MiniMind's 6,400 is one): any power-of-two --tp to 64 divides it
 
 
 def tokenizer_ids(folder):
