@@ -15,6 +15,12 @@ import shutil
 import numpy as np
 
 CACHE_FORMAT_VERSION = 2  # 2: SFT labels cover think blocks and tool calls; tools rendered
+CHAT_FORMAT_VERSION = 3  # chat rows (every kind but pretrain): 3: a turn's generation prompt tokenized as a prompt
+
+
+def format_version(kind):
+    """The token cache format of a kind of rows: chat rows' tokens changed in version 3 (dataset/chat.py)."""
+    return CACHE_FORMAT_VERSION if kind == "pretrain" else CHAT_FORMAT_VERSION
 BLOCK = 1 << 20
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, quota, file size limit
 

@@ -12,6 +12,14 @@ they come from the environment, not the model), the role header "<|im_start|>ass
 supplies it), the "\n" after <|im_end|> (generation stops at eos) and padding. Why: the loss is the
 model's own output given everything it is shown, so it learns to reason, answer, call tools and stop.
 Unlike MiniMind, empty think blocks are never dropped at random: the cache is a pure function of the file.
+
+How it is tokenized: as every stock consumer (transformers, vLLM, SGLang, llama.cpp, Ollama) tokenizes the prompt
+that asks for that turn. A byte-level pre-tokenizer splits whitespace by what follows it: the generation prompt
+"...<think>\n\n</think>\n\n" alone ends in one "\n\n" token, the same text with the answer after it in "\n", "\n".
+Trained on the second and prompted with the first, a model took the "\n\n" for the inside of a think block and wrote
+"</think>" again. So the text is cut after each turn's generation prompt where the turn begins with it (an empty think
+block) and the pieces are tokenized apart (labelled_tokens). In a conversation of several turns a stock prompt's
+history still reads the earlier turns' "\n\n" as two tokens: only the turn being answered ends as trained.
 """
 import json
 
@@ -79,13 +87,15 @@ def render_chat(tokenizer, messages, tools, add_generation_prompt=False):
 
 
 def assistant_spans(tokenizer, messages, tools, text):
-    """Character spans [start, end) in `text` of what each assistant turn generates, eos included.
+    """(spans, cuts): character spans [start, end) in `text` of what each assistant turn generates, eos included, and
+    where each turn's generation prompt ends in `text` (the turns that begin with the whole prompt: an empty think
+    block), which labelled_tokens tokenizes as a prompt's end.
 
     A turn starts after its role header, the first line of the template's generation prompt
     ("<|im_start|>assistant\\n"), searched from where the conversation before the turn ends, and
     runs to the first eos after it (within the turn as rendered alone, where that is a prefix).
     """
-    eos, spans, cursor = tokenizer.eos_token, [], 0
+    eos, spans, cuts, cursor = tokenizer.eos_token, [], [], 0
     default_header = f"{tokenizer.bos_token}assistant\n"
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -99,6 +109,8 @@ def assistant_spans(tokenizer, messages, tools, text):
             if prompt is not None and prompt.startswith(before) and len(prompt) > len(before):
                 first_line, newline, _ = prompt[len(before):].partition("\n")
                 header = first_line + newline
+                if text.startswith(prompt):
+                    cuts.append(len(prompt))
         start = text.find(header, cursor)
         if start < 0:
             raise ValueError(f"assistant message {k} not found in the chat template output")
@@ -108,15 +120,25 @@ def assistant_spans(tokenizer, messages, tools, text):
         end = eos_pos + len(eos) if eos_pos >= 0 else len(text[:bound].rstrip())
         spans.append((start, end))
         cursor = end
-    return spans
+    return spans, cuts
 
 
-def labelled_tokens(tokenizer, texts, spans):
-    """(ids, loss mask) per text: a token is labelled where it starts inside one of the text's assistant spans."""
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    out = []
-    for ids, offsets, doc_spans in zip(encoded["input_ids"], encoded["offset_mapping"], spans):
-        starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+def labelled_tokens(tokenizer, texts, spans, cuts=None):
+    """(ids, loss mask) per text: each text tokenized in pieces cut at its `cuts` (character positions: where a
+    generation prompt ends), and a token labelled where it starts inside one of the text's assistant spans."""
+    cuts = cuts or [[] for _ in texts]
+    bounds = [[0, *sorted(c for c in set(doc_cuts) if 0 < c < len(text)), len(text)]
+              for text, doc_cuts in zip(texts, cuts)]
+    pieces = [text[a:b] for text, doc in zip(texts, bounds) for a, b in zip(doc, doc[1:])]
+    encoded = tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True)
+    out, piece = [], 0
+    for doc, doc_spans in zip(bounds, spans):
+        ids, starts = [], []
+        for begin in doc[:-1]:  # the pieces of this text, their offsets moved to the text's
+            ids += encoded["input_ids"][piece]
+            starts += [begin + a for a, _ in encoded["offset_mapping"][piece]]
+            piece += 1
+        starts = np.asarray(starts, dtype=np.int64)
         mask = np.zeros(len(ids), dtype=np.uint8)
         for a, b in doc_spans:
             mask |= (starts >= a) & (starts < b)  # a token is labelled if it starts inside the span
@@ -208,7 +230,7 @@ class SFTDataset(TokenCacheDataset):
         return np.concatenate(has_target) if has_target else np.zeros(0, dtype=bool)
 
     def _tokenized_chunks(self, records, bad_lines):
-        texts, spans = [], []
+        texts, spans, cuts = [], [], []
         for lineno, value, error in records:
             if not error:
                 try:
@@ -218,7 +240,9 @@ class SFTDataset(TokenCacheDataset):
             if not error:
                 try:
                     text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-                    spans.append(assistant_spans(self.tokenizer, messages, tools, text))
+                    doc_spans, doc_cuts = assistant_spans(self.tokenizer, messages, tools, text)
+                    spans.append(doc_spans)
+                    cuts.append(doc_cuts)
                     texts.append(text)
                 except Exception as e:  # a template may reject e.g. an unexpected role order
                     error = f"cannot apply the chat template ({e})"
@@ -226,10 +250,10 @@ class SFTDataset(TokenCacheDataset):
                 bad_lines(lineno, error)
                 continue
             if len(texts) == CHUNK_DOCS:
-                yield labelled_tokens(self.tokenizer, texts, spans)
-                texts, spans = [], []
+                yield labelled_tokens(self.tokenizer, texts, spans, cuts)
+                texts, spans, cuts = [], [], []
         if texts:
-            yield labelled_tokens(self.tokenizer, texts, spans)
+            yield labelled_tokens(self.tokenizer, texts, spans, cuts)
 
     def __len__(self):
         return len(self.row_offsets) - 1 if self.packing else self.num_conversations

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dataset.cache_guard import CACHE_FORMAT_VERSION, discard_if_damaged, read_token_cache
+from dataset.cache_guard import CACHE_FORMAT_VERSION, discard_if_damaged, format_version, read_token_cache
 
 # the build path (worker processes, locks, a part per local rank): read on a cache miss only
 TOKEN_CACHE_BUILDER = "dataset.tokenizing.token_cache"
@@ -41,7 +41,7 @@ def local_part():
 
 def cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
     stat = os.stat(data_path)
-    key = [CACHE_FORMAT_VERSION, kind, os.path.abspath(data_path), stat.st_size, stat.st_mtime_ns,
+    key = [format_version(kind), kind, os.path.abspath(data_path), stat.st_size, stat.st_mtime_ns,
            tokenizer_fingerprint(tokenizer), bool(skip_bad_lines)]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     return os.path.join(cache_dir, f"{os.path.basename(data_path)}.{kind}.{digest}")
@@ -51,7 +51,8 @@ def _build_cache(dataset, skip_bad_lines, num_proc, part):
     """Tokenize dataset.data_path into dataset.cache_path, once per node (see dataset/tokenizing/token_cache.py)."""
     build_token_cache = importlib.import_module(TOKEN_CACHE_BUILDER).build_token_cache
     build_token_cache(dataset.cache_path, dataset.data_path, dataset.field, dataset._tokenized_chunks,
-                      dataset.token_dtype, skip_bad_lines, num_proc=num_proc, part=part)
+                      dataset.token_dtype, skip_bad_lines, num_proc=num_proc, part=part,
+                      format_version=format_version(dataset.kind))
 
 
 # scripts/pretokenize.py writes <prefix>.bin (tokens), <prefix>.idx (int64 document offsets),
@@ -76,6 +77,9 @@ def open_shard(token_path, kind, tokenizer):
         meta = json.load(f)
     if meta.get("kind") != kind:
         raise ValueError(f"{token_path} holds {meta.get('kind')} data, not {kind}")
+    if meta.get("format_version", CACHE_FORMAT_VERSION) != format_version(kind):
+        raise ValueError(f"{token_path} holds {kind} tokens of format {meta.get('format_version')}, this version "
+                         f"reads {format_version(kind)}; rebuild it with scripts/pretokenize.py")
     if meta.get("tokenizer") != tokenizer_fingerprint(tokenizer):
         raise ValueError(f"{token_path} was tokenized with another tokenizer; rebuild it with scripts/pretokenize.py")
     return meta, files

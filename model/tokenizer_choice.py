@@ -1,6 +1,8 @@
 """Which tokenizer to use with recorded weights (model/provenance.py's record) and the tokenizer flags the user typed:
 --tokenizer_path must be the recorded tokenizer unless --force_tokenizer 1; without it, the recorded folder, else
-the repository's model/ when its tokenizer.json is the recorded one; and the check that a tokenizer folder holds one."""
+the repository's model/ when its tokenizer.json is the recorded one; the check that a tokenizer folder holds one; and
+the model's vocab_size for a tokenizer (model_vocab_size: its ids rounded up to a multiple of 64), the one rule."""
+import json
 import os
 
 from model.errors import ConfigError
@@ -49,3 +51,35 @@ def check_tokenizer(path):
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ConfigError(f"--tokenizer_path {path} has no tokenizer.json or tokenizer_config.json; "
                           "pass a Hugging Face tokenizer folder")
+
+
+VOCAB_MULTIPLE = 64  # rows padded to a multiple of 64 (MiniMind's 6,400 is one): any power-of-two --tp to 64 divides it
+
+
+def tokenizer_ids(folder):
+    """How many token ids the tokenizer in `folder` uses: its largest id + 1 (base vocabulary and added tokens)."""
+    path = os.path.join(folder, "tokenizer.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        vocab = (state.get("model") or {}).get("vocab") or {}
+        ids = list(vocab.values()) if isinstance(vocab, dict) else range(len(vocab))  # Unigram's is a list
+        return 1 + max([*ids, *(token["id"] for token in state.get("added_tokens") or [])], default=-1)
+    from transformers import AutoTokenizer  # a folder without tokenizer.json (vocab.json + merges.txt): rare
+    return len(AutoTokenizer.from_pretrained(folder))
+
+
+def model_vocab_size(folder):
+    """The model's vocab_size for the tokenizer in `folder`: its ids rounded up to a multiple of VOCAB_MULTIPLE, so the
+    model's embedding follows the tokenizer it is trained with (model/tokenizer.json: 6,400, MiniMind's own)."""
+    return -(-tokenizer_ids(folder) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def vocab_refusal(folder, rows, what):
+    """The line refusing the tokenizer in `folder` for weights of `rows` embedding rows (`what`: the weights as the
+    user named them) when its ids reach past them (its tokens would index rows that do not exist); else None."""
+    ids = tokenizer_ids(folder)
+    if ids <= rows:
+        return None
+    return (f"--tokenizer_path {folder} has {ids} token ids but {what} has {rows} embedding rows: pass the tokenizer "
+            "those weights were trained with, or pretrain with this one (the model's vocab_size follows its tokenizer)")

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from model.atomic import atomic_write_text, files_replaced_in, full_disk_reason  # noqa: E402
 from model.export.gguf import OUT_TYPES, gguf_refusal, worst_rounding_ratio, write_gguf  # noqa: E402
-from model.export.ollama import modelfile  # noqa: E402
+from model.export.ollama import modelfile, modelfile_target  # noqa: E402
 from model.hf_convert import save_hf_folder, save_quietly  # noqa: E402
 from model.lora import LoraError, apply_lora_file, merge_lora  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
@@ -159,16 +159,23 @@ def export_gguf(args):
     """A .pth / resume checkpoint -> <out_dir>/minimind-<type>.gguf + Modelfile; returns the worst read-back error
     as a fraction of the type's rounding bound (<= 1: as written)."""
     model, config, tokenizer_dir, _ = source_model(args)
-    name = f"minimind-{args.gguf_type}.gguf"
+    name, earlier = gguf_name(args.gguf_type), modelfile_target(args.out_dir)
     with files_replaced_in(args.out_dir, last="Modelfile") as folder:  # Modelfile last: it names the new file
         write_gguf(model.state_dict(), config, tokenizer_dir, os.path.join(folder, name), args.gguf_type)
         atomic_write_text(os.path.join(folder, "Modelfile"), modelfile(name, config.max_position_embeddings))
     path = os.path.join(args.out_dir, name)
     print(f"wrote {path} ({'qwen3moe' if config.use_moe else 'qwen3'}, {args.gguf_type}, "
           f"{os.path.getsize(path) / 2**20:.1f} MiB) and its Ollama Modelfile; tokenizer from {tokenizer_dir}")
+    if earlier and earlier != name and os.path.isfile(os.path.join(args.out_dir, earlier)):
+        print(f"the Modelfile named {earlier} before; that file stays beside {name}")
     ratio = worst_rounding_ratio(path, model.state_dict(), config)
-    print(f"verify: tensors read back within {ratio:.3g} of their {args.gguf_type} rounding bound (<= 1 passes)")
+    print("verify: tensors read back exactly" if ratio == 0 else
+          f"verify: tensors read back within {ratio:.3g}x their {args.gguf_type} rounding bound (<= 1 passes)")
     return ratio
+
+
+def gguf_name(gguf_type):
+    return f"minimind-{gguf_type}.gguf"
 
 
 def merged_with_lora(model, config, args, save_dtype, tokenizer_dir):
@@ -255,13 +262,13 @@ def parse_args(argv=None):
 
 
 def earlier_export(args):
-    """(flag, the file that marks an export already at that flag's output: a folder's config.json, a GGUF or its
-    Modelfile, an imported .pth, a merged .pth at --merged_weight), or None: as a training run, an export does not
-    replace another unasked."""
+    """(flag, the file that marks an export already at that flag's output: a folder's config.json, a GGUF of the same
+    type, an imported .pth, a merged .pth at --merged_weight), or None: as a training run, an export does not replace
+    another unasked (a GGUF of another type stays beside it; the Modelfile then names the new one, and says so)."""
     if args.to == "minimind":
         return ("--weight", args.weight) if os.path.isfile(args.weight) else None
     names = sorted(os.listdir(args.out_dir)) if os.path.isdir(args.out_dir) else []
-    marks = [n for n in names if (n == "config.json" if args.to == "hf" else n.endswith(".gguf") or n == "Modelfile")]
+    marks = [n for n in names if n == ("config.json" if args.to == "hf" else gguf_name(args.gguf_type))]
     if marks:
         return "--out_dir", os.path.join(args.out_dir, marks[0])
     return ("--merged_weight", args.merged_weight) if args.lora and os.path.isfile(args.merged_weight) else None

@@ -17,6 +17,7 @@ requests, replies, app).
 """
 import argparse
 import os
+import signal
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,8 +75,13 @@ def main(argv=None):
     sock = listening(args.host, args.port)
     app = create_app(model, tokenizer, args)
     print(address_line(args, sock), flush=True)  # uvicorn, handed a socket, names no address
-    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5)
-    Server(config, app.state.engine).run(sockets=[sock])
+    # no lifespan handlers here: off, so a second Ctrl-C (uvicorn's forced exit) cancels no lifespan task that logs it
+    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5, lifespan="off")
+    try:
+        Server(config, app.state.engine).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on; asyncio turns it into this
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a further Ctrl-C while leaving: no second traceback
+        sys.exit(130)
 
 
 if __name__ == "__main__":

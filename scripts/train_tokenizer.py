@@ -34,6 +34,8 @@ from model.atomic import atomic_json, atomic_write_text  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
+FEW_HELD_OUT = 100  # held-out documents below which the bytes-per-token comparison gets a caveat
+
 # MiniMind-3's added tokens, same ids and order: 0 pad/unk, 1 bos, 2 eos, 3-20 reserved multimodal markers
 # (special), 21-26 tool-call and reasoning tags, 27-35 buffers (not special: decode keeps them, so tool calls
 # and reasoning survive skip_special_tokens and can be parsed from the generated text)
@@ -243,6 +245,9 @@ def main(argv=None):
         print(f"held-out {len(held_out)} documents ({result['heldout_bytes']:,} bytes): bytes per token "
               f"{ours:.3f} (this tokenizer, vocab {tokenizer.get_vocab_size()}) vs {minimind:.3f} (MiniMind's, "
               f"vocab 6400)")
+        if len(held_out) < FEW_HELD_OUT:
+            print(f"note: {len(held_out)} held-out documents are too few for the comparison to say much (under "
+                  f"{FEW_HELD_OUT}); a smaller --heldout_every holds out more of a small corpus")
 
 
 if __name__ == "__main__":

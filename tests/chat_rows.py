@@ -43,13 +43,20 @@ def encode(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+CUT = ("", None)  # where SFT cuts a row, after a turn's generation prompt (dataset/chat.py): each side tokenized apart
+
+
 def pieces_to_ids(tokenizer, pieces):
-    """(ids, labels) of (text, labelled) pieces; boundaries fall on added tokens or before '\\n<|im_start|>'."""
-    ids, labels = [], []
-    for text, labelled in pieces:
+    """(ids, labels) of (text, labelled) pieces; boundaries fall on added tokens or before '\\n<|im_start|>', or are
+    a CUT, where SFT tokenizes the two sides apart."""
+    ids, labels, group = [], [], []
+    for text, labelled in [*pieces, CUT]:
+        if labelled is None:  # the group's pieces tokenize the same separately as together: the dataset's tokens
+            assert ids[len(ids) - sum(len(encode(tokenizer, t)) for t in group):] == encode(tokenizer, "".join(group))
+            group = []
+            continue
         piece_ids = encode(tokenizer, text)
         ids += piece_ids
         labels += piece_ids if labelled else [-100] * len(piece_ids)
-    # the pieces tokenize the same separately as together, so this is the dataset's tokenization too
-    assert ids == encode(tokenizer, "".join(text for text, _ in pieces))
+        group.append(text)
     return ids, labels

@@ -1,5 +1,5 @@
-"""README.md's command blocks as tests read them: the quick start and the small chain (tests/test_readme_chain.py
-runs them smaller, tests/test_small_chain.py its SFT at full size)."""
+"""README.md's command blocks as tests read them: the quick start, the own-corpus path and the small chain
+(tests/test_readme_chain.py runs them smaller, tests/test_small_chain.py its SFT at full size)."""
 import os
 import re
 
@@ -8,14 +8,25 @@ from tests.launch import ROOT
 MARK = "# the small chain, after the quick start:"
 
 
-def readme_blocks():
+def readme_text():
     with open(os.path.join(ROOT, "README.md")) as f:
-        return re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+        return f.read()
+
+
+def readme_blocks():
+    return re.findall(r"```bash\n(.*?)```", readme_text(), re.S)
 
 
 def readme_chain():
     """The command lines of README.md's small-chain block, without the leading `python `."""
     block = next(b for b in readme_blocks() if b.startswith(MARK))
+    return [line[len("python "):] for line in block.splitlines() if line.startswith("python ")]
+
+
+def own_corpus():
+    """The command lines of README.md's own-corpus block (raw -> curated -> tokenizer -> pretraining), without the
+    leading `python `."""
+    block = next(b for b in readme_blocks() if b.startswith("python scripts/curate_data.py"))
     return [line[len("python "):] for line in block.splitlines() if line.startswith("python ")]
 
 

@@ -104,9 +104,6 @@ def greedy_reply(model, tokenizer, messages, max_new_tokens):
 
 
 def trained_ids(tokenizer, text):
-    """A generation prompt's ids as SFT saw the same text with the answer after it, written out here: MiniMind's
-    byte-level tokenizer reads a closing "\n\n" there as two "\n" tokens (dataset/prompt_ids.py)."""
-    if text.endswith("\n\n") and not text.endswith("\n\n\n"):
-        newline = tokenizer.convert_tokens_to_ids("Ċ")
-        return tokenizer(text[:-2], add_special_tokens=False)["input_ids"] + [newline, newline]
+    """A generation prompt's ids as a stock consumer (transformers' apply_chat_template) tokenizes its text, which is
+    what SFT trains on since it cuts its rows where a generation prompt ends (dataset/chat.py)."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]

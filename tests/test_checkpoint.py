@@ -13,7 +13,7 @@ from model.atomic import atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer.base.errors import ConfigError
-from trainer.ckpt.checkpoint import TrainState, read_checkpoint_model, read_resume
+from trainer.ckpt.checkpoint import TrainState, check_config, read_checkpoint_model, read_resume
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import SHARDED, Part, standard_parts
 from trainer.ckpt.step_dirs import MANIFEST, latest_checkpoint, rng_state, set_rng_state
@@ -299,3 +299,15 @@ def test_a_part_added_later_starts_from_its_start_value_and_one_without_is_refus
     late_ema = ema_part(late_model)
     late.register(late_ema)  # after the load: restored at once
     assert all(torch.equal(late_ema.values[n], v) for n, v in ema.values.items())
+
+
+def test_a_resume_with_another_vocabulary_names_the_tokenizer_not_a_flag():
+    """No flag sets vocab_size (the tokenizer does): a checkpoint of another vocabulary says which tokenizer to pass."""
+    saved = tiny_config(vocab_size=8000).to_dict()
+    with pytest.raises(ConfigError) as caught:
+        check_config(saved, tiny_config(), "ck/step_2", {"path": "/data/tok8000", "sha256": "ab"})
+    assert str(caught.value) == ("ck/step_2 was saved with vocab_size=8000 but this run has vocab_size=6400; "
+                                 "vocab_size follows the tokenizer: pass --tokenizer_path /data/tok8000 or pass "
+                                 "--from_resume 0")
+    with pytest.raises(ConfigError, match="hidden_size=64 but this run has hidden_size=128; match the flags or pass"):
+        check_config(saved, tiny_config(hidden_size=128, vocab_size=8000), "ck/step_2")

@@ -328,7 +328,7 @@ def test_gguf_export_merges_lora_and_writes_the_modelfile_beside_it(tmp_path, ca
     out = tmp_path / "gguf"
     assert convert_main(["--to", "gguf", "--weight", str(tmp_path / "full_sft_64.pth"), "--lora", str(adapter),
                          "--out_dir", str(out), "--gguf_type", "f32"]) == 0
-    assert "within 0 of their f32 rounding bound" in capsys.readouterr().out
+    assert "verify: tensors read back exactly" in capsys.readouterr().out  # f32 (it said "within 0 of their bound")
     state_dict, fields = read_gguf(str(out / "minimind-f32.gguf"))
     assert fields["general.architecture"] == "qwen3" and fields["qwen3.block_count"] == 2
     reference = hand_folded(tmp_path / "full_sft_64.pth", adapter, config)
@@ -338,9 +338,16 @@ def test_gguf_export_merges_lora_and_writes_the_modelfile_beside_it(tmp_path, ca
     second = ["--to", "gguf", "--weight", str(tmp_path / "merge_medical_64.pth"), "--out_dir", str(out),
               "--gguf_type", "q8_0"]
     capsys.readouterr()
-    assert convert_main(second) == 2 and "holds an earlier export (Modelfile); --overwrite 1" in capsys.readouterr().err
-    assert convert_main(second + ["--overwrite", "1"]) == 0  # a second export: the Modelfile names the new file
+    # another type is another file: it goes beside the first, and the Modelfile names it (saying what it named)
+    assert convert_main(second) == 0
     assert (out / "Modelfile").read_text().startswith("FROM ./minimind-q8_0.gguf\n")
+    assert sorted(os.listdir(out)) == ["Modelfile", "minimind-f32.gguf", "minimind-q8_0.gguf"]
+    said = capsys.readouterr().out
+    assert "the Modelfile named minimind-f32.gguf before; that file stays beside minimind-q8_0.gguf" in said
+    assert "verify: tensors read back within " in said and "x their q8_0 rounding bound (<= 1 passes)" in said
+    assert convert_main(second) == 2 and "holds an earlier export (minimind-q8_0.gguf); --overwrite 1" in \
+        capsys.readouterr().err  # the same type again: as training, not replaced unasked
+    assert convert_main(second + ["--overwrite", "1"]) == 0
 
 
 def serving_names(config):
@@ -410,3 +417,36 @@ def test_a_gguf_export_that_fills_the_disk_is_one_line_and_keeps_the_earlier_one
                            "free space or choose another --out_dir, then run again")
     assert {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)} == before
     assert sorted(os.listdir(disk)) == ["filler", "gguf"]
+
+
+QA = [("Hi", "Hello there"), ("Bye", "Goodbye now"), ("Thanks", "You are welcome"), ("Sorry", "No problem")]
+
+
+def test_the_exported_model_answers_a_stock_chat_prompt_without_closing_its_think_block_again(tmp_path, monkeypatch,
+                                                                                               capsys):
+    """A tiny model SFT-trained from scratch on four one-line chats (seconds, fp32), exported: transformers' own chat
+    template (add_generation_prompt=True, tokenize=True) on the folder, then its own generate(), gives each answer's
+    first token, not "</think>" (what a row tokenized whole, "</think>", "\\n", "\\n", taught: a stock prompt ends in
+    one "\\n\\n" token, which such a model had only seen inside the empty think block)."""
+    from transformers import AutoTokenizer
+
+    from tests.launch import run_in_process, write_rows
+    from trainer import train_sft
+    data = write_rows(tmp_path / "qa.jsonl", [{"conversations": [{"role": "user", "content": q}, {
+        "role": "assistant", "content": a}]} for q, a in QA] * 8)
+    out = tmp_path / "out"
+    code, err = run_in_process(monkeypatch, capsys, train_sft, [
+        *TINY_MODEL, "--data_path", data, "--from_weight", "none", "--max_seq_len", 32, "--batch_size", 4,
+        "--packing", 0, "--epochs", 10, "--learning_rate", 5e-3, "--save_dir", out, "--checkpoint_dir", out / "ckpt",
+        "--cache_dir", out / "cache", "--log_interval", 100])
+    assert code == 0, err
+    assert convert_main(["--weight", str(out / "full_sft_64.pth"), "--out_dir", str(tmp_path / "hf")]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    for question, answer in QA:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                               return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        first = tokenizer.convert_ids_to_tokens(out[0, -1].item())
+        assert first != "</think>" and first == tokenizer.tokenize(answer)[0], (question, first)

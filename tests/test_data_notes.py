@@ -8,6 +8,7 @@ from dataset.chat import SFTDataset
 from dataset.preference_data import DPODataset, RewardPairs
 from tests.launch import TINY_MODEL, run_in_process, write_rows
 from trainer import train_dpo
+from trainer.core.data_loading import rows_line
 
 
 def conversation(question, answer):
@@ -77,3 +78,14 @@ def test_conversations_cut_at_max_seq_len_are_counted(tmp_path, tokenizer, packi
            "end" in ds.notes()
     wide = SFTDataset(data, tokenizer, max_length=max(lengths), cache_dir=tmp_path / "c", packing=packing)
     assert wide.notes() == []
+
+
+def test_the_data_line_counts_the_conversations_it_packs(tmp_path, tokenizer):
+    """Packed SFT leaves out the conversations without a target within the row: the Data line counts the 5 it packs,
+    not the file's 7 (it said 'packed from 7' right after '2 of 7 ... are left out')."""
+    rows = [{"conversations": conversation(f"Hi {i}?", "Hello.")} for i in range(5)]
+    rows += [{"conversations": conversation("word " * 60, "Yes.")} for _ in range(2)]  # the answer past 32 tokens
+    data = write_rows(tmp_path / "sft.jsonl", rows)
+    ds = SFTDataset(data, tokenizer, max_length=32, cache_dir=tmp_path / "c", packing=True)
+    assert ds.notes()[0].startswith(f"2 of 7 conversations of {data} have no assistant token within --max_seq_len 32")
+    assert rows_line(ds, 32) == f"{len(ds)} rows of 32 tokens packed from 5 conversations"

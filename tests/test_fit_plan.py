@@ -17,6 +17,7 @@ from scripts.planner.fit import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, corpus_tokens
 from scripts.planner.gpus import GIB, GPUS, find_gpu
 from tests.cpu_probe import force_cpu_bf16
 from tests.launch import ROOT, forked
+from tests.weight_files import wider_tokenizer
 from trainer.plan.checks import resolve_dtype
 
 SMALL = ["--hidden_size", "256", "--num_hidden_layers", "4", "--accumulation_steps", "1", "--dtype", "float32",
@@ -84,6 +85,15 @@ def test_flops_and_epoch_time_by_hand():
     assert out["epoch_hours"] == pytest.approx(hours, rel=1e-12)
     assert out["epoch_usd"] == pytest.approx(3.0 * hours, rel=1e-12)
     assert out["params_active"] == out["params_total"]  # dense
+
+
+def test_the_planner_counts_the_embedding_its_tokenizer_gives(tmp_path):
+    """The plan's model follows --tokenizer_path as the trainer's does: 6,401 ids -> a 6,464-row lm_head (101 x 64)
+    in the FLOPs' hand count, and 64 x 64 more parameters (the tied embedding) than with model/'s 6,400."""
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 256
+    wide = estimate("pretrain", TINY + ["--tokenizer_path", wider_tokenizer(tmp_path / "wide", 1)])
+    assert wide["train_flops_per_token"] == 6 * (2 * per_layer + 6464 * 64) + 6 * 2 * 64 * 128
+    assert wide["params_total"] - estimate("pretrain", TINY)["params_total"] == 64 * 64
 
 
 def test_moe_active_parameters_by_hand():

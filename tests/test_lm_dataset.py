@@ -19,7 +19,15 @@ from dataset.chat import SFTDataset
 from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.chat_rows import GCD_CALLS, GCD_TOOLS, TOOL_CONVERSATION, TOOL_CONVERSATION_PIECES, encode, pieces_to_ids
+from tests.chat_rows import (
+    CUT,
+    GCD_CALLS,
+    GCD_TOOLS,
+    TOOL_CONVERSATION,
+    TOOL_CONVERSATION_PIECES,
+    encode,
+    pieces_to_ids,
+)
 from tests.launch import demo_slice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,13 +138,14 @@ def labelled_runs(tokenizer, input_ids, labels):
 
 
 def hand_built_conversation(tokenizer):
-    """CONVERSATION in MiniMind-3's ChatML, written out by hand (an empty think block opens each answer)."""
+    """CONVERSATION in MiniMind-3's ChatML, written out by hand (an empty think block opens each answer; its
+    generation prompt, through "</think>\\n\\n", tokenized apart from the answer)."""
     return pieces_to_ids(tokenizer, [
         ("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hi.<|im_end|>\n"
          "<|im_start|>assistant\n", False),
-        ("<think>\n\n</think>\n\nHi there.<|im_end|>", True),
+        ("<think>\n\n</think>\n\n", True), CUT, ("Hi there.<|im_end|>", True),
         ("\n<|im_start|>user\n再说一次<|im_end|>\n<|im_start|>assistant\n", False),
-        ("<think>\n\n</think>\n\n你好！<|im_end|>", True),
+        ("<think>\n\n</think>\n\n", True), CUT, ("你好！<|im_end|>", True),
         ("\n", False),
     ])
 
@@ -168,7 +177,7 @@ def test_sft_rows_without_an_assistant_token_are_counted(tokenizer, tmp_path, mo
     _, labels = hand_built_conversation(tokenizer)
     _, long_labels = pieces_to_ids(tokenizer, [
         (f"<|im_start|>user\n{LONG_QUESTION}<|im_end|>\n<|im_start|>assistant\n", False),
-        ("<think>\n\n</think>\n\nBlue.<|im_end|>", True), ("\n", False)])
+        ("<think>\n\n</think>\n\n", True), CUT, ("Blue.<|im_end|>", True), ("\n", False)])
     first = next(i for i, label in enumerate(labels) if label != -100)  # position of the first target
     long_first = next(i for i, label in enumerate(long_labels) if label != -100)
     assert first < long_first
@@ -294,7 +303,7 @@ def one_turn(user, answer):
     """(ids, labels) of a user + assistant conversation, written out by hand."""
     return pieces_to_ids(AutoTokenizer.from_pretrained(os.path.join(ROOT, "model")), [
         (f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n", False),
-        (f"<think>\n\n</think>\n\n{answer}<|im_end|>", True), ("\n", False)])
+        ("<think>\n\n</think>\n\n", True), CUT, (f"{answer}<|im_end|>", True), ("\n", False)])
 
 
 def test_sft_packing_three_conversations_by_hand(tokenizer, tmp_path):

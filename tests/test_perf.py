@@ -216,6 +216,13 @@ def test_pretokenized_sft_equals_on_the_fly(tokenizer, tmp_path):
     from_shard = SFTDataset(str(tmp_path / "chat.bin"), tokenizer, max_length=64)
     for a, b in zip(from_shard[2], on_the_fly[2]):
         assert torch.equal(a, b)
+    # a shard of chat rows tokenized before the generation prompt's cut (format 2) would train on other tokens
+    meta_path = tmp_path / "chat.json"
+    meta_path.write_text(json.dumps(dict(json.loads(meta_path.read_text()), format_version=2)))
+    with pytest.raises(ValueError) as caught:
+        SFTDataset(str(tmp_path / "chat.bin"), tokenizer, max_length=64)
+    assert str(caught.value) == (f"{tmp_path / 'chat.bin'} holds sft tokens of format 2, this version reads 3; "
+                                 "rebuild it with scripts/pretokenize.py")
 
 
 def test_pretokenized_shard_checks_kind_and_tokenizer(tokenizer, tmp_path):

@@ -8,14 +8,18 @@ import os
 import shutil
 
 import pytest
+import torch
+from transformers import AutoTokenizer
 
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.provenance import content_sha256
-from model.tokenizer_choice import TokenizerMismatch, tokenizer_for
+from model.tokenizer_choice import TokenizerMismatch, model_vocab_size, tokenizer_for, tokenizer_ids
 from scripts.convert_model import main as convert_main
 from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args as eval_args
 from scripts.inference.load import tokenizer_folder
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.launch import ROOT, TINY_CONFIG, TINY_MODEL, demo_slice, forked
+from tests.weight_files import wider_tokenizer
 from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
@@ -135,3 +139,47 @@ def test_tokenizer_for_by_hand(tmp_path):
     shutil.copy(os.path.join(MODEL_DIR, "tokenizer.json"), os.path.join(other, "tokenizer.json"))  # changed since
     with pytest.raises(TokenizerMismatch, match="which has changed; pass --tokenizer_path"):
         tokenizer_for({"path": other, "sha256": other_sha}, None, MODEL_DIR, "w")
+
+
+def test_the_model_s_vocab_size_follows_the_tokenizer(tmp_path):
+    """vocab_size = the tokenizer's ids rounded up to a multiple of 64, by hand: model/'s 6,400 ids stay MiniMind's
+    6,400 rows; 6,401 ids take 6,464 (101 x 64); 353 ids (a BPE of 353 tokens) take 384 (6 x 64)."""
+    from scripts.train_tokenizer import tokenizer_config, train_tokenizer
+    assert model_vocab_size(MODEL_DIR) == 6400 and tokenizer_ids(MODEL_DIR) == 6400
+    wide = wider_tokenizer(tmp_path / "wide", 1)
+    assert AutoTokenizer.from_pretrained(wide).convert_tokens_to_ids("<|extra0|>") == 6400
+    assert (tokenizer_ids(wide), model_vocab_size(wide)) == (6401, 6464)
+    small = tmp_path / "small"
+    small.mkdir()
+    texts = [f"document {i}: the quick brown fox" for i in range(50)]
+    (small / "tokenizer.json").write_text(train_tokenizer(texts, 353).to_str())
+    (small / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
+    assert len(AutoTokenizer.from_pretrained(small)) == 353 and model_vocab_size(small) == 384
+    save = ["--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt")]
+    for folder, rows in ((None, 6400), (wide, 6464), (str(small), 384)):  # the plan's model, as the trainer builds it
+        typed = ["--tokenizer_path", folder] if folder else []
+        plan = resolve(add_train_args(argparse.ArgumentParser()).parse_args([*TINY_MODEL, *typed, *save]), 1)
+        assert plan.model.config.vocab_size == rows
+
+
+def test_a_tokenizer_wider_than_the_weights_is_refused(tmp_path, capsys):
+    """A later stage keeps its --from_weight file's rows; a tokenizer with ids past them (here: weights without a
+    sidecar, so nothing records their tokenizer) is one line before training, not an IndexError in the embedding;
+    so is a chat on them (eval_llm, the server and the web chat load through the same loader)."""
+    config = MiniMindConfig(**TINY_CONFIG)
+    weights = str(tmp_path / "pretrain_64.pth")
+    torch.save(MiniMindForCausalLM(config).state_dict(), weights)
+    wide = wider_tokenizer(tmp_path / "wide", 1)
+    save = ["--save_dir", str(tmp_path / "out"), "--checkpoint_dir", str(tmp_path / "ckpt")]
+    assert resolve(sft_args("--from_weight", weights, *save), 1).model.config.vocab_size == 6400
+    with pytest.raises(ConfigError) as caught:
+        resolve(sft_args("--from_weight", weights, "--tokenizer_path", wide, *save), 1)
+    assert str(caught.value) == (f"--tokenizer_path {wide} has 6401 token ids but --from_weight {weights} has 6400 "
+                                 "embedding rows: pass the tokenizer those weights were trained with, or pretrain "
+                                 "with this one (the model's vocab_size follows its tokenizer)")
+    with pytest.raises(SystemExit) as caught:
+        eval_main(["--weight", weights, "--tokenizer_path", wide, "--prompt", "hi", "--device", "cpu"])
+    assert caught.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        f"error: --tokenizer_path {wide} has 6401 token ids but {weights} has 6400 embedding rows: pass the "
+        "tokenizer those weights were trained with, or pretrain with this one (the model's vocab_size follows its "
+        "tokenizer)")

@@ -8,7 +8,7 @@ import shlex
 
 from scripts import report
 from tests.launch import ROOT, forked, python
-from tests.readme_lines import quick_start, readme_chain
+from tests.readme_lines import own_corpus, quick_start, readme_chain, readme_text
 
 # the README's size, and the test's: the file names follow (_256 -> _64)
 SMALLER = [("--hidden_size 256", "--hidden_size 64 --num_attention_heads 4 --num_key_value_heads 2"),
@@ -67,6 +67,8 @@ def test_the_readme_chain_runs_each_stage_from_the_one_before(tmp_path):
     assert started_from(lora, w["full_sft_64.pth"], digests) and os.path.isfile(w["lora/lora_identity_64.pth"])
     assert "on 4 modules (o_proj, q_proj in 2 layers)" in lora  # the square layers of 2 blocks (it said "4 layers")
     assert started_from(dpo, w["full_sft_64.pth"], digests) and os.path.isfile(os.path.join(out, "dpo_64.pth"))
+    # the pass before DPO's step 1 that the README's times name (minutes at the README's size): its line, then its bar
+    assert "reference log-probs: computing them with" in dpo and "`reference log-probs` bar" in readme_text()
     assert "initialised from --seed" in moe and started_from(moe_sft, w["pretrain_64_moe.pth"], digests)
     assert started_from(reward, w["full_sft_64.pth"], digests)
     assert os.path.isfile(os.path.join(out, "reward_64_hf", "config.json"))  # the folder PPO's --reward_model reads
@@ -118,3 +120,19 @@ def chain_reports_name_their_files(out):
                            ("log", os.path.join(out, "logs", f"{run}_rank_0.log"))):
             assert (f"- {kind}: `{path}`" in page) == os.path.isfile(path), (run, kind)
         assert page.split("## Health", 1)[1].split("\n## ", 1)[0].strip() == "- no health line", run
+
+
+def test_the_own_corpus_path_runs_on_a_small_corpus(tmp_path):
+    """The README's own-corpus block after curation (datatrove's run: tests/test_curate_data.py), as written there on a
+    curated folder of 142 documents: its tokenizer line, then its last pretraining line (the small corpus's flags),
+    smaller and for 2 steps; the default global batch of 256 rows is more than such a corpus holds."""
+    lines = own_corpus()
+    assert [line.split()[0] for line in lines] == ["scripts/curate_data.py", "scripts/train_tokenizer.py",
+                                                  "trainer/train_pretrain.py", "trainer/train_pretrain.py"]
+    with open(os.path.join(ROOT, "dataset", "pretrain_demo.jsonl"), encoding="utf-8") as f:
+        rows = [next(f) for _ in range(142)]
+    os.makedirs(tmp_path / "curated")
+    (tmp_path / "curated" / "00000.jsonl").write_text("".join(rows), encoding="utf-8")  # as curate_data writes it
+    run(lines[1], str(tmp_path))
+    output = run(lines[-1], str(tmp_path))
+    assert f"tokenizer {tmp_path / 'out' / 'my_tokenizer'}" in output and "Done: 2 steps" in output

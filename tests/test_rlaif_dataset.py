@@ -21,9 +21,9 @@ def test_prompts_are_the_conversation_without_its_answer(tmp_path, tokenizer):
         prompt = row["conversations"][:-1] if row["conversations"][-1]["role"] == "assistant" else row["conversations"]
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         assert text.endswith("<think>\n\n</think>\n\n")  # thinking_ratio 0: the think block closed
-        # as SFT saw it with the answer after it: "</think>", "\n", "\n" (dataset/prompt_ids.py)
-        newline = tokenizer.convert_tokens_to_ids("Ċ")
-        expected = tokenizer(text[:-2], add_special_tokens=False)["input_ids"] + [newline, newline]
+        # as transformers tokenizes the prompt, and SFT since it cuts its rows there: one "\n\n" after "</think>"
+        expected = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
+        assert expected[-2:] == tokenizer.convert_tokens_to_ids(["</think>", "ĊĊ"])
         ids, length, columns = ds[i]
         assert length == len(expected) and ids[64 - len(expected):].tolist() == expected
         assert (ids[:64 - len(expected)] == tokenizer.pad_token_id).all()
@@ -49,8 +49,7 @@ def test_long_prompts_keep_their_last_tokens_and_bad_rows_are_named(tmp_path, to
     path = write_rows(tmp_path / "r.jsonl", data)
     ds = RLAIFDataset(path, tokenizer, max_length=32, thinking_ratio=0.0)
     text = tokenizer.apply_chat_template(data[1]["conversations"][:-1], tokenize=False, add_generation_prompt=True)
-    newline = tokenizer.convert_tokens_to_ids("Ċ")  # the closing "\n\n" as two "\n", as SFT saw it
-    full = tokenizer(text[:-2], add_special_tokens=False)["input_ids"] + [newline, newline]
+    full = tokenizer(text, add_special_tokens=False)["input_ids"]  # as transformers tokenizes it, SFT too
     assert ds[1][0].tolist() == full[-32:] and ds[1][1] == 32
     assert ds.notes() == [f"1 of 3 prompts of {path} are longer than --max_seq_len 32: their start dropped "
                                  "(each keeps its last 32 tokens)"]  # the line the trainer prints at start

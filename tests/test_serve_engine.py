@@ -165,3 +165,30 @@ def test_sigterm_ends_a_long_stream_and_the_server(tmp_path):
     assert received[-1] == "[DONE]"
     chunks = [json.loads(line) for line in received[:-1]]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] < 30000
+
+
+def test_two_ctrl_cs_stop_the_server_with_exit_130_and_no_traceback(tmp_path):
+    """The real script in its own process: Ctrl-C twice (the second forces uvicorn's exit) ends it with 130, the
+    SIGINT exit docs/serving.md gives, and nothing on its output but uvicorn's own lines (it printed two tracebacks:
+    the lifespan task cancelled, then asyncio's KeyboardInterrupt)."""
+    config = MiniMindConfig(**CONFIG)
+    save_weights_file(MiniMindForCausalLM(config).state_dict(), config, str(tmp_path / "full_sft_64.pth"))
+    port, log = free_port(), tmp_path / "server.log"
+    server = start_forked("scripts/serve_openai_api.py", ["--save_dir", tmp_path, "--port", port, "--device", "cpu"],
+                          log_path=str(log))
+    try:
+        for _ in range(600):  # up to a minute for the model to load
+            assert server.poll() is None, log.read_text()
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        server.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 130, log.read_text()
+    finally:
+        server.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "Error" not in text and "INFO:     Finished server process" in text, text

@@ -1,5 +1,6 @@
-"""Signposts that stay true: what the docstrings and comments of trainer/, model/, dataset/, scripts/ and tests/ name
-exists; flag help texts do not deny what the checks accept; the wrap order is stated once, as the code runs it.
+"""Signposts that stay true: what the docstrings and comments of trainer/, model/, dataset/, scripts/ and tests/ (and
+the requirements files' comments) name exists; flag help texts do not deny what the checks accept; the wrap order
+is stated once, as the code runs it.
 
 The rule, kept narrow so that every hit is a real stale mention (each text is a docstring line or a `#` comment):
 - a path `a/b/c.py` (or .sh, .md) whose first folder is one of this repository's (trainer, model, dataset, scripts,
@@ -33,6 +34,7 @@ from trainer.plan.sections import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ("trainer", "model", "dataset", "scripts", "tests")
+REQUIREMENTS = ("requirements.txt", "requirements-llama.txt")  # their comments name modules too
 EXTENSIONS = {"py", "sh", "md", "json", "jsonl", "pth", "bin", "parquet", "txt", "safetensors", "gguf", "yaml", "yml",
               "toml", "log", "csv", "html", "png", "err", "out", "pt", "npy", "lock", "cfg", "ini", "idx", "gz", "zip"}
 PATH = re.compile(r"(?<![\w/.<>$-])((?:[A-Za-z_][\w-]*/)+[\w-]+\.(?:py|sh|md))\b")
@@ -149,10 +151,18 @@ def stale_mentions(path, text, repo):
     return stale
 
 
+def requirement_texts(path):
+    """(line number, comment) of a requirements file: its comments say which module needs a package."""
+    with open(path) as f:
+        return [(i, line.split("#", 1)[1]) for i, line in enumerate(f, 1) if "#" in line]
+
+
 def all_stale(repo):
     found = []
-    for path in python_files():
-        for line, text in texts(open(path).read()):
+    requirements = [os.path.join(repo.root, name) for name in REQUIREMENTS]
+    for path in [*python_files(), *requirements]:
+        lines = requirement_texts(path) if path in requirements else texts(open(path).read())
+        for line, text in lines:
             found += [f"{os.path.relpath(path, repo.root)}:{line} -> {s}" for s in stale_mentions(path, text, repo)]
     return found
 

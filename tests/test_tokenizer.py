@@ -197,3 +197,20 @@ def test_tokenizer_from_a_curated_folder_trains_and_feeds_the_trainer(tmp_path):
                  timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"tokenizer {out}" in run.stdout + run.stderr
+    # the model's rows follow the tokenizer: its 1,000 ids rounded up to a multiple of 64 (MiniMind's 6,400 before)
+    assert json.loads((tmp_path / "o" / "pretrain_64.json").read_text())["vocab_size"] == 1024
+    assert "(vocab 1,024), initialised from --seed" in run.stdout
+
+
+def test_a_comparison_on_few_held_out_documents_says_so(tmp_path, capsys):
+    """60 documents, every 10th held out: the bytes-per-token comparison rests on 6 and the output says so."""
+    from scripts.train_tokenizer import main as train_main
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i}: the quick brown fox {i * 7}"}) + "\n"
+                              for i in range(60)))
+    train_main(["--data_path", str(corpus), "--vocab_size", "400", "--out_dir", str(tmp_path / "tok"),
+                "--heldout_every", "10"])
+    out = capsys.readouterr().out
+    assert "held-out 6 documents" in out
+    assert ("note: 6 held-out documents are too few for the comparison to say much (under 100); a smaller "
+            "--heldout_every holds out more of a small corpus") in out

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, run_in_process, write_rows
+from trainer import train_pretrain
+from trainer.core.data_loading import small_batch
 from trainer.runtime import metrics
 
 SCRIPT = "trainer/train_pretrain.py"
@@ -254,3 +256,29 @@ def test_from_weight_takes_a_minimind_format_folder(tmp_path):
     expected = reference.state_dict()
     assert saved.keys() == expected.keys()
     assert all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
+def test_a_corpus_smaller_than_one_global_batch_says_the_flags_that_fit(tmp_path, monkeypatch, capsys):
+    """142 documents, one row each, against the default global batch of 32 x 8 = 256: the line names both factors and
+    flags that fit (accumulation 1, the largest power-of-two batch leaving 4 steps an epoch: 142 // 4 = 35 -> 32,
+    142 // 32 = 4 steps); run with them, the same command trains."""
+    data = write_rows(tmp_path / "small.jsonl", [{"text": f"document {i}: a few words of text"} for i in range(142)])
+    argv = [*TINY_MODEL, "--data_path", data, "--packing", "0", "--max_seq_len", "16", "--max_steps", "1",
+            "--save_dir", tmp_path / "out", "--checkpoint_dir", tmp_path / "ckpt", "--cache_dir", tmp_path / "cache"]
+    code, err = run_in_process(monkeypatch, capsys, train_pretrain, argv)
+    assert code == 2 and err == [f"error: {data} has 142 samples, fewer than one global batch (256 = --batch_size 32 "
+                                 "x --accumulation_steps 8 x dp 1); pass --batch_size 32 --accumulation_steps 1 "
+                                 "(4 steps an epoch; --epochs for more)"]
+    fitted = [*argv, "--batch_size", 32, "--accumulation_steps", 1]
+    assert run_in_process(monkeypatch, capsys, train_pretrain, fitted)[0] == 0
+
+
+@pytest.mark.parametrize("samples,micro_batch,dp,flags", [
+    (60, 32, 1, "--batch_size 8 --accumulation_steps 1 (7 steps an epoch"),  # 60 // 4 = 15 -> 8; 60 // 8 = 7
+    (142, 32, 2, "--batch_size 16 --accumulation_steps 1 (4 steps an epoch"),  # 142 // 8 = 17 -> 16; 142 // 32
+    (3, 32, 1, "--batch_size 1 --accumulation_steps 1 (3 steps an epoch"),
+    (5, 2, 4, "--batch_size 1 --accumulation_steps 1 (1 step an epoch"),
+])
+def test_small_batch_by_hand(samples, micro_batch, dp, flags):
+    assert small_batch(samples, micro_batch, dp).startswith(f"pass {flags}")
+    assert small_batch(3, 32, 4) == "run on at most 3 data-parallel processes"

@@ -1,6 +1,8 @@
 """Weights files the format tests share: a tiny Qwen3 and MiniMind Hugging Face folders, LoRA adapters, folded
-weights."""
+weights; and a tokenizer wider than model/'s (the model's vocab_size follows it)."""
 import json
+import os
+import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -74,3 +76,19 @@ def hand_folded(weight_path, adapter_path, config):
     model = MiniMindForCausalLM(config).eval()
     model.load_state_dict(state)
     return model
+
+
+MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model")
+
+
+def wider_tokenizer(folder, extra):
+    """model/'s tokenizer with `extra` added tokens after its 6,400 ids (6400 .. 6400 + extra - 1)."""
+    os.makedirs(folder)
+    with open(os.path.join(MODEL_DIR, "tokenizer.json"), encoding="utf-8") as f:
+        state = json.load(f)
+    state["added_tokens"] += [{"id": 6400 + i, "content": f"<|extra{i}|>", "single_word": False, "lstrip": False,
+                               "rstrip": False, "normalized": False, "special": True} for i in range(extra)]
+    with open(os.path.join(folder, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    shutil.copy(os.path.join(MODEL_DIR, "tokenizer_config.json"), folder)
+    return str(folder)

@@ -111,7 +111,7 @@ def _rename_or_discard(tmp_dir, final_dir):
         shutil.rmtree(tmp_dir, ignore_errors=True)  # another process finished the same directory first
 
 
-def _join_parts(out_dir, parts_dir, num_parts, data_path, token_dtype):
+def _join_parts(out_dir, parts_dir, num_parts, data_path, token_dtype, format_version=CACHE_FORMAT_VERSION):
     """Concatenate the parts in file order into the cache `out_dir`, atomically."""
     part_dirs = [os.path.join(parts_dir, f"part{r}") for r in range(num_parts)]
     metas = [json.load(open(os.path.join(d, "meta.json"))) for d in part_dirs]
@@ -138,7 +138,7 @@ def _join_parts(out_dir, parts_dir, num_parts, data_path, token_dtype):
                 base = int(offsets[-1]) if len(offsets) else base
         meta = {"source": os.path.abspath(data_path), "num_docs": num_docs, "num_tokens": base,
                 "token_dtype": np.dtype(token_dtype).name, "num_bad_lines": num_bad,
-                "format_version": CACHE_FORMAT_VERSION, **cache_header(tmp_dir)}  # sizes and checksum, checked on open
+                "format_version": format_version, **cache_header(tmp_dir)}  # sizes and checksum, checked on open
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
         _rename_or_discard(tmp_dir, out_dir)
@@ -225,13 +225,14 @@ def _interrupted_by_signals(out_dir):
 
 
 def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_lines=False, num_proc=None,
-                      part=(0, 1), node=None, wait_timeout=WAIT_TIMEOUT_S):
+                      part=(0, 1), node=None, wait_timeout=WAIT_TIMEOUT_S, format_version=CACHE_FORMAT_VERSION):
     """Make sure the complete cache `out_dir` of `data_path` exists; return whether this process tokenized.
 
     encode(records, bad_lines) yields chunks of (ids, mask or None) from iter_records' (lineno, value, error)
     and must be a module-level function or bound method (worker processes call it). part=(local_rank,
     local_world_size): call it on every local rank with the same arguments. num_proc: worker processes per
     rank (default: the cores available / local_world_size). node: who counts as the same node (default: default_node()).
+    format_version: what its meta.json records (dataset/cache_guard.py: format_version of the rows' kind).
     """
     rank, num_parts = part
     if num_proc is None:  # the node's cores, shared by its local ranks
@@ -246,15 +247,16 @@ def build_token_cache(out_dir, data_path, field, encode, token_dtype, skip_bad_l
     me = {"node": node or default_node(), "host": socket.gethostname(), "pid": os.getpid(), "parts": num_parts,
           "since": time.time()}
     task = (data_path, field, encode, token_dtype, skip_bad_lines)
-    return _Build(out_dir, task, part, num_proc, me, wait_timeout).run()
+    return _Build(out_dir, task, part, num_proc, me, wait_timeout, format_version).run()
 
 
 class _Build:
     """One rank's share of building the cache `out_dir`: the lock it may hold (rank 0), its heartbeat, its part, the
     wait's deadline."""
 
-    def __init__(self, out_dir, task, part, num_proc, me, wait_timeout):
+    def __init__(self, out_dir, task, part, num_proc, me, wait_timeout, format_version=CACHE_FORMAT_VERSION):
         self.out_dir, self.task, (self.rank, self.num_parts), self.num_proc, self.me = out_dir, task, part, num_proc, me
+        self.format_version = format_version  # what meta.json records: the kind's (cache_guard.format_version)
         self.wait_timeout, self.meta_path = wait_timeout, os.path.join(out_dir, "meta.json")
         self.lock_path, self.error_path = f"{out_dir}.lock", f"{out_dir}.error"
         self.parts_dir = f"{out_dir}.parts{self.num_parts}"
@@ -318,7 +320,7 @@ class _Build:
             self.tokenized = True
         elif self.holding and all(os.path.exists(os.path.join(self.parts_dir, f"part{r}", "meta.json"))
                                   for r in range(num_parts)):
-            _join_parts(self.out_dir, self.parts_dir, num_parts, data_path, self.task[3])
+            _join_parts(self.out_dir, self.parts_dir, num_parts, data_path, self.task[3], self.format_version)
         elif time.monotonic() > self.deadline:
             raise TimeoutError(f"waited {self.wait_timeout:.0f}s for the token cache {self.out_dir} (lock: {holder}); "
                                f"if no build is running, remove {self.lock_path}")

@@ -6,6 +6,7 @@ Ollama's template sees .System, .Messages (.Role, .Content, .Thinking, .ToolCall
 string functions: JSON inside <tools> and <tool_call> is Go's compact json.Marshal ({"a":1}), where our template's
 tojson writes {"a": 1}; the JSON values are equal, the whitespace is not.
 """
+import os
 
 # text/template: `{{-`/`-}}` trim the whitespace beside an action; the range keeps the previous role for tool turns
 TEMPLATE = """\
@@ -76,3 +77,13 @@ def modelfile(gguf_name, num_ctx, temperature=0.85, top_p=0.85):
     lines += [f'PARAMETER stop "{token}"' for token in STOP_TOKENS]
     lines += [f"PARAMETER temperature {temperature}", f"PARAMETER top_p {top_p}", f"PARAMETER num_ctx {num_ctx}"]
     return "\n".join(lines) + "\n"
+
+
+def modelfile_target(folder):
+    """The GGUF file the Modelfile in `folder` names (its FROM line, as modelfile writes it), or None."""
+    path = os.path.join(folder, "Modelfile")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        first = f.readline().split()
+    return first[1].removeprefix("./") if first[:1] == ["FROM"] and len(first) == 2 else None

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from model.errors import ConfigError, check_device
 from model.lora import LoraError, apply_lora_file
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.tokenizer_choice import TokenizerMismatch, check_tokenizer, tokenizer_for
+from model.tokenizer_choice import TokenizerMismatch, check_tokenizer, tokenizer_for, vocab_refusal
 from model.weight_flags import weights_line
 from model.weight_names import file_digest, other_sizes, typed_or_default, weight_path
 from model.weight_shapes import WeightsError, load_checked, weight_fields
@@ -141,6 +141,9 @@ def load_chat_model(args):
         apply_lora_file(model, adapter)
     tokenizer_dir = tokenizer_folder(args, weights)  # the tokenizer the weights record, unless given by hand
     check_tokenizer(tokenizer_dir)
+    refusal = vocab_refusal(tokenizer_dir, model.config.vocab_size, weights)  # --force_tokenizer, no sidecar
+    if refusal:
+        raise ConfigError(refusal)
     lora = f" + LoRA adapter {adapter}{file_digest(adapter)}" if adapter else ""
     print(f"weights {weights}{file_digest(weights)}{lora}, tokenizer {tokenizer_dir}", flush=True)
     return model.eval().to(args.device), AutoTokenizer.from_pretrained(tokenizer_dir)

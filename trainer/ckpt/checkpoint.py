@@ -70,12 +70,16 @@ class TrainState:
             setattr(self, key, value)
 
 
-def check_config(saved, config, path):
-    """ConfigError naming the first model field the checkpoint was saved with differently."""
+def check_config(saved, config, path, tokenizer=None):
+    """ConfigError naming the first model field the checkpoint was saved with differently (vocab_size: the tokenizer
+    it was trained with, from its record `tokenizer`, since no flag sets it)."""
     for key in CHECK_KEYS:
         if saved.get(key) != getattr(config, key):
+            tokenizer_path = (tokenizer or {}).get("path") or "of that run"
+            fix = "match the flags" if key != "vocab_size" else \
+                f"vocab_size follows the tokenizer: pass --tokenizer_path {tokenizer_path}"
             raise ConfigError(f"{path} was saved with {key}={saved.get(key)} but this run has "
-                              f"{key}={getattr(config, key)}; match the flags or pass --from_resume 0")
+                              f"{key}={getattr(config, key)}; {fix} or pass --from_resume 0")
 
 
 def _read_train_state(path, config):
@@ -89,7 +93,7 @@ def _read_train_state(path, config):
     if version > FORMAT_VERSION:  # a newer directory layout; older ones (1, 2) were single files
         raise ConfigError(f"{path} has checkpoint format {version}, this trainer reads up to {FORMAT_VERSION}; "
                           "update the code or pass --from_resume 0")
-    check_config(saved, config, path)
+    check_config(saved, config, path, ckpt.get("tokenizer"))
     return dict(ckpt, dcp_path=path)
 
 

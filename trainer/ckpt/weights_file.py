@@ -39,7 +39,8 @@ def init_model(config, from_weight="none", device="cpu", role="Model", note=None
         source += f", unfinished: step {base['step']} of {base['total_steps']}"
         if role == "Model":  # once: a reference or teacher read from the same file adds it to its own line only
             Logger(unfinished_line(base))
-    Logger(f"{role} params: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, {source}")
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    Logger(f"{role} params: {params:.2f}M (vocab {config.vocab_size:,}), {source}")
     return model.to(device)
 
 

@@ -39,9 +39,23 @@ def load_datasets(plan):
     if describe_mixture(train_ds, data_path):
         Logger(describe_mixture(train_ds, data_path))
     if len(train_ds) < plan.data.global_batch:
-        raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch "
-                          f"({plan.data.global_batch} = batch_size x accumulation_steps x dp); lower --batch_size")
+        data, dp = plan.data, plan.layout.dp
+        factors = f"--batch_size {data.micro_batch} x --accumulation_steps {data.num_microbatches} x dp {dp}"
+        raise ConfigError(f"{data_path} has {len(train_ds)} samples, fewer than one global batch ({data.global_batch} "
+                          f"= {factors}); {small_batch(len(train_ds), data.micro_batch, dp)}")
     return train_ds, eval_ds
+
+
+def small_batch(samples, micro_batch, dp):
+    """The flags that fit a global batch to a small dataset: --accumulation_steps 1 and the largest power-of-two
+    --batch_size (at most the typed one) that leaves an epoch of at least 4 steps (1 where the data is that small)."""
+    if samples < dp:
+        return f"run on at most {samples} data-parallel processes"
+    fits = max(1, samples // (4 * dp))
+    batch = min(micro_batch, 1 << (fits.bit_length() - 1))
+    steps = samples // (batch * dp)
+    return (f"pass --batch_size {batch} --accumulation_steps 1 ({steps} step{'s' if steps != 1 else ''} an epoch; "
+            "--epochs for more)")
 
 
 def dataset_notes(ds):
@@ -51,15 +65,18 @@ def dataset_notes(ds):
 
 
 def rows_line(ds, seq_len):
-    """What the training rows are: '8177 rows of 64 tokens packed from 5026 documents' (the file's lines), '5026
-    rows, one per document' or '600 samples' (pairs, prompts): the count the steps per epoch come from."""
+    """What the training rows are: '8177 rows of 64 tokens packed from 5026 documents' (the file's lines; SFT: the
+    conversations with a target, the others are left out), '5026 rows, one per document' or '600 samples' (pairs,
+    prompts): the count the steps per epoch come from."""
     leaves = leaf_datasets(ds)
     documents = [len(leaf.offsets) - 1 for leaf in leaves if getattr(leaf, "offsets", None) is not None]
     if len(documents) < len(leaves) or not leaves:  # a dataset without a token cache (pairs, prompts)
         return f"{len(ds)} samples"
     unit = "documents" if all(getattr(leaf, "kind", None) == "pretrain" for leaf in leaves) else "conversations"
-    if any(getattr(leaf, "packing", False) for leaf in leaves):
-        return f"{len(ds)} rows of {seq_len} tokens packed from {sum(documents)} {unit}"
+    if any(getattr(leaf, "packing", False) for leaf in leaves):  # SFT packs the conversations with a target only
+        packed = sum(len(leaf.row_docs) if getattr(leaf, "row_docs", None) is not None else n
+                     for leaf, n in zip(leaves, documents))
+        return f"{len(ds)} rows of {seq_len} tokens packed from {packed} {unit}"
     return f"{len(ds)} rows, one per {unit[:-1]}" if len(ds) == sum(documents) else \
         f"{len(ds)} rows from {sum(documents)} {unit}"
 

@@ -40,7 +40,7 @@ from trainer.plan.checks import (
     resolve_dtype,
 )
 from trainer.plan.flags import declared_flags
-from trainer.plan.model_config import build_config, weight_shapes
+from trainer.plan.model_config import build_config, check_vocab, weight_shapes
 from trainer.plan.sections import DataPlan, GuardPlan, IOPlan, Layout, ModelPlan, Schedule, TrainPlan
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import resolve_callbacks
@@ -71,7 +71,8 @@ def resolve(args, world_size, local_rank=0, stage=Stage):
                 + ([(log_dir, "--log_dir")] if log_dir else []))
     tokenizer_path = run_tokenizer(args, from_weight)
     check_tokenizer(tokenizer_path)
-    config = build_config(args, weight_shapes(args, from_weight) if from_weight != "none" else {})
+    config = build_config(args, weight_shapes(args, from_weight) if from_weight != "none" else {}, tokenizer_path)
+    check_vocab(config, tokenizer_path, from_weight)
     check_model_args(args, config)
     model = resolve_model(args, config, from_weight)
     layout = resolve_layout(args, world_size, local_rank, config)
