@@ -83,14 +83,16 @@ def one_run(side, stage, dtype, flags, spec, work, args, rnd):
     before, start = load(), time.time()
     log_path = os.path.join(work, f"{stage}_{dtype}_{side}_{rnd}.log")
     if side == "ours":
-        result = ours_run(stage, dict(flags, dtype=dtype), log_path, args.warmup)
+        result = ours_run(stage, dict(flags, dtype=dtype), tempfile.mkdtemp(prefix=f"ours_{stage}_", dir=work),
+                          log_path, args.warmup)
     else:
         run_work = tempfile.mkdtemp(prefix=f"trl_{stage}_", dir=work)
         result = trl_run(dict(spec, dtype=dtype, work=run_work, out=os.path.join(run_work, "result.json")), log_path,
                          args.warmup)
     result.update(load_before=before, load_after=load(), wall_s=round(time.time() - start, 1))
-    print(f"  [{stage} {dtype} {side} r{rnd}] {result['tokens_per_sec']:.0f} target tokens/s, "
-          f"{result['steps_per_sec']:.2f} steps/s, peak {result['peak_mem_gb']:.2f} GiB, step-1 loss "
+    print(f"  [{stage} {dtype} {side} r{rnd}] {result['tokens_per_sec']:.0f} target tokens/s "
+          f"({result['tokens_per_cpu_sec']:.0f} per CPU-s), {result['steps_per_sec']:.2f} steps/s, "
+          f"peak {result['peak_mem_gb']:.2f} GiB, step-1 loss "
           f"{result['losses'][0]:.6f} | load {before} -> {result['load_after']}", flush=True)
     return result
 
@@ -102,16 +104,18 @@ def compare(stage, dtype, flags, spec, work, args):
         for side in (("ours", "trl") if rnd % 2 else ("trl", "ours")):
             runs[side].append(one_run(side, stage, dtype, flags, spec, work, args, rnd))
         same_first_loss(stage, dtype, runs["ours"][-1], runs["trl"][-1])
-    median = {side: {key: statistics.median(r[key] for r in rs) for key in ("tokens_per_sec", "steps_per_sec",
-                                                                            "peak_mem_gb")}
-              for side, rs in runs.items()}
+    keys = ("tokens_per_sec", "tokens_per_cpu_sec", "steps_per_sec", "peak_mem_gb")
+    median = {side: {key: statistics.median(r[key] for r in rs) for key in keys} for side, rs in runs.items()}
     ratio = median["ours"]["tokens_per_sec"] / median["trl"]["tokens_per_sec"]
+    cpu_ratio = median["ours"]["tokens_per_cpu_sec"] / median["trl"]["tokens_per_cpu_sec"]
     print(f"{stage} {dtype}: ours {median['ours']['tokens_per_sec']:.0f} vs TRL {median['trl']['tokens_per_sec']:.0f} "
-          f"target tokens/s = {ratio:.2f}x (steps/s {median['ours']['steps_per_sec']:.2f} vs "
+          f"target tokens/s = {ratio:.2f}x (per CPU-second {cpu_ratio:.2f}x; steps/s "
+          f"{median['ours']['steps_per_sec']:.2f} vs "
           f"{median['trl']['steps_per_sec']:.2f}; peak {median['ours']['peak_mem_gb']:.2f} vs "
           f"{median['trl']['peak_mem_gb']:.2f} GiB); step-1 loss ours {runs['ours'][0]['losses'][0]:.6f}, TRL "
           f"{runs['trl'][0]['losses'][0]:.6f}", flush=True)
-    return dict(stage=stage, dtype=dtype, ratio_tokens_per_sec=ratio, medians=median, runs=runs)
+    return dict(stage=stage, dtype=dtype, ratio_tokens_per_sec=ratio, ratio_tokens_per_cpu_sec=cpu_ratio,
+                medians=median, runs=runs)
 
 
 def parse_args(argv=None):

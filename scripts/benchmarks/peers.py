@@ -33,6 +33,21 @@ REWARD = '''def reward(prompts, completions, **kwargs):
 '''
 
 
+# the project's side clocks its steps as TRL's does (trl_peer.py StepClock): a --callbacks file of the trainer
+CLOCK = '''import json, time
+
+
+class StepClock:
+    def __init__(self):
+        self.ends = []
+
+    def on_step_end(self, trainer, record):
+        self.ends.append((time.perf_counter(), time.process_time(), trainer.progress.tokens_seen))
+        with open({path!r}, "w") as f:
+            json.dump(self.ends, f)
+'''
+
+
 def export_model(work, config_fields):
     """A seeded MiniMind init written as a Hugging Face folder with the repository's tokenizer: both sides' start."""
     folder = os.path.join(work, "model_hf")
@@ -118,22 +133,29 @@ def grpo_rows(work, prompts):
     return path, [dict(prompt=prompt[i]) for i in data_order(prompt)]
 
 
-def step_figures(times, tokens, warmup):
-    """Target tokens/s (median tokens / median time), steps/s and the time per step after `warmup` steps."""
-    times, tokens = times[warmup:], tokens[warmup:]
-    step = statistics.median(times)
-    return dict(tokens_per_sec=statistics.median(tokens) / step, steps_per_sec=1 / step, step_time_median=step,
-                steps=len(times), step_times=[round(t, 4) for t in times], tokens=tokens)
+def step_figures(ends, warmup):
+    """From (wall clock, CPU clock, target tokens so far) at each step's end: target tokens/s (median tokens / median
+    time), steps/s, and tokens per CPU-second (the process's own time: what the load of other processes leaves
+    alone) over the steps after `warmup`."""
+    steps = [(b[0] - a[0], b[1] - a[1], b[2] - a[2]) for a, b in zip(ends, ends[1:])][max(warmup - 1, 0):]
+    wall, cpu, tokens = (list(column) for column in zip(*steps))
+    step, step_cpu, step_tokens = statistics.median(wall), statistics.median(cpu), statistics.median(tokens)
+    return dict(tokens_per_sec=step_tokens / step, steps_per_sec=1 / step, tokens_per_cpu_sec=step_tokens / step_cpu,
+                step_time_median=step, steps=len(steps), step_times=[round(t, 4) for t in wall],
+                step_cpu_times=[round(t, 4) for t in cpu], tokens=tokens)
 
 
-def ours_run(stage, flags, log_path, warmup):
-    """The project's trainer for `stage`: its figures and step losses."""
-    records = run_trainer(flags, log_path, script=os.path.join(ROOT, "trainer", SCRIPTS[stage]))
+def ours_run(stage, flags, work, log_path, warmup):
+    """The project's trainer for `stage`, its steps clocked by CLOCK (a --callbacks file): its figures and losses."""
+    clock, ends = os.path.join(work, "clock.py"), os.path.join(work, "ends.json")
+    with open(clock, "w") as f:
+        f.write(CLOCK.format(path=ends))
+    records = run_trainer(dict(flags, callbacks=f"{clock}:StepClock"), log_path,
+                          script=os.path.join(ROOT, "trainer", SCRIPTS[stage]))
     steps = sorted((r for r in records if "tokens_per_sec" in r), key=lambda r: r["step"])
-    tokens = [b["tokens"] - a["tokens"] for a, b in zip([dict(tokens=0)] + steps, steps)]
-    times = [t / r["tokens_per_sec"] for t, r in zip(tokens, steps)]
-    return dict(step_figures(times, tokens, warmup), losses=[r["loss"] for r in steps],
-                peak_mem_gb=max(r["peak_mem_gb"] for r in steps))
+    with open(ends) as f:
+        return dict(step_figures(json.load(f), warmup), losses=[r["loss"] for r in steps],
+                    peak_mem_gb=max(r["peak_mem_gb"] for r in steps))
 
 
 def trl_run(spec, log_path, warmup):
@@ -149,5 +171,4 @@ def trl_run(spec, log_path, warmup):
             raise RuntimeError(f"TRL's {spec['stage']} exited with {code}; log {log_path}:\n{log.read()[-3000:]}")
     with open(spec["out"]) as f:
         result = json.load(f)
-    return dict(step_figures(result["step_times"], result["tokens"], warmup), losses=result["losses"],
-                peak_mem_gb=result["peak_mem_gb"])
+    return dict(step_figures(result["ends"], warmup), losses=result["losses"], peak_mem_gb=result["peak_mem_gb"])

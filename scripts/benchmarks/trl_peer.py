@@ -21,18 +21,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 
 class StepClock(TrainerCallback):
-    """Wall time at each optimizer step's end and the target tokens since the last one (counted in compute_loss)."""
+    """At each optimizer step's end: the wall and CPU clocks and the target tokens so far (counted in compute_loss),
+    as the project's side records them (scripts/benchmarks/peers.py CLOCK)."""
 
     def __init__(self):
-        self.ends, self.tokens, self.pending = [], [], 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
+        self.ends, self.pending = [], 0
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
-        self.tokens.append(self.pending)
-        self.pending = 0
+        self.ends.append((time.perf_counter(), time.process_time(), self.pending))
 
 
 def peer_class(base, clock, count, in_order=True):
@@ -109,8 +105,8 @@ def main(path):
     trainer.add_callback(clock)
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    result = dict(step_times=[b - a for a, b in zip(clock.ends, clock.ends[1:])], tokens=clock.tokens, losses=losses,
-                  peak_mem_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB: Linux reports KiB, as the trainer reads it
+    result = dict(ends=clock.ends, losses=losses, peak_mem_gb=peak)
     with open(spec["out"], "w") as f:
         json.dump(result, f)
 
