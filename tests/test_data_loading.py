@@ -9,7 +9,7 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
-from tests.launch import TINY_CONFIG, TINY_MODEL, demo_slice, read_metrics, run_in_process
+from tests.launch import TINY_CONFIG, TINY_MODEL, demo_slice, forked, read_metrics, run_in_process
 from trainer import train_distillation, train_dpo, train_full_sft, train_kto, train_pretrain, train_reward
 from trainer.core.data_loading import LongestRows, longest_row
 from trainer.plan.sections import TrainPlan
@@ -141,3 +141,24 @@ def test_rows_cut_to_the_longest_train_as_rows_padded_to_max_seq_len(monkeypatch
         for key in keys:
             tolerance = 1e-6 if a["step"] == 1 else 1e-5
             assert a[key] == pytest.approx(b[key], rel=tolerance, abs=1e-6), (stage, a["step"], key, a[key], b[key])
+
+
+def test_cut_rows_under_context_parallel_equal_the_single_process(tmp_path, weights):
+    """SFT unpacked on 3 context-parallel ranks: rows cut to multiples of lcm(8, 2*cp) = 24 (each rank a head and a
+    tail chunk of 4 positions at least) train as the single process's rows cut to multiples of 8; the ring's other
+    reduction order: 1e-5 relative."""
+    runs, data = {}, demo_slice(tmp_path, "sft", 24)
+    for name, nproc, flags in (("single", 1, []), ("cp3", 3, ["--cp", "3"])):
+        out = tmp_path / name
+        argv = [*TINY_MODEL, "--data_path", data, "--max_seq_len", "120", "--packing", "0",
+                "--batch_size", "2", "--accumulation_steps", "2", "--learning_rate", "1e-3", "--log_interval", "1",
+                "--max_steps", str(STEPS), "--from_weight", weights["student"], "--save_dir", str(out),
+                "--checkpoint_dir", str(out / "ckpt"), "--cache_dir", str(tmp_path / "cache"),
+                "--metrics_file", str(out / "metrics.jsonl"), *flags]
+        proc = forked("trainer/train_full_sft.py", argv, nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = read_metrics(str(out / "metrics.jsonl"))
+    for a, b in zip(runs["cp3"], runs["single"], strict=True):
+        assert a["tokens"] == b["tokens"]
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])

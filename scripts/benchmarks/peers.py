@@ -43,6 +43,8 @@ class StepClock:
 
     def on_step_end(self, trainer, record):
         self.ends.append((time.perf_counter(), time.process_time(), trainer.progress.tokens_seen))
+
+    def on_train_end(self, trainer):
         with open({path!r}, "w") as f:
             json.dump(self.ends, f)
 '''
