@@ -100,7 +100,7 @@ class DPODataset(Dataset):
         if len(self.chosen) != len(self.rejected):
             raise ValueError(f"{data_path}: the chosen and rejected caches differ in rows; delete them under "
                              f"{os.path.dirname(self.chosen.cache_path)}")
-        self.data_path, self.max_length = data_path, max_length
+        self.data_path, self.max_length, self.pad_token_id = data_path, max_length, self.chosen.pad_token_id
         pairs = np.flatnonzero((self.chosen.row_lengths() > 0) & (self.rejected.row_lengths() > 0))
         self.num_bad_lines = len(self.chosen) - len(pairs)
         if len(pairs) == 0:
@@ -205,6 +205,7 @@ class RewardPairs(Dataset):
             rows = np.asarray([0.0 if v is None else v for _, v, _ in margins], dtype=np.float32)
         self.margins = torch.from_numpy(rows[self.pairs.pairs])
         self.data_path, self.num_bad_lines = self.pairs.data_path, self.pairs.num_bad_lines
+        self.pad_token_id = self.pairs.pad_token_id
 
     def no_target_line(self):
         return self.pairs.no_target_line()

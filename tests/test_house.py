@@ -151,8 +151,9 @@ def closure(graph, start):
 # and main_guard's signal handling made one line wherever the signal lands (issue #58): 59 / 8,132; the health
 # watch saves the records its checks read, so a spike right after a resume is said: 59 / 8,133; the model's
 # vocab_size from its tokenizer (the rule, the refusal of a tokenizer wider than the weights, a resume's line), the
-# flags that fit a small corpus, the chat rows' own cache format: 59 / 8,217).
-PRETRAIN_MODULES, PRETRAIN_LINES = 59, 8217
+# flags that fit a small corpus, the chat rows' own cache format: 59 / 8,217; the loader's collate that cuts a
+# micro-batch's padded rows to its longest (LongestRows, TrainPlan.row_multiple): 59 / 8,275).
+PRETRAIN_MODULES, PRETRAIN_LINES = 59, 8275
 
 
 def test_pretraining_reads_a_short_path(capsys):

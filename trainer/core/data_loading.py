@@ -1,6 +1,6 @@
 """Phase 2 of every stage, the data: the datasets of --data_path (or the embedded demo corpus), checked, and the
 DataLoader of one data-parallel rank's micro-batches of an epoch."""
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, default_collate
 from transformers import AutoTokenizer
 
 from dataset.demo_data import ensure_demo_data
@@ -81,6 +81,43 @@ def rows_line(ds, seq_len):
         f"{len(ds)} rows from {sum(documents)} {unit}"
 
 
+def row_collate(plan, ds):
+    """The collate of `ds`'s micro-batches: LongestRows where the plan cuts rows (TrainPlan.row_multiple; a padded-rows
+    stage's datasets give their pad_token_id), else torch's default (None)."""
+    return None if plan.row_multiple is None else LongestRows(leaf_datasets(ds)[0].pad_token_id, plan.row_multiple)
+
+
+class LongestRows:
+    """A collate: samples stacked (default_collate), then the batch's rows, its first two tensors (token ids, labels;
+    (B, [2,] L), right-padded), cut to the longest row rounded up to `multiple` (at most L).
+
+    A row runs to its last token that is not padding or is a target. Under causal attention a position's output depends
+    only on the positions before it: nothing a loss reads changes (the targets, the reward model's last non-pad token),
+    so cut rows compute what rows padded to --max_seq_len computed, up to the order of fp32 sums."""
+
+    def __init__(self, pad_token_id, multiple):
+        self.pad_token_id, self.multiple = pad_token_id, multiple
+
+    def __call__(self, samples):
+        return self.cut(default_collate(samples))
+
+    def cut(self, batch):
+        """`batch` (a list or a tuple, returned as it came) with its rows cut; the other tensors as they are."""
+        input_ids, labels = batch[0], batch[1]
+        width = input_ids.shape[-1]
+        length = min(width, -(-longest_row(input_ids, labels, self.pad_token_id) // self.multiple) * self.multiple)
+        if length == width:
+            return batch
+        return type(batch)([input_ids[..., :length].contiguous(), labels[..., :length].contiguous(), *batch[2:]])
+
+
+def longest_row(input_ids, labels, pad_token_id):
+    """1 + the last position any row uses (a token that is not padding, or a target); at least 1."""
+    used = ((input_ids != pad_token_id) | (labels != -100)).reshape(-1, input_ids.shape[-1]).any(0)
+    hits = used.nonzero()
+    return int(hits[-1]) + 1 if len(hits) else 1
+
+
 def leaf_datasets(ds):
     """The per-file datasets under a ConcatDataset (.datasets) or a MixtureDataset (.sources); [] for None."""
     if ds is None:
@@ -89,14 +126,16 @@ def leaf_datasets(ds):
     return [leaf for child in children for leaf in leaf_datasets(child)] if children else [ds]
 
 
-def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_workers=0, pin_memory=False, skip_batches=0):
-    """The DataLoader of one dp rank's micro-batches of `epoch` (scripts/bench_loader.py times it alone)."""
+def epoch_loader(train_ds, epoch, seed, micro_batch, dp=1, dp_rank=0, num_workers=0, pin_memory=False, skip_batches=0,
+                 collate_fn=None):
+    """The DataLoader of one dp rank's micro-batches of `epoch` (scripts/bench_loader.py times it alone); collate_fn:
+    row_collate's, else torch's default."""
     sampler = DistributedSampler(train_ds, num_replicas=dp, rank=dp_rank, shuffle=True, seed=seed, drop_last=True)
     sampler.set_epoch(epoch)  # data order is a pure function of (seed, epoch)
     if hasattr(train_ds, "set_epoch"):  # a weighted mixture draws its rows per epoch, from (seed, epoch) too
         train_ds.set_epoch(epoch)
     return DataLoader(train_ds, batch_sampler=SkipBatchSampler(sampler, micro_batch, skip_batches),
-                      num_workers=num_workers, pin_memory=pin_memory)
+                      num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn)
 
 
 class SkipBatchSampler(Sampler):

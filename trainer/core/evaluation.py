@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from trainer.base.launch import full_value, world_sum
 from trainer.core.batches import loss_context, shard_for_context, step_targets
-from trainer.core.data_loading import leaf_datasets
+from trainer.core.data_loading import leaf_datasets, row_collate
 from trainer.judge.units import bits_per_byte, target_bytes, token_byte_lengths
 
 
@@ -22,7 +22,8 @@ def evaluate(trainer, eval_ds):
     plan, dims = trainer.plan, trainer.dims
     sampler = DistributedSampler(eval_ds, num_replicas=plan.layout.dp, rank=dims.rank("dp"), shuffle=False,
                                  drop_last=True)
-    loader = DataLoader(eval_ds, batch_size=plan.data.micro_batch, sampler=sampler, drop_last=True)
+    loader = DataLoader(eval_ds, batch_size=plan.data.micro_batch, sampler=sampler, drop_last=True,
+                        collate_fn=row_collate(plan, eval_ds))
     batches = [trainer.objective.unpack(batch) for batch in itertools.islice(loader, plan.data.eval_batches)]
     for part in trainer.model_parts:
         part.eval()

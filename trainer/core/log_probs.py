@@ -64,6 +64,16 @@ def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
     return token_log_probs(logits, targets, chunk_size).sum(dim=1)
 
 
+def target_span(targets):
+    """The positions from a batch's first target to its last, as a slice for the model's logits_to_keep: the lm_head
+    then runs on those only (a prompt's positions have no target). On CPU targets only, whose bounds cost no sync; a
+    CUDA step keeps every position (slice(None))."""
+    if targets.device.type != "cpu" or hasattr(targets, "placements"):
+        return slice(None)
+    hits = (targets != -100).any(0).nonzero()
+    return slice(int(hits[0]), int(hits[-1]) + 1) if len(hits) else slice(0, 1)
+
+
 def log_softmax(logits):
     """log_softmax over the last dimension; on vocab-sharded DTensors spelt out in reductions that DTensor shards
     (loss_parallel's own log_softmax has a backward that is right only when nll_loss follows it)."""

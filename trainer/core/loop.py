@@ -23,7 +23,7 @@ from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import rng_state
 from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed, save_weights
 from trainer.core.batches import autocast, loss_context, shard_for_context, step_targets, to_device
-from trainer.core.data_loading import epoch_loader
+from trainer.core.data_loading import epoch_loader, row_collate
 from trainer.core.evaluation import evaluate
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import dimension_module, grad_reduce_factor
@@ -116,7 +116,8 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
             trainer.started = True
         progress.step_in_epoch += 1
         rows = plan.micro_batch_shape[0] * plan.data.num_microbatches * plan.layout.dp  # a DPO sample is two rows
-        seq_len = plan.data.seq_len
+        seq_len = plan.data.seq_len if plan.row_multiple is None else (  # rows cut: this rank's mean width
+            sum(batch[0].shape[-1] for batch in micro_batches) / len(micro_batches))
         timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, seq_len, rows * seq_len,
                                                                  metrics["num_tokens"], plan.model.chunked_loss))
         bar.step_end(trainer.guard.last_loss, metrics["lr"], timer.window_tokens_per_sec())  # the record's window
@@ -299,8 +300,9 @@ def should_stop(trainer):
 
 
 def epoch_batches(trainer, train_ds, epoch):
-    """This rank's micro-batches of `epoch`, after the ones a resumed run already trained on."""
-    data, layout = trainer.plan.data, trainer.plan.layout
+    """This rank's micro-batches of `epoch`, after the ones a resumed run already trained on (their rows cut to the
+    longest where the plan says: trainer/core/data_loading.py row_collate)."""
+    plan, data, layout = trainer.plan, trainer.plan.data, trainer.plan.layout
     skip = trainer.progress.step_in_epoch * data.num_microbatches
     return iter(epoch_loader(train_ds, epoch, data.seed, data.micro_batch, layout.dp, trainer.dims.rank("dp"),
-                             data.num_workers, layout.device.startswith("cuda"), skip))
+                             data.num_workers, layout.device.startswith("cuda"), skip, row_collate(plan, train_ds)))

@@ -4,6 +4,7 @@ trainer/plan/resolve.py's resolve fills them. The engine's sections live beside 
 (trainer/runtime/optim.py), `lr` (trainer/runtime/schedule.py), `callbacks` (trainer/runtime/callbacks.py); a stage's
 plan (trainer/plan/stage.py) is `stage`, its flags in its own FLAGS.
 """
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -247,3 +248,15 @@ class TrainPlan:
         """(rows, tokens) of one micro-batch on one rank (tokens after context parallel's split); a stage may put
         several rows in one sample (DPO: a chosen/rejected pair), its plan says how many (rows_per_sample)."""
         return self.data.micro_batch * self.stage.rows_per_sample, self.data.seq_len // self.layout.cp
+
+    @property
+    def row_multiple(self):
+        """What a micro-batch's rows are cut to a multiple of (trainer/core/data_loading.py LongestRows): 8 on CPU
+        (little padding), 64 on CUDA (tensor-core tiles, few shapes), and what the layout splits a row by (2*cp: each
+        cp rank's head and tail chunks; cp*tp under sequence parallel). None: rows keep --max_seq_len (a pipeline's
+        fixed stage shapes, packed rows, a stage whose samples are not padded rows)."""
+        layout = self.layout
+        if not self.stage.padded_rows or self.data.packing or layout.pp > 1:
+            return None
+        split = layout.cp * layout.tp if layout.sequence_parallel else 1
+        return math.lcm(64 if layout.device.startswith("cuda") else 8, 2 * layout.cp if layout.cp > 1 else 1, split)

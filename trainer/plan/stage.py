@@ -24,6 +24,9 @@ class Stage:
     name = "pretraining"  # the stage in one-line messages
     demo_kind = "pretrain"  # the embedded demo data without --data_path (dataset/demo_data.py)
     rows_per_sample = 1  # model rows one sample makes (DPO: a chosen/rejected pair; GRPO: its completions)
+    # a sample starts with right-padded token ids and labels (its dataset gives pad_token_id): the loader cuts each
+    # micro-batch to its longest row (trainer/core/data_loading.py LongestRows); RL's samples are prompts
+    padded_rows = True
     has_eval = True  # a held-out metric: the objective's eval loss (else --eval_data_path is refused in one line)
     FLAGS = ()  # the stage's own flags (trainer/base/schema.py Flag), added to its script's parser
 

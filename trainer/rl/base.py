@@ -52,6 +52,7 @@ class RolloutPlan(Stage):
     ref_weight: str  # the reference model: the starting weights (--from_weight)
     demo_kind = "rlaif"
     has_eval = False  # it logs its rewards
+    padded_rows = False  # its samples are prompts; its training rows are as long as their micro-batch's longest already
     reward_rules = RULES  # the rule functions of --reward rule
     mock_tools = None  # the names of the tools episodes can call (the agent stage's)
     FLAGS = (  # MiniMind's defaults

@@ -16,6 +16,7 @@ import torch
 
 from trainer.base.errors import ConfigError
 from trainer.base.schema import Flag
+from trainer.core.log_probs import target_span
 from trainer.plan.objective import target_tokens
 from trainer.rl.base import (
     ROW_STATS,
@@ -159,8 +160,14 @@ class GRPOObjective(RolloutObjective):
 
     # ------------------------------------------------------------------ the loss
     def loss(self, model, input_ids, targets, position_ids, extra, num_items):
-        out = model(input_ids)
-        main, stats = self.policy_loss(out.logits, targets, extra, num_items)
+        """The policy loss on the logits of the positions from the first scored token to the last (target_span): a
+        prompt's logits are never read; the per-token extras cut alike."""
+        keep = target_span(targets)
+        out = model(input_ids, logits_to_keep=keep)
+        extra = GroupExtras.of(extra, self.extra_fields)
+        extra = extra._replace(**{name: getattr(extra, name)[:, keep] for name in ("reference", "old_log_probs")
+                                  if getattr(extra, name) is not None})
+        main, stats = self.policy_loss(out.logits, targets[:, keep], extra, num_items)
         return main, out.aux_loss, stats
 
     def pipeline_loss(self, logits, targets, extra, num_items):

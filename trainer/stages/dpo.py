@@ -25,7 +25,7 @@ from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields
 from trainer.ckpt.weights_file import read_any_weights
-from trainer.core.log_probs import sequence_log_probs
+from trainer.core.log_probs import sequence_log_probs, target_span
 from trainer.plan.checks import other_sizes
 from trainer.plan.model_config import flag_error
 from trainer.plan.objective import LMObjective
@@ -185,9 +185,11 @@ class DPOObjective(LMObjective):
         return labels.shape[0] // 2  # pairs
 
     def log_probs(self, model, input_ids, targets, position_ids=None):
-        """Summed log-probs of each row's targets under `model` (a plain or tensor-parallel model)."""
-        out = model(input_ids, position_ids=position_ids)
-        return sequence_log_probs(out.logits, targets), out.aux_loss
+        """Summed log-probs of each row's targets under `model` (a plain or tensor-parallel model); the lm_head on the
+        positions from the first target to the last (target_span)."""
+        keep = target_span(targets)
+        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep)
+        return sequence_log_probs(out.logits, targets[:, keep]), out.aux_loss
 
     def loss(self, model, input_ids, targets, position_ids, extra, num_items):
         log_probs, aux_loss = self.log_probs(model, input_ids, targets, position_ids)
@@ -207,5 +209,6 @@ class DPOObjective(LMObjective):
                 **{name: stats[f"{name}_sum"] / pairs for name in self.loss_type.stats}}
 
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
-        """The model's training FLOPs, its lm_head on every position: the log-probs come from the full logits."""
+        """The model's training FLOPs, its lm_head on every position (on CPU it runs from the first target to the last
+        only, target_span: the MFU there reads a little high)."""
         return super().flops(config, seq_len, positions, target_tokens, False)

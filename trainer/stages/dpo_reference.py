@@ -25,7 +25,7 @@ from trainer.base.log import Logger
 from trainer.ckpt.storage import rank0_write
 from trainer.ckpt.weights_file import init_model
 from trainer.core.batches import autocast, step_targets
-from trainer.core.data_loading import leaf_datasets
+from trainer.core.data_loading import LongestRows, leaf_datasets
 from trainer.core.log_probs import sequence_log_probs
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context
@@ -126,18 +126,22 @@ def reference_log_probs(model_parts, pipeline, ds, plan, dims, objective):
     """(len(ds), 2) float64 summed log-probs of every pair under the reference model, on every rank.
 
     dp rank r takes pairs [r * share, (r + 1) * share) in batches of one optimizer step's micro-batches (pipeline)
-    or one micro-batch; every rank runs the same number of batches (data-parallel wrappers gather in forward)."""
+    or one micro-batch, each cut to its longest row as training cuts them; every rank runs the same number of batches
+    (data-parallel wrappers gather in forward)."""
     n, rows = len(ds), plan.data.micro_batch * (plan.data.num_microbatches if pipeline is not None else 1)
     share = -(-n // plan.layout.dp)
     positions = dims.rank("dp") * share + np.arange(-(-share // rows) * rows)
     keep = (positions < min(n, (dims.rank("dp") + 1) * share)) & dims.counts_items  # who holds a pair's value
-    values = torch.zeros(n, 2, dtype=torch.float64)
+    values, cut = torch.zeros(n, 2, dtype=torch.float64), LongestRows(ds.pad_token_id, plan.row_multiple)
     for start in tqdm(range(0, len(positions), rows), desc="reference log-probs", unit="batch", delay=1,
                       disable=not is_main_process(), dynamic_ncols=True):  # its own bar, with ETA, before training
         index = positions[start:start + rows] % n
         pairs = [ds[int(i)] for i in index]
-        input_ids = torch.stack([p[0] for p in pairs]).flatten(0, 1).to(plan.layout.device)
-        targets = step_targets(torch.stack([p[1] for p in pairs]).flatten(0, 1)).to(plan.layout.device)
+        input_ids, labels = [torch.stack([p[k] for p in pairs]) for k in (0, 1)]
+        if plan.row_multiple is not None:  # as training cuts them
+            input_ids, labels = cut.cut([input_ids, labels])
+        input_ids = input_ids.flatten(0, 1).to(plan.layout.device)
+        targets = step_targets(labels.flatten(0, 1)).to(plan.layout.device)
         with torch.no_grad():
             log_probs = forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective)
         held = keep[start:start + rows]

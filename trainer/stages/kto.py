@@ -23,7 +23,7 @@ from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields
 from trainer.core.batches import step_targets
-from trainer.core.log_probs import sequence_log_probs
+from trainer.core.log_probs import sequence_log_probs, target_span
 from trainer.plan.objective import LMObjective
 from trainer.plan.stage import Stage
 from trainer.stages.dpo import check_pairs_layout, resolve_reference
@@ -110,8 +110,9 @@ class KTOObjective(LMObjective):
 
     def log_probs(self, model, input_ids, targets, position_ids=None):
         """Summed log-probs of each row's targets under `model` (the reference pass calls it too)."""
-        out = model(input_ids, position_ids=position_ids)
-        return sequence_log_probs(out.logits, targets), out.aux_loss
+        keep = target_span(targets)  # the lm_head from the first target to the last
+        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep)
+        return sequence_log_probs(out.logits, targets[:, keep]), out.aux_loss
 
     def prepare(self, trainer, micro_batches):
         """z0 = max(0, mean of log pi - log ref over the step's KL rows on every rank), no grad; then the
