@@ -43,9 +43,9 @@ from scripts.planner.fit import dtype_bytes, planned_dtype, resolve_for_gpu  # n
 from scripts.planner.fit import main as fit_main  # noqa: E402
 from scripts.planner.scaling import plan_table  # noqa: E402
 from trainer.base.errors import ConfigError  # noqa: E402
+from trainer.observe.metrics import model_flops_per_token, peak_and_status, step_flops  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
-from trainer.runtime.metrics import model_flops_per_token, peak_and_status, step_flops  # noqa: E402
 from trainer.trainer_utils import typed_or_default  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here

@@ -11,7 +11,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the floors, bottom first (docs/design.md, "Floors"): each imports only the floors below it, no exceptions; model/ and
 # dataset/ sit under the trainer; the top floor is trainer/'s entry scripts and trainer_utils.py
-FLOORS = ("model", "dataset", "base", "parallel", "ckpt", "judge", "runtime", "plan", "core", "stages", "rl", "top")
+FLOORS = ("model", "dataset", "base", "parallel", "ckpt", "judge", "observe", "runtime", "plan", "core", "stages", "rl",
+          "top")
 FOLDERS = FLOORS[2:-1]
 
 

@@ -8,7 +8,7 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.runtime import metrics
+from trainer.observe import metrics
 
 SCRIPT = "trainer/train_pretrain.py"
 

@@ -35,11 +35,11 @@ from scripts.planner.cost import divisor, layout_sizes, plan_layout, routed_expe
 from scripts.planner.flags import parse_args
 from scripts.planner.gpus import GIB, NO_BF16, find_gpu
 from trainer.base.errors import ConfigError
+from trainer.observe.metrics import model_flops_per_token
 from trainer.plan.flags import add_train_args
 from trainer.plan.model_config import build_config
 from trainer.plan.resolve import resolve
 from trainer.plan.stage import Stage
-from trainer.runtime.metrics import model_flops_per_token
 
 # Saved activations x this = the activation peak: autograd's backward temporaries (each layer's input gradients
 # beside the saved tensors). Measured on CPU as the most bytes of tensors alive at once (tests/memory_entry.py: torch's

@@ -20,6 +20,7 @@ from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.step_dirs import latest_checkpoint, minimind_resume_path
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import base_record, init_model
+from trainer.observe.metrics import enable_tf32
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.plan.checks import check_same_dtype
@@ -33,7 +34,6 @@ from trainer.runtime.guard import (
     StepGuard,
     add_signal_points,
 )
-from trainer.runtime.metrics import enable_tf32
 from trainer.runtime.optim import build_optimizer
 from trainer.runtime.schedule import resume_note
 

@@ -6,7 +6,7 @@ Read `train()` for the loop and `train_step()` for one optimizer step. The plan 
 trainer/plan/sections.py (resolved by trainer/plan/resolve.py), what a stage gives the loop in trainer/plan/stage.py and
 trainer/plan/objective.py, data in trainer/core/data_loading.py, a batch's way into the model in
 trainer/core/batches.py, checkpoints in trainer/ckpt/checkpointer.py, the console and records in
-trainer/runtime/console.py, evaluation in trainer/core/evaluation.py, the callbacks in trainer/runtime/callbacks.py,
+trainer/observe/console.py, evaluation in trainer/core/evaluation.py, the callbacks in trainer/runtime/callbacks.py,
 the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parallelize.py).
 """
 import importlib
@@ -25,11 +25,7 @@ from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed,
 from trainer.core.batches import autocast, loss_context, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader
 from trainer.core.evaluation import evaluate
-from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.mesh import dimension_module, grad_reduce_factor
-from trainer.plan.config_file import write_run_config
-from trainer.plan.objective import target_tokens
-from trainer.runtime.console import (
+from trainer.observe.console import (
     NO_BAR,
     Bar,
     effective_log_interval,
@@ -38,14 +34,18 @@ from trainer.runtime.console import (
     run_line,
     step_record,
 )
+from trainer.observe.metrics import step_timer, trim_heap
+from trainer.observe.tracking import PROFILER
+from trainer.parallel.clip import clip_grad_norm_
+from trainer.parallel.mesh import dimension_module, grad_reduce_factor
+from trainer.plan.config_file import write_run_config
+from trainer.plan.objective import target_tokens
 from trainer.runtime.guard import (
     StepAbandoned,
     out_of_memory_as_one_line,
     scaler_found_inf,
 )
-from trainer.runtime.metrics import step_timer, trim_heap
 from trainer.runtime.schedule import lr_at
-from trainer.runtime.tracking import PROFILER
 
 
 def train(trainer, train_ds, eval_ds=None):

@@ -25,6 +25,7 @@ from trainer.base.log import Logger
 from trainer.base.schema import fill
 from trainer.ckpt.step_dirs import MANIFEST
 from trainer.ckpt.weights_file import any_weights_record
+from trainer.observe.tracking import PROFILER, resolve_trackers
 from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.checks import (
     check_combinations,
@@ -46,7 +47,6 @@ from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import resolve_callbacks
 from trainer.runtime.optim import resolve_optimizer
 from trainer.runtime.schedule import resolve_schedule
-from trainer.runtime.tracking import PROFILER, resolve_trackers
 
 
 def resolve(args, world_size, local_rank=0, stage=Stage):

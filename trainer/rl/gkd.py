@@ -28,11 +28,11 @@ from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.core.batches import autocast
+from trainer.observe.metrics import step_flops
 from trainer.plan.objective import LMObjective
 from trainer.rl.base import RolloutObjective, RolloutPlan, check_layout, check_positions, engine_line
 from trainer.rl.rollout import make_engine, rollout_seed
 from trainer.rl.rows import rollout_sequences, training_rows
-from trainer.runtime.metrics import step_flops
 from trainer.stages.distillation import DistillationPlan, build_teacher, teacher_fields, teacher_path
 from trainer.stages.sft import SFTStage
 

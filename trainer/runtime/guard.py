@@ -25,8 +25,8 @@ from trainer.base.launch import rank
 from trainer.base.log import Logger, say
 from trainer.base.streams import write_fd
 from trainer.ckpt.checkpoint import latest_checkpoint
+from trainer.observe.metrics import peak_mem_gb
 from trainer.parallel.perf import decoder_blocks
-from trainer.runtime.metrics import peak_mem_gb
 
 
 class StepAbandoned(Exception):

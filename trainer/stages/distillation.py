@@ -23,11 +23,11 @@ from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights
 from trainer.core.log_probs import log_softmax
+from trainer.observe.metrics import step_flops
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
 from trainer.plan.checks import other_sizes
 from trainer.plan.objective import LMObjective
-from trainer.runtime.metrics import step_flops
 from trainer.stages.sft import SFTStage
 
 

@@ -1,4 +1,4 @@
-"""The online dashboards a run may log to, started by trainer/runtime/tracking.py's Tracker (which loads this module by
+"""The online dashboards a run may log to, started by trainer/observe/tracking.py's Tracker (which loads this module by
 name for --tracker swanlab/wandb or MiniMind's --use_wandb only): swanlab (online when logged in, else offline) and
 wandb (offline unless WANDB_MODE says otherwise)."""
 import os

@@ -5,7 +5,7 @@ on_eval, on_train_end: trainer/runtime/callbacks.py). Only the main process writ
 swanlab (MiniMind's --use_wandb, or --tracker swanlab) runs online when logged in and offline otherwise, its files
 under `<metrics file's folder>/swanlog/` (upload later with `swanlab sync DIR`); never a prompt. wandb (--tracker
 wandb, optional) runs offline under `<metrics file's folder>/wandb/` unless WANDB_MODE says otherwise. Both are started
-by trainer/runtime/dashboards.py, loaded by name for the runs that ask for one.
+by trainer/observe/dashboards.py, loaded by name for the runs that ask for one.
 """
 import importlib
 import importlib.util
@@ -22,8 +22,8 @@ from trainer.base.errors import ConfigError
 from trainer.ckpt.storage import DiskFullError
 
 TRACKERS = ("swanlab", "wandb", "tensorboard", "none")
-DASHBOARDS = "trainer.runtime.dashboards"  # swanlab's and wandb's runs: read by the runs that ask for one only
-PROFILER = "trainer.runtime.step_profiler"  # --profile_steps' trace: read by the runs that ask for one only
+DASHBOARDS = "trainer.observe.dashboards"  # swanlab's and wandb's runs: read by the runs that ask for one only
+PROFILER = "trainer.observe.step_profiler"  # --profile_steps' trace: read by the runs that ask for one only
 
 # Console line: (record key, format) in print order; other keys are left to the JSONL and the dashboards.
 CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", "aux_loss {:.6f}"),
