@@ -37,7 +37,7 @@ def saved_line():
 
 
 def stop_on_signals():
-    """Until the loop installs its own (trainer/runtime/guard.py Preemption): SIGINT/SIGTERM raise SignalStop, which
+    """Until the loop installs its own (trainer/runtime/signals.py Preemption): SIGINT/SIGTERM raise SignalStop, which
     main_guard turns into one line and exit 130/143 instead of a traceback (SIGINT) or a silent death (SIGTERM).
 
     Once: the handler hands the signals to leave_on_signals before it raises, so a later one ends the process with

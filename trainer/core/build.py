@@ -29,13 +29,10 @@ from trainer.plan.resolve import resolve
 from trainer.plan.sections import TrainPlan
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import Callbacks, make_callbacks
-from trainer.runtime.guard import (
-    Preemption,
-    StepGuard,
-    add_signal_points,
-)
 from trainer.runtime.optim import build_optimizer
 from trainer.runtime.schedule import resume_note
+from trainer.runtime.signals import Preemption, add_signal_points
+from trainer.runtime.step_guard import StepGuard
 
 MOE_MODULE = "trainer.runtime.expert_load"  # a MoE model's expert loads and routing bias: read by MoE runs only
 

@@ -40,18 +40,16 @@ from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import dimension_module, grad_reduce_factor
 from trainer.plan.config_file import write_run_config
 from trainer.plan.objective import target_tokens
-from trainer.runtime.guard import (
-    StepAbandoned,
-    out_of_memory_as_one_line,
-    scaler_found_inf,
-)
+from trainer.runtime.out_of_memory import out_of_memory_as_one_line
 from trainer.runtime.schedule import lr_at
+from trainer.runtime.signals import StepAbandoned
+from trainer.runtime.step_guard import scaler_found_inf
 
 
 def train(trainer, train_ds, eval_ds=None):
     """Phase 8, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
 
-    SIGTERM/SIGINT stop it with a checkpoint of the last completed step (guard.py Preemption: one process drops
+    SIGTERM/SIGINT stop it with a checkpoint of the last completed step (signals.py Preemption: one process drops
     the step in progress, several ranks finish it and stop together)."""
     plan, progress = trainer.plan, trainer.progress
     if trainer.resumed and (reached_max_steps(trainer) or stop_reason(trainer)):

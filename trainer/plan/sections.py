@@ -212,8 +212,8 @@ class IOPlan:
 
 @dataclass(frozen=True)
 class GuardPlan:
-    """Preemption and the non-finite step guard (trainer/runtime/guard.py); the replica check (trainer/parallel/data.py
-    check_replicas)."""
+    """Preemption and the non-finite step guard (trainer/runtime/signals.py, trainer/runtime/step_guard.py); the replica
+    check (trainer/parallel/data.py check_replicas)."""
     grace_seconds: float = flag(60, "after SIGTERM/SIGINT: seconds to finish the step and save before exiting "
                                 "non-zero")
     max_bad_steps: int = flag(5, "stop after this many non-finite (skipped) optimizer steps in a row", min=1)
