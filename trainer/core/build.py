@@ -29,7 +29,7 @@ from trainer.plan.resolve import resolve
 from trainer.plan.sections import TrainPlan
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import Callbacks, make_callbacks
-from trainer.runtime.optim import build_optimizer
+from trainer.runtime.optimizer_choice import build_optimizer
 from trainer.runtime.schedule import resume_note
 from trainer.runtime.signals import Preemption, add_signal_points
 from trainer.runtime.step_guard import StepGuard
@@ -130,7 +130,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
         Logger(compute_line)
     if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
         add_signal_points(model_parts)
-    optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optim.py), ZeRO-1 sharded or not
+    optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optimizer_choice.py), ZeRO-1 or not
     scaler = torch.amp.GradScaler(torch.device(plan.layout.device).type, enabled=plan.model.dtype == torch.float16)
     progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
     parts = standard_parts(model_parts, optimizer, tied_aliases(pipeline, config), scaler, progress, objective,

@@ -7,7 +7,7 @@ ranks). So the trainer multiplies each rank's loss by `mesh.grad_reduce_factor(l
 average of the scaled gradients is then exactly the single-process gradient.
 
 The dp dimension's module (mesh.py DIMENSIONS): read by a run with a data-parallel group or a ZeRO / compression
-flag only (plan/checks.py data_parallel_mode, parallelize.py, core/loop.py, runtime/optim.py, and
+flag only (plan/checks.py data_parallel_mode, parallelize.py, core/loop.py, runtime/optimizer_choice.py, and
 state_dict.py for a ZeRO-1 optimizer's state).
 """
 import importlib

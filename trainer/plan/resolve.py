@@ -45,7 +45,7 @@ from trainer.plan.model_config import build_config, weight_shapes
 from trainer.plan.sections import DataPlan, GuardPlan, IOPlan, Layout, ModelPlan, Schedule, TrainPlan
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import resolve_callbacks
-from trainer.runtime.optim import resolve_optimizer
+from trainer.runtime.optimizer_choice import resolve_optimizer
 from trainer.runtime.schedule import resolve_schedule
 
 

@@ -1,8 +1,8 @@
 """The plan: one frozen TrainPlan of frozen sections, and every flag of the training scripts declared once in its
 section (trainer/base/schema.py says how); trainer/plan/flags.py builds the parser from these,
 trainer/plan/resolve.py's resolve fills them. The engine's sections live beside their code: `optim`
-(trainer/runtime/optim.py), `lr` (trainer/runtime/schedule.py), `callbacks` (trainer/runtime/callbacks.py); a stage's
-plan (trainer/plan/stage.py) is `stage`, its flags in its own FLAGS.
+(trainer/runtime/optimizer_choice.py), `lr` (trainer/runtime/schedule.py), `callbacks` (trainer/runtime/callbacks.py); a
+stage's plan (trainer/plan/stage.py) is `stage`, its flags in its own FLAGS.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -14,7 +14,7 @@ from trainer.base.schema import Flag, flag
 from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import CallbackPlan
-from trainer.runtime.optim import OptimizerPlan
+from trainer.runtime.optimizer_choice import OptimizerPlan
 from trainer.runtime.schedule import LRSchedule
 
 
@@ -234,7 +234,7 @@ class TrainPlan:
     model: ModelPlan
     data: DataPlan
     schedule: Schedule
-    optim: OptimizerPlan  # trainer/runtime/optim.py
+    optim: OptimizerPlan  # trainer/runtime/optimizer_choice.py
     lr: LRSchedule  # trainer/runtime/schedule.py
     io: IOPlan
     guard: GuardPlan

@@ -40,7 +40,7 @@ OPTIMIZERS = {
 
 @dataclass(frozen=True)
 class OptimizerPlan:
-    """The optimizer and the gradient clip (trainer/runtime/optim.py)."""
+    """The optimizer and the gradient clip (trainer/runtime/optimizer_choice.py)."""
     name: str  # --optimizer
     weight_decay: float = flag(0.01, "decoupled weight decay (adamw, lamb, muon), L2 term of sgd and lars")
     betas: tuple  # --beta1, --beta2
