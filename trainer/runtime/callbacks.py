@@ -11,8 +11,8 @@ A callback stops the run after this step by setting `self.stop_reason` (a line t
 checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
 travel in every checkpoint, so a resumed run continues with the same state.
 Built in, through the same hooks: the sinks (tracking.Tracker), eval_callbacks.EarlyStopping and BestCheckpoint,
-RankLog, bench.EvalBench (--eval_bench: lm-eval scores of the current model), health.HealthWatch (health lines) and
-samples.Samples (greedy samples at each eval, SFT and later stages).
+RankLog, bench.EvalBench (--eval_bench: lm-eval scores of the current model), health_watch.HealthWatch (health lines)
+and samples.Samples (greedy samples at each eval, SFT and later stages).
 """
 import importlib
 import importlib.util
@@ -23,7 +23,7 @@ from typing import Optional
 from trainer.base.errors import ConfigError, TrainingHalted
 from trainer.base.rank_log import RankLog
 from trainer.base.schema import Flag, fill, flag
-from trainer.judge.health import HealthWatch
+from trainer.observe.health_watch import HealthWatch
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
 BENCH_MODULE = "trainer.judge.bench"  # lm-eval scoring (--eval_bench): read by the runs that ask for it only
