@@ -7,7 +7,6 @@ The one measure of what a command reads (`loaded_files`, used by tests/test_hous
 repository files in `sys.modules` of a fresh interpreter after it ran the command, package __init__ files included,
 so a module loaded when used counts on the runs that use it, and only on those."""
 import ast
-import functools
 import json
 import os
 import re
@@ -96,21 +95,25 @@ def line_count(path):
         return len(f.read().splitlines())
 
 
-@functools.cache
-def loaded_files(jobs):
+def loaded_files(jobs, found={}):
     """What each job loads: {job: [(repository path, lines)] in load order}, the job's own file first.
 
     A job is (script, argv): the script run as `python script argv` (argv "{tmp}" is a fresh temporary folder shared
     by the jobs of one call, "{data}" a small pretraining file in it), or (script, None): the script imported, its
     `__main__` block not run. One fresh interpreter imports torch and transformers (no repository module), then forks
     one process per job, in order (a later job sees the files an earlier one wrote: the second of two runs finds the
-    token cache the first built); each reports the repository files in its `sys.modules`. Cached per process."""
+    token cache the first built); each reports the repository files in its `sys.modules`. Measured once per process
+    (`found`: the answers so far)."""
+    if jobs in found:
+        return found[jobs]
     result = subprocess.run([sys.executable, os.path.abspath(__file__), "--loaded", json.dumps(jobs)],
                             capture_output=True, text=True, timeout=900, cwd=ROOT)
     if result.returncode != 0:
         raise RuntimeError(f"measuring {jobs} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
-    found = json.loads(result.stdout.strip().splitlines()[-1])
-    return {job: [(path, line_count(os.path.join(ROOT, path))) for path in paths] for job, paths in zip(jobs, found)}
+    paths = json.loads(result.stdout.strip().splitlines()[-1])
+    found[jobs] = {job: [(path, line_count(os.path.join(ROOT, path))) for path in files]
+                   for job, files in zip(jobs, paths)}
+    return found[jobs]
 
 
 def pretraining_loads():
@@ -162,7 +165,7 @@ def _run_job(path, argv, report, log):
         with open(log, "w") as out:
             os.dup2(out.fileno(), 1)
             os.dup2(out.fileno(), 2)
-        sys.argv = [path, *(argv or [])]
+        sys.argv, sys.path[0] = [path, *(argv or [])], os.path.dirname(path)  # as `python path argv` has them
         try:
             runpy.run_path(path, run_name="__main__" if argv is not None else "__loaded__")
             code = 0

@@ -1,12 +1,14 @@
 """The folder tree is the map: the import direction between trainer/'s folders, no module at trainer/'s top but the
-entry scripts and trainer_utils.py, no function over 60 lines, every folder described, and every module README.md and
+entry scripts and trainer_utils.py, no function over 60 lines, every folder described, every module README.md and
 docs/ name exists (and every folder and module is named in the map: README lists the folders, docs/design.md the
-modules)."""
+modules), and what a pretraining run loads (scripts/module_map.py's measure) stays short."""
 import ast
 import os
 import re
 
 import pytest
+
+from scripts.module_map import pretraining_loads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the floors, bottom first (docs/design.md, "Floors"): each imports only the floors below it, no exceptions; model/ and
@@ -120,63 +122,34 @@ def test_no_import_cycle_between_files():
     assert cycles(graph) == []
 
 
-def closure(graph, start):
-    """Every module `start` reaches through imports (itself included)."""
-    seen, todo = set(), [start]
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo.extend(graph[name])
-    return seen
-
-
-# pretraining's reading path (trainer/train_pretrain.py's static import closure, package __init__ files included): a
-# dimension, the MoE loads, lm-eval scoring, PowerSGD, HF folders and the agent's tools are read when used only (a
-# module named in a table, imported by name). Issue #44 asks for 45 modules and 7,000 lines; this is where it stands
-# (65 / 8,985 after the floors; then the health lines and bits per byte (judge/health.py, units.py) and the names the
-# inference package shares with the trainer (model/errors.py, model/weight_names.py) and the entry scripts' prelude
-# (base/prelude.py) came in, HF folders went out; 69 / 9,467 then. The closure pass: the old-path forwarding modules
-# gone, SFT/DPO data and SFTStage out of pretraining's files, the token cache's build path, the --save_best and
-# --early_stop_patience callbacks, the swanlab/wandb dashboards, the weighted mixture and the datasets' notes loaded
-# when used, three small modules merged into the one they serve (rank_files, resume_fields, oom): 61 / 8,272; the
-# end-of-run report's hand-off in judge/health.py (the report itself loads by name): 61 / 8,299; the dp dimension's
-# module (DDP, FSDP2, ZeRO-1, the --check_replicas comparison) read by runs with a data-parallel group or a ZeRO /
-# compression flag only, as the other dimensions' are: 60 / 8,128; each Dimension's `divides` for the planner: 60 /
-# 8,130; --profile_steps' StepProfiler and its parse in their own module, read when the flag is given: 60 / 8,076;
-# SFT's best-fit packing left to dataset/packing.py, the row positions pretraining reads beside PretrainDataset: 59 /
-# 8,036; ZeRO-1's state-dict paths in the dp dimension's module: 59 / 7,963; the pipeline's forward-only pass and
-# held-out loss as Pipeline methods in the pp dimension's module: 59 / 7,937; the CPU peak's quiet check reads the
-# kernel's busy time over the measurement (the load average lags a minute behind new work): 59 / 7,966; each
-# checkpoint file's crc32, taken as DCP writes the shards and checked once between the ranks before a step is loaded,
-# and main_guard's signal handling made one line wherever the signal lands (issue #58): 59 / 8,132; the health
-# watch saves the records its checks read, so a spike right after a resume is said: 59 / 8,133; the guard module split
-# into its three concerns, signals, the non-finite step guard and out of memory (issue #56): 61 / 8,139; the HealthWatch
-# callback from judge/health.py to observe/health_watch.py (the report it loads imports health.py): 62 / 8,143).
-PRETRAIN_MODULES, PRETRAIN_LINES = 62, 8143
+# what a real 2-step pretraining run loads (scripts/module_map.py pretraining_loads: its sys.modules, package __init__
+# files included, the entry script too), its second run (the token cache read, not built): before issue #56, whose
+# measure this is, 67 files / 8,155 lines (the static closure then counted 59 / 8,133, without most __init__ files and
+# blind to the 14 modules imported by a string constant); a dimension, the MoE loads, lm-eval scoring, PowerSGD, HF
+# folders, the report and the agent's tools are read by the runs that use them only. Issue #56's splits (observe/, the
+# guard in three, the HealthWatch callback in observe/): 71 / 8,169.
+PRETRAIN_FILES, PRETRAIN_LINES = 71, 8169
 
 
 def test_pretraining_reads_a_short_path(capsys):
-    graph, files = import_graph()
-    reached = closure(graph, "trainer.train_pretrain")
-    lines = {name: sum(1 for _ in open(files[name])) for name in reached}
+    """The files a 2-step pretraining run loads stay under the bound; a first run (the token cache built) loads the
+    token cache's build, dataset/tokenizing/, on top and nothing else."""
+    first, second = pretraining_loads()
     with capsys.disabled():
-        print(f"\npretraining's closure: {len(reached)} modules, {sum(lines.values())} lines")
-    assert len(reached) <= PRETRAIN_MODULES and sum(lines.values()) <= PRETRAIN_LINES, sorted(lines.items())
+        for name, rows in (("first", first), ("second", second)):
+            print(f"\npretraining's {name} 2-step run loads {len(rows)} files, {sum(n for _, n in rows)} lines")
+    assert len(second) <= PRETRAIN_FILES and sum(n for _, n in second) <= PRETRAIN_LINES, second
+    assert {p for p, _ in second} <= {p for p, _ in first}
+    assert {p for p, _ in first} - {p for p, _ in second} == {relative(p) for p in python_files("dataset/tokenizing")}
 
 
 def test_design_opens_with_pretrainings_reading_order():
-    """docs/design.md opens with the reading order (scripts/module_map.py --write): every file of the closure."""
-    graph, files = import_graph()
+    """docs/design.md opens with the reading order (scripts/module_map.py --write): every file a run loads."""
     design = docs()[os.path.join("docs", "design.md")]
     start, stop = design.find("<!-- reading order: begin"), design.find("<!-- reading order: end -->")
     assert 0 <= start < design.find("\n## "), "docs/design.md opens with the reading order for pretraining"
     listed = set(re.findall(r"((?:trainer|model|dataset)/[\w/]+\.py) \(\d+\)", design[start:stop]))
-    assert listed == {relative(files[name]) for name in closure(graph, "trainer.train_pretrain")}
-
-
-def test_closure_follows_imports():
-    assert closure({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}, "a") == {"a", "b", "c"}
+    assert listed == {path for path, _ in pretraining_loads()[1]}
 
 
 def test_cycle_check_sees_a_cycle():
