@@ -3,6 +3,7 @@ entry scripts and trainer_utils.py, no function over 60 lines, every folder desc
 docs/ name exists (and every folder and module is named in the map: README lists the folders, docs/design.md the
 modules), and what a pretraining run loads (scripts/module_map.py's measure) stays short."""
 import ast
+import importlib.util
 import os
 import re
 
@@ -155,6 +156,68 @@ def test_design_opens_with_pretrainings_reading_order():
 def test_cycle_check_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def string_imports(path):
+    """(the enclosing function, or "<module>", line) of every call in `path` that imports a module by a string:
+    importlib.import_module, __import__."""
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Call) and (getattr(child.func, "attr", None) == "import_module"
+                                                or getattr(child.func, "id", None) in ("import_module", "__import__")):
+                found.append((function, child.lineno))
+            visit(child, child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function)
+    visit(ast.parse(open(path).read()), "<module>")
+    return found
+
+
+def registries():
+    """The tables whose entries name a module, imported by that name when an entry is used (the one way a module is
+    imported by a string): {(file, the function that imports): the entries' modules}."""
+    from scripts.planner.fit import ENTRY_SCRIPTS
+    from trainer.parallel.mesh import DIMENSIONS
+    from trainer.runtime.optimizer_choice import OPTIMIZERS
+    return {("trainer/parallel/mesh.py", "dimension_module"): [d.module for d in DIMENSIONS],
+            ("trainer/runtime/optimizer_choice.py", "kwargs"): [entry.module for entry in OPTIMIZERS.values()],
+            ("scripts/planner/fit.py", "script_stage"): list(ENTRY_SCRIPTS.values())}
+
+
+def test_no_module_is_imported_by_a_string_outside_a_registry():
+    """A part loaded when used is an ordinary import inside the function that needs it, which ruff, an IDE, the floors
+    test and an import graph all see; a string names a module only in a registry's entries (checked below)."""
+    found = [(relative(path).replace(os.sep, "/"), function, line)
+             for path in python_files("trainer", "model", "dataset", "scripts")
+             for function, line in string_imports(path)]
+    assert [f"{path}:{line} ({function})" for path, function, line in found
+            if (path, function) not in registries()] == []
+    assert {(path, function) for path, function, _ in found} == set(registries())  # the check saw each registry
+
+
+def test_registry_entries_are_modules_on_allowed_floors():
+    """Each registry entry names a module that exists: a third-party one, or a project module on the registry's floor
+    or below it (a command of scripts/ may name the trainer's entry scripts: its floors are above them all)."""
+    files, problems = module_files(), []
+    for (holder, _), modules in registries().items():
+        for module in modules:
+            if module.split(".")[0] not in ("trainer", "model", "dataset"):
+                if importlib.util.find_spec(module) is None:
+                    problems.append(f"{holder} names {module}, which is not installed")
+            elif module not in files:
+                problems.append(f"{holder} names {module}, which does not exist")
+            elif not holder.startswith("scripts/") and \
+                    FLOORS.index(floor_of(files[module])) > FLOORS.index(floor_of(os.path.join(ROOT, holder))):
+                problems.append(f"{holder} names {module}, on a floor above its own")
+    assert problems == []
+    assert sum(map(len, registries().values())) >= 5 + 5 + 11  # dimensions, optimizers, stages: the check saw them
+
+
+def test_string_import_check_sees_one(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import importlib\nA = importlib.import_module('trainer.core.loop')\n\n\ndef f(name):\n"
+                      "    def g():\n        return __import__(name)\n    return g\n")
+    assert string_imports(module) == [("<module>", 2), ("g", 7)]
 
 
 def test_floor_check_sees_a_violation(tmp_path):

@@ -1,7 +1,6 @@
 """Phases 1 and 4-7 of every stage: `setup` (the flags checked into the plan, the process group, the mesh, the seed)
 and `build_trainer` (resume state, model, parallel wrap, optimizer, restore) into the `Trainer` the loop runs
 (trainer/core/loop.py)."""
-import importlib
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -33,8 +32,6 @@ from trainer.runtime.optimizer_choice import build_optimizer
 from trainer.runtime.schedule import resume_note
 from trainer.runtime.signals import Preemption, add_signal_points
 from trainer.runtime.step_guard import StepGuard
-
-MOE_MODULE = "trainer.runtime.expert_load"  # a MoE model's expert loads and routing bias: read by MoE runs only
 
 
 @dataclass
@@ -119,7 +116,9 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     warning = room_warning(plan.io.checkpoint_dir, estimate)
     if warning:
         Logger(warning)
-    moe = importlib.import_module(MOE_MODULE) if config.use_moe else None
+    moe = None
+    if config.use_moe:
+        from trainer.runtime import expert_load as moe  # a MoE model's expert loads and routing bias: MoE runs only
     if moe and plan.model.router_balance != "aux":
         moe.enable_expert_bias([model])  # model state: there before the wrap and the resume
     model_parts, pipeline = parallelize(model, dims, plan)  # in the order its docstring states

@@ -9,7 +9,6 @@ trainer/core/batches.py, checkpoints in trainer/ckpt/checkpointer.py, the consol
 trainer/observe/console.py, evaluation in trainer/core/evaluation.py, the callbacks in trainer/runtime/callbacks.py,
 the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parallelize.py).
 """
-import importlib
 import os
 import signal
 from contextlib import nullcontext
@@ -35,7 +34,6 @@ from trainer.observe.console import (
     step_record,
 )
 from trainer.observe.metrics import step_timer, trim_heap
-from trainer.observe.tracking import PROFILER
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import dimension_module, grad_reduce_factor
 from trainer.plan.config_file import write_run_config
@@ -93,8 +91,8 @@ def step_profiler(plan):
     only); None without the flag."""
     if plan.io.profile_steps is None:
         return None
-    profiling = importlib.import_module(PROFILER)
-    return profiling.StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
+    from trainer.observe.step_profiler import StepProfiler
+    return StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
 
 
 def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):

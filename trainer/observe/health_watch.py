@@ -1,12 +1,9 @@
 """The HealthWatch callback: trainer/judge/health.py's health lines said as a run's records come, and at the end the
 run's report or the command that writes it (trainer/runtime/callbacks.py wires it into every run)."""
-import importlib
-
 from trainer.base.launch import is_main_process
 from trainer.base.log import Logger
 from trainer.judge.health import Health
 
-REPORT_MODULE = "trainer.judge.report"  # the run's report: loaded by name at the end of a run that writes one
 REPORT_AFTER_S = 60  # --report auto: runs of a minute or more (the page and its plots take 1-3 s, pandas + matplotlib)
 
 
@@ -25,9 +22,9 @@ class HealthWatch:
         if not (self.writes_report() and not trainer.guard.stop and is_main_process()):
             Logger(f"report of this run: {command}")
             return
+        from trainer.judge.report import write_report  # pandas, matplotlib: read by a run that writes one only
         try:
-            page, png = importlib.import_module(REPORT_MODULE).write_report([self.metrics_file],
-                                                                            run_config=self.run_config)
+            page, png = write_report([self.metrics_file], run_config=self.run_config)
         except (OSError, ValueError) as e:  # the weights are saved: a report that fails is a note, not a failed run
             Logger(f"note: the report of this run was not written ({type(e).__name__}: {e}); later: {command}")
             return

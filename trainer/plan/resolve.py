@@ -4,7 +4,6 @@ after checking every flag: the one place the flags are read.
 Nothing is created (writability is checked on the nearest existing folder); it logs what it decides for the user
 (the zero stage a layout needs, the tokenizer a --from_weight file records, sizes a weights file overrides).
 """
-import importlib
 import os
 from dataclasses import replace
 
@@ -25,7 +24,7 @@ from trainer.base.log import Logger
 from trainer.base.schema import fill
 from trainer.ckpt.step_dirs import MANIFEST
 from trainer.ckpt.weights_file import any_weights_record
-from trainer.observe.tracking import PROFILER, resolve_trackers
+from trainer.observe.tracking import resolve_trackers
 from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.checks import (
     check_combinations,
@@ -206,6 +205,7 @@ def profile_steps(spec):
     if not spec:
         return None
     try:
-        return importlib.import_module(PROFILER).parse_profile_steps(spec)
+        from trainer.observe.step_profiler import parse_profile_steps  # read by the runs that give the flag only
+        return parse_profile_steps(spec)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -15,8 +15,9 @@ from trainer.parallel.state_dict import clean_fqn
 
 @dataclass(frozen=True)
 class Optimizer:
-    """One --optimizer: the module and name of its class (imported when a run picks it) and its keyword arguments
-    besides lr, from the OptimizerPlan and `fused` (torch's fused kernel: True, False, or None for unset)."""
+    """One --optimizer: the module and name of its class (imported when a run picks it; a registry entry, which
+    tests/test_house.py checks exists on this floor or below) and its keyword arguments besides lr, from the
+    OptimizerPlan and `fused` (torch's fused kernel: True, False, or None for unset)."""
     module: str
     name: str
     kwargs: Callable
