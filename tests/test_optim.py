@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from tests.layouts import read_step
-from trainer.base.errors import ConfigError
 from trainer.parallel.mesh import ParallelDims
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve

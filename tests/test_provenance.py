@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from model.errors import ConfigError
 from model.provenance import content_sha256
 from model.tokenizer_choice import TokenizerMismatch, tokenizer_for
 from scripts.convert_model import main as convert_main
@@ -16,7 +17,6 @@ from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args as eval_args
 from scripts.inference.load import tokenizer_folder
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
-from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 

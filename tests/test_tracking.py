@@ -270,7 +270,7 @@ def test_grad_norm_on_the_console_and_clipped_only_when_it_was(capsys, tmp_path)
 def test_tracker_flag_and_minimind_aliases(tmp_path):
     import argparse
 
-    from trainer.base.errors import ConfigError
+    from model.errors import ConfigError
     from trainer.observe.tracking import resolve_trackers
     from trainer.plan.flags import add_train_args
 

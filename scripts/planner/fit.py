@@ -28,13 +28,13 @@ import tempfile
 import torch
 
 from dataset.shards import cache_dir_for
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_shapes import config_fields
 from model.weights import save_weights_file
 from scripts.planner.cost import divisor, layout_sizes, plan_layout, routed_expert_params
 from scripts.planner.flags import STAGES, parse_args
 from scripts.planner.gpus import GIB, NO_BF16, find_gpu
-from trainer.base.errors import ConfigError
 from trainer.observe.metrics import model_flops_per_token
 from trainer.plan.flags import add_train_args
 from trainer.plan.model_config import build_config

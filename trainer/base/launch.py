@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from dataset.cache_guard import CacheBuildInterrupted
+from model.errors import ConfigError
 from model.torch_compat import set_default_pg_timeout
 from trainer.base import rank_log
-from trainer.base.errors import ConfigError, SignalStop, TrainingHalted
+from trainer.base.errors import SignalStop, TrainingHalted
 from trainer.base.streams import survive_closed_output, write_fd
 
 RANK0_REPORT_SECONDS = 2

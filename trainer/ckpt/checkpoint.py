@@ -26,9 +26,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
+from model.errors import ConfigError
 from model.provenance import short
 from model.weight_shapes import WeightsError, clean_state_dict, config_fields
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
@@ -37,7 +37,6 @@ from trainer.ckpt.step_dirs import (
     agreed_checkpoint,
     agreed_damage,
     damage,
-    latest_checkpoint,  # noqa: F401 (re-exported: console, oom, weights_file and rl import it from here)
     load_train_state,
     loadable_checkpoint,
     minimind_resume_path,

@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
-from trainer.base.errors import ConfigError
 from trainer.base.launch import init_distributed_mode, rank, setup_seed
 from trainer.base.log import Logger
 from trainer.base.rank_log import open_rank_log

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from tqdm import tqdm
 
 from model.atomic import full_disk_reason
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.ckpt.storage import DiskFullError
 
 TRACKERS = ("swanlab", "wandb", "tensorboard", "none")

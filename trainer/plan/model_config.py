@@ -1,8 +1,8 @@
 """The MiniMindConfig the flags describe, with the shapes of a --from_weight file taking precedence."""
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
 from model.weight_flags import flag_conflicts, weights_line
 from model.weight_shapes import WeightsError, infer_config
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.plan.flags import MODEL_FLAGS

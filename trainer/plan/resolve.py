@@ -10,16 +10,16 @@ from dataclasses import replace
 import torch
 
 from dataset.mixture import absolute_data_spec
+from model.errors import ConfigError, check_device
 from model.model_minimind import expert_compute_for
 from model.provenance import tokenizer_record
-from model.tokenizer_choice import TokenizerMismatch, tokenizer_for
+from model.tokenizer_choice import TokenizerMismatch, check_tokenizer, tokenizer_for
 from model.weight_names import (
     repo_path,
     typed_or_default,
     weight_name,
-    weight_path,  # noqa: F401 (stages read it here)
+    weight_path,
 )
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import fill
 from trainer.ckpt.step_dirs import MANIFEST
@@ -28,14 +28,12 @@ from trainer.observe.tracking import resolve_trackers
 from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.checks import (
     check_combinations,
-    check_device,
     check_metrics_file,
     check_model_args,
     check_numbers,
     check_parallel_args,
     check_paths,
     check_replica_layout,
-    check_tokenizer,
     data_parallel_mode,
     resolve_dtype,
 )

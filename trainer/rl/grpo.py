@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.schema import Flag
 from trainer.observe.metrics import step_flops
 from trainer.plan.objective import target_tokens

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from model.errors import ConfigError
 from model.weight_shapes import clean_state_dict
-from trainer.base.errors import ConfigError
 from trainer.base.launch import world_sum
 from trainer.base.schema import Flag
 from trainer.core.batches import step_targets

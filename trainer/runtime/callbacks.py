@@ -19,7 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from trainer.base.errors import ConfigError, TrainingHalted
+from model.errors import ConfigError
+from trainer.base.errors import TrainingHalted
 from trainer.base.rank_log import RankLog
 from trainer.base.schema import Flag, fill, flag
 from trainer.observe.health_watch import HealthWatch

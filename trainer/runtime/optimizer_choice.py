@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.schema import Flag, fill, flag
 from trainer.parallel.mesh import dimension_module
 from trainer.parallel.state_dict import clean_fqn

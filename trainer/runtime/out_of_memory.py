@@ -9,7 +9,7 @@ import torch
 
 from trainer.base.errors import TrainingHalted
 from trainer.base.launch import rank
-from trainer.ckpt.checkpoint import latest_checkpoint
+from trainer.ckpt.step_dirs import latest_checkpoint
 from trainer.observe.metrics import peak_mem_gb
 
 CPU_MESSAGES = ("can't allocate memory", "not enough memory", "out of memory")
