@@ -21,7 +21,6 @@ All are a pure function of the installed Python and packages: same bytes on ever
 Run `python dataset/demo_data.py` to build them all, or call `ensure_demo_data("pretrain" | "sft" | "dpo" | "rlaif" |
 "agent" | "kto")`.
 """
-import importlib
 import json
 import os
 
@@ -36,10 +35,6 @@ DEMO_FILES = {"pretrain": "pretrain_demo.jsonl", "sft": "sft_demo_v2.jsonl", "dp
 BUILD_NOTES = {"pretrain": "Python's docs and docstrings, ~20 s", "sft": "dialogues and computed tool calls, a few s",
                "dpo": "computed preference pairs, a few s", "rlaif": "RL prompts, a few s",
                "agent": "tool questions, a few s"}
-# each corpus's rows: (module, function), the module read when that corpus is built (a checkout builds each once)
-RECORDS = {"pretrain": ("dataset.demo.records", "pretrain_records"), "sft": ("dataset.demo.records", "sft_records"),
-           "dpo": ("dataset.demo.records", "dpo_records"), "rlaif": ("dataset.demo.records", "rlaif_records"),
-           "kto": ("dataset.demo.records", "kto_records"), "agent": ("dataset.demo.agent", "agent_records")}
 
 
 def _write_jsonl_atomic(records, path):
@@ -62,10 +57,20 @@ def build_demo_data(kind, out_dir=DATASET_DIR, stdlib_dir=None):
     """
     if kind not in DEMO_FILES:
         raise ValueError(f"unknown demo data kind {kind!r}, expected one of {sorted(DEMO_FILES)}")
-    module, name = RECORDS[kind]
-    make = getattr(importlib.import_module(module), name)
+    make = record_builder(kind)
     records = make(stdlib_dir) if kind == "pretrain" else make()
     return _write_jsonl_atomic(records, os.path.join(out_dir, DEMO_FILES[kind]))
+
+
+def record_builder(kind):
+    """The function that makes corpus `kind`'s rows; its module is read when that corpus is built (a checkout builds
+    each once), not by a run that finds the file."""
+    if kind == "agent":
+        from dataset.demo.agent import agent_records
+        return agent_records
+    from dataset.demo import records
+    return {"pretrain": records.pretrain_records, "sft": records.sft_records, "dpo": records.dpo_records,
+            "rlaif": records.rlaif_records, "kto": records.kto_records}[kind]
 
 
 def ensure_demo_data(kind, out_dir=DATASET_DIR, announce=None):

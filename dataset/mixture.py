@@ -9,13 +9,11 @@ epoch holds rows from each source in proportion to the weights, chosen from (see
 stays a pure function of (seed, epoch) and resume stays exact. Without weights the sources are concatenated.
 """
 import glob
-import importlib
 import os
 
 import numpy as np
 from torch.utils.data import ConcatDataset
 
-WEIGHTED_MIXTURE = "dataset.weighted_mixture"  # MixtureDataset: the module a weighted spec loads
 DATA_SUFFIXES = (".jsonl", ".parquet", ".bin")  # corpora, and shards from scripts/pretokenize.py
 
 
@@ -81,8 +79,8 @@ def load_data_spec(spec, make_dataset, seed=0):
                 for files, _ in sources]
     if sources[0][1] is None:  # no weights: every row of every file once
         return datasets[0] if len(datasets) == 1 else ConcatDataset(datasets)
-    weighted = importlib.import_module(WEIGHTED_MIXTURE)  # read by a weighted --data_path only
-    return weighted.MixtureDataset(datasets, [w for _, w in sources], seed)
+    from dataset.weighted_mixture import MixtureDataset  # read by a weighted --data_path only
+    return MixtureDataset(datasets, [w for _, w in sources], seed)
 
 
 def describe_mixture(dataset, sources_spec):

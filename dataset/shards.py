@@ -7,7 +7,6 @@ arguments, builds or reuses the cache (or opens the shard) and maps its arrays l
 uint16/uint32, int64 document offsets, uint8 loss mask (SFT only). The corpus never lives in memory as Python strings.
 """
 import hashlib
-import importlib
 import json
 import os
 
@@ -16,9 +15,6 @@ import torch
 from torch.utils.data import Dataset
 
 from dataset.cache_guard import CACHE_FORMAT_VERSION, discard_if_damaged, format_version, read_token_cache
-
-# the build path (worker processes, locks, a part per local rank): read on a cache miss only
-TOKEN_CACHE_BUILDER = "dataset.tokenizing.token_cache"
 
 DATASET_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CACHE_DIR = os.path.join(DATASET_DIR, ".cache")
@@ -49,7 +45,8 @@ def cache_dir_for(kind, data_path, tokenizer, skip_bad_lines, cache_dir):
 
 def _build_cache(dataset, skip_bad_lines, num_proc, part):
     """Tokenize dataset.data_path into dataset.cache_path, once per node (see dataset/tokenizing/token_cache.py)."""
-    build_token_cache = importlib.import_module(TOKEN_CACHE_BUILDER).build_token_cache
+    # the build path (worker processes, locks, a part per local rank): read on a cache miss only
+    from dataset.tokenizing.token_cache import build_token_cache
     build_token_cache(dataset.cache_path, dataset.data_path, dataset.field, dataset._tokenized_chunks,
                       dataset.token_dtype, skip_bad_lines, num_proc=num_proc, part=part,
                       format_version=format_version(dataset.kind))

@@ -7,7 +7,6 @@ as a resume) and a Hugging Face folder (model/hf_convert.py). The trainer's chec
 read by trainer/ckpt/checkpoint.py, their owner. Shapes and names: model/weight_shapes.py; atomic writes:
 model/atomic.py.
 """
-import importlib
 import json
 import os
 import pickle
@@ -18,8 +17,6 @@ import torch
 from model.atomic import atomic_json, atomic_save
 from model.provenance import tokenizer_record, tokenizer_sha256
 from model.weight_shapes import CONFIG_FIELDS, WeightsError, clean_state_dict, config_fields, load_checked
-
-HF_MODULE = "model.hf_convert"  # transformers' folders: read by the runs that are given one only
 
 CHECKPOINT_MARK = ".metadata"  # what a DCP step directory holds (trainer/ckpt/checkpoint.py reads those)
 
@@ -55,7 +52,8 @@ def read_weights_and_args(path):
         raise WeightsError(f"{path} is a training checkpoint directory; read it with trainer/ckpt/checkpoint.py "
                            "(read_any_weights)")
     if os.path.isdir(path):
-        state_dict, config = importlib.import_module(HF_MODULE).read_hf_folder(path)
+        from model.hf_convert import read_hf_folder  # transformers' folders: read by the runs given one only
+        state_dict, config = read_hf_folder(path)
         return state_dict, config, None
     if not os.path.isfile(path):
         raise WeightsError(f"{path} does not exist; pass a .pth file, a resume checkpoint or a Hugging Face folder")

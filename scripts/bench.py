@@ -33,6 +33,8 @@ loading(__name__, "torch and the trainer")
 
 import torch  # noqa: E402
 
+from model.errors import ConfigError  # noqa: E402
+from model.weight_names import typed_or_default  # noqa: E402
 from scripts.benchmarks.machine import machine_description  # noqa: E402
 from scripts.benchmarks.moe import print_moe_layer_bench  # noqa: E402
 from scripts.benchmarks.moe_dense import run_moe_bench  # noqa: E402
@@ -42,11 +44,9 @@ from scripts.planner.cost import layout_sizes, plan_layout  # noqa: E402
 from scripts.planner.fit import dtype_bytes, planned_dtype, resolve_for_gpu  # noqa: E402
 from scripts.planner.fit import main as fit_main  # noqa: E402
 from scripts.planner.scaling import plan_table  # noqa: E402
-from trainer.base.errors import ConfigError  # noqa: E402
+from trainer.observe.metrics import model_flops_per_token, peak_and_status, step_flops  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
 from trainer.plan.resolve import resolve  # noqa: E402
-from trainer.runtime.metrics import model_flops_per_token, peak_and_status, step_flops  # noqa: E402
-from trainer.trainer_utils import typed_or_default  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here
 

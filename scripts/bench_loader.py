@@ -10,7 +10,7 @@ times (written once under --corpus_dir). Per case and worker count: the start-up
 worker processes included), then --warmup batches, then --batches timed batches; then the same paced by a sleep
 as long as the step on each batch, timing the wait in next(). The step it is compared with is an estimate,
 not a measurement: the trainer's default model at --step_mfu of --peak_flops (an H100's dense bf16 peak by default),
-tokens/s = peak * mfu / (6N + attention FLOPs per token) (trainer/runtime/metrics.py).
+tokens/s = peak * mfu / (6N + attention FLOPs per token) (trainer/observe/metrics.py).
 One JSON line per case and worker count is appended to --results (default out/bench_loader.jsonl).
 """
 import argparse
@@ -27,14 +27,14 @@ from transformers import AutoTokenizer  # noqa: E402
 from dataset.chat import SFTDataset  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
+from model.errors import ConfigError  # noqa: E402
+from model.weight_names import typed_or_default  # noqa: E402
 from scripts.benchmarks.machine import machine_description  # noqa: E402
-from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.base.launch import main_guard  # noqa: E402
 from trainer.core.loop import epoch_loader  # noqa: E402
+from trainer.observe.metrics import model_flops_per_token  # noqa: E402
 from trainer.plan.flags import add_train_args  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402
-from trainer.runtime.metrics import model_flops_per_token  # noqa: E402
-from trainer.trainer_utils import typed_or_default  # noqa: E402
 
 # name -> (demo corpus, tokens per sample, packing)
 CASES = {"packed512": ("pretrain", 512, True), "packed2048": ("pretrain", 2048, True),

@@ -25,9 +25,9 @@ loading(__name__, "torch and the trainer")
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from model.weight_names import ROOT, typed_or_default  # noqa: E402
 from scripts.benchmarks.machine import machine_description  # noqa: E402
 from scripts.benchmarks.peers import REWARD, dpo_rows, export_model, grpo_rows, ours_run, sft_rows, trl_run  # noqa: E402
-from trainer.trainer_utils import ROOT, typed_or_default  # noqa: E402
 
 loaded()
 

@@ -37,6 +37,7 @@ loading(__name__, "torch, transformers and the converters")
 import torch  # noqa: E402
 
 from model.atomic import atomic_write_text, files_replaced_in, full_disk_reason  # noqa: E402
+from model.errors import ConfigError  # noqa: E402
 from model.export.gguf import OUT_TYPES, gguf_refusal, worst_rounding_ratio, write_gguf  # noqa: E402
 from model.export.ollama import modelfile, modelfile_target  # noqa: E402
 from model.hf_convert import save_hf_folder, save_quietly  # noqa: E402
@@ -48,7 +49,6 @@ from model.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E40
 from model.weight_flags import flag_conflicts, weights_line  # noqa: E402
 from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
 from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
-from trainer.base.errors import ConfigError  # noqa: E402
 from trainer.ckpt.weights_file import any_weights_record, base_record, read_any_weights, unfinished_line  # noqa: E402
 from trainer.plan.checks import check_writable  # noqa: E402
 

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from dataset.chat import chat_messages  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
-from trainer.base.errors import ConfigError  # noqa: E402
+from model.errors import ConfigError  # noqa: E402
 from trainer.rl.rewards import RewardModel, check_reward_model  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here

@@ -466,7 +466,7 @@ def matmul_peaks(ctx):
     """(the datasheet's dense bf16 peak, a measured 8192^3 bf16 matmul rate) on CUDA; (None, None) on CPU."""
     if not ctx.device.startswith("cuda"):
         return None, None
-    from trainer.runtime.metrics import cuda_table_peak  # CUDA only: the trainer's table of datasheet peaks
+    from trainer.observe.metrics import cuda_table_peak  # CUDA only: the trainer's table of datasheet peaks
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b

@@ -28,8 +28,10 @@ from dataset.chat import SFTDataset  # noqa: E402
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
 from dataset.shards import shard_files, tokenizer_fingerprint  # noqa: E402
 from dataset.tokenizing.token_cache import default_num_proc  # noqa: E402
-from trainer.base.errors import ConfigError  # noqa: E402
-from trainer.plan.checks import check_tokenizer, check_writable  # noqa: E402
+from model.atomic import atomic_write_text  # noqa: E402
+from model.errors import ConfigError  # noqa: E402
+from model.tokenizer_choice import check_tokenizer  # noqa: E402
+from trainer.plan.checks import check_writable  # noqa: E402
 
 loaded()  # the imports are done: the script's own Ctrl-C handling from here
 
@@ -55,8 +57,7 @@ def pretokenize(data_path, out_prefix, tokenizer, kind="pretrain", skip_bad_line
             elif os.path.exists(files[name]):
                 os.remove(files[name])  # a stale mask from an earlier shard of the same name
         meta = dict(ds.meta, kind=kind, tokenizer=tokenizer_fingerprint(tokenizer))
-        with open(files["meta"], "w") as f:
-            json.dump(meta, f, indent=1)
+        atomic_write_text(files["meta"], json.dumps(meta, indent=1))  # last: a shard with its meta is whole
         return meta
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -25,7 +25,7 @@ from tests.cpu_probe import MODES, patch_probe, seed_rates  # noqa: E402
 from tests.disks import no_small_disk  # noqa: E402
 from tests.launch import demo_slice, forked, read_metrics  # noqa: E402
 from tests.layouts import MODELS, REFERENCE_TIMEOUT, SCRIPT, STEPS, run_args  # noqa: E402
-from trainer.runtime import metrics  # noqa: E402
+from trainer.observe import metrics  # noqa: E402
 
 # the ways a test starts another process: the helpers of tests/launch.py, subprocess, multiprocessing
 LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, launch.forked, launch.start_forked, subprocess.run,

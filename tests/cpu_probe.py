@@ -8,7 +8,7 @@ import sys
 import torch
 
 from model import torch_compat
-from trainer.runtime import metrics
+from trainer.observe import metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # mode: (native bf16, the cached bf16 autocast rate over fp32's): "faster"/"slower" put --dtype auto's choice on either
@@ -19,7 +19,7 @@ REAL_PROBE = torch_compat.cpu_bf16_native
 
 def patch_probe(monkeypatch, native):
     """cpu_bf16_native() answers `native`: in model/torch_compat.py and in every module of this repository that
-    imported it by name (trainer/runtime/metrics.py, which checks.py reads, scripts/gpu_check.py); modules imported
+    imported it by name (trainer/observe/metrics.py, which checks.py reads, scripts/gpu_check.py); modules imported
     later take torch_compat's."""
     def probe():
         return native

@@ -5,7 +5,7 @@ import sys
 import time
 
 from tests.launch import ROOT, TINY_MODEL, free_port, read_metrics, start_forked
-from trainer.runtime import console
+from trainer.observe import console
 
 SCRIPT = "trainer/train_pretrain.py"
 

@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 
 from dataset.rlaif_dataset import RLAIFDataset
 from dataset.tools import TOOL_CASES, agent_rows, tool_schemas
+from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run, spawn
 from tests.serving import trained_ids
 from trainer import train_agent
-from trainer.base.errors import ConfigError
 from trainer.core.batches import step_targets
 from trainer.plan.resolve import resolve
 from trainer.rl.agent import AgentObjective, AgentPlan, Episode, agent_reward, rule_agent

@@ -12,7 +12,7 @@ from scripts.benchmarks import run as run_helper
 from scripts.benchmarks.run import run_trainer, step_stats, trainer_command
 from scripts.planner.cost import plan_layout
 from tests.launch import forked_argv
-from trainer.runtime.metrics import step_flops
+from trainer.observe.metrics import step_flops
 
 
 def test_step_stats_by_hand():

@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from model.atomic import atomic_save
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
-from trainer.base.errors import ConfigError
 from trainer.ckpt.checkpoint import TrainState, check_config, read_checkpoint_model, read_resume
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import SHARDED, Part, standard_parts

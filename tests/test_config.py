@@ -6,13 +6,13 @@ import os
 import pytest
 import torch
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
-from trainer.base.errors import ConfigError
+from model.weight_names import ROOT
 from trainer.plan.checks import data_parallel_mode
 from trainer.plan.flags import FlagParser, add_train_args, declared_flags
 from trainer.plan.model_config import build_config
 from trainer.plan.resolve import TrainPlan, resolve
-from trainer.trainer_utils import ROOT
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # a folder: no tokenizer, no weights, not a data file
 FORBIDDEN = "/proc/forbidden"  # a folder no one can create

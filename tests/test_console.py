@@ -1,4 +1,4 @@
-"""trainer/runtime/console.py and the lines around it: one line per fact, each agreeing with the bar and the metrics
+"""trainer/observe/console.py and the lines around it: one line per fact, each agreeing with the bar and the metrics
 (the run's length, what the data rows are, where the weights come from, the RL records); output that survives a
 reader that left (trainer/base/streams.py); the demo corpus build says what it does."""
 import json
@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from dataset.demo_data import ensure_demo_data
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.base.streams import SurvivingStream
-from trainer.runtime.tracking import console_line
+from trainer.observe.tracking import console_line
 
 SCRIPT = "trainer/train_pretrain.py"
 

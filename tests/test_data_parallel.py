@@ -560,7 +560,7 @@ def test_fsdp_reduces_gradients_once_per_accumulated_step(tmp_path):
 
 def _fp16_found_inf_worker(rank, world_size, out_path):
     """Each rank owns different parameters (as a pipeline stage does); only rank 0's fp16 backward overflows."""
-    from trainer.runtime.guard import StepGuard, scaler_found_inf
+    from trainer.runtime.step_guard import StepGuard, scaler_found_inf
     torch.manual_seed(rank)
     model = nn.Linear(8, 8)
     before = [p.detach().clone() for p in model.parameters()]

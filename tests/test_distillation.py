@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from tests.models import sft_batch
 from trainer import train_distillation
-from trainer.base.errors import ConfigError
 from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets
 from trainer.plan.flags import add_train_args

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_shapes import WeightsError
 from model.weights import save_weights_file
@@ -16,7 +17,6 @@ from scripts.inference.load import check_args, load_model
 from tests.launch import ROOT, forked
 from tests.serving import greedy_continuation, greedy_reply
 from tests.weight_files import hand_folded, lora_adapter
-from trainer.base.errors import ConfigError
 
 
 def test_eval_llm_streams_the_greedy_continuation(tmp_path):

@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
+from model.errors import ConfigError
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, kill_at_step, resume_run, run_in_process
 from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_grpo
-from trainer.base.errors import ConfigError
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
 from trainer.plan.resolve import resolve

@@ -1,4 +1,5 @@
-"""trainer/runtime/guard.py: non-finite steps are skipped on every rank and counted; diverged replicas are named."""
+"""trainer/runtime/step_guard.py: non-finite steps are skipped on every rank and counted; diverged replicas are
+named."""
 import argparse
 import os
 

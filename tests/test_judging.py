@@ -16,8 +16,9 @@ from transformers import AutoTokenizer
 from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, resume_run
 from trainer.core.build import build_trainer, setup
 from trainer.core.evaluation import evaluate
-from trainer.judge.health import HealthWatch, scan
+from trainer.judge.health import scan
 from trainer.judge.units import repetition
+from trainer.observe.health_watch import HealthWatch
 from trainer.plan.flags import add_train_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -31,7 +31,8 @@ sys.path.insert(0, {root!r})
 from trainer.base.prelude import loading
 loading(__name__, "the window's script")
 from trainer.base import launch, rank_log
-from trainer.base.errors import ConfigError, SignalStop
+from model.errors import ConfigError
+from trainer.base.errors import SignalStop
 
 WINDOW = sys.argv[1]
 

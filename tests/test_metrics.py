@@ -1,4 +1,4 @@
-"""trainer/runtime/metrics.py's CPU matmul rates: --dtype auto picks the dtype a training matmul runs faster in, and
+"""trainer/observe/metrics.py's CPU matmul rates: --dtype auto picks the dtype a training matmul runs faster in, and
 the MFU peak is not below any matmul rate measured here. The timings in this file are written out apart from
 metrics.py's (nn.Linear forward and backward under torch.autocast, plain matmuls of other shapes)."""
 import json
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from trainer.observe import metrics
+from trainer.observe.tracking import console_line
 from trainer.plan.checks import resolve_dtype
-from trainer.runtime import metrics
-from trainer.runtime.tracking import console_line
 
 NATIVE_BF16 = metrics.cpu_bf16_native()  # the probe metrics.py reads (tests/conftest.py's --cpu-bf16 may force it)
 

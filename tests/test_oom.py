@@ -1,4 +1,4 @@
-"""trainer/runtime/guard.py (out of memory): an allocation that fails on one rank ends the run in one `error:` line
+"""trainer/runtime/out_of_memory.py: an allocation that fails on one rank ends the run in one `error:` line
 from that rank (the step, its peak memory, what to change, the last complete checkpoint), every rank leaves, and that
 checkpoint resumes."""
 import argparse
@@ -10,7 +10,7 @@ import torch
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
-from trainer.runtime.guard import advice, is_out_of_memory
+from trainer.runtime.out_of_memory import advice, is_out_of_memory
 
 
 def test_what_counts_as_out_of_memory():

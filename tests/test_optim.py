@@ -1,6 +1,6 @@
-"""trainer/runtime/optim.py and optimizers.py: LAMB and LARS against the papers' updates worked out by hand here in
-float64, Muon + AdamW against torch's two optimizers run side by side, and every optimizer in a sharded layout of the
-real trainer against the single process, resumed from a checkpoint (of another layout for LAMB)."""
+"""trainer/runtime/optimizer_choice.py and optimizers.py: LAMB and LARS against the papers' updates worked out by hand
+here in float64, Muon + AdamW against torch's two optimizers run side by side, and every optimizer in a sharded layout
+of the real trainer against the single process, resumed from a checkpoint (of another layout for LAMB)."""
 import argparse
 import math
 import os
@@ -8,14 +8,14 @@ import os
 import pytest
 import torch
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from tests.layouts import read_step
-from trainer.base.errors import ConfigError
 from trainer.parallel.mesh import ParallelDims
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
-from trainer.runtime.optim import build_optimizer
+from trainer.runtime.optimizer_choice import build_optimizer
 from trainer.runtime.optimizers import Lamb, Lars, MuonWithAdamW
 
 W0 = [[0.5, -1.0, 2.0], [0.0, 0.25, -0.75]]  # one weight matrix

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from model.errors import ConfigError
 from model.weight_shapes import VALUE_HEAD
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
 from trainer import train_ppo
-from trainer.base.errors import ConfigError
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
 from trainer.plan.resolve import resolve

@@ -1,6 +1,6 @@
-"""Preemption (trainer/runtime/guard.py Preemption + the loop): SIGTERM/SIGINT leave a checkpoint of the last completed
-step (one process drops the step in progress at once; several ranks finish it and stop at the same step); resuming
-reproduces the uninterrupted run's losses and weights."""
+"""Preemption (trainer/runtime/signals.py Preemption + the loop): SIGTERM/SIGINT leave a checkpoint of the last
+completed step (one process drops the step in progress at once; several ranks finish it and stop at the same step);
+resuming reproduces the uninterrupted run's losses and weights."""
 import os
 import re
 import signal
@@ -24,7 +24,8 @@ from tests.preempt_runs import (
 )
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.core import data_loading
-from trainer.runtime.guard import Preemption, StepAbandoned, StepGuard
+from trainer.runtime.signals import Preemption, StepAbandoned
+from trainer.runtime.step_guard import StepGuard
 
 
 @pytest.mark.parametrize("nproc,sig", [(1, signal.SIGTERM), (2, signal.SIGTERM)])
@@ -165,7 +166,7 @@ def test_the_first_line_says_what_the_signal_will_do(moment, line, dropped, caps
 REENTRANT_WRITE = """
 import io, os, signal, sys
 sys.path.insert(0, {root!r})
-from trainer.runtime.guard import Preemption
+from trainer.runtime.signals import Preemption
 
 class Raw(io.RawIOBase):  # stderr's file descriptor, and the signal arriving inside the buffered writer's write
     def __init__(self, signal_first):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.tokenizer_choice import TokenizerMismatch, model_vocab_size, tokenizer_for, tokenizer_ids
@@ -20,7 +21,6 @@ from scripts.eval_llm import parse_args as eval_args
 from scripts.inference.load import tokenizer_folder
 from tests.launch import ROOT, TINY_CONFIG, TINY_MODEL, demo_slice, forked
 from tests.weight_files import wider_tokenizer
-from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
+from model.errors import ConfigError
 from tests.launch import ROOT
-from trainer.base.errors import ConfigError
 from trainer.rl.rewards import (
     RewardFailed,
     RewardModel,

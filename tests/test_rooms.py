@@ -1,22 +1,23 @@
 """scripts/ as rooms: the inference library (scripts/inference/) and the server (scripts/serve/) import no trainer
 module, what a command shares lives in a package (scripts/inference/, scripts/serve/, scripts/benchmarks/,
-scripts/planner/) with no `sys.path.insert`, and the server's import closure is printed (modules, lines) so its size
+scripts/planner/) with no `sys.path.insert`, and what each inference command loads is printed (files, lines) so its size
 stays seen.
 
-The closure counts what Python loads when the module is imported: the repository modules named by imports at a
-module's top level (not inside a function), followed transitively, with each package's __init__.py. Counted so, before
-the rooms (commit 28381a9, scripts/eval_llm.py the inference library) the server reached 67 modules and 10,251 lines,
-42 of them the trainer's (ckpt, plan, runtime among them); with them, 24 modules and 3,326 lines, none the trainer's.
+What a command loads is measured as pretraining's is (scripts/module_map.py loaded_files): the repository files in
+`sys.modules` of a fresh interpreter after importing the command, package __init__ files included. Before the rooms
+(commit 28381a9, scripts/eval_llm.py the inference library) the server reached 67 modules and 10,251 lines, 42 of them
+the trainer's (ckpt, plan, runtime among them), by a static count of its top-level imports; with them, 24 modules and
+3,326 lines, none the trainer's.
 """
 import ast
 import os
-import subprocess
 import sys
 
 import pytest
 
+from scripts.module_map import loaded_files
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OURS = ("model", "dataset", "trainer", "scripts", "tests")
 PACKAGES = ("scripts/inference", "scripts/serve", "scripts/benchmarks", "scripts/planner", "scripts/curate")
 # the packages that run or plan the trainer, and so import it: the benches and the layout planner
 TRAINER_USERS = (os.path.join("scripts", "benchmarks"), os.path.join("scripts", "planner"))
@@ -26,13 +27,6 @@ LAZY_ALLOWED = {("scripts/inference/load.py", "trainer.ckpt.checkpoint")}
 # command that reads it reads no trainer code
 PRELUDE = {os.path.join("trainer", "__init__.py"), os.path.join("trainer", "base", "__init__.py"),
            os.path.join("trainer", "base", "prelude.py")}
-
-
-def module_file(name):
-    path = os.path.join(ROOT, *name.split("."))
-    if os.path.isfile(path + ".py"):
-        return path + ".py"
-    return os.path.join(path, "__init__.py") if os.path.isfile(os.path.join(path, "__init__.py")) else None
 
 
 def imports(path, top_level=True):
@@ -51,49 +45,39 @@ def imports(path, top_level=True):
             yield from (f"{node.module}.{alias.name}" for alias in node.names)
 
 
-def closure(script):
-    """{repository file: its line count} of what importing `script` loads."""
-    seen, todo = {}, [os.path.normpath(os.path.join(ROOT, script))]
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen[path] = len(open(path).read().splitlines())
-        for name in imports(path):
-            parts = name.split(".")
-            if parts[0] in OURS:
-                todo += [f for k in range(1, len(parts) + 1) if (f := module_file(".".join(parts[:k])))]
-    return seen
-
-
 def relative(path):
     return os.path.relpath(path, ROOT)
 
 
-@pytest.mark.parametrize("script", ["scripts/serve_openai_api.py", "scripts/eval_llm.py", "scripts/web_demo.py",
-                                    "scripts/eval_toolcall.py"])
-def test_inference_commands_import_no_trainer_module(script, capsys):
-    reached = closure(script)
+INFERENCE_COMMANDS = ("scripts/serve_openai_api.py", "scripts/eval_llm.py", "scripts/web_demo.py",
+                      "scripts/eval_toolcall.py")
+# a written module for the measure's own check: model.errors at its top, trainer.core.loop in a function never called
+PROBE = "tests/fixtures/loads_probe.py"
+
+
+def loads():
+    """{script: [(file, lines)]} of what importing each inference command (and PROBE) loads, measured once."""
+    found = loaded_files(tuple((script, None) for script in (*INFERENCE_COMMANDS, PROBE)))
+    return {script: rows for (script, _), rows in found.items()}
+
+
+@pytest.mark.parametrize("script", INFERENCE_COMMANDS)
+def test_inference_commands_load_no_trainer_module(script, capsys):
+    """What Python loads for the command, its sys.modules: of the trainer, only the prelude (standard library)."""
+    reached = dict(loads()[script])
     with capsys.disabled():
-        print(f"\n{script}: import closure {len(reached)} modules, {sum(reached.values())} lines")
-    trainer = sorted(relative(p) for p in reached if relative(p).startswith("trainer" + os.sep))
-    assert [p for p in trainer if p not in PRELUDE] == [], f"{script} reaches the trainer: {trainer}"
-    assert os.path.join(ROOT, "scripts", "inference", "load.py") in reached
+        print(f"\n{script}: loads {len(reached)} files, {sum(reached.values())} lines")
+    trainer = sorted(p for p in reached if p.startswith("trainer" + os.sep))
+    assert [p for p in trainer if p not in PRELUDE] == [], f"{script} loads the trainer: {trainer}"
+    assert os.path.join("scripts", "inference", "load.py") in reached
 
 
-def test_closure_follows_imports_and_skips_functions(tmp_path):
-    """The closure on a written module, against the files counted by hand: a top-level import and the package
-    __init__ it passes through count; an import inside a function does not."""
-    module = tmp_path / "m.py"
-    module.write_text("import os\nfrom model.errors import ConfigError\n\n\ndef f():\n    import trainer.core.loop\n")
-    assert sorted(imports(str(module))) == ["model.errors", "model.errors.ConfigError", "os"]
-    assert list(imports(str(module), top_level=False)) == ["trainer.core.loop"]
-    errors = open(os.path.join(ROOT, "model", "errors.py")).read()
-    assert [n for n in imports(os.path.join(ROOT, "model", "errors.py")) if n.split(".")[0] in OURS] == []
-    reached = {relative(p): n for p, n in closure(str(module)).items() if p != str(module)}
-    assert reached == {os.path.join("model", "__init__.py"): len(open(os.path.join(ROOT, "model", "__init__.py"))
-                                                                 .read().splitlines()),
-                       os.path.join("model", "errors.py"): len(errors.splitlines())}
+def test_the_measure_counts_what_python_loads():
+    """The measure on a written module, against the files counted by hand: the module itself, a top-level import and
+    the package __init__ it passes through; an import inside a function that never runs loads nothing."""
+    assert "trainer.core.loop" in imports(os.path.join(ROOT, PROBE), top_level=False)
+    files = ["tests/fixtures/loads_probe.py", "model/__init__.py", "model/errors.py"]
+    assert loads()[PROBE] == [(path, len(open(os.path.join(ROOT, path)).read().splitlines())) for path in files]
 
 
 def package_modules():
@@ -138,16 +122,6 @@ def test_no_command_imports_another_command():
                 problems.append(f"scripts/{name}.py imports the command {imported}")
     assert problems == []
     assert len(commands) >= 20  # the check saw the commands
-
-
-def test_server_import_loads_no_trainer_module():
-    """What Python itself loads, independent of the closure above: importing the server's entry script in a fresh
-    interpreter leaves no trainer module in sys.modules."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import scripts.serve_openai_api, scripts.eval_toolcall; "
-            "print(sorted(m for m in sys.modules if m == 'trainer' or m.startswith('trainer.')))")
-    out = subprocess.run([sys.executable, "-c", code, ROOT], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "['trainer', 'trainer.base', 'trainer.base.prelude']"
 
 
 def test_prelude_is_standard_library_only():

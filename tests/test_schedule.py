@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from model.errors import ConfigError
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.base.errors import ConfigError
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 from trainer.runtime.schedule import lr_at, resume_note

@@ -5,9 +5,9 @@ import argparse
 import pytest
 import torch
 
+from model.errors import ConfigError
 from tests.custom_stage import EMBEDDINGS
 from tests.launch import TINY_MODEL, demo_slice, forked
-from trainer.base.errors import ConfigError
 from trainer.ckpt.checkpoint import read_checkpoint_model
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve

@@ -74,7 +74,7 @@ def launch_ranks(kind, path, cache_dir, num_parts, num_proc, nodes=1, timeout=18
 def rank_main(kind, path, cache_dir, rank, num_parts, num_proc):
     """One local rank: build (or wait for) the cache; print whether it tokenized, or `error: ...` and exit 2."""
     tokenized = []
-    build = token_cache.build_token_cache  # shards loads the builder by name (shards.TOKEN_CACHE_BUILDER) on a miss
+    build = token_cache.build_token_cache  # shards._build_cache imports it on a miss, reading this attribute then
     token_cache.build_token_cache = lambda *a, **k: tokenized.append(build(*a, **k))  # record the return value
     tokenizer = AutoTokenizer.from_pretrained(os.path.join(ROOT, "model"))
     try:

@@ -12,8 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.disks import fill
 from trainer.ckpt.storage import DiskFullError
-from trainer.runtime.step_profiler import StepProfiler, parse_profile_steps
-from trainer.runtime.tracking import Tracker, truncate_metrics
+from trainer.observe.step_profiler import StepProfiler, parse_profile_steps
+from trainer.observe.tracking import Tracker, truncate_metrics
 
 
 def train_record(step, loss):
@@ -270,9 +270,9 @@ def test_grad_norm_on_the_console_and_clipped_only_when_it_was(capsys, tmp_path)
 def test_tracker_flag_and_minimind_aliases(tmp_path):
     import argparse
 
-    from trainer.base.errors import ConfigError
+    from model.errors import ConfigError
+    from trainer.observe.tracking import resolve_trackers
     from trainer.plan.flags import add_train_args
-    from trainer.runtime.tracking import resolve_trackers
 
     def trackers(*argv):
         return resolve_trackers(add_train_args(argparse.ArgumentParser()).parse_args(list(argv)), str(tmp_path))

@@ -17,9 +17,9 @@ from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.core.build import build_trainer, setup, steps_per_epoch
 from trainer.core.evaluation import evaluate
 from trainer.core.loop import train_step
+from trainer.observe.console import Bar, effective_log_interval, step_record
+from trainer.observe.metrics import StepTimer
 from trainer.plan.flags import add_train_args
-from trainer.runtime.console import Bar, effective_log_interval, step_record
-from trainer.runtime.metrics import StepTimer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

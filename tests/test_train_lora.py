@@ -18,13 +18,13 @@ from torch.utils.data import DistributedSampler
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from dataset.chat import SFTDataset
+from model.errors import ConfigError
 from model.lora import apply_lora_file
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights import read_sidecar, save_weights_file
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_lora
-from trainer.base.errors import ConfigError
 from trainer.base.launch import main_guard
 from trainer.plan.flags import parse_args
 from trainer.plan.resolve import resolve

@@ -10,7 +10,7 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, run_in_process, write_rows
 from trainer import train_pretrain
 from trainer.core.data_loading import small_batch
-from trainer.runtime import metrics
+from trainer.observe import metrics
 
 SCRIPT = "trainer/train_pretrain.py"
 

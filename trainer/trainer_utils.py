@@ -10,6 +10,7 @@ from model.weight_names import ROOT, file_digest, repo_path, typed_or_default, w
 from model.weights import save_weights_file
 from trainer.base.log import Logger, say
 from trainer.ckpt import minimind_resume
+from trainer.ckpt.step_dirs import minimind_resume_path
 from trainer.core.data_loading import SkipBatchSampler
 from trainer.runtime.schedule import MINIMIND_FLOOR, LRSchedule, lr_at
 
@@ -50,7 +51,7 @@ def lm_checkpoint(lm_config, weight="full_sft", model=None, optimizer=None, epoc
     model.parameters(), as MiniMind builds it, loads the returned state as it is).
     """
     stem = weight_name(weight, lm_config)
-    resume_path = minimind_resume.minimind_resume_path(save_dir, stem)
+    resume_path = minimind_resume_path(save_dir, stem)
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     if model is None:
         return _load_lm_checkpoint(lm_config, resume_path, world_size)

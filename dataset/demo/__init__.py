@@ -1,2 +1,2 @@
-"""The demo corpora's record builders (records.py: pretraining, SFT, DPO, RLAIF, KTO; agent.py: tool-call rows), read
-by dataset/demo_data.py's RECORDS table when a stage's demo file is first built. Imports dataset/ only."""
+"""The demo corpora's record builders (records.py: pretraining, SFT, DPO, RLAIF, KTO; agent.py: tool-call rows),
+imported by dataset/demo_data.py's record_builder when a stage's demo file is first built. Imports dataset/ only."""

@@ -1,5 +1,5 @@
-"""The on-disk token cache's build, once per node and in parallel (dataset/shards.py loads this module by name on a
-cache miss; reading a complete cache, and its checks, are dataset/cache_guard.py's).
+"""The on-disk token cache's build, once per node and in parallel (dataset/shards.py imports this module on a cache
+miss; reading a complete cache, and its checks, are dataset/cache_guard.py's).
 
 A cache directory holds tokens.bin (uint16/uint32), offsets.bin (int64, num_docs + 1), mask.bin (uint8, SFT
 only) and meta.json, written last: a cache is complete exactly when its meta.json exists.

@@ -21,8 +21,8 @@ from dataset.preference_data import DPODataset
 from model.hf_convert import save_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.provenance import copy_tokenizer
+from model.weight_names import ROOT
 from scripts.benchmarks.run import run_trainer
-from trainer.trainer_utils import ROOT
 
 SCRIPTS = {"dpo": "train_dpo.py", "sft": "train_full_sft.py", "grpo": "train_grpo.py"}
 SEED = 42

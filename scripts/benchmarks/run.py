@@ -11,8 +11,8 @@ import tempfile
 
 import torch
 
+from model.weight_names import ROOT
 from trainer.plan.flags import add_train_args
-from trainer.trainer_utils import ROOT
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
 # the benchmark's default model: MiniMind's small config

@@ -28,18 +28,18 @@ import tempfile
 import torch
 
 from dataset.shards import cache_dir_for
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_shapes import config_fields
 from model.weights import save_weights_file
 from scripts.planner.cost import divisor, layout_sizes, plan_layout, routed_expert_params
-from scripts.planner.flags import parse_args
+from scripts.planner.flags import STAGES, parse_args
 from scripts.planner.gpus import GIB, NO_BF16, find_gpu
-from trainer.base.errors import ConfigError
+from trainer.observe.metrics import model_flops_per_token
 from trainer.plan.flags import add_train_args
 from trainer.plan.model_config import build_config
 from trainer.plan.resolve import resolve
 from trainer.plan.stage import Stage
-from trainer.runtime.metrics import model_flops_per_token
 
 # Saved activations x this = the activation peak: autograd's backward temporaries (each layer's input gradients
 # beside the saved tensors). Measured on CPU as the most bytes of tensors alive at once (tests/memory_entry.py: torch's
@@ -62,13 +62,18 @@ SAMPLE_LINES = 2000  # lines of the corpus tokenized to count its tokens
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # the trainer's --dtype values
 
 
+# a registry: each --stage's entry script, imported by its name when that stage is planned (tests/test_house.py checks
+# every entry names a module)
+ENTRY_SCRIPTS = {stage: f"trainer.train_{stage}" for stage in STAGES}
+
+
 class Captured(Exception):
     """The stage class and script defaults an entry script passes to parse_args (raised in place of parsing)."""
 
 
 def script_stage(name):
     """(Stage class, the script's defaults) of trainer/train_<name>.py, read from its own parse_args call."""
-    module = importlib.import_module(f"trainer.train_{name}")
+    module = importlib.import_module(ENTRY_SCRIPTS[name])
 
     def capture(description, stage, **defaults):
         raise Captured(stage, defaults)

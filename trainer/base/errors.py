@@ -1,7 +1,6 @@
-"""The errors every floor raises, each with its exit code (trainer/base/launch.py main_guard reports them)."""
+"""The errors the trainer's floors raise, each with its exit code (trainer/base/launch.py main_guard reports them); bad
+user input, ConfigError, is model/errors.py's (below the trainer: scripts/inference raises it too)."""
 import signal
-
-from model.errors import ConfigError  # noqa: F401 (its home is below the trainer: scripts/inference raises it)
 
 
 class TrainingHalted(Exception):

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from dataset.cache_guard import CacheBuildInterrupted
+from model.errors import ConfigError
 from model.torch_compat import set_default_pg_timeout
 from trainer.base import rank_log
-from trainer.base.errors import ConfigError, SignalStop, TrainingHalted
+from trainer.base.errors import SignalStop, TrainingHalted
 from trainer.base.streams import survive_closed_output, write_fd
 
 RANK0_REPORT_SECONDS = 2
@@ -37,7 +38,7 @@ def saved_line():
 
 
 def stop_on_signals():
-    """Until the loop installs its own (trainer/runtime/guard.py Preemption): SIGINT/SIGTERM raise SignalStop, which
+    """Until the loop installs its own (trainer/runtime/signals.py Preemption): SIGINT/SIGTERM raise SignalStop, which
     main_guard turns into one line and exit 130/143 instead of a traceback (SIGINT) or a silent death (SIGTERM).
 
     Once: the handler hands the signals to leave_on_signals before it raises, so a later one ends the process with

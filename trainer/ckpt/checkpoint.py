@@ -17,7 +17,6 @@ DCP reshards on load, so a run may resume under another layout. The weights file
 MiniMind's own <checkpoint_dir>/<weight>_<hidden>[_moe]_resume.pth resumes when no directory checkpoint exists
 (trainer/ckpt/minimind_resume.py). The resume's check of the flags that shaped the saved state is at the end.
 """
-import importlib
 import os
 import warnings
 from dataclasses import asdict, dataclass
@@ -27,9 +26,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
+from model.errors import ConfigError
 from model.provenance import short
 from model.weight_shapes import WeightsError, clean_state_dict, config_fields
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
@@ -38,7 +37,6 @@ from trainer.ckpt.step_dirs import (
     agreed_checkpoint,
     agreed_damage,
     damage,
-    latest_checkpoint,  # noqa: F401 (re-exported: console, oom, weights_file and rl import it from here)
     load_train_state,
     loadable_checkpoint,
     minimind_resume_path,
@@ -49,8 +47,6 @@ from trainer.parallel.state_dict import TIED_EMBEDDING
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 CHECK_KEYS = ("hidden_size", "num_hidden_layers", "use_moe", "vocab_size", "num_attention_heads",
               "num_key_value_heads", "num_experts")
-
-MINIMIND_RESUME = "trainer.ckpt.minimind_resume"  # MiniMind's own resume file: read when one is there
 
 
 @dataclass
@@ -122,9 +118,10 @@ def read_resume(config, plan):
         raise ConfigError(f"--from_resume {path}: {os.path.join(path, why)}; name another step directory, or pass "
                           "--from_resume 1 for the newest one that loads")
     minimind_path = minimind_resume_path(plan.io.checkpoint_dir, os.path.basename(plan.io.run_dir))
-    ckpt = _read_train_state(path, config) if path else \
-        importlib.import_module(MINIMIND_RESUME).read_minimind_resume(minimind_path, config, plan) \
-        if os.path.isfile(minimind_path) else None
+    ckpt = _read_train_state(path, config) if path else None
+    if ckpt is None and os.path.isfile(minimind_path):
+        from trainer.ckpt.minimind_resume import read_minimind_resume  # MiniMind's own file: read when one is there
+        ckpt = read_minimind_resume(minimind_path, config, plan)
     if ckpt is None:
         if plan.io.from_resume == "1":
             raise ConfigError(f"--from_resume 1 but {plan.io.run_dir} holds no complete checkpoint; pass --from_resume "

@@ -15,8 +15,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from model.atomic import atomic_json, atomic_save
+from model.errors import ConfigError
 from trainer.base import launch
-from trainer.base.errors import ConfigError
 from trainer.base.launch import rank
 from trainer.base.log import Logger
 from trainer.ckpt.checkpoint import resume_fields

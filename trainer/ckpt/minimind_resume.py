@@ -10,13 +10,12 @@ consumed in the epoch) continues here, not the same samples.
 
 import torch
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
 from model.weight_flags import mismatch_line
 from model.weight_shapes import clean_state_dict
 from model.weights import numpy_rng_globals
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
-from trainer.ckpt.step_dirs import minimind_resume_path  # noqa: F401 (MiniMind's path, named here too)
 
 LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df0373; resume it with that commit "
                "(its next save writes a step directory this trainer reads) or pass --from_resume 0")

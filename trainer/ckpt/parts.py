@@ -14,7 +14,7 @@ checkpoint is refused in one line: it cannot be continued exactly.
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import rng_state, set_rng_state
 from trainer.parallel.state_dict import load_full_state, load_sharded_state, sharded_state_dict

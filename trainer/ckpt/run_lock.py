@@ -12,7 +12,7 @@ import shutil
 import socket
 import time
 
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.launch import rank
 from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import BEST_INDEX, checkpoints, latest_checkpoint, minimind_resume_path

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from model.atomic import atomic_save
+from model.errors import ConfigError
 from trainer.base import launch
-from trainer.base.errors import ConfigError
 from trainer.base.launch import rank
 from trainer.base.log import Logger
 

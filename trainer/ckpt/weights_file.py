@@ -8,16 +8,16 @@ trainer/ckpt/checkpoint.py, its owner), else a .pth, a single-file resume or an 
 """
 import os
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
 from model.weight_flags import weights_line
 from model.weight_names import file_digest
 from model.weight_shapes import WeightsError, load_checked
 from model.weights import is_checkpoint_dir, read_record, read_weights_and_args
-from trainer.base.errors import ConfigError
 from trainer.base.launch import count_sum, is_main_process
 from trainer.base.log import Logger
-from trainer.ckpt.checkpoint import latest_checkpoint, read_checkpoint_model, read_checkpoint_record
-from trainer.ckpt.step_dirs import set_rng_state
+from trainer.ckpt.checkpoint import read_checkpoint_model, read_checkpoint_record
+from trainer.ckpt.step_dirs import latest_checkpoint, set_rng_state
 from trainer.ckpt.storage import rank0_write
 from trainer.parallel.state_dict import full_model_state_dict
 

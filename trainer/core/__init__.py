@@ -1,3 +1,3 @@
 """The loop and the step (loop.py), building the Trainer (build.py), batches, evaluation, data loading and
-log-probs (stage.py and objective.py are the old paths of plan/'s stage contract). Floor 7: may import plan/,
-runtime/, judge/, ckpt/, parallel/, base/, model/, dataset/."""
+log-probs (stage.py and objective.py are the old paths of plan/'s stage contract). Floor 8: may import plan/,
+runtime/, observe/, judge/, ckpt/, parallel/, base/, model/, dataset/."""

@@ -1,15 +1,14 @@
 """Phases 1 and 4-7 of every stage: `setup` (the flags checked into the plan, the process group, the mesh, the seed)
 and `build_trainer` (resume state, model, parallel wrap, optimizer, restore) into the `Trainer` the loop runs
 (trainer/core/loop.py)."""
-import importlib
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
-from trainer.base.errors import ConfigError
 from trainer.base.launch import init_distributed_mode, rank, setup_seed
 from trainer.base.log import Logger
 from trainer.base.rank_log import open_rank_log
@@ -20,6 +19,7 @@ from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.step_dirs import latest_checkpoint, minimind_resume_path
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
 from trainer.ckpt.weights_file import base_record, init_model
+from trainer.observe.metrics import enable_tf32
 from trainer.parallel.mesh import ParallelDims
 from trainer.parallel.parallelize import parallelize
 from trainer.plan.checks import check_same_dtype
@@ -28,16 +28,10 @@ from trainer.plan.resolve import resolve
 from trainer.plan.sections import TrainPlan
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import Callbacks, make_callbacks
-from trainer.runtime.guard import (
-    Preemption,
-    StepGuard,
-    add_signal_points,
-)
-from trainer.runtime.metrics import enable_tf32
-from trainer.runtime.optim import build_optimizer
+from trainer.runtime.optimizer_choice import build_optimizer
 from trainer.runtime.schedule import resume_note
-
-MOE_MODULE = "trainer.runtime.expert_load"  # a MoE model's expert loads and routing bias: read by MoE runs only
+from trainer.runtime.signals import Preemption, add_signal_points
+from trainer.runtime.step_guard import StepGuard
 
 
 @dataclass
@@ -122,7 +116,9 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     warning = room_warning(plan.io.checkpoint_dir, estimate)
     if warning:
         Logger(warning)
-    moe = importlib.import_module(MOE_MODULE) if config.use_moe else None
+    moe = None
+    if config.use_moe:
+        from trainer.runtime import expert_load as moe  # a MoE model's expert loads and routing bias: MoE runs only
     if moe and plan.model.router_balance != "aux":
         moe.enable_expert_bias([model])  # model state: there before the wrap and the resume
     model_parts, pipeline = parallelize(model, dims, plan)  # in the order its docstring states
@@ -133,7 +129,7 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
         Logger(compute_line)
     if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
         add_signal_points(model_parts)
-    optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optim.py), ZeRO-1 sharded or not
+    optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optimizer_choice.py), ZeRO-1 or not
     scaler = torch.amp.GradScaler(torch.device(plan.layout.device).type, enabled=plan.model.dtype == torch.float16)
     progress, objective, callbacks = TrainState(), objective or LMObjective(), make_callbacks(plan)
     parts = standard_parts(model_parts, optimizer, tied_aliases(pipeline, config), scaler, progress, objective,

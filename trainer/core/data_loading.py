@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from dataset.demo_data import ensure_demo_data
 from dataset.mixture import describe_mixture, load_data_spec
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.log import Logger
 
 

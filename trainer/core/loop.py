@@ -6,10 +6,9 @@ Read `train()` for the loop and `train_step()` for one optimizer step. The plan 
 trainer/plan/sections.py (resolved by trainer/plan/resolve.py), what a stage gives the loop in trainer/plan/stage.py and
 trainer/plan/objective.py, data in trainer/core/data_loading.py, a batch's way into the model in
 trainer/core/batches.py, checkpoints in trainer/ckpt/checkpointer.py, the console and records in
-trainer/runtime/console.py, evaluation in trainer/core/evaluation.py, the callbacks in trainer/runtime/callbacks.py,
+trainer/observe/console.py, evaluation in trainer/core/evaluation.py, the callbacks in trainer/runtime/callbacks.py,
 the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parallelize.py).
 """
-import importlib
 import os
 import signal
 from contextlib import nullcontext
@@ -25,11 +24,7 @@ from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed,
 from trainer.core.batches import autocast, loss_context, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader, row_collate
 from trainer.core.evaluation import evaluate
-from trainer.parallel.clip import clip_grad_norm_
-from trainer.parallel.mesh import dimension_module, grad_reduce_factor
-from trainer.plan.config_file import write_run_config
-from trainer.plan.objective import target_tokens
-from trainer.runtime.console import (
+from trainer.observe.console import (
     NO_BAR,
     Bar,
     effective_log_interval,
@@ -38,20 +33,21 @@ from trainer.runtime.console import (
     run_line,
     step_record,
 )
-from trainer.runtime.guard import (
-    StepAbandoned,
-    out_of_memory_as_one_line,
-    scaler_found_inf,
-)
-from trainer.runtime.metrics import step_timer, trim_heap
+from trainer.observe.metrics import step_timer, trim_heap
+from trainer.parallel.clip import clip_grad_norm_
+from trainer.parallel.mesh import dimension_module, grad_reduce_factor
+from trainer.plan.config_file import write_run_config
+from trainer.plan.objective import target_tokens
+from trainer.runtime.out_of_memory import out_of_memory_as_one_line
 from trainer.runtime.schedule import lr_at
-from trainer.runtime.tracking import PROFILER
+from trainer.runtime.signals import StepAbandoned
+from trainer.runtime.step_guard import scaler_found_inf
 
 
 def train(trainer, train_ds, eval_ds=None):
     """Phase 8, the loop: each step takes its micro-batches, runs train_step, then logs, evaluates, saves.
 
-    SIGTERM/SIGINT stop it with a checkpoint of the last completed step (guard.py Preemption: one process drops
+    SIGTERM/SIGINT stop it with a checkpoint of the last completed step (signals.py Preemption: one process drops
     the step in progress, several ranks finish it and stop together)."""
     plan, progress = trainer.plan, trainer.progress
     if trainer.resumed and (reached_max_steps(trainer) or stop_reason(trainer)):
@@ -95,8 +91,8 @@ def step_profiler(plan):
     only); None without the flag."""
     if plan.io.profile_steps is None:
         return None
-    profiling = importlib.import_module(PROFILER)
-    return profiling.StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
+    from trainer.observe.step_profiler import StepProfiler
+    return StepProfiler(plan.io.profile_steps, os.path.join(plan.io.save_dir, "profile"), plan.layout.device)
 
 
 def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):

@@ -2,14 +2,10 @@
 
 Pure functions over the records the loop logs (training records: "loss", "grad_norm", "skipped_steps", a stage's
 fields; eval records: "eval_loss"), so scripts/report.py finds the same lines in a metrics JSONL afterwards; the
-HealthWatch callback runs them as the records come (trainer/runtime/callbacks.py wires it into every run).
+HealthWatch callback (trainer/observe/health_watch.py) runs them as the records come.
 """
-import importlib
 import math
 import statistics
-
-from trainer.base.launch import is_main_process
-from trainer.base.log import Logger
 
 STUCK_AFTER = 50  # steps after which a loss within STUCK_SHARE of ln(vocab) says nothing was learned
 STUCK_SHARE = 0.05
@@ -20,8 +16,6 @@ DPO_AFTER, DPO_RECORDS, DPO_TOL = 20, 3, 1e-3  # loss within 1e-3 of ln 2 and |m
 RL_RECORDS, RL_FLAT, RL_GROWTH = 10, 0.05, 1.25  # reward moved < 5%, length grew >= 25% between the two halves
 OVERFIT_EVALS = 3  # eval losses rising at 3 evals in a row while the train loss fell over the same steps
 IDLE_RECORDS, IDLE_SHARE = 5, 0.02  # an expert with < 2% of the busiest expert's tokens at 5 logged steps in a row
-REPORT_MODULE = "trainer.judge.report"  # the run's report: loaded by name at the end of a run that writes one
-REPORT_AFTER_S = 60  # --report auto: runs of a minute or more (the page and its plots take 1-3 s, pandas + matplotlib)
 REWARD_KEYS, LENGTH_KEYS = ("reward", "ppo/mean_scores"), ("completions/mean_length", "tokens/responses_len_mean")
 
 
@@ -140,51 +134,3 @@ def scan(records, vocab_size):
     """Every health line a stream of records shows, in order: [(kind, step, line)] (each kind once)."""
     health = Health(vocab_size)
     return [found for record in records for found in health.add(record)]
-
-
-class HealthWatch:
-    """The callback: each new health line once, as `health: step N: ...` (every rank sees the same records); at the
-    end, the run's report (rank 0, under --report) or the command that writes it."""
-
-    def __init__(self, vocab_size, metrics_file=None, report="0", run_config=None):
-        self.health, self.metrics_file = Health(vocab_size), metrics_file
-        self.report, self.run_config = report, run_config
-
-    def on_train_end(self, trainer):
-        if not self.metrics_file:
-            return
-        command = f"python scripts/report.py {self.metrics_file}"
-        if not (self.writes_report() and not trainer.guard.stop and is_main_process()):
-            Logger(f"report of this run: {command}")
-            return
-        try:
-            page, png = importlib.import_module(REPORT_MODULE).write_report([self.metrics_file],
-                                                                            run_config=self.run_config)
-        except (OSError, ValueError) as e:  # the weights are saved: a report that fails is a note, not a failed run
-            Logger(f"note: the report of this run was not written ({type(e).__name__}: {e}); later: {command}")
-            return
-        Logger(f"report of this run: {page} (plots: {png})")
-
-    def writes_report(self):
-        """--report 1, or auto on a run that took REPORT_AFTER_S or more (its last logged record's elapsed_s)."""
-        elapsed = self.health.train[-1].get("elapsed_s", 0.0) if self.health.train else 0.0
-        return self.report == "1" or (self.report == "auto" and elapsed >= REPORT_AFTER_S)
-
-    def on_step_end(self, trainer, record):
-        if record is not None:
-            self.say(self.health.add(record))
-
-    def on_eval(self, trainer, record):
-        self.say(self.health.add(record))
-
-    @staticmethod
-    def say(found):
-        for _, step, line in found:
-            Logger(f"health: step {step}: {line}")
-
-    def state_dict(self):  # the records the checks read too: a resume says a spike as the run without one would
-        return dict(said=sorted(self.health.said), train=self.health.train, evals=self.health.evals)
-
-    def load_state_dict(self, state):
-        self.health.said, self.health.train, self.health.evals = set(state["said"]), state.get("train", []), \
-            state.get("evals", [])

@@ -1,6 +1,6 @@
 """The curves of --metrics_file JSONL files: one panel per metric (loss, eval loss, bits per byte, lr, gradient norm,
 tokens/s, MFU, memory, RL rewards and lengths, MoE expert load per layer) against step, one line per file.
-scripts/plot_metrics.py draws them alone; trainer/judge/report.py beside a run's report. Loaded by name only where a
+scripts/plot_metrics.py draws them alone; trainer/judge/report.py beside a run's report. Imported only where a
 plot is made (pandas and matplotlib take a second or two to import), never by a run that writes no report.
 """
 import json

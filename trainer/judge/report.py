@@ -1,5 +1,6 @@
 """A run's report a person reads: a markdown page with its plots beside it (scripts/report.py, and the end of a run
-under --report: trainer/judge/health.py's HealthWatch loads this module by name, so a run without a report does not).
+under --report: trainer/observe/health_watch.py's HealthWatch imports it there, so a run without a report does
+not).
 
 A run is its --metrics_file (<save_dir>/<run>_metrics.jsonl). Beside it the report reads, when they are there: the
 weights' sidecar <save_dir>/<run>.json (the model config), the rank-0 log <save_dir>/logs/<run>_rank_0.log (the data

@@ -7,10 +7,9 @@ ranks). So the trainer multiplies each rank's loss by `mesh.grad_reduce_factor(l
 average of the scaled gradients is then exactly the single-process gradient.
 
 The dp dimension's module (mesh.py DIMENSIONS): read by a run with a data-parallel group or a ZeRO / compression
-flag only (plan/checks.py data_parallel_mode, parallelize.py, core/loop.py, runtime/optim.py, and
+flag only (plan/checks.py data_parallel_mode, parallelize.py, core/loop.py, runtime/optimizer_choice.py, and
 state_dict.py for a ZeRO-1 optimizer's state).
 """
-import importlib
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -27,7 +26,6 @@ from trainer.parallel.state_dict import clean_fqn
 
 ZERO_STAGES = (0, 1, 2, 3)
 GRAD_COMPRESSIONS = ("none", "bf16", "powersgd")
-POWERSGD_MODULE = "trainer.parallel.powersgd"  # read by --grad_compression powersgd runs only
 
 
 def validate_data_parallel(zero_stage, grad_compression="none", dp=1, tp=1, pp=1):
@@ -61,7 +59,7 @@ def _register_compression(ddp_model, group, grad_compression, powersgd_rank, pow
         ddp_model.register_comm_hook(group, default_hooks.bf16_compress_hook if nccl else _bf16_compress_hook)
     elif grad_compression == "powersgd":
         # Until start_powerSGD_iter the hook does a plain (exact) all-reduce: the warm-up phase.
-        powersgd = importlib.import_module(POWERSGD_MODULE)
+        from trainer.parallel import powersgd  # read by --grad_compression powersgd runs only
         hook = powersgd.ResumablePowerSGD(group, powersgd_rank, powersgd_start_iter,
                                           {id(p): name for name, p in ddp_model.module.named_parameters()})
         ddp_model.register_comm_hook(hook.state, hook.hook)

@@ -30,6 +30,7 @@ class Dimension:
     reduces_gradients: bool = False  # gradients are summed over its ranks (with dp: the gradient-reduction group)
     within: str = None  # carved out of that dimension's ranks (its size divides it), not a dimension of the mesh
     module: str = None  # the module applying it, with its check validate(args, config, zero_stage): read when used
+    # (a registry entry: tests/test_house.py checks that the module exists on this floor or below)
     divides: tuple = ()  # what of a rank's share it cuts, for the layout planner (scripts/planner/cost.py PARTS)
 
 

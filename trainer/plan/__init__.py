@@ -1,3 +1,3 @@
 """The stage contract (stage.py, objective.py) and flags -> one frozen TrainPlan: the plan's sections (sections.py),
-the parser (flags.py), resolve() (resolve.py), the checks, config files and the model config. Floor 6: may import
-runtime/, judge/, ckpt/, parallel/, base/ (their plan sections and checks), model/ and dataset/."""
+the parser (flags.py), resolve() (resolve.py), the checks, config files and the model config. Floor 7: may import
+runtime/, observe/, judge/, ckpt/, parallel/, base/ (their plan sections and checks), model/ and dataset/."""

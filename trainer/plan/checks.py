@@ -6,13 +6,11 @@ import tempfile
 import torch
 
 from dataset.mixture import resolve_data_spec
-from model.errors import check_device  # noqa: F401 (resolve reads the checks here)
-from model.tokenizer_choice import check_tokenizer  # noqa: F401
-from model.weight_names import other_sizes  # noqa: F401
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
+from model.weight_names import other_sizes
 from trainer.base.launch import per_rank
+from trainer.observe import metrics  # read through the module: tests replace its CPU probes
 from trainer.parallel.mesh import MODEL_DIMS, dimension_module, grad_reduce_factor, validate_layout
-from trainer.runtime import metrics  # read through the module: tests replace its CPU probes
 
 # bf16 is picked only this much faster than fp32 on the matmul: autocast also casts outside it (gradients, norms)
 BF16_MARGIN = 1.1

@@ -1,12 +1,12 @@
 """The MiniMindConfig the flags describe, with the shapes of a --from_weight file taking precedence; vocab_size follows
 the tokenizer (model/tokenizer_choice.py: model_vocab_size), and a tokenizer with more ids than the model has rows is
 refused (check_vocab)."""
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
 from model.tokenizer_choice import check_tokenizer, model_vocab_size, vocab_refusal
 from model.weight_flags import flag_conflicts, weights_line
 from model.weight_names import typed_or_default
 from model.weight_shapes import WeightsError, infer_config
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.plan.flags import MODEL_FLAGS

@@ -7,7 +7,7 @@ tensors, stats stay on the device until a log step.
 """
 import torch.nn.functional as F
 
-from trainer.runtime.metrics import step_flops
+from trainer.observe.metrics import step_flops
 
 
 class LMObjective:

@@ -4,38 +4,36 @@ after checking every flag: the one place the flags are read.
 Nothing is created (writability is checked on the nearest existing folder); it logs what it decides for the user
 (the zero stage a layout needs, the tokenizer a --from_weight file records, sizes a weights file overrides).
 """
-import importlib
 import os
 from dataclasses import replace
 
 import torch
 
 from dataset.mixture import absolute_data_spec
+from model.errors import ConfigError, check_device
 from model.model_minimind import expert_compute_for
 from model.provenance import tokenizer_record
-from model.tokenizer_choice import TokenizerMismatch, tokenizer_for
+from model.tokenizer_choice import TokenizerMismatch, check_tokenizer, tokenizer_for
 from model.weight_names import (
     repo_path,
     typed_or_default,
     weight_name,
-    weight_path,  # noqa: F401 (stages read it here)
+    weight_path,
 )
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import fill
 from trainer.ckpt.step_dirs import MANIFEST
 from trainer.ckpt.weights_file import any_weights_record
+from trainer.observe.tracking import resolve_trackers
 from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.checks import (
     check_combinations,
-    check_device,
     check_metrics_file,
     check_model_args,
     check_numbers,
     check_parallel_args,
     check_paths,
     check_replica_layout,
-    check_tokenizer,
     data_parallel_mode,
     resolve_dtype,
 )
@@ -44,9 +42,8 @@ from trainer.plan.model_config import build_config, check_vocab, weight_shapes
 from trainer.plan.sections import DataPlan, GuardPlan, IOPlan, Layout, ModelPlan, Schedule, TrainPlan
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import resolve_callbacks
-from trainer.runtime.optim import resolve_optimizer
+from trainer.runtime.optimizer_choice import resolve_optimizer
 from trainer.runtime.schedule import resolve_schedule
-from trainer.runtime.tracking import PROFILER, resolve_trackers
 
 
 def resolve(args, world_size, local_rank=0, stage=Stage):
@@ -207,6 +204,7 @@ def profile_steps(spec):
     if not spec:
         return None
     try:
-        return importlib.import_module(PROFILER).parse_profile_steps(spec)
+        from trainer.observe.step_profiler import parse_profile_steps  # read by the runs that give the flag only
+        return parse_profile_steps(spec)
     except ValueError as e:
         raise ConfigError(str(e)) from None

@@ -1,8 +1,8 @@
 """The plan: one frozen TrainPlan of frozen sections, and every flag of the training scripts declared once in its
 section (trainer/base/schema.py says how); trainer/plan/flags.py builds the parser from these,
 trainer/plan/resolve.py's resolve fills them. The engine's sections live beside their code: `optim`
-(trainer/runtime/optim.py), `lr` (trainer/runtime/schedule.py), `callbacks` (trainer/runtime/callbacks.py); a stage's
-plan (trainer/plan/stage.py) is `stage`, its flags in its own FLAGS.
+(trainer/runtime/optimizer_choice.py), `lr` (trainer/runtime/schedule.py), `callbacks` (trainer/runtime/callbacks.py); a
+stage's plan (trainer/plan/stage.py) is `stage`, its flags in its own FLAGS.
 """
 import math
 from dataclasses import dataclass
@@ -15,7 +15,7 @@ from trainer.base.schema import Flag, flag
 from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import CallbackPlan
-from trainer.runtime.optim import OptimizerPlan
+from trainer.runtime.optimizer_choice import OptimizerPlan
 from trainer.runtime.schedule import LRSchedule
 
 
@@ -213,8 +213,8 @@ class IOPlan:
 
 @dataclass(frozen=True)
 class GuardPlan:
-    """Preemption and the non-finite step guard (trainer/runtime/guard.py); the replica check (trainer/parallel/data.py
-    check_replicas)."""
+    """Preemption and the non-finite step guard (trainer/runtime/signals.py, trainer/runtime/step_guard.py); the replica
+    check (trainer/parallel/data.py check_replicas)."""
     grace_seconds: float = flag(60, "after SIGTERM/SIGINT: seconds to finish the step and save before exiting "
                                 "non-zero")
     max_bad_steps: int = flag(5, "stop after this many non-finite (skipped) optimizer steps in a row", min=1)
@@ -235,7 +235,7 @@ class TrainPlan:
     model: ModelPlan
     data: DataPlan
     schedule: Schedule
-    optim: OptimizerPlan  # trainer/runtime/optim.py
+    optim: OptimizerPlan  # trainer/runtime/optimizer_choice.py
     lr: LRSchedule  # trainer/runtime/schedule.py
     io: IOPlan
     guard: GuardPlan

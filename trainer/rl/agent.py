@@ -18,7 +18,8 @@ import torch
 
 from dataset.prompt_ids import prompt_ids
 from dataset.tools import MOCKS, gt_matches, parse_assistant, tool_message, valid_call
-from trainer.base.errors import ConfigError, TrainingHalted
+from model.errors import ConfigError
+from trainer.base.errors import TrainingHalted
 from trainer.base.launch import count_sum
 from trainer.base.schema import Flag
 from trainer.rl.base import check_positions, resolve_rollout

@@ -16,10 +16,11 @@ from typing import Optional
 from transformers import AutoTokenizer
 
 from dataset.rlaif_dataset import RLAIFDataset
-from trainer.base.errors import ConfigError, TrainingHalted
+from model.errors import ConfigError
+from trainer.base.errors import TrainingHalted
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
-from trainer.ckpt.checkpoint import latest_checkpoint
+from trainer.ckpt.step_dirs import latest_checkpoint
 from trainer.ckpt.weights_file import save_last_completed
 from trainer.core.batches import autocast
 from trainer.plan.objective import LMObjective

@@ -21,18 +21,18 @@ import torch
 from transformers import AutoTokenizer
 
 from dataset.chat import SFTDataset
+from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
 from model.provenance import content_sha256
 from model.weight_names import file_digest, weight_name
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.core.batches import autocast
+from trainer.observe.metrics import step_flops
 from trainer.plan.objective import LMObjective
 from trainer.rl.base import RolloutObjective, RolloutPlan, check_layout, check_positions, engine_line
 from trainer.rl.rollout import make_engine, rollout_seed
 from trainer.rl.rows import rollout_sequences, training_rows
-from trainer.runtime.metrics import step_flops
 from trainer.stages.distillation import DistillationPlan, build_teacher, teacher_fields, teacher_path
 from trainer.stages.sft import SFTStage
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.schema import Flag
 from trainer.core.log_probs import target_span
+from trainer.observe.metrics import step_flops
 from trainer.plan.objective import target_tokens
 from trainer.rl.base import (
     ROW_STATS,
@@ -29,7 +30,6 @@ from trainer.rl.base import (
 )
 from trainer.rl.policy_loss import LOSSES, GroupExtras, k3_kl, token_entropy
 from trainer.rl.rows import scoring_log_probs, tempered_log_probs
-from trainer.runtime.metrics import step_flops
 
 GROUP_FLAGS = (  # GRPO's group-relative loss, which the agent stage trains with too; TRL's names
     Flag("num_generations", int, 6, "completions per prompt (a group, on one data-parallel rank)", min=2,

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
+from model.errors import ConfigError
 from model.weight_shapes import clean_state_dict
-from trainer.base.errors import ConfigError
 from trainer.base.launch import world_sum
 from trainer.base.schema import Flag
 from trainer.core.batches import step_targets
 from trainer.core.trunk_head import TrunkHead, fill_uniform
+from trainer.observe.metrics import step_flops
 from trainer.rl.base import (
     RolloutObjective,
     RolloutPlan,
@@ -41,7 +42,6 @@ from trainer.rl.base import (
 )
 from trainer.rl.policy_loss import PPOExtras, gae, last_token_positions, token_entropy, unbiased_var, value_loss
 from trainer.rl.rows import scoring_forward, scoring_log_probs, tempered_log_probs
-from trainer.runtime.metrics import step_flops
 
 # per-row stats of a rollout, summed over the step's rows in the loss's stats
 ROW_STATS = ("score_sum", "score_sq_sum", "length_sum", "truncated_sum", "kl_sum", "non_score_sum", "neg_logp_sum",

@@ -19,7 +19,7 @@ import re
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 
 THINK_END = "</think>"
 

@@ -1,3 +1,3 @@
-"""What runs around the step: the guard (non-finite steps, signals), out-of-memory, optimizers, schedules,
-callbacks, the console (bar and records), tracking, the step profiler (--profile_steps) and metrics.
-Floor 5: may import judge/, ckpt/, parallel/, base/, model/ and dataset/."""
+"""The step's policy, what decides around the step: the guard (non-finite steps, signals), out-of-memory, optimizers,
+schedules, callbacks and the MoE experts' loads and routing bias. Floor 6: may import observe/, judge/, ckpt/,
+parallel/, base/, model/ and dataset/."""

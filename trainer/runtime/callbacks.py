@@ -11,24 +11,21 @@ A callback stops the run after this step by setting `self.stop_reason` (a line t
 checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
 travel in every checkpoint, so a resumed run continues with the same state.
 Built in, through the same hooks: the sinks (tracking.Tracker), eval_callbacks.EarlyStopping and BestCheckpoint,
-RankLog, bench.EvalBench (--eval_bench: lm-eval scores of the current model), health.HealthWatch (health lines) and
-samples.Samples (greedy samples at each eval, SFT and later stages).
+RankLog, bench.EvalBench (--eval_bench: lm-eval scores of the current model), health_watch.HealthWatch (health lines)
+and samples.Samples (greedy samples at each eval, SFT and later stages).
 """
-import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Optional
 
-from trainer.base.errors import ConfigError, TrainingHalted
+from model.errors import ConfigError
+from trainer.base.errors import TrainingHalted
 from trainer.base.rank_log import RankLog
 from trainer.base.schema import Flag, fill, flag
-from trainer.judge.health import HealthWatch
+from trainer.observe.health_watch import HealthWatch
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
-BENCH_MODULE = "trainer.judge.bench"  # lm-eval scoring (--eval_bench): read by the runs that ask for it only
-SAMPLES_MODULE = "trainer.judge.samples"  # greedy samples at each eval: read by SFT and later stages only
-EVAL_CALLBACKS_MODULE = "trainer.runtime.eval_callbacks"  # --early_stop_patience, --save_best: read by those runs only
 
 
 @dataclass(frozen=True)
@@ -85,7 +82,7 @@ def check_eval_bench(args):
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ConfigError("--eval_bench scores in one process: run without torchrun, or score the saved weights "
                           "with scripts/eval_bench.py")
-    bench = importlib.import_module(BENCH_MODULE)
+    from trainer.judge import bench  # lm-eval scoring: read by the runs that ask for it only
     try:
         bench.task_names(args.eval_bench, flag="--eval_bench")
         bench.import_lm_eval()
@@ -154,21 +151,21 @@ def make_callbacks(plan):
     callbacks, settings = Callbacks(), plan.callbacks
     callbacks.append(HealthWatch(plan.model.config.vocab_size, plan.io.metrics_file, plan.io.report,
                                  plan.io.run_dir + "_config.yaml"))  # health lines, the report at the end
-    samples = importlib.import_module(SAMPLES_MODULE) \
-        if plan.stage.demo_kind != "pretrain" and plan.data.eval_data_path else None
-    if samples and samples.model_is_whole(plan.layout):
-        callbacks.append(samples.Samples(plan.data.tokenizer_path, plan.io.metrics_file))  # greedy samples at evals
-    evals = importlib.import_module(EVAL_CALLBACKS_MODULE) \
-        if settings.early_stop_patience or settings.save_best else None
-    if settings.early_stop_patience:
-        callbacks.append(evals.EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta,
-                                             plan.schedule.eval_interval))
-    if settings.save_best:
-        callbacks.append(evals.BestCheckpoint(plan.io.run_dir, plan.stage.best_weights_path(plan)))
+    if plan.stage.demo_kind != "pretrain" and plan.data.eval_data_path:
+        from trainer.judge import samples  # greedy samples at each eval: read by SFT and later stages only
+        if samples.model_is_whole(plan.layout):
+            callbacks.append(samples.Samples(plan.data.tokenizer_path, plan.io.metrics_file))
+    if settings.early_stop_patience or settings.save_best:
+        from trainer.runtime import eval_callbacks  # read by --early_stop_patience and --save_best runs only
+        if settings.early_stop_patience:
+            callbacks.append(eval_callbacks.EarlyStopping(settings.early_stop_patience, settings.early_stop_min_delta,
+                                                          plan.schedule.eval_interval))
+        if settings.save_best:
+            callbacks.append(eval_callbacks.BestCheckpoint(plan.io.run_dir, plan.stage.best_weights_path(plan)))
     if plan.io.log_dir:
         callbacks.append(RankLog())
     if settings.eval_bench:
-        bench = importlib.import_module(BENCH_MODULE)
+        from trainer.judge import bench  # lm-eval scoring: read by the runs that ask for it only
         try:
             callbacks.append(bench.EvalBench(bench.task_names(settings.eval_bench), settings.eval_bench_include,
                                              settings.eval_bench_limit, settings.eval_bench_interval,

@@ -1,4 +1,4 @@
-"""The callbacks a flag adds on evals (trainer/runtime/callbacks.py loads this module by name for those runs only):
+"""The callbacks a flag adds on evals (trainer/runtime/callbacks.py imports this module for those runs only):
 --early_stop_patience (EarlyStopping) and --save_best (BestCheckpoint)."""
 import json
 import os

@@ -1,7 +1,7 @@
-"""The optimizers written here, read by the runs that pick them (trainer/runtime/optim.py OPTIMIZERS): the two
-trust-ratio optimizers of the large-batch papers, which torch lacks: LAMB (You et al. 2019, "Large Batch Optimization
-for Deep Learning", Algorithm 2) and LARS (You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional
-Networks", Algorithm 1); and torch's Muon with AdamW behind one Optimizer.
+"""The optimizers written here, read by the runs that pick them (trainer/runtime/optimizer_choice.py OPTIMIZERS): the
+two trust-ratio optimizers of the large-batch papers, which torch lacks: LAMB (You et al. 2019, "Large Batch
+Optimization for Deep Learning", Algorithm 2) and LARS (You, Gitman, Ginsburg 2017, "Large Batch Training of
+Convolutional Networks", Algorithm 1); and torch's Muon with AdamW behind one Optimizer.
 
 Every optimizer runs under every layout: its state is keyed like its parameter (DTensor shards under FSDP2 and
 tensor parallel, whole tensors under DDP, ZeRO-1 and pipeline stages), so DCP saves and reshards it. The trust

@@ -9,7 +9,7 @@ the peak, so the default curve is bit for bit MiniMind's (0.1 + (1 - 0.1) / 2 * 
 import math
 from dataclasses import dataclass
 
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.schema import Flag, flag
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")

@@ -13,21 +13,20 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import AutoTokenizer
 
+from model.errors import ConfigError
 from model.model_minimind import CrossEntropyChunks, MiniMindConfig, MiniMindForCausalLM, chunked_head
 from model.provenance import content_sha256
 from model.weight_flags import weights_line
-from model.weight_names import file_digest, typed_or_default, weight_name
+from model.weight_names import file_digest, other_sizes, typed_or_default, weight_name
 from model.weight_shapes import WeightsError, weight_fields
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights
 from trainer.core.log_probs import log_softmax
+from trainer.observe.metrics import step_flops
 from trainer.parallel.context import apply_context_parallel
 from trainer.parallel.tensor import apply_tensor_parallel, tp_validate
-from trainer.plan.checks import other_sizes
 from trainer.plan.objective import LMObjective
-from trainer.runtime.metrics import step_flops
 from trainer.stages.sft import SFTStage
 
 

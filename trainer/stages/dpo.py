@@ -16,20 +16,19 @@ import torch
 
 from dataset.preference_data import DPODataset
 from dataset.shards import local_part
+from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.weight_flags import mismatch_line, weights_line
+from model.weight_names import other_sizes, weight_path
 from model.weight_shapes import WeightsError
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.core.log_probs import sequence_log_probs, target_span
-from trainer.plan.checks import other_sizes
 from trainer.plan.model_config import flag_error
 from trainer.plan.objective import LMObjective
-from trainer.plan.resolve import weight_path
 from trainer.plan.stage import Stage
 from trainer.stages.dpo_losses import LOSSES, LossParams, pair_losses
 from trainer.stages.dpo_reference import attach_reference

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dataset.preference_data import KTODataset
 from dataset.shards import local_part
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields

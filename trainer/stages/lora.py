@@ -11,12 +11,12 @@ from typing import Optional
 
 import torch
 
+from model.errors import ConfigError
 from model.lora import TARGETS, LoraError, apply_lora, lora_state_dict, lora_target_names, save_peft
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import tokenizer_files
 from model.weight_names import weight_name
 from model.weights import save_weights_file
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.plan.stage import SIDECAR_BYTES

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from dataset.preference_data import RewardPairs
 from dataset.shards import local_part
 from model.atomic import atomic_folder
+from model.errors import ConfigError
 from model.hf_convert import save_hf_classifier
 from model.provenance import tokenizer_files
 from model.weight_shapes import clean_state_dict
 from model.weights import save_weights_file
-from trainer.base.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.core.data_loading import leaf_datasets
 from trainer.core.trunk_head import TrunkHead

@@ -1,8 +1,7 @@
 """--profile_steps A:B: a torch.profiler trace of optimizer steps A..B, and the flag's parse.
 
-Loaded by name (trainer/runtime/tracking.py's PROFILER) by the runs that give --profile_steps only:
-trainer/plan/resolve.py parses the flag (a bad spec is a ConfigError before training), trainer/core/loop.py builds the
-StepProfiler.
+Imported by the runs that give --profile_steps only: trainer/plan/resolve.py parses the flag (a bad spec is a
+ConfigError before training), trainer/core/loop.py builds the StepProfiler.
 """
 import torch
 

@@ -13,9 +13,9 @@ from tqdm import tqdm
 
 from trainer.base.launch import is_main_process, per_rank, world_sum
 from trainer.base.log import say
-from trainer.ckpt.checkpoint import latest_checkpoint
-from trainer.runtime.metrics import peak_mem_gb
-from trainer.runtime.tracking import Tracker
+from trainer.ckpt.step_dirs import latest_checkpoint
+from trainer.observe.metrics import peak_mem_gb
+from trainer.observe.tracking import Tracker
 
 DEFAULT_LOG_INTERVAL = 100  # MiniMind's
 

@@ -5,9 +5,8 @@ on_eval, on_train_end: trainer/runtime/callbacks.py). Only the main process writ
 swanlab (MiniMind's --use_wandb, or --tracker swanlab) runs online when logged in and offline otherwise, its files
 under `<metrics file's folder>/swanlog/` (upload later with `swanlab sync DIR`); never a prompt. wandb (--tracker
 wandb, optional) runs offline under `<metrics file's folder>/wandb/` unless WANDB_MODE says otherwise. Both are started
-by trainer/runtime/dashboards.py, loaded by name for the runs that ask for one.
+by trainer/observe/dashboards.py, imported by the runs that ask for one only.
 """
-import importlib
 import importlib.util
 import json
 import os
@@ -18,12 +17,10 @@ from contextlib import contextmanager
 from tqdm import tqdm
 
 from model.atomic import full_disk_reason
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.ckpt.storage import DiskFullError
 
 TRACKERS = ("swanlab", "wandb", "tensorboard", "none")
-DASHBOARDS = "trainer.runtime.dashboards"  # swanlab's and wandb's runs: read by the runs that ask for one only
-PROFILER = "trainer.runtime.step_profiler"  # --profile_steps' trace: read by the runs that ask for one only
 
 # Console line: (record key, format) in print order; other keys are left to the JSONL and the dashboards.
 CONSOLE_FORMATS = [("epoch", "epoch {}"), ("loss", "loss {:.6f}"), ("aux_loss", "aux_loss {:.6f}"),
@@ -144,7 +141,8 @@ class Tracker:
                 self._writer = SummaryWriter(tensorboard_dir, purge_step=purge_step)
         plain = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
                  for k, v in (config or {}).items()}
-        dashboards = importlib.import_module(DASHBOARDS) if use_wandb or wandb else None
+        if use_wandb or wandb:
+            from trainer.observe import dashboards  # swanlab's and wandb's runs: read by the runs that ask for one only
         if use_wandb:  # MiniMind's flag name: swanlab
             self._swanlab = dashboards.start_swanlab(wandb_project, run_name, resume_id, plain,
                                           os.path.join(os.path.dirname(metrics_path), "swanlog"))

@@ -1,6 +1,6 @@
 """What a step measures: FLOPs and peak FLOP/s (MFU), peak memory, tokens/s over a window. The collectives that sum
 them over ranks are in trainer/base/launch.py; where the figures go (JSONL, TensorBoard, swanlab),
-trainer/runtime/tracking.py."""
+trainer/observe/tracking.py."""
 import ctypes
 import ctypes.util
 import json

@@ -1,5 +1,5 @@
-"""The online dashboards a run may log to, started by trainer/runtime/tracking.py's Tracker (which loads this module by
-name for --tracker swanlab/wandb or MiniMind's --use_wandb only): swanlab (online when logged in, else offline) and
+"""The online dashboards a run may log to, started by trainer/observe/tracking.py's Tracker (which imports this module
+for --tracker swanlab/wandb or MiniMind's --use_wandb only): swanlab (online when logged in, else offline) and
 wandb (offline unless WANDB_MODE says otherwise)."""
 import os
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from trainer.base.errors import ConfigError
+from model.errors import ConfigError
 from trainer.base.schema import Flag, fill, flag
 from trainer.parallel.mesh import dimension_module
 from trainer.parallel.state_dict import clean_fqn
@@ -15,8 +15,9 @@ from trainer.parallel.state_dict import clean_fqn
 
 @dataclass(frozen=True)
 class Optimizer:
-    """One --optimizer: the module and name of its class (imported when a run picks it) and its keyword arguments
-    besides lr, from the OptimizerPlan and `fused` (torch's fused kernel: True, False, or None for unset)."""
+    """One --optimizer: the module and name of its class (imported when a run picks it; a registry entry, which
+    tests/test_house.py checks exists on this floor or below) and its keyword arguments besides lr, from the
+    OptimizerPlan and `fused` (torch's fused kernel: True, False, or None for unset)."""
     module: str
     name: str
     kwargs: Callable
@@ -40,7 +41,7 @@ OPTIMIZERS = {
 
 @dataclass(frozen=True)
 class OptimizerPlan:
-    """The optimizer and the gradient clip (trainer/runtime/optim.py)."""
+    """The optimizer and the gradient clip (trainer/runtime/optimizer_choice.py)."""
     name: str  # --optimizer
     weight_decay: float = flag(0.01, "decoupled weight decay (adamw, lamb, muon), L2 term of sgd and lars")
     betas: tuple  # --beta1, --beta2
