@@ -38,11 +38,12 @@ def class_table():
 
 
 def char_class(ch):
-    """SPACE, ALNUM (Unicode L*, N*), SYMBOL (Unicode S*) or OTHER."""
+    """SPACE, ALNUM (Unicode L*, N*), SYMBOL (Unicode S* outside ASCII) or OTHER. ASCII's symbols (| < > = + $ ^ ` ~)
+    are markdown tables, HTML and code, not the emoji and box drawing the symbol rule is for: OTHER."""
     if ch.isspace():
         return SPACE
     category = unicodedata.category(ch)[0]
-    return ALNUM if category in "LN" else SYMBOL if category == "S" else OTHER
+    return ALNUM if category in "LN" else SYMBOL if category == "S" and not ch.isascii() else OTHER
 
 
 def code_points(text):
@@ -51,7 +52,7 @@ def code_points(text):
 
 
 def char_classes(text):
-    """(non-space characters, letters and digits (Unicode L*, N*), symbols (Unicode S*)) of `text`."""
+    """(non-space characters, letters and digits (Unicode L*, N*), symbols (Unicode S* outside ASCII)) of `text`."""
     points = code_points(text)
     astral = points > 0xFFFF
     counts = np.bincount(class_table()[points[~astral]], minlength=4).tolist()
