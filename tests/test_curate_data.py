@@ -2,6 +2,7 @@
 removed at the stated thresholds, clean English and Chinese prose is kept, and a killed run finishes like one that
 was never stopped."""
 import glob
+import importlib.util
 import json
 import os
 import random
@@ -614,3 +615,32 @@ def test_workers_import_only_what_their_steps_use(tmp_path):
         project = {m for m in modules if m.split(".")[0] in ours}
         assert project <= {"model", "model.atomic", "scripts", "scripts.curate_data", "scripts.curate"} | {
             f"scripts.curate.{name[:-3]}" for name in os.listdir(os.path.join(ROOT, "scripts", "curate"))}, project
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason="ray is not installed: pip install -r requirements-ray.txt runs this test")
+def test_ray_executor_writes_what_the_local_one_writes(tmp_path):
+    """--executor ray on a local Ray instance of two worker CPUs (two tasks a stage): the same shards, byte for byte,
+    and the same counts as the local executor's run of the same flags (4 LSH bands instead of 14: fewer Ray tasks)."""
+    rng = random.Random(13)
+    docs = [english_doc(rng, 80) for _ in range(60)] + [chinese_doc(rng, 150) for _ in range(20)] + JUNK
+    docs += [swap_words(rng, d, 1) for d in docs[:10]] + docs[10:20]
+    rng.shuffle(docs)
+    for k in range(2):
+        write_jsonl(tmp_path / f"part{k}.jsonl", docs[k::2])
+    flags = ["--data_path", str(tmp_path / "part0.jsonl"), str(tmp_path / "part1.jsonl"), "--workers", "2",
+             "--minhash_buckets", "4", "--quiet"]
+    local = python("scripts/curate_data.py", flags + ["--out_dir", tmp_path / "local"], timeout=600)
+    assert local.returncode == 0, local.stderr[-2000:]
+    on_ray = python("scripts/curate_data.py", flags + ["--out_dir", tmp_path / "ray", "--executor", "ray"],
+                    timeout=900)
+    assert on_ray.returncode == 0, on_ray.stderr[-2000:]
+    shards = sorted(n for n in os.listdir(tmp_path / "local") if n.endswith(".jsonl"))
+    assert shards == ["00000.jsonl", "00001.jsonl"]
+    assert shards == sorted(n for n in os.listdir(tmp_path / "ray") if n.endswith(".jsonl"))
+    for name in shards:
+        assert (tmp_path / "local" / name).read_bytes() == (tmp_path / "ray" / name).read_bytes()
+    reports = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("local", "ray")]
+    assert step_counts(reports[0]) == step_counts(reports[1])
+    assert step_counts(reports[0])["exact"][0] - step_counts(reports[0])["exact"][1] == 10  # the ten exact copies
