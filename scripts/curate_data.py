@@ -61,6 +61,7 @@ from scripts.curate.steps import (  # noqa: E402
     RepetitionFilter,
     Tally,
     TokenSample,
+    document_row,
 )
 
 STEPS = ("quality", "decont", "exact", "near")
@@ -137,10 +138,11 @@ def quality_steps(args, removed):
 def stages(args, files, work):
     """[(name, pipeline, tasks, the work folder it reads or None)] in run order; the last writes work/final."""
     def removed(step):  # a few removed documents per step, for the report
-        return JsonlWriter(os.path.join(work, "removed", step), compression=None)
+        return JsonlWriter(os.path.join(work, "removed", step), compression=None, adapter=document_row)
 
     def writer(folder, final=False):
-        return JsonlWriter(os.path.join(work, folder), compression=None, adapter=row_for_output if final else None)
+        return JsonlWriter(os.path.join(work, folder), compression=None,
+                           adapter=row_for_output if final else document_row)
 
     tasks, on = args.tasks, set(args.steps)
     hashes = HashConfig(precision=64, hash_fc="sha1")  # datatrove's xxhash calls need xxhash<4; sha1 needs nothing

@@ -93,7 +93,7 @@ class WordNgrams:
         self.prefix = np.zeros(len(points) + 1, dtype=np.uint64)
         with np.errstate(over="ignore"):
             np.cumsum(points * _power_table("up", _BASE, len(points)), out=self.prefix[1:])
-        self.vocabulary, self.ids = None, None
+        self.vocabulary, self.ids, self.pair_counts = None, None, None
 
     def hashes(self, n):
         """uint64 hash of the concatenated characters of each n-gram."""
@@ -145,18 +145,20 @@ class WordNgrams:
         return tuple(words[start:start + n]), int(top)
 
     def top_repeated_chars_at_most(self, n):
-        """An upper bound of count * characters of every n-gram (words as tuples), 0 without n-grams: n-grams
+        """An upper bound of count * characters of every n-gram (words as tuples), n >= 2, 0 without n-grams: an
+        n-gram occurs at most as often as the 2-gram it starts with, so count * characters <= (count of the 2-gram at
+        i) * (characters of the n-gram at i) at each of its positions i. 2-grams are counted once per document,
         grouped by a hash of their words' hashes (equal tuples, equal hash; a collision only merges groups)."""
         if len(self.words) < n:
             return 0
-        words = self.hashes(1)
-        keys = np.zeros(len(self.words) - n + 1, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            for k in range(n):
-                keys = keys * np.uint64(_BASE) + words[k:len(self.words) - n + 1 + k]
-        _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        if self.pair_counts is None:
+            words = self.hashes(1)
+            with np.errstate(over="ignore"):
+                keys = words[:-1] * np.uint64(_BASE) + words[1:]
+            _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+            self.pair_counts = counts[inverse]
         chars = self.offsets[n:] - self.offsets[:len(self.words) - n + 1]
-        return int((counts[inverse] * chars).max())
+        return int((self.pair_counts[:len(chars)] * chars).max())
 
 
 def _mark_table():
