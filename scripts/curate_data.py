@@ -31,21 +31,14 @@ import unicodedata
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from datatrove.pipeline.decont import NGramsDecontConfig, NGramsDecontFilter  # noqa: E402
+from datatrove.pipeline.decont import NGramsDecontConfig  # noqa: E402
 from datatrove.pipeline.dedup import (  # noqa: E402
     MinhashConfig,
     MinhashDedupBuckets,
     MinhashDedupCluster,
     MinhashDedupFilter,
 )
-from datatrove.pipeline.dedup.exact_dedup import (  # noqa: E402
-    ExactDedupConfig,
-    ExactDedupFilter,
-    ExactDedupSignature,
-    ExactFindDedups,
-)
-from datatrove.pipeline.readers import JsonlReader  # noqa: E402
-from datatrove.pipeline.writers import JsonlWriter  # noqa: E402
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupSignature, ExactFindDedups  # noqa: E402
 from datatrove.utils.hashing import HashConfig  # noqa: E402
 
 from model.atomic import atomic_json, atomic_write_text  # noqa: E402
@@ -55,12 +48,16 @@ from scripts.curate.rows import ParquetRowReader, RowReader, row_for_output, row
 from scripts.curate.steps import (  # noqa: E402
     SAMPLE_CHARS,
     CharRatioFilter,
+    DecontFilter,
     EvalFilesIndexer,
+    ExactFilter,
     FastMinhashSignature,
     MixedScriptTokenizer,
     RepetitionFilter,
     Tally,
     TokenSample,
+    WorkReader,
+    WorkWriter,
     document_row,
 )
 
@@ -138,11 +135,11 @@ def quality_steps(args, removed):
 def stages(args, files, work):
     """[(name, pipeline, tasks, the work folder it reads or None)] in run order; the last writes work/final."""
     def removed(step):  # a few removed documents per step, for the report
-        return JsonlWriter(os.path.join(work, "removed", step), compression=None, adapter=document_row)
+        return WorkWriter(os.path.join(work, "removed", step), compression=None, adapter=document_row)
 
     def writer(folder, final=False):
-        return JsonlWriter(os.path.join(work, folder), compression=None,
-                           adapter=row_for_output if final else document_row)
+        return WorkWriter(os.path.join(work, folder), compression=None,
+                          adapter=row_for_output if final else document_row)
 
     tasks, on = args.tasks, set(args.steps)
     hashes = HashConfig(precision=64, hash_fc="sha1")  # datatrove's xxhash calls need xxhash<4; sha1 needs nothing
@@ -158,8 +155,8 @@ def stages(args, files, work):
     if "decont" in on:
         plan.append(("decont_index", [EvalFilesIndexer(os.path.join(work, "decont_index"), args.eval_path, decont,
                                                        MixedScriptTokenizer())], 1, None))
-        first += [NGramsDecontFilter(os.path.join(work, "decont_index"), decont, removed("decont"),
-                                     MixedScriptTokenizer()), Tally("decont")]
+        first += [DecontFilter(os.path.join(work, "decont_index"), decont, removed("decont"), MixedScriptTokenizer()),
+                  Tally("decont")]
     plan.append(("filter", first + [writer("filtered")], tasks, None))
     source = "filtered"
     if "exact" in on:
@@ -167,8 +164,8 @@ def stages(args, files, work):
                   tasks, source),
                  ("exact_find", [ExactFindDedups(os.path.join(work, "exact_sig"), os.path.join(work, "exact_dups"),
                                                  exact)], 1, None),
-                 ("exact_filter", [read(work, source), ExactDedupFilter(os.path.join(work, "exact_dups"), exact,
-                                                                        removed("exact")), Tally("exact"),
+                 ("exact_filter", [read(work, source), ExactFilter(os.path.join(work, "exact_dups"), exact,
+                                                                   removed("exact")), Tally("exact"),
                                    writer("exact")], tasks, source)]
         source = "exact"
     last = [read(work, source)]
@@ -188,7 +185,7 @@ def stages(args, files, work):
 
 def read(work, folder):
     """Reader of an intermediate folder (datatrove's own row format, metadata kept)."""
-    return JsonlReader(os.path.join(work, folder), compression=None)
+    return WorkReader(os.path.join(work, folder), compression=None)
 
 
 def prepare_work(work, out_dir, settings, inputs, say):

@@ -19,17 +19,20 @@ import numpy as np
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.decont import NGramsDecontIndexer
+from datatrove.pipeline.decont import NGramsDecontFilter, NGramsDecontIndexer
 from datatrove.pipeline.dedup import MinhashDedupSignature
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupFilter
 from datatrove.pipeline.filters import GopherRepetitionFilter
 from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.hashing import create_hash_func
 from datatrove.utils.text import split_into_words
 from datatrove.utils.tokenization import PipelineStepWithTokenizer
 from datatrove.utils.word_tokenizers import WordTokenizer, load_word_tokenizer
 
 from scripts.curate.fast import WordNgrams, char_classes, sha1_shingles, simplify_text
-from scripts.curate.rows import parsed_line
+from scripts.curate.rows import WithoutDocStats, parsed_line
 
 # Han (basic, extension A, compatibility), Hiragana, Katakana and CJK symbols: scripts written without spaces
 CJK_RANGES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
@@ -59,7 +62,7 @@ class MixedScriptTokenizer(WordTokenizer):
         return spans
 
 
-class CharRatioFilter(BaseFilter):
+class CharRatioFilter(WithoutDocStats, BaseFilter):
     """Drops documents outside [min_chars, max_chars] characters, with fewer than min_alnum_ratio letters and digits
     among their non-space characters, or more than max_symbol_ratio symbols (Unicode category S outside ASCII: emoji,
     currency signs, arrows, box drawing; ASCII's | < > = + $ are tables, HTML and code); every rule counts characters,
@@ -107,7 +110,7 @@ def substantial_duplicates(parts, short_words):
     return count, chars
 
 
-class RepetitionFilter(GopherRepetitionFilter):
+class RepetitionFilter(WithoutDocStats, GopherRepetitionFilter):
     """Gopher's repetition rules (datatrove's filter), except that a duplicate line or paragraph of at most
     short_words words (a play's speaker name, a list marker) is not counted as duplicated text, and the top n-gram
     rule counts only an n-gram that occurs twice or more, by the characters it covers (Gopher's rule reads a short
@@ -203,6 +206,27 @@ class Tally(PipelineStep):
             yield doc
         for key, value in counts.items():
             self.stat_update(key, value=value)
+
+
+class WorkReader(WithoutDocStats, JsonlReader):
+    """datatrove's JsonlReader of the work folders, without its per-document statistic."""
+
+
+class WorkWriter(WithoutDocStats, JsonlWriter):
+    """datatrove's JsonlWriter without its three statistics per document (doc_len, the file's count and the total:
+    the report has Tally); one file per task, as JsonlWriter's default (no size limit)."""
+
+    def write(self, document: Document, rank: int = 0, **kwargs):
+        name = self._get_output_filename(document, rank, **kwargs)
+        self._write(self.adapter(document), self._get_output_file_with_retry(name), name)
+
+
+class ExactFilter(WithoutDocStats, ExactDedupFilter):
+    """datatrove's ExactDedupFilter without its per-document statistic."""
+
+
+class DecontFilter(WithoutDocStats, NGramsDecontFilter):
+    """datatrove's NGramsDecontFilter without its per-document statistic."""
 
 
 def document_row(self, document: Document) -> dict:
