@@ -7,8 +7,6 @@ import os
 import shutil
 from contextlib import contextmanager
 
-import torch
-
 
 def atomic_write(path, write):
     """write(file) into a temporary file, fsync, then rename: a killed save never leaves a valid-looking file, and a
@@ -54,6 +52,8 @@ def atomic_folder(path):
 
 def atomic_save(obj, path):
     """torch.save `obj` to `path` atomically (temporary file, fsync, rename)."""
+    import torch  # here, not at the top: curation's workers import this writer and need no torch (issue 55)
+
     atomic_write(path, lambda f: torch.save(obj, f))
 
 

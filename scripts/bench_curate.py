@@ -1,12 +1,15 @@
-"""Peak memory and throughput of scripts/curate_data.py against plain JSON reading of the same corpus (Linux).
+"""scripts/curate_data.py against a stock datatrove pipeline of the same steps (scripts/benchmarks/stock_curate.py), on
+the same corpus in the same run, alternately: throughput and peak memory of each whole process tree (Linux).
 
-    python scripts/bench_curate.py --mb 100 400 --workers 2      # one row per size; the corpora are deleted after
+    python scripts/bench_curate.py --mb 40 200 --workers 2 --pairs 2     # one row per run; the corpora are deleted
 
 Each size: a synthetic corpus of that many MB (English and Chinese documents, 10% exact copies, 10% paraphrases, in
---files JSONL files) is written to a temporary folder; curate_data runs on it with every step while the summed RSS
-of its whole process tree (the run, datatrove's manager and workers) is sampled every 0.2 s; then one process reads
-the same files with json.loads, line by line. Peak RSS flat across sizes = memory bounded by the stream, not the
-corpus. The machine's load average is printed beside each row: figures from a loaded machine say so.
+--files JSONL files) is written to a temporary folder; then --pairs pairs of runs, ours and stock's, the order
+swapped every pair (ours first, then stock first, ...), each with every step, while the summed RSS and PSS of its
+whole process tree (the run, datatrove's manager, forkserver and workers) are sampled every 0.2 s. Each row: seconds,
+MB/s, peak RSS/PSS, documents kept, the load average before and after; the last line per size: ours/stock ratios
+(MB/s, peak RSS, peak PSS; medians over the pairs) and the kept documents' difference. The machine line heads the
+output: figures from a loaded machine say so.
 """
 import argparse
 import json
@@ -77,56 +80,93 @@ def tree_memory(pid):
     return rss, pss
 
 
-def curate(folder, workers):
-    """(seconds, peak summed RSS, peak summed PSS) of curate_data on `folder`, all steps."""
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "curate_data.py"), "--data_path", folder, "--out_dir",
-           os.path.join(folder, "curated"), "--workers", str(workers)]
+def measured(cmd):
+    """(seconds, peak summed RSS, peak summed PSS) of `cmd`'s whole process tree; SystemExit if it fails."""
     start, peak_rss, peak_pss = time.perf_counter(), 0, 0
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     while proc.poll() is None:
         rss, pss = tree_memory(proc.pid)
         peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
         time.sleep(0.2)
+    seconds = time.perf_counter() - start
     if proc.returncode:
-        raise SystemExit(f"error: curate_data exited {proc.returncode}")
-    return time.perf_counter() - start, peak_rss, peak_pss
+        raise SystemExit(f"error: {' '.join(cmd[:3])} exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+    return seconds, peak_rss, peak_pss
 
 
-def plain_read(folder):
-    """Seconds to json.loads every line of the corpus in one process."""
-    start = time.perf_counter()
-    for name in sorted(os.listdir(folder)):
+def command(who, corpus, out_dir, workers):
+    """The command line of our curation or the stock pipeline, every step."""
+    if who == "ours":
+        return [sys.executable, os.path.join(ROOT, "scripts", "curate_data.py"), "--data_path", corpus, "--out_dir",
+                out_dir, "--workers", str(workers), "--quiet"]
+    return [sys.executable, "-m", "scripts.benchmarks.stock_curate", "--data_path", corpus, "--out_dir", out_dir,
+            "--workers", str(workers)]
+
+
+def kept_documents(out_dir):
+    """Rows in the output shards of either pipeline."""
+    total = 0
+    for name in os.listdir(out_dir):
         if name.endswith(".jsonl"):
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                for line in f:
-                    json.loads(line)
-    return time.perf_counter() - start
+            with open(os.path.join(out_dir, name), "rb") as f:
+                total += sum(1 for _ in f)
+    return total
+
+
+def machine_line():
+    """CPU model, its vector extensions, cores, memory."""
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = [f for f in ("avx512f", "avx512_bf16", "avx2") if f" {f} " in info]
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return f"{model}, {'/'.join(flags) or 'no AVX2'}, {os.cpu_count()} cores, {memory:.0f} GiB"
+
+
+def median(values):
+    values = sorted(values)
+    return (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+
+
+def bench_size(folder, megabytes, args):
+    """Write the corpus, run the pairs alternately, print one row per run and the ratios."""
+    corpus = os.path.join(folder, "corpus")
+    os.makedirs(corpus)
+    size = write_corpus(corpus, megabytes, args.files)
+    rows = {"ours": [], "stock": []}
+    for pair in range(args.pairs):
+        for who in (("ours", "stock") if pair % 2 == 0 else ("stock", "ours")):
+            out_dir, load = os.path.join(folder, f"{who}{pair}"), os.getloadavg()
+            seconds, rss, pss = measured(command(who, corpus, out_dir, args.workers))
+            row = {"corpus_mb": round(size / 1e6, 1), "run": who, "pair": pair, "seconds": round(seconds, 1),
+                   "mb_per_s": round(size / 1e6 / seconds, 3), "peak_rss_mb": round(rss / 1e6),
+                   "peak_pss_mb": round(pss / 1e6), "documents_kept": kept_documents(out_dir),
+                   "load_before": [round(x, 1) for x in load], "load_after": [round(x, 1) for x in os.getloadavg()]}
+            rows[who].append(row)
+            print(json.dumps(row), flush=True)
+            shutil.rmtree(out_dir, ignore_errors=True)
+    ratio = {key: round(median(r[key] for r in rows["ours"]) / median(r[key] for r in rows["stock"]), 2)
+             for key in ("mb_per_s", "peak_rss_mb", "peak_pss_mb")}
+    kept = [r["documents_kept"] for r in rows["ours"] + rows["stock"]]
+    print(json.dumps({"corpus_mb": round(size / 1e6, 1), "ours_over_stock": ratio,
+                      "kept_ours": rows["ours"][0]["documents_kept"], "kept_stock": rows["stock"][0]["documents_kept"],
+                      "kept_spread_percent": round(100 * (max(kept) - min(kept)) / max(kept), 2)}), flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=int, nargs="+", default=[100, 400], help="corpus sizes, MB")
+    parser.add_argument("--mb", type=int, nargs="+", default=[40], help="corpus sizes, MB")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--files", type=int, default=8, help="input files (datatrove splits work by file)")
+    parser.add_argument("--pairs", type=int, default=2, help="runs of each pipeline per size, alternating")
     parser.add_argument("--tmp", default=None, help="folder for the corpora (default: the system's temp folder)")
     args = parser.parse_args()
+    print(json.dumps({"machine": machine_line(), "command": " ".join(sys.argv)}), flush=True)
     for megabytes in args.mb:
         folder = tempfile.mkdtemp(prefix="bench_curate_", dir=args.tmp)
         try:
-            size = write_corpus(folder, megabytes, args.files)
-            load_before = os.getloadavg()
-            seconds, peak_rss, peak_pss = curate(folder, args.workers)
-            read_seconds = plain_read(folder)
-            with open(os.path.join(folder, "curated", "report.json"), encoding="utf-8") as f:
-                report = json.load(f)
-            kept = sum(t["documents"] for s in report["stages"] for t in s["tallies"] if t["step"] == "output")
-            print(json.dumps({"corpus_mb": round(size / 1e6, 1), "workers": args.workers, "seconds": round(seconds, 1),
-                              "curate_mb_per_s": round(size / 1e6 / seconds, 2), "peak_rss_mb": round(peak_rss / 1e6),
-                              "peak_pss_mb": round(peak_pss / 1e6),
-                              "json_read_mb_per_s": round(size / 1e6 / read_seconds, 1), "documents_kept": kept,
-                              "load_average_before": load_before, "load_average_after": os.getloadavg()}),
-                  flush=True)
+            bench_size(folder, megabytes, args)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 

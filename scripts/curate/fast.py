@@ -38,11 +38,12 @@ def class_table():
 
 
 def char_class(ch):
-    """SPACE, ALNUM (Unicode L*, N*), SYMBOL (Unicode S*) or OTHER."""
+    """SPACE, ALNUM (Unicode L*, N*), SYMBOL (Unicode S* outside ASCII) or OTHER. ASCII's symbols (| < > = + $ ^ ` ~)
+    are markdown tables, HTML and code, not the emoji and box drawing the symbol rule is for: OTHER."""
     if ch.isspace():
         return SPACE
     category = unicodedata.category(ch)[0]
-    return ALNUM if category in "LN" else SYMBOL if category == "S" else OTHER
+    return ALNUM if category in "LN" else SYMBOL if category == "S" and not ch.isascii() else OTHER
 
 
 def code_points(text):
@@ -51,7 +52,7 @@ def code_points(text):
 
 
 def char_classes(text):
-    """(non-space characters, letters and digits (Unicode L*, N*), symbols (Unicode S*)) of `text`."""
+    """(non-space characters, letters and digits (Unicode L*, N*), symbols (Unicode S* outside ASCII)) of `text`."""
     points = code_points(text)
     astral = points > 0xFFFF
     counts = np.bincount(class_table()[points[~astral]], minlength=4).tolist()
@@ -92,7 +93,7 @@ class WordNgrams:
         self.prefix = np.zeros(len(points) + 1, dtype=np.uint64)
         with np.errstate(over="ignore"):
             np.cumsum(points * _power_table("up", _BASE, len(points)), out=self.prefix[1:])
-        self.vocabulary, self.ids = None, None
+        self.vocabulary, self.ids, self.pair_counts = None, None, None
 
     def hashes(self, n):
         """uint64 hash of the concatenated characters of each n-gram."""
@@ -144,18 +145,20 @@ class WordNgrams:
         return tuple(words[start:start + n]), int(top)
 
     def top_repeated_chars_at_most(self, n):
-        """An upper bound of count * characters of every n-gram (words as tuples), 0 without n-grams: n-grams
+        """An upper bound of count * characters of every n-gram (words as tuples), n >= 2, 0 without n-grams: an
+        n-gram occurs at most as often as the 2-gram it starts with, so count * characters <= (count of the 2-gram at
+        i) * (characters of the n-gram at i) at each of its positions i. 2-grams are counted once per document,
         grouped by a hash of their words' hashes (equal tuples, equal hash; a collision only merges groups)."""
         if len(self.words) < n:
             return 0
-        words = self.hashes(1)
-        keys = np.zeros(len(self.words) - n + 1, dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            for k in range(n):
-                keys = keys * np.uint64(_BASE) + words[k:len(self.words) - n + 1 + k]
-        _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+        if self.pair_counts is None:
+            words = self.hashes(1)
+            with np.errstate(over="ignore"):
+                keys = words[:-1] * np.uint64(_BASE) + words[1:]
+            _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
+            self.pair_counts = counts[inverse]
         chars = self.offsets[n:] - self.offsets[:len(self.words) - n + 1]
-        return int((counts[inverse] * chars).max())
+        return int((self.pair_counts[:len(chars)] * chars).max())
 
 
 def _mark_table():

@@ -1,12 +1,12 @@
 """scripts/curate_data.py's report: documents, characters and tokens in and out of each step (from datatrove's
-stats.json of every stage), why documents were dropped, decontamination hits per evaluation file, a few removed
-documents per step; printed as a table."""
+stats.json of every stage; tokens estimated from the token sample, steps.TokenSample), why documents were dropped,
+decontamination hits per evaluation file, a few removed documents per step; printed as a table."""
 import glob
 import json
 import os
 
 EXAMPLES, EXAMPLE_CHARS = 3, 160  # removed documents shown per step, and how much of each
-TALLIED = ("documents", "characters", "tokens")
+TALLIED = ("documents", "characters", "sampled_documents", "sampled_characters", "sampled_tokens")
 
 
 def total(value):
@@ -33,8 +33,21 @@ def stage_report(name, logdir):
                     add(report["dropped"], key[len("dropped_"):], total(value))
                 elif key.startswith("contaminated_") and not key.startswith("contaminated_tg_"):
                     add(report["decont"], key[len("contaminated_"):], total(value))
-    report["tallies"] = [{"step": step, **counts} for step, counts in tallies.items()]
+    report["tallies"] = [{"step": step, **counts, "tokens": estimated_tokens(counts)}
+                         for step, counts in tallies.items()]
     return report
+
+
+def estimated_tokens(tally):
+    """The tally's characters times the token sample's tokens per character there (0 without a sampled document)."""
+    if not tally["sampled_characters"]:
+        return 0
+    return round(tally["characters"] * tally["sampled_tokens"] / tally["sampled_characters"])
+
+
+def kept_documents(report):
+    """Documents in the published shards (0 when the run stopped with none left)."""
+    return sum(t["documents"] for stage in report["stages"] for t in stage["tallies"] if t["step"] == "output")
 
 
 def add(counts, key, value):
@@ -84,5 +97,10 @@ def print_report(report):
     for step, examples in report.get("examples", {}).items():
         for example in examples:
             print(f"removed by {step} ({example['reason']}): {example['text']!r}")
+    sample, tallies = report["token_sample"], [t for stage in report["stages"] for t in stage["tallies"]]
+    sampled = tallies[0]["sampled_documents"] if tallies else 0
+    how = "counted for every document" if sample["every"] == 1 else f"estimated from 1 in {sample['every']} documents"
+    print(f"tokens: {how} ({sampled:,} sampled, at most {sample['max_chars']:,} characters of each), scaled by "
+          f"characters; tokenizer {sample['tokenizer']}")
     print(f"near duplicates: Jaccard threshold about {report['minhash_threshold']:.2f}; "
           f"{len(report['shards'])} shard(s) written")

@@ -6,34 +6,39 @@
   language each; its default English one would read a whole Chinese sentence as one word).
 - CharRatioFilter: length and character-ratio rules that need no word split (Gopher's word-based quality filter asks
   for English stop words and word lengths, which drop every Chinese document).
-- Tally: counts documents, characters and tokens passing a point of the pipeline (the report's in/out columns).
+- TokenSample: the trainer tokenizer's token count of a stated sample of documents (the report's token columns).
+- Tally: counts documents and characters passing a point of the pipeline, and the token sample's figures there.
 - EvalFilesIndexer: datatrove's n-gram decontamination index built from local JSONL files, one index per file
   (datatrove's own indexer loads lighteval tasks from the Hub).
-- row_from_file / row_for_output: the reader and writer adapters that keep each input row as it was.
 """
-import json
 import os
 import re
+import zlib
 
 import numpy as np
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
-from datatrove.pipeline.decont import NGramsDecontIndexer
+from datatrove.pipeline.decont import NGramsDecontFilter, NGramsDecontIndexer
 from datatrove.pipeline.dedup import MinhashDedupSignature
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupFilter
 from datatrove.pipeline.filters import GopherRepetitionFilter
 from datatrove.pipeline.filters.base_filter import BaseFilter
-from datatrove.pipeline.filters.gopher_repetition_filter import find_duplicates
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.hashing import create_hash_func
 from datatrove.utils.text import split_into_words
+from datatrove.utils.tokenization import PipelineStepWithTokenizer
 from datatrove.utils.word_tokenizers import WordTokenizer, load_word_tokenizer
 
 from scripts.curate.fast import WordNgrams, char_classes, sha1_shingles, simplify_text
+from scripts.curate.rows import WithoutDocStats, parsed_line
 
 # Han (basic, extension A, compatibility), Hiragana, Katakana and CJK symbols: scripts written without spaces
 CJK_RANGES = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 TOKEN = re.compile(rf"[{CJK_RANGES}]|[^\s{CJK_RANGES}]+")
 SENTENCE_END = re.compile(r"(?<=[.!?。！？])\s*")
+SAMPLE_CHARS = 100_000  # TokenSample tokenizes at most this much of a document: memory bounded by it, not the document
 
 
 class MixedScriptTokenizer(WordTokenizer):
@@ -57,10 +62,11 @@ class MixedScriptTokenizer(WordTokenizer):
         return spans
 
 
-class CharRatioFilter(BaseFilter):
+class CharRatioFilter(WithoutDocStats, BaseFilter):
     """Drops documents outside [min_chars, max_chars] characters, with fewer than min_alnum_ratio letters and digits
-    among their non-space characters, or more than max_symbol_ratio symbols (Unicode category S: emoji, currency,
-    math, box drawing); every rule counts characters, so it reads Chinese as it reads English."""
+    among their non-space characters, or more than max_symbol_ratio symbols (Unicode category S outside ASCII: emoji,
+    currency signs, arrows, box drawing; ASCII's | < > = + $ are tables, HTML and code); every rule counts characters,
+    so it reads Chinese as it reads English."""
 
     name = "char ratios"
 
@@ -84,20 +90,41 @@ class CharRatioFilter(BaseFilter):
         return True
 
 
-class RepetitionFilter(GopherRepetitionFilter):
-    """Gopher's repetition rules (datatrove's filter), except that the top n-gram rule counts only an n-gram that
-    occurs twice or more, by the characters it covers (Gopher's rule reads a short document's one-off n-gram as
-    repetition; it ran after a 50-word minimum)."""
+def words_in(text):
+    """Words of `text` (tokens holding a letter or digit; one per CJK character): a lone ':' or '-' is none."""
+    return sum(1 for token in TOKEN.findall(text) if any(ch.isalnum() for ch in token))
+
+
+def substantial_duplicates(parts, short_words):
+    """datatrove's find_duplicates(parts) (parts seen before, their characters) leaving out parts of at most
+    `short_words` words: a speaker's name, a list marker or a closing brace repeats in good text."""
+    seen, short, count, chars = set(), {}, 0, 0
+    for part in parts:
+        if part not in seen:
+            seen.add(part)
+            continue
+        if part not in short:
+            short[part] = words_in(part) <= short_words
+        if not short[part]:
+            count, chars = count + 1, chars + len(part)
+    return count, chars
+
+
+class RepetitionFilter(WithoutDocStats, GopherRepetitionFilter):
+    """Gopher's repetition rules (datatrove's filter), except that a duplicate line or paragraph of at most
+    short_words words (a play's speaker name, a list marker) is not counted as duplicated text, and the top n-gram
+    rule counts only an n-gram that occurs twice or more, by the characters it covers (Gopher's rule reads a short
+    document's one-off n-gram as repetition; it ran after a 50-word minimum)."""
 
     name = "repetition"
 
-    def __init__(self, top_n_grams=((2, 0.2), (3, 0.18), (4, 0.16)), **kwargs):
+    def __init__(self, top_n_grams=((2, 0.2), (3, 0.18), (4, 0.16)), short_words=3, **kwargs):
         super().__init__(top_n_grams=(), **kwargs)
-        self.repeated_top_n_grams = top_n_grams
+        self.repeated_top_n_grams, self.short_words = top_n_grams, short_words
 
     def filter(self, doc: Document):
-        """GopherRepetitionFilter.filter with its duplicated n-gram count by fast.py (same result), then the
-        repeated top n-gram rule."""
+        """GopherRepetitionFilter.filter with short lines and paragraphs left out of the duplicates, its duplicated
+        n-gram count by fast.py (same result), then the repeated top n-gram rule."""
         text = doc.text
         if not text:
             return False, "empty"
@@ -105,7 +132,7 @@ class RepetitionFilter(GopherRepetitionFilter):
                                                self.dup_para_char_frac, "para"),
                                               (self._line_splitter.split(text), self.dup_line_frac,
                                                self.dup_line_char_frac, "line")):
-            duplicates, duplicate_chars = find_duplicates(parts)
+            duplicates, duplicate_chars = substantial_duplicates(parts, self.short_words)
             if frac and duplicates / len(parts) > frac:
                 return False, f"dup_{label}_frac"
             if char_frac and duplicate_chars / len(text) > char_frac:
@@ -135,8 +162,30 @@ class FastMinhashSignature(MinhashDedupSignature):
         return sha1_shingles(words, self.config.n_grams)
 
 
+class TokenSample(PipelineStepWithTokenizer):
+    """Tokenizes 1 in `every` documents (chosen by a CRC-32 of the document's id, so a restart picks the same), at
+    most their first SAMPLE_CHARS characters, with the trainer's tokenizer: metadata sample_chars and sample_tokens,
+    from which each Tally's token figure is estimated. every=1 counts every document (exact up to SAMPLE_CHARS)."""
+
+    type = "🔢 - TOKENIZER"
+    name = "token sample"
+
+    def __init__(self, tokenizer_path, every):
+        super().__init__(tokenizer_path)
+        self.every = every
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for doc in data:
+            if zlib.crc32(doc.id.encode("utf-8", "surrogatepass")) % self.every == 0:
+                text = doc.text[:SAMPLE_CHARS]
+                doc.metadata["sample_chars"] = len(text)
+                doc.metadata["sample_tokens"] = len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            yield doc
+
+
 class Tally(PipelineStep):
-    """Counts the documents, characters and tokens (metadata token_count) that reach it; passes them on."""
+    """Counts the documents and characters that reach it, and the token sample's documents, characters and tokens
+    among them; passes them on."""
 
     type = "📊 - STATS"
 
@@ -145,11 +194,45 @@ class Tally(PipelineStep):
         super().__init__()
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        for doc in data:
-            self.stat_update("documents")
-            self.stat_update("characters", value=len(doc.text))
-            self.stat_update("tokens", value=doc.metadata.get("token_count", 0))
+        counts = dict.fromkeys(("documents", "characters", "sampled_documents", "sampled_characters",
+                                "sampled_tokens"), 0)
+        for doc in data:  # summed here, one stat_update each at the end: datatrove's costs ~20 us a call
+            counts["documents"] += 1
+            counts["characters"] += len(doc.text)
+            if "sample_tokens" in doc.metadata:
+                counts["sampled_documents"] += 1
+                counts["sampled_characters"] += doc.metadata["sample_chars"]
+                counts["sampled_tokens"] += doc.metadata["sample_tokens"]
             yield doc
+        for key, value in counts.items():
+            self.stat_update(key, value=value)
+
+
+class WorkReader(WithoutDocStats, JsonlReader):
+    """datatrove's JsonlReader of the work folders, without its per-document statistic."""
+
+
+class WorkWriter(WithoutDocStats, JsonlWriter):
+    """datatrove's JsonlWriter without its three statistics per document (doc_len, the file's count and the total:
+    the report has Tally); one file per task, as JsonlWriter's default (no size limit)."""
+
+    def write(self, document: Document, rank: int = 0, **kwargs):
+        name = self._get_output_filename(document, rank, **kwargs)
+        self._write(self.adapter(document), self._get_output_file_with_retry(name), name)
+
+
+class ExactFilter(WithoutDocStats, ExactDedupFilter):
+    """datatrove's ExactDedupFilter without its per-document statistic."""
+
+
+class DecontFilter(WithoutDocStats, NGramsDecontFilter):
+    """datatrove's NGramsDecontFilter without its per-document statistic."""
+
+
+def document_row(self, document: Document) -> dict:
+    """Writer adapter of the work folders: datatrove's row format (text, id, metadata) without its default adapter's
+    dataclasses.asdict, which deep-copies every document's metadata (the input row) before writing it."""
+    return {"text": document.text, "id": document.id, "metadata": document.metadata}
 
 
 class EvalFilesIndexer(PipelineStep):
@@ -173,10 +256,10 @@ class EvalFilesIndexer(PipelineStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1):
         for path in self.eval_paths:
             hashes = set()
-            with open(path, encoding="utf-8") as f:
-                for line in f:
+            with open(path, "rb") as f:
+                for index, line in enumerate(f):
                     if line.strip():
-                        for text in string_values(json.loads(line)):
+                        for text in string_values(parsed_line(path, index, line)):
                             hashes.update(self.compute_hashes(text))
             name = os.path.splitext(os.path.basename(path))[0].replace(" ", "_")
             with self.output_folder.open(f"{name}.index.hashes", mode="wb") as f:
@@ -194,31 +277,3 @@ def string_values(value):
     elif isinstance(value, list):
         for item in value:
             yield from string_values(item)
-
-
-def conversation_text(row):
-    """The text of an SFT row: each message's content (and reasoning), one per line."""
-    parts = []
-    for message in row.get("conversations") or []:
-        for field in ("reasoning_content", "content"):
-            if isinstance(message.get(field), str) and message[field]:
-                parts.append(message[field])
-    return "\n".join(parts)
-
-
-def row_from_file(self, data: dict, path: str, id_in_file):
-    """Reader adapter: the text to curate (the text field, or the conversation's messages) and the row as it was."""
-    if self.text_key == "conversations":
-        text, row = conversation_text(data), data
-    else:
-        row = dict(data)
-        text = row.pop(self.text_key, None)
-        text = text if isinstance(text, str) else ""
-    return {"text": text, "id": f"{path}/{id_in_file}",
-            "metadata": {"row": row, "text_key": None if self.text_key == "conversations" else self.text_key}}
-
-
-def row_for_output(self, document: Document) -> dict:
-    """Writer adapter: the input row unchanged (its text field first), datatrove's own fields left out."""
-    text_key, row = document.metadata["text_key"], document.metadata["row"]
-    return {text_key: document.text, **row} if text_key else row
