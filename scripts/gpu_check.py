@@ -47,6 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("tests", "smoke", "attention", "bench")
 # the model every smoke run trains: minimind-3's shape on the GPU, a tiny one in the dry run
 GPU_MODEL = dict(hidden_size=768, num_hidden_layers=8, max_seq_len=340, batch_size=8, accumulation_steps=2)
+DRY_TEXTS = 400  # pretraining rows of the dry run
 DRY_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_seq_len=64,
                  batch_size=2, accumulation_steps=2)
 
@@ -55,8 +56,9 @@ DRY_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num
 def write_data(data_dir, dry_run):
     """{"text"} pretraining rows and SFT conversations generated from local material; returns both paths."""
     os.makedirs(data_dir, exist_ok=True)
-    texts = pydoc_topic_texts() + stdlib_docstrings()
-    texts = texts[:400] if dry_run else texts
+    topics = pydoc_topic_texts()
+    texts = topics + stdlib_docstrings(limit=max(0, DRY_TEXTS - len(topics)) if dry_run else None)
+    texts = texts[:DRY_TEXTS] if dry_run else texts
     sft = tool_records() + reasoning_records()
     paths = {}
     for name, rows in (("pretrain", [{"text": t} for t in texts]), ("sft", sft)):

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from dataset.demo_data import ensure_demo_data
 from trainer.base.launch import main_guard
+from trainer.observe import metrics
 from trainer.parallel.pipeline import make_schedule, split_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +138,23 @@ def _wait_ranks(processes, timeout, grace=10):
     return first_failure or next((p.exitcode for p in processes if p.exitcode != 0), 0)
 
 
+def share_cpu_peak():
+    """The CPU matmul rates the trainer's MFU is against (trainer/observe/metrics.py), measured once in this process
+    with one thread, as the ranks run: forked processes inherit them. Each rank measured them itself before (1-3 s of
+    matmuls, one rank after another under a lock) whenever the cores were busy, as they are during a test run; a
+    provisional entry's retry falls due RETRY_S after the fork, as it did after a rank's own measurement."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        entry = metrics.cpu_matmul_rates()
+    finally:
+        torch.set_num_threads(threads)
+    if entry["provisional"]:
+        entry["retry_at"] = time.monotonic() + metrics.RETRY_S
+
+
 def _start(path, args, env, cwd, out_path, err_path, in_path=os.devnull):
+    share_cpu_peak()
     process = multiprocessing.get_context("fork").Process(target=_run_forked_script,
                                                           args=(path, args, env, cwd, out_path, err_path, in_path))
     gc.freeze()  # the child's garbage collector then leaves this process's objects (and their pages) alone

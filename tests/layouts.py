@@ -14,7 +14,7 @@ from tests.numerics import FP32_EPS, GRAD_ULPS, grad_norm_bound
 SCRIPT = "trainer/train_pretrain.py"
 
 
-STEPS = 10
+STEPS = 5
 
 
 GLOBAL_BATCH = 4  # samples per micro-batch over all dp ranks; 2 micro-batches per step

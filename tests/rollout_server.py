@@ -84,7 +84,7 @@ class RolloutServer:
 # SGD: an update is linear in the gradient, so the layouts' fp32 reduction differences stay at rounding size in the
 # later steps; AdamW's first update is lr * sign(g), which turns the rounding of a near-zero gradient into a whole lr
 LAYOUT_OPTIMIZER = ["--optimizer", "sgd", "--momentum", "0", "--learning_rate", "0.5"]
-LAYOUTS = dict(ddp=[], zero3=["--zero_stage", "3"], tp2=["--tp", "2"], pp2=["--pp", "2"])
+LAYOUTS = dict(zero3=["--zero_stage", "3"], tp2=["--tp", "2"], pp2=["--pp", "2"])
 
 
 def metrics_of(argv):

@@ -163,13 +163,10 @@ def assert_same_steps(got, want):
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key, a[key], b[key])
 
 
-@pytest.mark.parametrize("layout", [
-    ["--zero_stage", "3"],  # dp 2, FSDP2: lm_head is freed after forward and gathered again for the backward
-    ["--tp", "2", "--loss_chunk_size", "0"],  # tp 2: both models' logits vocab-sharded
-])
-def test_layouts_equal_the_single_process(files, single, layout):
-    name = "layout_" + "_".join(a.strip("-") for a in layout)
-    argv = run_args(files, name, 2 if "--zero_stage" in layout else 4, layout)
+def test_tp2_equals_the_single_process(files, single):
+    """tp 2: both models' logits vocab-sharded, the KL between them under loss_parallel. ZeRO-3 (the lm_head freed
+    after forward and gathered again for the chunked loss's backward): test_zero3_resume_after_a_kill_is_exact."""
+    argv = run_args(files, "layout_tp2", 4, ["--tp", "2", "--loss_chunk_size", "0"])
     proc = forked(SCRIPT, nproc=2, args=argv, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_same_steps(metrics(argv), single)
@@ -190,10 +187,11 @@ main_guard(train_distillation.main)
 """
 
 
-def test_data_parallel_resume_after_a_kill_is_exact(files, single, tmp_path):
-    """dp 2 (DDP): SIGKILL rank 0 after step 3 (the checkpoint is step 2's); the resumed run repeats step 3 exactly
-    and every step equals the single process."""
-    argv = run_args(files, "killed", 2, ["--save_interval", "2"])
+def test_zero3_resume_after_a_kill_is_exact(files, single, tmp_path):
+    """dp 2 under ZeRO-3 (FSDP2: the lm_head is freed after forward and gathered again for the chunked loss's
+    backward): SIGKILL rank 0 after step 3 (the checkpoint is step 2's); the resumed run repeats step 3 exactly and
+    every step equals the single process."""
+    argv = run_args(files, "killed", 2, ["--save_interval", "2", "--zero_stage", "3"])
     entry = tmp_path / "kill_at_step.py"  # the trainer has no test hooks: the fault is patched in from here
     entry.write_text(KILL_AT.format(root=ROOT, step=3))
     killed = forked(str(entry), nproc=2, args=argv, timeout=300)

@@ -83,10 +83,16 @@ def test_scores_equal_a_hand_computation_from_our_log_likelihoods(tmp_path, offl
     assert (tmp_path / "report" / "hf.png").is_file()
 
 
+@pytest.fixture(scope="module")
+def whole_index(tmp_path_factory):
+    """lm-eval's whole task index with this file's task folder, (the folder, the index): built once for the two tests
+    that need it (it indexes lm-eval's thousands of task files: ~30 s of CPU each time)."""
+    from lm_eval.tasks import TaskManager  # the optional dependency, as the script imports it
+    tasks = str(write_task(tmp_path_factory.mktemp("whole_index") / "tasks"))
+    return tasks, TaskManager(include_path=tasks)
+
+
 @pytest.mark.parametrize("argv, message, code", [
-    # an unknown name makes the script index lm-eval's own tasks (~30 s of CPU): the slow lane
-    pytest.param(["--tasks", "no_such_task"], "--tasks: no_such_task is not an lm-eval task or group", 2,
-                 marks=pytest.mark.slow),
     (["--tasks", "tiny_mc", "--limit", "2.5"], "--limit must be a whole number of documents or a fraction", 2),
     (["--tasks", " , "], "--tasks is empty", 2),
 ])
@@ -97,11 +103,28 @@ def test_bad_input_is_one_error_line(tmp_path, offline, capsys, argv, message, c
     assert exit_info.value.code == code and err.startswith("error: ") and message in err and "\n" not in err
 
 
-@pytest.mark.slow  # indexes lm-eval's thousands of task files (~30 s of CPU)
-def test_minimind_tasks_are_lm_eval_names():
+@pytest.mark.slow  # the whole index (whole_index)
+def test_an_unknown_task_is_one_error_line(whole_index, tmp_path, offline, monkeypatch, capsys):
+    """A name in neither the include folder nor lm-eval: the script indexes lm-eval's own tasks (TaskManager with
+    the folder, here the index built once with the same arguments), then one error line, exit 2."""
+    tasks, index = whole_index
+    real = lm_eval.tasks.TaskManager
+
+    def manager(include_path=None, include_defaults=True, **kwargs):
+        same = (include_path, include_defaults, kwargs) == (tasks, True, {})
+        return index if same else real(include_path=include_path, include_defaults=include_defaults, **kwargs)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", manager)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tasks", "no_such_task", "--include_path", tasks, "--weight", str(tmp_path / "x.pth")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("error: ") and "\n" not in err
+    assert "--tasks: no_such_task is not an lm-eval task or group" in err
+
+
+@pytest.mark.slow  # the whole index (whole_index)
+def test_minimind_tasks_are_lm_eval_names(whole_index):
     """The seven names exist in the installed lm-eval (tasks or groups), so --tasks minimind runs as is."""
-    from lm_eval.tasks import TaskManager  # the optional dependency, as the script imports it
-    manager = TaskManager()
+    _, manager = whole_index
     known = set(manager.all_tasks) | set(manager.all_groups)
     assert set(MINIMIND_TASKS) <= known, set(MINIMIND_TASKS) - known
 

@@ -99,7 +99,7 @@ def test_ep_validate_lines():
 
 def test_ep2_training_run_equals_one_process(data, reference, tmp_path):  # noqa: F811 (test_layouts' fixtures)
     """`--ep 2` on 2 processes (DDP for the rest): every step's loss, aux loss and tokens equal the single process's,
-    its gathered weights are its checkpoint's, and one process resumed from its step-9 checkpoint (written by the
+    its gathered weights are its checkpoint's, and one process resumed from its step-4 checkpoint (written by the
     two ranks, each with its experts) takes the layout's last step (tests/test_layouts.assert_same_run)."""
     workdir = run_layout(tmp_path, data, "moe", 2, ["--ep", "2"], ["--max_steps", str(STEPS)])
     assert_same_run(workdir, data, "moe", reference["moe"])
@@ -140,7 +140,7 @@ def test_ep2_tp2_training_run_equals_one_process(layout, data, reference, tmp_pa
     whole on both tp ranks, ETP=1; attention, dense and shared parts tensor-parallel): every step's loss, aux loss,
     tokens and gradient norm equal the single process's (the norm within the harness's loss bound: the same
     trajectory), and the checkpoint/resume checks of tests/test_layouts.assert_same_run (the gathered weights are the
-    run's checkpoint; one process resumed from its step-9 checkpoint takes the layout's last step)."""
+    run's checkpoint; one process resumed from its step-4 checkpoint takes the layout's last step)."""
     nproc, flags = EP_TP_LAYOUTS[layout]
     workdir = run_layout(tmp_path, data, "moe", nproc, ["--ep", "2", "--tp", "2", *flags], ["--max_steps", str(STEPS)])
     records = read_metrics(os.path.join(workdir, "m.jsonl"))

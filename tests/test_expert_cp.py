@@ -14,7 +14,7 @@ def test_ep2_cp2_training_run_equals_one_process(data, reference, tmp_path):  # 
     """Every step's loss, aux loss (cp-wide router statistics), tokens and gradient norm (the experts' gradients: all
     tokens' share once, divided by the dp*cp loss scale) equal the single process's (the norm within the harness's
     loss bound: the same trajectory); the gathered weights are the run's checkpoint; one process resumed from its
-    step-9 checkpoint takes the layout's last step (tests/test_layouts.assert_same_run). Packed rows, --doc_mask 1
+    step-4 checkpoint takes the layout's last step (tests/test_layouts.assert_same_run). Packed rows, --doc_mask 1
     (test_layouts' default): the ring masks each document."""
     workdir = run_layout(tmp_path, data, "moe", 4, ["--ep", "2", "--cp", "2"], ["--max_steps", str(STEPS)])
     records = read_metrics(os.path.join(workdir, "m.jsonl"))

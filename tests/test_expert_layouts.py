@@ -29,7 +29,7 @@ REFERENCE_TIMEOUT = 300
 
 @pytest.fixture(scope="module")
 def ep_runs(data, tmp_path_factory):  # noqa: F811
-    """get(layout): that layout's 10-step MoE run, made once (its test checks it; resume tests reuse its step 9)."""
+    """get(layout): that layout's 5-step MoE run, made once (its test checks it; resume tests reuse its step 4)."""
     runs = {}
 
     def get(layout):
@@ -43,7 +43,7 @@ def ep_runs(data, tmp_path_factory):  # noqa: F811
 
 def test_ep4_on_4_processes_equals_one_process(data, reference, ep_runs):  # noqa: F811
     """Every step's loss, aux loss and tokens equal the single process's, the gathered weights are the checkpoint's,
-    and one process resumed from its step-9 checkpoint takes its last step (test_layouts.assert_same_run)."""
+    and one process resumed from its step-4 checkpoint takes its last step (test_layouts.assert_same_run)."""
     assert_same_run(ep_runs("ep4"), data, "moe", reference["moe"])
 
 
@@ -58,7 +58,7 @@ def test_ep4_dp2_zero3_on_8_processes_equals_one_process(data, reference, tmp_pa
 
 @pytest.mark.parametrize("save_layout,resume_layout", [("ep2", "ep4"), ("ep4", "ep2_dp2"), ("dp2", "ep4")])
 def test_resume_under_another_ep_size(save_layout, resume_layout, data, reference, ep_runs, tmp_path):  # noqa: F811
-    """A step-9 checkpoint written under one ep size (each rank its experts and their optimizer state, under global
+    """A step-4 checkpoint written under one ep size (each rank its experts and their optimizer state, under global
     names) resumes under another (DCP reads each rank's experts by name; ep2_dp2 reads each expert twice), and a
     run without ep continues under ep4 (each rank reads its one expert of the replicated checkpoint): the
     resumed run's steps equal the single process's, and its last step is the single-process step."""

@@ -2,7 +2,7 @@
 experts are sharded over the ep ranks of that stage (ep carved out of dp at a fixed pp coordinate), the two dp
 replicas run the same schedule so their all-to-alls pair up, and the run equals the single process
 (tests/test_layouts.assert_same_run: every step's loss, aux loss and tokens, the gathered weights against the run's own
-checkpoint, the last step against one process resumed from the layout's step-9 checkpoint)."""
+checkpoint, the last step against one process resumed from the layout's step-4 checkpoint)."""
 import json
 import os
 

@@ -12,7 +12,7 @@ import torch
 
 from model.errors import ConfigError
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, kill_at_step, resume_run, run_in_process
-from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
+from tests.rollout_server import RolloutServer, metrics_of, served_run
 from trainer import train_grpo
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
@@ -319,15 +319,16 @@ def served(tmp_path_factory):
     server.close()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layouts_equal_the_single_process(served, tmp_path, layout):
-    """The same served completions trained under two processes: the same rewards, losses, KL and clipping as one
-    process (the reference and the old-policy forwards run in the layout too)."""
+def test_tp2_equals_the_single_process(served, tmp_path):
+    """The same served completions trained under tensor parallel: the same rewards, losses, KL and clipping as one
+    process (the tempered log-probs of vocab-sharded logits, the reference and the old-policy forwards under tp).
+    GRPO holds nothing of its own across dp ranks (a prompt's group is on one rank): DDP and ZeRO-3 are the loop's
+    (tests/test_layouts.py), generation on FSDP2-sharded weights test_in_process_rollouts_under_zero3_equal_ddp; an
+    RL stage's extras through pp's micro-batches: tests/test_ppo.py's pp2."""
     server, data, records = served
     requests = len(server.requests)
-    _, got = served_run(SCRIPT, run_flags, tmp_path, server, data, layout)
-    dp = 1 if layout in ("tp2", "pp2") else 2
-    assert len(server.requests) - requests == 2 * 2 * dp  # 2 rollouts x 2 micro-batches, one request per replica
+    _, got = served_run(SCRIPT, run_flags, tmp_path, server, data, "tp2")
+    assert len(server.requests) - requests == 2 * 2  # 2 rollouts x 2 micro-batches, one request per replica
     assert [r["step"] for r in got] == [1, 2, 3]
     assert got[1]["clip_ratio/region_mean"] > 0  # the reused rollout's step clips: the old log-probs are tested
     for a, b in zip(got, records):  # fp32 reductions in other orders; the loss sums ~60 terms of size ~1

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 import dataset.chat as chat
 import dataset.shards as shards
 from dataset.chat import SFTDataset
+from dataset.demo.records import stdlib_docstrings
 from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
@@ -565,3 +566,13 @@ def test_demo_tool_rows_fit_the_default_sft_length(tokenizer, tmp_path):
         runs = labelled_runs(tokenizer, input_ids, labels)
         assert len(runs) == sum(m["role"] == "assistant" for m in rows[i])
         assert runs[-1].endswith(rows[i][-1]["content"] + "<|im_end|>")
+
+
+def test_stdlib_docstrings_limit_is_the_walks_prefix():
+    """limit=k: the first k docstrings of the whole walk (the GPU check's dry run takes the first 113 and parses no
+    more files than they need)."""
+    stdlib_dir = os.path.join(sysconfig.get_paths()["stdlib"], "email")
+    whole = stdlib_docstrings(stdlib_dir)
+    assert len(whole) > 20
+    for k in (0, 1, 7, len(whole), len(whole) + 5):
+        assert stdlib_docstrings(stdlib_dir, limit=k) == whole[:k]

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from model.errors import ConfigError
 from model.weight_shapes import VALUE_HEAD
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
-from tests.rollout_server import LAYOUTS, RolloutServer, metrics_of, served_run
+from tests.rollout_server import RolloutServer, metrics_of, served_run
 from trainer import train_ppo
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
@@ -254,11 +254,14 @@ def served(tmp_path_factory):
     server.close()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# PPO's own loss under sharding: the value head on the last pipeline stage (pp2); sharded with the root's parameters
+# under FSDP2, and the advantages whitened over both dp ranks (zero3). DDP's dp 2: zero3's; the head replicated
+# under tp: tests/test_reward.py's tp2 (the same head class); the RL log-probs of vocab-sharded logits with the old
+# policy's and the reference's forwards under tp: tests/test_grpo.py's tp2
+@pytest.mark.parametrize("layout", ["zero3", "pp2"])
 def test_layouts_equal_the_single_process(served, tmp_path, layout):
     """The same served completions trained under two processes: the same losses, value predictions, returns, KL and
-    clipping as one process (the value head on the last pipeline stage, replicated under tp, sharded under ZeRO-3;
-    the old log-probs, values and the reference in the layout; the advantages whitened over both ranks)."""
+    clipping as one process (the old log-probs, values and the reference in the layout)."""
     server, data, records = served
     _, got = served_run(SCRIPT, run_flags, tmp_path, server, data, layout)
     assert [r["step"] for r in got] == [1, 2, 3]

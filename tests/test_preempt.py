@@ -70,20 +70,20 @@ def test_signal_saves_at_the_step_reached_and_resume_is_exact(tmp_path, nproc, s
 
 
 def test_sigint_in_a_long_step_saves_the_last_completed_step_at_once(tmp_path, monkeypatch):
-    """Steps of 100 micro-batches: a SIGINT at step 3's tenth micro-batch drops step 3 there, runs no micro-batch more
-    (the old loop finished step 3 first) and saves step 2; --from_resume 1 continues exactly as the uninterrupted
-    run."""
-    data = demo_slice(tmp_path, "pretrain", 2000)
-    long_steps = ["--max_seq_len", "64", "--batch_size", "4", "--accumulation_steps", "100"]
+    """Steps of 20 micro-batches: a SIGINT at step 3's tenth micro-batch drops step 3 there, runs no micro-batch more
+    (the old loop finished step 3 first: the bar would end at 60) and saves step 2; --from_resume 1 continues exactly
+    as the uninterrupted run."""
+    data = demo_slice(tmp_path, "pretrain", 400)
+    long_steps = ["--max_seq_len", "64", "--batch_size", "4", "--accumulation_steps", "20"]
     argv = run_args(tmp_path, "split", data, 5) + long_steps
-    signal_at_micro_batch(monkeypatch, 210, signal.SIGINT)
+    signal_at_micro_batch(monkeypatch, 50, signal.SIGINT)
     proc, log = start(argv, 1)
     code, output = finish(proc, log)
     monkeypatch.undo()
     assert code == 130, output[-3000:]
     assert "SIGINT: dropping the unfinished optimizer step" in output and "Done:" not in output, output[-2000:]
     assert "preempted: dropped step 3; step 2 saved" in output, output[-2000:]
-    assert re.findall(r"(\d+)/500 \[", output)[-1] == "210", output[-2000:]  # the bar's last count: at once
+    assert re.findall(r"(\d+)/100 \[", output)[-1] == "50", output[-2000:]  # the bar's last count: at once
     # the handler's and the loop's lines start lines of their own (tqdm clears the bar's line first), the bar is the
     # same file's stderr: a print would have glued them onto the bar's text
     pieces = re.split(r"[\r\n]", output)

@@ -1,8 +1,9 @@
 """The README's small chain ends in a model that visibly learned: its SFT line, at the README's size and settings, then
-its chat line, whose reply speaks the demo's tech-support answers (the README prints the reply this test measured).
+its chat line, whose reply is the demo's own answer to the question, word for word (the README's comment is that
+answer: the expectation comes from the data, not from a reply measured on one CPU's kernels).
 
 The one change: SFT starts from the seeded init (--from_weight none) instead of the quick start's pretrained model,
-whose pretraining costs 1-70 minutes by the load; the README says a pretrained start may pick other words."""
+whose pretraining costs 1-70 minutes by the load (the README says that start answered the same)."""
 import collections
 import shlex
 import time
@@ -30,22 +31,19 @@ def toy_answers():
 
 def test_the_readme_sft_line_teaches_the_toy_answers(tmp_path):
     sft_line, chat_line, printed = sft_and_chat_lines()
-    answers = [answer for _, answer in toy_answers()]
-    assert len(answers) == 10
-    out = str(tmp_path / "out")
-    start = time.monotonic()
-    script, *args = shlex.split(sft_line)
-    sft = forked(script, [*args, "--from_weight", "none", "--save_dir", out, "--checkpoint_dir",
-                          str(tmp_path / "ckpt"), "--cache_dir", str(tmp_path / "cache")], timeout=1800)
-    assert sft.returncode == 0, sft.stderr[-3000:]
-    trained = time.monotonic() - start
     script, *args = shlex.split(chat_line, comments=True)
     prompt = args[args.index("--prompt") + 1]
-    assert prompt in [question for question, _ in toy_answers()]
+    answers = dict(toy_answers())
+    assert len(answers) == 10 and printed == answers[prompt]  # the README's comment is the demo's answer
+    out = str(tmp_path / "out")
+    start = time.monotonic()
+    sft_script, *sft_args = shlex.split(sft_line)
+    sft = forked(sft_script, [*sft_args, "--from_weight", "none", "--save_dir", out, "--checkpoint_dir",
+                              str(tmp_path / "ckpt"), "--cache_dir", str(tmp_path / "cache")], timeout=1800)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    trained = time.monotonic() - start
     chat = forked(script, [*args, "--save_dir", out, "--max_new_tokens", "32"], timeout=300)
     assert chat.returncode == 0, chat.stderr[-3000:]
     reply = chat.stdout.split(f">>> {prompt}\n", 1)[1].strip().splitlines()[-1]
     print(f"SFT at the README's settings: {trained:.0f} s; reply {reply!r}")
-    assert reply == printed  # what the README shows beside the command
-    # it opens as one of the ten answers does (their first two words): the toy task's words, not noise
-    assert any(reply.split()[:2] == answer.split()[:2] for answer in answers), (reply, answers)
+    assert reply == answers[prompt]

@@ -147,13 +147,16 @@ def test_training_is_deterministic(tmp_path):
          "tool_calls": json.dumps(tool_calls) if i % 2 else tool_calls}]}) + "\n" for i in range(20)), encoding="utf-8")
     code = ("import sys; sys.path.insert(0, %r); from scripts.train_tokenizer import train_tokenizer, iter_texts; "
             "sys.stdout.write(train_tokenizer(iter_texts(sys.argv[1], sys.argv[2]), 600).to_str())" % ROOT)
-    outputs = []
-    for seed in ("1", "2"):
-        env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, "-c", code, str(pretrain), str(sft)], capture_output=True, text=True,
-                              timeout=120, env=env, cwd=str(tmp_path))
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        outputs.append(proc.stdout)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(pretrain), str(sft)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=str(tmp_path),
+                              env=dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")) for seed in ("1", "2")]
+    try:
+        results = [proc.communicate(timeout=120) for proc in procs]  # side by side: one core each where there are two
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in results]
+    outputs = [out for out, _ in results]
     assert outputs[0] == outputs[1]
     state = json.loads(outputs[0])
     with open(MINIMIND3_CONFIG, encoding="utf-8") as f:

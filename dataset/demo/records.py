@@ -48,8 +48,9 @@ def pydoc_topic_texts():
     return texts
 
 
-def stdlib_docstrings(stdlib_dir=None, min_chars=MIN_DOCSTRING_CHARS):
-    """Module/class/function docstrings of the standard library, parsed with ast (never imported)."""
+def stdlib_docstrings(stdlib_dir=None, min_chars=MIN_DOCSTRING_CHARS, limit=None):
+    """Module/class/function docstrings of the standard library, parsed with ast (never imported); `limit`: the first
+    that many of them, parsing no more files than it takes (all of them: ~13 s of CPU)."""
     stdlib_dir = stdlib_dir or sysconfig.get_paths()["stdlib"]
     texts, seen = [], set()
     for dirpath, dirnames, filenames in os.walk(stdlib_dir):
@@ -57,6 +58,8 @@ def stdlib_docstrings(stdlib_dir=None, min_chars=MIN_DOCSTRING_CHARS):
         dirnames[:] = sorted(d for d in dirnames
                              if d not in SKIP_DIRS and not d.startswith((".", "config-")))
         for filename in sorted(filenames):
+            if limit is not None and len(texts) >= limit:
+                return texts[:limit]
             if not filename.endswith(".py") or filename.startswith("test_"):
                 continue
             with open(os.path.join(dirpath, filename), "rb") as f:
@@ -73,7 +76,7 @@ def stdlib_docstrings(stdlib_dir=None, min_chars=MIN_DOCSTRING_CHARS):
                     if doc and len(doc) >= min_chars and doc not in seen:
                         seen.add(doc)
                         texts.append(doc)
-    return texts
+    return texts[:limit]
 
 
 def chatterbot_conversations(languages=CHATTERBOT_LANGUAGES):
