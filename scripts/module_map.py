@@ -64,13 +64,22 @@ def module_path(name):
     return None
 
 
+def from_module(node, path):
+    """The absolute module an `from ... import` statement in file `path` names; a relative one (only the files an
+    export ships as remote code use them: scripts/convert_model.py) resolved against the file's package."""
+    if node.level == 0:
+        return node.module
+    package = os.path.relpath(path, ROOT).split(os.sep)[:-1]
+    return ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def imports_in_order(path):
     """The project modules a file imports (imports inside functions too), in the order the source names them."""
     found = []
     for node in ast.walk(ast.parse(open(path).read())):
+        module = from_module(node, path) if isinstance(node, ast.ImportFrom) else None
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [f"{node.module}.{a.name}" for a in node.names] + [node.module] \
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            [f"{module}.{a.name}" for a in node.names] + [module] if module else []
         for name in names:
             parts = name.split(".")
             module = next((".".join(parts[:k]) for k in range(len(parts), 0, -1)

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from scripts.module_map import pretraining_loads
+from scripts.module_map import from_module, pretraining_loads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the floors, bottom first (docs/design.md, "Floors"): each imports only the floors below it, no exceptions; model/ and
@@ -32,9 +32,9 @@ def imported_modules(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and from_module(node, path):  # a relative one resolved
+            yield from_module(node, path)
+            yield from (f"{from_module(node, path)}.{alias.name}" for alias in node.names)
 
 
 def relative(path):
@@ -155,6 +155,21 @@ def test_design_opens_with_pretrainings_reading_order():
     assert 0 <= start < design.find("\n## "), "docs/design.md opens with the reading order for pretraining"
     listed = set(re.findall(r"((?:trainer|model|dataset)/[\w/]+\.py) \(\d+\)", design[start:stop]))
     assert listed == {path for path, _ in pretraining_loads()[1]}
+
+
+# scripts/convert_model.py ships this file, and the files it imports relatively, as a MiniMind folder's remote code
+REMOTE_CODE = "model/model_minimind.py"
+
+
+def test_relative_imports_only_where_remote_code_needs_them():
+    """A relative import appears only in the files an export ships as remote code (model/model_minimind.py and what it
+    imports relatively, found as transformers finds them: the MoE layer and YaRN, read only by the models that use
+    them); every other file imports absolutely."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+    shipped = {REMOTE_CODE} | {relative(p) for p in get_relative_import_files(os.path.join(ROOT, REMOTE_CODE))}
+    found = {relative(path) for path in python_files(*PROJECT) for node in ast.walk(ast.parse(open(path).read()))
+             if isinstance(node, ast.ImportFrom) and node.level > 0}
+    assert found <= shipped and {"model/moe.py", "model/yarn.py"} <= shipped, found
 
 
 def test_cycle_check_sees_a_cycle():

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from scripts.module_map import loaded_files
+from scripts.module_map import from_module, loaded_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("scripts/inference", "scripts/serve", "scripts/benchmarks", "scripts/planner", "scripts/curate")
@@ -40,9 +40,9 @@ def imports(path, top_level=True):
             continue
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and from_module(node, path):  # a relative one resolved
+            yield from_module(node, path)
+            yield from (f"{from_module(node, path)}.{alias.name}" for alias in node.names)
 
 
 def relative(path):

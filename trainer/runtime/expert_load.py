@@ -8,7 +8,7 @@ metrics read them on log steps only."""
 import torch
 import torch.distributed as dist
 
-from model.model_minimind import MOEFeedForward, expert_compute_for
+from model.moe import MOEFeedForward, expert_compute_for
 from trainer.base.log import Logger
 
 BALANCE_MODES = ("aux", "bias", "both")  # MiniMind's aux loss; the routing bias; both
@@ -29,7 +29,7 @@ def enable_expert_bias(model_parts):
 
 
 def choose_expert_compute(model_parts, device, dtype, requested="auto"):
-    """Fix how every MoE layer runs its experts for this run (--expert_compute; auto: model_minimind.expert_compute_for,
+    """Fix how every MoE layer runs its experts for this run (--expert_compute; auto: model/moe.expert_compute_for,
     probed once) and return the line that says it; None without MoE layers. Tensor parallel has set its layers to the
     loop."""
     layers = moe_layers(model_parts)
