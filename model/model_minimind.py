@@ -240,7 +240,7 @@ def generation_mask(mask):
 
 
 # torch's CPU flash-attention kernel (what SDPA calls on CPU); its attn_mask argument exists since torch 2.3. A private
-# op, listed in model/torch_compat.py (CPU_FLASH_OP) but looked up here: this file ships as remote code, without torch_compat.py
+# op, listed in model/torch_compat.py (CPU_FLASH_OP) but looked up here: this file ships as remote code without it
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # it splits keys into blocks of 512 (FlashAttentionKernel.cpp): shorter rows have no block above the diagonal to skip
 _CPU_FLASH_KV_BLOCK = 512

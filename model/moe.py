@@ -13,7 +13,7 @@ from torch import nn
 
 def grouped_mm_op():
     """torch's grouped matmul: F.grouped_mm (torch >= 2.10), torch._grouped_mm (2.8, 2.9), or None. Listed in
-    model/torch_compat.py (GROUPED_MM_OPS) but looked up here: this file ships as remote code, without torch_compat.py."""
+    model/torch_compat.py (GROUPED_MM_OPS) but looked up here: this file ships as remote code without it."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
