@@ -17,9 +17,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the floors, bottom first; then scripts/ and its packages
-FOLDERS = ("model", "model/export", "dataset", "dataset/demo", "dataset/tokenizing", "trainer/base", "trainer/parallel",
-           "trainer/ckpt", "trainer/judge", "trainer/observe", "trainer/runtime", "trainer/plan", "trainer/core",
-           "trainer/stages", "trainer/rl", "trainer", "scripts", "scripts/benchmarks", "scripts/curate",
+FOLDERS = ("model", "model/export", "model/weights", "dataset", "dataset/demo", "dataset/tokenizing", "trainer/base",
+           "trainer/parallel", "trainer/ckpt", "trainer/judge", "trainer/observe", "trainer/runtime", "trainer/plan",
+           "trainer/core", "trainer/stages", "trainer/rl", "trainer", "scripts", "scripts/benchmarks", "scripts/curate",
            "scripts/inference", "scripts/planner", "scripts/serve")
 LONGEST = 160  # characters of a module's line
 BEGIN, END = "<!-- module map: begin (scripts/module_map.py --write) -->", "<!-- module map: end -->"

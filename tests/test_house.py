@@ -296,7 +296,7 @@ def test_every_folder_says_what_lives_there(folder):
     assert doc and "import" in doc, f"trainer/{folder}/__init__.py: a docstring: what lives there, what it imports"
 
 
-BELOW_TRAINER = ["model", "model/export", "dataset", "dataset/demo", "dataset/tokenizing"]
+BELOW_TRAINER = ["model", "model/export", "model/weights", "dataset", "dataset/demo", "dataset/tokenizing"]
 
 
 @pytest.mark.parametrize("folder", [f"trainer/{f}" for f in FOLDERS] + BELOW_TRAINER)

@@ -9,7 +9,7 @@ from model.hf_convert import minimind_to_hf
 from model.model_minimind import FeedForward, MiniMindConfig, MiniMindForCausalLM
 from model.moe import MOEFeedForward, expert_compute_for, grouped_mm_op
 from model.weight_shapes import load_checked
-from model.weights import WeightsError
+from model.weights.files import WeightsError
 
 HIDDEN, INTER = 64, 96
 

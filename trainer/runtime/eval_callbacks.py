@@ -4,7 +4,7 @@ import json
 import os
 
 from model.atomic import atomic_write_text
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from trainer.base.launch import is_main_process
 from trainer.base.log import Logger
 from trainer.ckpt.checkpoint import read_checkpoint_model

@@ -23,7 +23,7 @@ from model.errors import ConfigError
 from model.hf_convert import save_hf_classifier
 from model.provenance import tokenizer_files
 from model.weight_shapes import clean_state_dict
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from trainer.base.log import Logger
 from trainer.core.data_loading import leaf_datasets
 from trainer.core.trunk_head import TrunkHead
