@@ -249,8 +249,9 @@ def test_floor_check_sees_a_violation(tmp_path):
 
 def test_scripts_import_no_entry_script_nor_trainer_utils():
     """Nothing imports the top floor but an entry script (the floors test, for trainer/); scripts/ imports neither an
-    entry script nor trainer_utils.py, whose MiniMind names point at their homes (the path rule: model/weight_names.py);
-    the planner reads an entry script's defaults through its registry (ENTRY_SCRIPTS, checked above)."""
+    entry script nor trainer_utils.py, whose MiniMind names point at their homes (the path rule:
+    model/weights/paths.py); the planner reads an entry script's defaults through its registry (ENTRY_SCRIPTS, checked
+    above)."""
     top = {n[:-3] for n in os.listdir(os.path.join(ROOT, "trainer")) if n.endswith(".py") and n != "__init__.py"}
     found = {f"{relative(path)} imports {name}" for path in python_files("scripts") for name in imported_modules(path)
              if name.split(".")[0] == "trainer" and len(name.split(".")) > 1 and name.split(".")[1] in top}

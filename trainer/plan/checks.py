@@ -7,7 +7,7 @@ import torch
 
 from dataset.mixture import resolve_data_spec
 from model.errors import ConfigError
-from model.weight_names import other_sizes
+from model.weights.paths import other_sizes
 from trainer.base.launch import per_rank
 from trainer.observe import metrics  # read through the module: tests replace its CPU probes
 from trainer.parallel.mesh import MODEL_DIMS, dimension_module, grad_reduce_factor, validate_layout

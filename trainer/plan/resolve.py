@@ -13,7 +13,7 @@ from dataset.mixture import absolute_data_spec
 from model.errors import ConfigError, check_device
 from model.provenance import tokenizer_record
 from model.tokenizer_choice import TokenizerMismatch, check_tokenizer, tokenizer_for
-from model.weight_names import (
+from model.weights.paths import (
     repo_path,
     typed_or_default,
     weight_name,

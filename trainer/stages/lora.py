@@ -15,8 +15,8 @@ from model.errors import ConfigError
 from model.lora import TARGETS, LoraError, apply_lora, lora_state_dict, lora_target_names, save_peft
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import tokenizer_files
-from model.weight_names import weight_name
 from model.weights.files import save_weights_file
+from model.weights.paths import weight_name
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.plan.stage import SIDECAR_BYTES
