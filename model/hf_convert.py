@@ -10,7 +10,7 @@ import os
 import torch
 
 from model.model_minimind import MiniMindConfig
-from model.weight_shapes import WeightsError, clean_state_dict, config_fields
+from model.weights.shapes import WeightsError, clean_state_dict, config_fields
 from model.yarn import YARN_ROPE_SCALING, rope_scaling_of
 
 

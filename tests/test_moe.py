@@ -8,8 +8,8 @@ from torch.utils.checkpoint import checkpoint
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import FeedForward, MiniMindConfig, MiniMindForCausalLM
 from model.moe import MOEFeedForward, expert_compute_for, grouped_mm_op
-from model.weight_shapes import load_checked
 from model.weights.files import WeightsError
+from model.weights.shapes import load_checked
 
 HIDDEN, INTER = 64, 96
 

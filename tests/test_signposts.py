@@ -10,7 +10,7 @@ The rule, kept narrow so that every hit is a real stale mention (each text is a 
   defines the name (a def, class, assignment, import or argument anywhere in it);
 - a dotted module, `trainer.ckpt.checkpointer.Checkpointer`: when its second part is a real module or package (else it
   is an object's attribute: `model.layers`), the modules resolve and the first name after them is defined there;
-- a bare module then a constant or a class, `weight_shapes.FIXES`, `schema.Flag`: when the stem names exactly one
+- a bare module then a constant or a class, `shapes.FIXES`, `schema.Flag`: when the stem names exactly one
   module of these folders, that module defines it (lower-case attributes are left alone: `engine.generate`,
   `schedule.eval` are objects' methods);
 - a bare file name `loop.py`: some file of the repository has that name, unless its stem is upper case (a
@@ -178,16 +178,16 @@ def test_the_check_sees_each_kind_of_stale_mention(tmp_path):
     repo = Repo()
     here = os.path.join(ROOT, "trainer", "core", "loop.py")
     text = ("trainer/core/loop.py, ckpt/checkpoint.py, trainer/ckpt/checkpoint.read_checkpoint_record, "
-            "trainer.ckpt.checkpointer.Checkpointer, weight_shapes.FIXES, loop.py, train_<stage>.py, FILE.py:NAME, "
+            "trainer.ckpt.checkpointer.Checkpointer, shapes.FIXES, loop.py, train_<stage>.py, FILE.py:NAME, "
             "model.layers, engine.generate, llama.cpp's convert_hf_to_gguf.py, out/pretrain_768.pth; stale: "
             "trainer/expert_load.py, trainer/schema.Flag, trainer/ckpt/checkpoint.no_such_reader, "
-            "trainer.ckpt.checkpoint.NoSuchClass, weight_shapes.NO_FIXES, progress.py")
+            "trainer.ckpt.checkpoint.NoSuchClass, shapes.NO_FIXES, progress.py")
     assert stale_mentions(here, text, repo) == [
         "trainer/expert_load.py (no such file)",
         "trainer/schema.Flag (no module trainer/schema.py)",
         "trainer/ckpt/checkpoint.no_such_reader (trainer/ckpt/checkpoint.py defines no no_such_reader)",
         "trainer.ckpt.checkpoint.NoSuchClass (trainer.ckpt.checkpoint defines no NoSuchClass)",
-        "weight_shapes.NO_FIXES (model/weight_shapes.py defines no NO_FIXES)",
+        "shapes.NO_FIXES (model/weights/shapes.py defines no NO_FIXES)",
         "progress.py (no file of that name)"]
     module = tmp_path / "m.py"
     module.write_text('"""Reads trainer/nothing.py."""\nx = 1  # see trainer/core/loop.py and nowhere.py\n')

@@ -1,4 +1,4 @@
-"""model/weights/files.py, weight_shapes.py, hf_convert.py (model/weight_flags.py words the fixes): MiniMind-3 .pth
+"""model/weights/files.py, shapes.py, model/hf_convert.py (model/weight_flags.py words the fixes): MiniMind-3 .pth
 files, the trainer's .pth + sidecar config, resume files and HF folders load, and mismatches are one line."""
 import argparse
 import json
@@ -12,8 +12,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weight_flags import flag_conflicts, weights_line
-from model.weight_shapes import WeightsError, infer_config, shape_mismatch, weight_fields
 from model.weights.files import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
+from model.weights.shapes import WeightsError, infer_config, shape_mismatch, weight_fields
 from tests.weight_files import QWEN_VOCAB as VOCAB
 from tests.weight_files import tiny_qwen3, write_minimind_folder
 from trainer.plan.flags import MODEL_FLAGS

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from model.hf_convert import hf_to_minimind, minimind_to_hf, read_hf_folder, save_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, RotaryEmbedding
-from model.weight_shapes import WeightsError, config_fields
+from model.weights.shapes import WeightsError, config_fields
 from model.yarn import YARN_ROPE_SCALING
 from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args

@@ -4,7 +4,7 @@ reader (read_weights, read_sidecar, read_record), which also reads the other wei
 read_weights takes a MiniMind `.pth` state dict (ours, with its sidecar, or MiniMind-3's bare one), a torch file whose
 "model" entry is the state dict (MiniMind's `*_resume.pth`, read as weights; trainer/ckpt/minimind_resume.py reads it
 as a resume) and a Hugging Face folder (model/hf_convert.py). The trainer's checkpoint directories (`step_<N>/`) are
-read by trainer/ckpt/checkpoint.py, their owner. Shapes and names: model/weight_shapes.py; atomic writes:
+read by trainer/ckpt/checkpoint.py, their owner. Shapes and names: model/weights/shapes.py; atomic writes:
 model/atomic.py.
 """
 import json
@@ -16,7 +16,7 @@ import torch
 
 from model.atomic import atomic_json, atomic_save
 from model.provenance import tokenizer_record, tokenizer_sha256
-from model.weight_shapes import CONFIG_FIELDS, WeightsError, clean_state_dict, config_fields, load_checked
+from model.weights.shapes import CONFIG_FIELDS, WeightsError, clean_state_dict, config_fields, load_checked
 
 CHECKPOINT_MARK = ".metadata"  # what a DCP step directory holds (trainer/ckpt/checkpoint.py reads those)
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from model.errors import ConfigError
 from model.provenance import short
-from model.weight_shapes import WeightsError, clean_state_dict, config_fields
+from model.weights.shapes import WeightsError, clean_state_dict, config_fields
 from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,

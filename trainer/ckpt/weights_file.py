@@ -11,9 +11,9 @@ import os
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
 from model.weight_flags import weights_line
-from model.weight_shapes import WeightsError, load_checked
 from model.weights.files import is_checkpoint_dir, read_record, read_weights_and_args
 from model.weights.paths import file_digest
+from model.weights.shapes import WeightsError, load_checked
 from trainer.base.launch import count_sum, is_main_process
 from trainer.base.log import Logger
 from trainer.ckpt.checkpoint import read_checkpoint_model, read_checkpoint_record

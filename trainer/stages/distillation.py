@@ -17,8 +17,8 @@ from model.errors import ConfigError
 from model.model_minimind import CrossEntropyChunks, MiniMindConfig, MiniMindForCausalLM, chunked_head
 from model.provenance import content_sha256
 from model.weight_flags import weights_line
-from model.weight_shapes import WeightsError, weight_fields
 from model.weights.paths import file_digest, other_sizes, typed_or_default, weight_name
+from model.weights.shapes import WeightsError, weight_fields
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights

@@ -20,8 +20,8 @@ from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
 from model.weight_flags import mismatch_line, weights_line
-from model.weight_shapes import WeightsError
 from model.weights.paths import other_sizes, weight_path
+from model.weights.shapes import WeightsError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields

@@ -19,7 +19,7 @@ from tqdm import tqdm
 from model.atomic import atomic_save
 from model.errors import ConfigError
 from model.provenance import short
-from model.weight_shapes import config_fields
+from model.weights.shapes import config_fields
 from trainer.base.launch import count_sum, is_main_process, setup_seed
 from trainer.base.log import Logger
 from trainer.ckpt.storage import rank0_write
