@@ -47,8 +47,8 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E4
 from model.provenance import copy_tokenizer as copy_files  # noqa: E402
 from model.provenance import tokenizer_record  # noqa: E402
 from model.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
-from model.weight_flags import flag_conflicts, weights_line  # noqa: E402
 from model.weights.files import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
+from model.weights.flag_advice import flag_conflicts, weights_line  # noqa: E402
 from model.weights.shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
 from trainer.ckpt.weights_file import any_weights_record, base_record, read_any_weights, unfinished_line  # noqa: E402
 from trainer.plan.checks import check_writable  # noqa: E402

@@ -12,8 +12,8 @@ from model.errors import ConfigError, check_device
 from model.lora import LoraError, apply_lora_file
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.tokenizer_choice import TokenizerMismatch, check_tokenizer, tokenizer_for, vocab_refusal
-from model.weight_flags import weights_line
 from model.weights.files import is_checkpoint_dir, load_weights, read_record, read_weights, read_weights_and_args
+from model.weights.flag_advice import weights_line
 from model.weights.paths import file_digest, other_sizes, typed_or_default, weight_path
 from model.weights.shapes import WeightsError, load_checked, weight_fields
 

@@ -12,8 +12,8 @@ import torch
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
-from model.weight_flags import mismatch_line
 from model.weights.files import numpy_rng_globals
+from model.weights.flag_advice import mismatch_line
 from model.weights.shapes import clean_state_dict
 from trainer.base.log import Logger
 

@@ -10,8 +10,8 @@ import os
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
-from model.weight_flags import weights_line
 from model.weights.files import is_checkpoint_dir, read_record, read_weights_and_args
+from model.weights.flag_advice import weights_line
 from model.weights.paths import file_digest
 from model.weights.shapes import WeightsError, load_checked
 from trainer.base.launch import count_sum, is_main_process
@@ -73,7 +73,7 @@ def any_weights_record(path):
 
 def load_any_weights(model, path):
     """Read `path`, check it against `model` and load it strict (fp32 copy); WeightsError (with its fix) if it does not
-    fit (model/weight_flags.weights_line words it)."""
+    fit (model/weights/flag_advice.weights_line words it)."""
     state_dict, _, _ = read_any_weights(path)
     return load_checked(model, state_dict, path)
 

@@ -4,7 +4,7 @@ refused (check_vocab)."""
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
 from model.tokenizer_choice import check_tokenizer, model_vocab_size, vocab_refusal
-from model.weight_flags import flag_conflicts, weights_line
+from model.weights.flag_advice import flag_conflicts, weights_line
 from model.weights.paths import typed_or_default
 from model.weights.shapes import WeightsError, infer_config
 from trainer.base.log import Logger

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from model.errors import ConfigError
 from model.model_minimind import CrossEntropyChunks, MiniMindConfig, MiniMindForCausalLM, chunked_head
 from model.provenance import content_sha256
-from model.weight_flags import weights_line
+from model.weights.flag_advice import weights_line
 from model.weights.paths import file_digest, other_sizes, typed_or_default, weight_name
 from model.weights.shapes import WeightsError, weight_fields
 from trainer.base.log import Logger

@@ -19,7 +19,7 @@ from dataset.shards import local_part
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
-from model.weight_flags import mismatch_line, weights_line
+from model.weights.flag_advice import mismatch_line, weights_line
 from model.weights.paths import other_sizes, weight_path
 from model.weights.shapes import WeightsError
 from trainer.base.log import Logger
