@@ -22,7 +22,7 @@ PACKAGES = ("scripts/inference", "scripts/serve", "scripts/benchmarks", "scripts
 # the packages that run or plan the trainer, and so import it: the benches and the layout planner
 TRAINER_USERS = (os.path.join("scripts", "benchmarks"), os.path.join("scripts", "planner"))
 # a function may import the trainer's reader of its own format only when the user names such a file
-LAZY_ALLOWED = {("scripts/inference/load.py", "trainer.ckpt.checkpoint")}
+LAZY_ALLOWED = {("scripts/inference/load.py", "trainer.ckpt.resume")}
 # every entry script's first import: standard library only (test_prelude_is_standard_library_only), so an inference
 # command that reads it reads no trainer code
 PRELUDE = {os.path.join("trainer", "__init__.py"), os.path.join("trainer", "base", "__init__.py"),

@@ -23,8 +23,8 @@ def read_any(path):
     line."""
     if not is_checkpoint_dir(path):
         return read_weights_and_args(path)
-    # the trainer's format, read by its owner (trainer/ckpt/checkpoint.py), loaded only when --checkpoint names one
-    from trainer.ckpt.checkpoint import read_checkpoint_model
+    # the trainer's format, read by its owner (trainer/ckpt/resume.py), loaded only when --checkpoint names one
+    from trainer.ckpt.resume import read_checkpoint_model
     return read_checkpoint_model(path)
 
 
@@ -32,7 +32,7 @@ def any_record(path):
     """What the weights at `path` record besides the model ({"tokenizer", "step", ...}, as far as known)."""
     if not is_checkpoint_dir(path):
         return read_record(path)
-    from trainer.ckpt.checkpoint import read_checkpoint_record  # as read_any: only a resume checkpoint needs it
+    from trainer.ckpt.resume import read_checkpoint_record  # as read_any: only a resume checkpoint needs it
     return read_checkpoint_record(path)
 
 

@@ -1,4 +1,4 @@
-"""The Checkpointer: the one writer of resume checkpoints (a DCP directory per save, trainer/ckpt/checkpoint.py
+"""The Checkpointer: the one writer of resume checkpoints (a DCP directory per save, trainer/ckpt/resume.py
 describes it) and their restorer once the model is wrapped. It walks the registered parts (trainer/ckpt/parts.py),
 marks a step complete only when every rank's files are there (with each file's size and crc32: step_dirs.py), and
 prunes to --keep_checkpoints.
@@ -19,8 +19,8 @@ from model.errors import ConfigError
 from trainer.base import launch
 from trainer.base.launch import rank
 from trainer.base.log import Logger
-from trainer.ckpt.checkpoint import resume_fields
 from trainer.ckpt.parts import LEGACY_PARTS, PER_RANK, RANK0, SHARDED, missing_parts_line, note_unused_parts
+from trainer.ckpt.resume import resume_fields
 from trainer.ckpt.step_dirs import (
     CRC_FILE,
     FORMAT_VERSION,

@@ -4,7 +4,7 @@ Out: save_weights gathers the full model (a collective) and rank 0 writes what t
 (trainer/plan/stage.py: MiniMind's plain `.pth` + sidecar, or LoRA's adapters); ensure_final_weights rewrites them on a
 resume that finds the last step's missing. In: read_any_weights / any_weights_record / load_any_weights take what
 --from_weight, --ref_weight, --teacher_path, eval_llm and convert_model name: a checkpoint directory (read by
-trainer/ckpt/checkpoint.py, its owner), else a .pth, a single-file resume or an HF folder (model/weights/files.py).
+trainer/ckpt/resume.py, its owner), else a .pth, a single-file resume or an HF folder (model/weights/files.py).
 """
 import os
 
@@ -16,7 +16,7 @@ from model.weights.paths import file_digest
 from model.weights.shapes import WeightsError, load_checked
 from trainer.base.launch import count_sum, is_main_process
 from trainer.base.log import Logger
-from trainer.ckpt.checkpoint import read_checkpoint_model, read_checkpoint_record
+from trainer.ckpt.resume import read_checkpoint_model, read_checkpoint_record
 from trainer.ckpt.step_dirs import latest_checkpoint, set_rng_state
 from trainer.ckpt.storage import rank0_write
 from trainer.parallel.state_dict import full_model_state_dict

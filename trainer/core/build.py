@@ -12,9 +12,9 @@ from model.model_minimind import MiniMindConfig
 from trainer.base.launch import init_distributed_mode, rank, setup_seed
 from trainer.base.log import Logger
 from trainer.base.rank_log import open_rank_log
-from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import standard_parts
+from trainer.ckpt.resume import TrainState, read_resume, tied_aliases
 from trainer.ckpt.run_lock import claim_run
 from trainer.ckpt.step_dirs import latest_checkpoint, minimind_resume_path
 from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning

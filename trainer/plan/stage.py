@@ -58,7 +58,7 @@ class Stage:
 
     def resume_fields(self):
         """The stage's flags that shape the saved state, {flag: value}, checked on resume
-        (trainer/ckpt/checkpoint.py)."""
+        (trainer/ckpt/resume.py)."""
         return {}
 
     def weights_path(self, plan):

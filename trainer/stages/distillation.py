@@ -65,7 +65,7 @@ class DistillationPlan(SFTStage):
         return MiniMindConfig(**self.teacher_fields)
 
     def resume_fields(self):
-        """The flags that shape the saved state (checked on resume, trainer/ckpt/checkpoint.py)."""
+        """The flags that shape the saved state (checked on resume, trainer/ckpt/resume.py)."""
         return {"--teacher_weight": {"path": self.teacher_path, "sha256": self.teacher_sha256}, "--alpha": self.alpha,
                 "--temperature": self.temperature}
 

@@ -94,7 +94,7 @@ class LoraPlan(SFTStage):
         return 2 * adapters + tokenizer + SIDECAR_BYTES
 
     def resume_fields(self):
-        """The flags that shape the saved state (checked on resume, trainer/ckpt/checkpoint.py)."""
+        """The flags that shape the saved state (checked on resume, trainer/ckpt/resume.py)."""
         return {"--lora_rank": self.rank, "--lora_alpha": self.alpha, "--lora_dropout": self.dropout,
                 "--lora_targets": ",".join(self.targets) if self.targets else None}
 
