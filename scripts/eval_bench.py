@@ -32,7 +32,7 @@ from model.atomic import atomic_json, atomic_write, atomic_write_text, full_disk
 from model.weights.paths import typed_or_default  # noqa: E402
 from scripts.inference.flags import add_model_args, parsed  # noqa: E402
 from scripts.inference.load import load_or_exit  # noqa: E402
-from trainer.judge.bench import (  # noqa: E402, F401
+from trainer.judge.lm_eval_scores import (  # noqa: E402, F401
     INSTALL,
     MINIMIND_TASKS,
     BenchError,

@@ -11,8 +11,8 @@ A callback stops the run after this step by setting `self.stop_reason` (a line t
 checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
 travel in every checkpoint, so a resumed run continues with the same state.
 Built in, through the same hooks: the sinks (tracking.Tracker), eval_callbacks.EarlyStopping and BestCheckpoint,
-RankLog, bench.EvalBench (--eval_bench: lm-eval scores of the current model), health_watch.HealthWatch (health lines)
-and samples.Samples (greedy samples at each eval, SFT and later stages).
+RankLog, lm_eval_scores.EvalBench (--eval_bench: lm-eval scores of the current model), health_watch.HealthWatch
+(health lines) and samples.Samples (greedy samples at each eval, SFT and later stages).
 """
 import importlib.util
 import os
@@ -82,11 +82,11 @@ def check_eval_bench(args):
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ConfigError("--eval_bench scores in one process: run without torchrun, or score the saved weights "
                           "with scripts/eval_bench.py")
-    from trainer.judge import bench  # lm-eval scoring: read by the runs that ask for it only
+    from trainer.judge import lm_eval_scores  # lm-eval scoring: read by the runs that ask for it only
     try:
-        bench.task_names(args.eval_bench, flag="--eval_bench")
-        bench.import_lm_eval()
-    except bench.BenchError as e:
+        lm_eval_scores.task_names(args.eval_bench, flag="--eval_bench")
+        lm_eval_scores.import_lm_eval()
+    except lm_eval_scores.BenchError as e:
         raise (TrainingHalted if e.code == 3 else ConfigError)(str(e)) from None
     include = args.eval_bench_include
     if include and not os.path.isdir(include):
@@ -165,12 +165,12 @@ def make_callbacks(plan):
     if plan.io.log_dir:
         callbacks.append(RankLog())
     if settings.eval_bench:
-        from trainer.judge import bench  # lm-eval scoring: read by the runs that ask for it only
+        from trainer.judge import lm_eval_scores  # lm-eval scoring: read by the runs that ask for it only
         try:
-            callbacks.append(bench.EvalBench(bench.task_names(settings.eval_bench), settings.eval_bench_include,
-                                             settings.eval_bench_limit, settings.eval_bench_interval,
-                                             plan.data.tokenizer_path))
-        except bench.BenchError as e:
+            tasks = lm_eval_scores.task_names(settings.eval_bench)
+            callbacks.append(lm_eval_scores.EvalBench(tasks, settings.eval_bench_include, settings.eval_bench_limit,
+                                                      settings.eval_bench_interval, plan.data.tokenizer_path))
+        except lm_eval_scores.BenchError as e:
             raise (TrainingHalted if e.code == 3 else ConfigError)(str(e)) from None
     callbacks.extend(load_user_callbacks(settings.user))
     return callbacks
