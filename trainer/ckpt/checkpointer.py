@@ -142,6 +142,14 @@ class Checkpointer:
         with disk_full_as_one_line(self.run_dir, self.needed, self.last, partial=path):
             self.save_files(path)
 
+    def restore(self, ckpt, progress, steps_per_epoch):
+        """A resumed run's start: every part loaded (load), the progress's global step counted over the epochs before
+        (MiniMind's resume file counts steps within its epoch only), and the line that says where the run resumes."""
+        self.load(ckpt)
+        progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
+        processes = f"{ckpt['world_size']} process{'es' * (ckpt['world_size'] != 1)}"
+        Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} ({processes} when saved)")
+
     def load(self, ckpt):
         """Restore every part from read_resume's `ckpt` (a DCP step directory's train_state.pt, or MiniMind's resume
         file, which restores model + optimizer, scaler and progress): a part the checkpoint lacks starts from its

@@ -37,6 +37,7 @@ from trainer.ckpt.step_dirs import (
     agreed_checkpoint,
     agreed_damage,
     damage,
+    latest_checkpoint,
     load_train_state,
     loadable_checkpoint,
     minimind_resume_path,
@@ -100,6 +101,20 @@ def saved_resume_fields(plan):
         return path, load_train_state(path).get("resume_fields") if path else None
     except Exception:
         return path, None  # read_resume names the unreadable file
+
+
+def check_resume_early(plan):
+    """--from_resume 1 with nothing to resume fails here, before the data is built and tokenized (read_resume's own
+    check comes after them); one process only: ranks on nodes without a shared directory see different files, and
+    read_resume's collective agreement names each rank's view (files alone would let one rank leave the others)."""
+    io = plan.io
+    if plan.layout.world_size > 1:
+        return
+    minimind_path = minimind_resume_path(io.checkpoint_dir, os.path.basename(io.run_dir))
+    if io.from_resume == "1" and not io.resume_path and latest_checkpoint(io.run_dir) is None \
+            and not os.path.isfile(minimind_path):
+        raise ConfigError(f"--from_resume 1 but {io.run_dir} holds no complete checkpoint; pass --from_resume auto "
+                          "to start fresh when there is none, or 0")
 
 
 def read_resume(config, plan):

@@ -45,6 +45,23 @@ def choose_expert_compute(model_parts, device, dtype, requested="auto"):
     return "MoE experts: " + "; ".join(f"{how[c]} ({c})" for c in sorted(chosen)) + f", {str(dtype).split('.')[-1]}"
 
 
+def before_wrap(model, plan):
+    """Set-up of a MoE model before the parallel wrap: the routing bias of --router_balance bias/both (model state,
+    so it is there before the wrap and the resume)."""
+    if plan.model.router_balance != "aux":
+        enable_expert_bias([model])
+
+
+def after_wrap(model_parts, plan, dims):
+    """Set-up after the wrap: how the experts run (--expert_compute, its line said) and the ExpertLoad the loop
+    calls after each step."""
+    line = choose_expert_compute(model_parts, plan.layout.device, plan.model.autocast_dtype or torch.float32,
+                                 plan.model.expert_compute)
+    if line:
+        Logger(line)
+    return ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance, plan.model.router_bias_rate)
+
+
 def take_loads(layers, group=None):
     """(layers, experts) tokens per expert since the last call, summed over `group`; resets the counts."""
     loads = torch.stack([moe.routed_tokens if moe.routed_tokens is not None
