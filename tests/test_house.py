@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from scripts.module_map import from_module, pretraining_loads
+from scripts.module_map import STEP_FIRST, from_module, pretraining_loads, step_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the floors, bottom first (docs/design.md, "Floors"): each imports only the floors below it, no exceptions; model/ and
@@ -132,8 +132,10 @@ def test_no_import_cycle_between_files():
 # guard in three, the HealthWatch callback in observe/): 71 / 8,169; the string imports made function-level imports
 # (the same files load) and the re-exports removed: 71 / 8,151; merged with the model's vocab_size from its tokenizer,
 # the small-corpus line, the chat rows' cache format (issue #58) and the loader's collate that cuts a micro-batch to
-# its longest row (issue #55): 71 / 8,293.
-PRETRAIN_FILES, PRETRAIN_LINES = 71, 8293
+# its longest row (issue #55): 71 / 8,293. Issue #56's second part: the MoE layer and YaRN out of the model file (read
+# by the models that use them), the weights modules a package of their own (its __init__ the one file more), resume,
+# room, MoE set-up, the data's lines and the clip moved to their owners: 72 / 8,155.
+PRETRAIN_FILES, PRETRAIN_LINES = 72, 8155
 
 
 def test_pretraining_reads_a_short_path(capsys):
@@ -148,11 +150,30 @@ def test_pretraining_reads_a_short_path(capsys):
     assert {p for p, _ in first} - {p for p, _ in second} == {relative(p) for p in python_files("dataset/tokenizing")}
 
 
-def test_design_opens_with_pretrainings_reading_order():
-    """docs/design.md opens with the reading order (scripts/module_map.py --write): every file a run loads."""
+# issue #56: the files that explain one optimizer step (scripts/module_map.py STEP_FIRST), at most 12 files and 2,500
+# lines; when it was set, 12 files / 1,886 lines (the model 641 of them, its MoE layer and YaRN in files of their own)
+STEP_FILES, STEP_LINES = 12, 2500
+
+
+def test_the_step_first_block_is_short_and_is_what_a_run_runs(capsys):
+    """Each file of the step-first block is one a real 2-step pretraining run loads, none twice, and the block stays
+    within STEP_FILES files and STEP_LINES lines."""
+    loaded = dict(pretraining_loads()[1])
+    paths = [path for path, _ in STEP_FIRST]
+    assert [p for p in paths if p not in loaded] == [] and len(set(paths)) == len(paths)
+    lines = sum(loaded[p] for p in paths)
+    with capsys.disabled():
+        print(f"\nthe step-first block: {len(paths)} files, {lines} lines")
+    assert len(paths) <= STEP_FILES and lines <= STEP_LINES, (len(paths), lines)
+
+
+def test_design_opens_with_one_step_then_pretrainings_reading_order():
+    """docs/design.md opens (scripts/module_map.py --write) with the step-first block as STEP_FIRST has it today (its
+    files in order, their current lines), then every file a run loads."""
     design = docs()[os.path.join("docs", "design.md")]
     start, stop = design.find("<!-- reading order: begin"), design.find("<!-- reading order: end -->")
     assert 0 <= start < design.find("\n## "), "docs/design.md opens with the reading order for pretraining"
+    assert step_block() in design[start:stop], "the step-first block is stale: python scripts/module_map.py --write"
     listed = set(re.findall(r"((?:trainer|model|dataset)/[\w/]+\.py) \(\d+\)", design[start:stop]))
     assert listed == {path for path, _ in pretraining_loads()[1]}
 
