@@ -223,7 +223,8 @@ def registry_plan(tmp_path):
                          resume_path=None)
     return SimpleNamespace(io=io, layout=layout, flags={}, stage=SimpleNamespace(resume_fields=dict),
                            data=SimpleNamespace(global_batch=8, tokenizer_record=None),
-                           model=SimpleNamespace(config=SimpleNamespace(use_moe=False)))
+                           model=SimpleNamespace(config=SimpleNamespace(use_moe=False)),
+                           optim=SimpleNamespace(name="adamw"))
 
 
 def ema_part(model, start=EMA_START):

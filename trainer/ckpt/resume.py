@@ -195,9 +195,10 @@ def tied_aliases(pipeline, config):
 # beta and the reference; distillation: the teacher, alpha, temperature). Checkpoints save them as `resume_fields` in
 # train_state.pt; a value that differs now is one line naming the flag and both values.
 def resume_fields(plan):
-    """What shapes the saved state besides the model's fields, by flag: the tokenizer (its record) and the stage's
-    own (LoRA rank/alpha/targets/dropout, DPO beta and reference, distillation teacher/alpha/temperature)."""
-    fields = {"--tokenizer_path": plan.data.tokenizer_record}
+    """What shapes the saved state besides the model's fields, by flag: the tokenizer (its record), the optimizer (its
+    state's entries) and the stage's own (LoRA rank/alpha/targets/dropout, DPO beta and reference, distillation
+    teacher/alpha/temperature)."""
+    fields = {"--tokenizer_path": plan.data.tokenizer_record, "--optimizer": plan.optim.name}
     if plan.model.config.use_moe:  # the routing bias is model state when on
         fields["--router_balance"] = plan.model.router_balance
     return dict(fields, **plan.stage.resume_fields())
