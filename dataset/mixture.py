@@ -92,3 +92,11 @@ def describe_mixture(dataset, sources_spec):
              + (f", {s['tokens']} tokens ({s['token_share']:.1%})" if s["token_share"] is not None else "")
              for name, s in zip(names, dataset.realised())]
     return "data mixture realised: " + "; ".join(parts)
+
+
+def leaf_datasets(ds):
+    """The per-file datasets under a ConcatDataset (.datasets) or a MixtureDataset (.sources); [] for None."""
+    if ds is None:
+        return []
+    children = getattr(ds, "datasets", None) or getattr(ds, "sources", None)
+    return [leaf for child in children for leaf in leaf_datasets(child)] if children else [ds]

@@ -9,8 +9,9 @@ import os
 
 import torch
 
-from model.model_minimind import YARN_ROPE_SCALING, MiniMindConfig, rope_scaling_of
-from model.weight_shapes import WeightsError, clean_state_dict, config_fields
+from model.model_minimind import MiniMindConfig
+from model.weights.shapes import WeightsError, clean_state_dict, config_fields
+from model.yarn import YARN_ROPE_SCALING, rope_scaling_of
 
 
 def _read_safetensors(folder):

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 from model.atomic import atomic_folder, atomic_save
 from model.hf_convert import minimind_to_hf
 from model.provenance import copy_tokenizer
-from model.weight_shapes import clean_state_dict
+from model.weights.shapes import clean_state_dict
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

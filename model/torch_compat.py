@@ -1,9 +1,10 @@
 """Every private torch API this repository calls, in one place: what it is for, the torch versions it was checked on,
 and what happens where it is missing (a fallback, or one line saying what to change).
 
-Here in model/ because both model/ and trainer/ use it and model/ may not import trainer/. One entry is only listed:
-model_minimind.py looks the CPU flash kernel up itself (CPU_FLASH_OP), because convert_model copies that file alone
-into an exported folder as its trust_remote_code module, where no other module of this repository exists.
+Here in model/ because both model/ and trainer/ use it and model/ may not import trainer/. Two entries are only listed:
+model_minimind.py looks the CPU flash kernel up itself (CPU_FLASH_OP) and moe.py the grouped matmul (GROUPED_MM_OPS),
+because convert_model copies those files (model_minimind.py and what it imports relatively) into an exported folder as
+its trust_remote_code modules, where no other module of this repository exists.
 
 Checked on torch 2.13.0 (installed here; the suite runs every entry that runs on CPU) and torch 2.11.0 (the GPU box:
 its wheel's native_functions.yaml, Python sources and libtorch_cpu.so read for each name and signature below).
@@ -19,7 +20,7 @@ CHECKED_ON = ("2.11.0", "2.13.0")
 # model_minimind.py's own getattr(torch.ops.aten, CPU_FLASH_OP, None): the CPU flash kernel with an attn_mask (SDPA
 # takes no mask on it); None: SDPA with the dense mask (same values, slower on long packed rows)
 CPU_FLASH_OP = "_scaled_dot_product_flash_attention_for_cpu"
-# model_minimind.grouped_mm_op's own lookup, first found wins: torch.nn.functional.grouped_mm (public from 2.10),
+# moe.grouped_mm_op's own lookup, first found wins: torch.nn.functional.grouped_mm (public from 2.10),
 # torch._grouped_mm (2.8+; CUDA bf16 on sm80+ by its docstring, CPU fp32/bf16 run in 2.13). expert_compute_for
 # probes the device and dtype once; missing or refused: the experts run in a loop with one host sync per MoE layer
 GROUPED_MM_OPS = (("torch.nn.functional", "grouped_mm"), ("torch", "_grouped_mm"))

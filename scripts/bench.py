@@ -34,7 +34,7 @@ loading(__name__, "torch and the trainer")
 import torch  # noqa: E402
 
 from model.errors import ConfigError  # noqa: E402
-from model.weight_names import typed_or_default  # noqa: E402
+from model.weights.paths import typed_or_default  # noqa: E402
 from scripts.benchmarks.machine import machine_description  # noqa: E402
 from scripts.benchmarks.moe import print_moe_layer_bench  # noqa: E402
 from scripts.benchmarks.moe_dense import run_moe_bench  # noqa: E402

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, packed_document_mask  # noqa: E402
-from model.weight_names import ROOT  # noqa: E402
+from model.weights.paths import ROOT  # noqa: E402
 
 
 def no_mask(position_ids):

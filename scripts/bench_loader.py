@@ -28,10 +28,10 @@ from dataset.chat import SFTDataset  # noqa: E402
 from dataset.demo_data import ensure_demo_data  # noqa: E402
 from dataset.lm_dataset import PretrainDataset  # noqa: E402
 from model.errors import ConfigError  # noqa: E402
-from model.weight_names import typed_or_default  # noqa: E402
+from model.weights.paths import typed_or_default  # noqa: E402
 from scripts.benchmarks.machine import machine_description  # noqa: E402
 from trainer.base.launch import main_guard  # noqa: E402
-from trainer.core.loop import epoch_loader  # noqa: E402
+from trainer.core.data_loading import epoch_loader  # noqa: E402
 from trainer.observe.metrics import model_flops_per_token  # noqa: E402
 from trainer.plan.flags import add_train_args  # noqa: E402
 from trainer.plan.model_config import build_config  # noqa: E402

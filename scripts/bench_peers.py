@@ -25,7 +25,7 @@ loading(__name__, "torch and the trainer")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from model.weight_names import ROOT, typed_or_default  # noqa: E402
+from model.weights.paths import ROOT, typed_or_default  # noqa: E402
 from scripts.benchmarks.machine import machine_description  # noqa: E402
 from scripts.benchmarks.peers import REWARD, dpo_rows, export_model, grpo_rows, ours_run, sft_rows, trl_run  # noqa: E402
 

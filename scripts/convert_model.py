@@ -35,6 +35,7 @@ from trainer.base.prelude import loaded, loading  # noqa: E402 (first: a line at
 loading(__name__, "torch, transformers and the converters")
 
 import torch  # noqa: E402
+from transformers.dynamic_module_utils import get_relative_import_files  # noqa: E402
 
 from model.atomic import atomic_write_text, files_replaced_in, full_disk_reason  # noqa: E402
 from model.errors import ConfigError  # noqa: E402
@@ -46,9 +47,9 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM  # noqa: E4
 from model.provenance import copy_tokenizer as copy_files  # noqa: E402
 from model.provenance import tokenizer_record  # noqa: E402
 from model.tokenizer_choice import TokenizerMismatch, tokenizer_for  # noqa: E402
-from model.weight_flags import flag_conflicts, weights_line  # noqa: E402
-from model.weight_shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
-from model.weights import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
+from model.weights.files import read_record, read_weights, save_weights_file, sidecar_path  # noqa: E402
+from model.weights.flag_advice import flag_conflicts, weights_line  # noqa: E402
+from model.weights.shapes import WeightsError, clean_state_dict, shape_mismatch, weight_fields  # noqa: E402
 from trainer.ckpt.weights_file import any_weights_record, base_record, read_any_weights, unfinished_line  # noqa: E402
 from trainer.plan.checks import check_writable  # noqa: E402
 
@@ -132,6 +133,13 @@ def source_model(args):
     return model, config, tokenizer_dir, save_dtype
 
 
+def remote_code_files():
+    """The trust_remote_code modules of a MiniMind-format folder: model/model_minimind.py and the files it imports
+    relatively (model/moe.py, model/yarn.py), found as transformers finds them when it loads the folder."""
+    main = os.path.join(ROOT, "model", "model_minimind.py")
+    return [main] + sorted(get_relative_import_files(main))
+
+
 def export(args):
     """A .pth / resume checkpoint -> Qwen3(-MoE) or MiniMind-format folder; returns the verified logits diff."""
     model, config, tokenizer_dir, save_dtype = source_model(args)
@@ -142,7 +150,8 @@ def export(args):
             out_model.config.auto_map = {"AutoConfig": "model_minimind.MiniMindConfig",
                                          "AutoModelForCausalLM": "model_minimind.MiniMindForCausalLM"}
             save_quietly(out_model.to(save_dtype), folder)
-            shutil.copy(os.path.join(ROOT, "model", "model_minimind.py"), folder)  # the trust_remote_code module
+            for path in remote_code_files():
+                shutil.copy(path, folder)
         else:
             out_model = save_hf_folder(model.state_dict(), config, folder, save_dtype)
         copy_tokenizer(tokenizer_dir, folder)

@@ -29,10 +29,10 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from model.atomic import atomic_json, atomic_write, atomic_write_text, full_disk_reason  # noqa: E402
-from model.weight_names import typed_or_default  # noqa: E402
+from model.weights.paths import typed_or_default  # noqa: E402
 from scripts.inference.flags import add_model_args, parsed  # noqa: E402
 from scripts.inference.load import load_or_exit  # noqa: E402
-from trainer.judge.bench import (  # noqa: E402, F401
+from trainer.judge.lm_eval_scores import (  # noqa: E402, F401
     INSTALL,
     MINIMIND_TASKS,
     BenchError,

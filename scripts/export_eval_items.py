@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from model.atomic import atomic_write_text  # noqa: E402
-from trainer.judge.bench import BenchError, check_tasks, import_lm_eval, task_manager, task_names  # noqa: E402
+from trainer.judge.lm_eval_scores import BenchError, check_tasks, import_lm_eval, task_manager, task_names  # noqa: E402
 
 
 def task_items(task):

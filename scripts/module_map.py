@@ -1,7 +1,8 @@
 """Print docs/design.md's module map: every module of model/, dataset/, trainer/ and scripts/ with the first sentence of
-its docstring, folder by folder (each folder's own line from its __init__.py), and pretraining's reading order (the
-files a real 2-step pretraining run loads, with their lines). `python scripts/module_map.py --write` replaces both in
-docs/design.md; tests/test_house.py checks that the map names every module and the reading order every file.
+its docstring, folder by folder (each folder's own line from its __init__.py), and pretraining's reading order: first
+the files that explain one optimizer step (STEP_FIRST, chosen by hand), then every file a real 2-step pretraining run
+loads, with their lines. `python scripts/module_map.py --write` replaces both in docs/design.md; tests/test_house.py
+checks that the map names every module, the step block is current and short, and the reading order names every file.
 
 The one measure of what a command reads (`loaded_files`, used by tests/test_house.py and tests/test_rooms.py too): the
 repository files in `sys.modules` of a fresh interpreter after it ran the command, package __init__ files included,
@@ -17,9 +18,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the floors, bottom first; then scripts/ and its packages
-FOLDERS = ("model", "model/export", "dataset", "dataset/demo", "dataset/tokenizing", "trainer/base", "trainer/parallel",
-           "trainer/ckpt", "trainer/judge", "trainer/observe", "trainer/runtime", "trainer/plan", "trainer/core",
-           "trainer/stages", "trainer/rl", "trainer", "scripts", "scripts/benchmarks", "scripts/curate",
+FOLDERS = ("model", "model/export", "model/weights", "dataset", "dataset/demo", "dataset/tokenizing", "trainer/base",
+           "trainer/parallel", "trainer/ckpt", "trainer/judge", "trainer/observe", "trainer/runtime", "trainer/plan",
+           "trainer/core", "trainer/stages", "trainer/rl", "trainer", "scripts", "scripts/benchmarks", "scripts/curate",
            "scripts/inference", "scripts/planner", "scripts/serve")
 LONGEST = 160  # characters of a module's line
 BEGIN, END = "<!-- module map: begin (scripts/module_map.py --write) -->", "<!-- module map: end -->"
@@ -64,13 +65,22 @@ def module_path(name):
     return None
 
 
+def from_module(node, path):
+    """The absolute module an `from ... import` statement in file `path` names; a relative one (only the files an
+    export ships as remote code use them: scripts/convert_model.py) resolved against the file's package."""
+    if node.level == 0:
+        return node.module
+    package = os.path.relpath(path, ROOT).split(os.sep)[:-1]
+    return ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def imports_in_order(path):
     """The project modules a file imports (imports inside functions too), in the order the source names them."""
     found = []
     for node in ast.walk(ast.parse(open(path).read())):
+        module = from_module(node, path) if isinstance(node, ast.ImportFrom) else None
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [f"{node.module}.{a.name}" for a in node.names] + [node.module] \
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            [f"{module}.{a.name}" for a in node.names] + [module] if module else []
         for name in names:
             parts = name.split(".")
             module = next((".".join(parts[:k]) for k in range(len(parts), 0, -1)
@@ -78,6 +88,51 @@ def imports_in_order(path):
             if module and module not in found:
                 found.append(module)
     return found
+
+
+# ------------------------------------------------------------------------------------- one optimizer step
+# The files that explain one optimizer step of pretraining, in the order a student reads them (entry script, build,
+# loop, batches, model, dataset, schedule, clip, optimizer, objective), each with what one reads there: chosen by
+# hand, here only. `--write` opens docs/design.md with them and their lines; tests/test_house.py checks that a real
+# 2-step run loads each and that the block stays within its bound. Plan, checkpoints, guards and logging run around the
+# step and are left to the full map.
+STEP_FIRST = (
+    ("trainer/train_pretrain.py", "the entry script: the flags, then the numbered phases (set-up, data, build, loop)"),
+    ("trainer/core/build.py", "setup (flags -> one frozen TrainPlan, process group, mesh, seed) and build_trainer "
+     "(model, parallel wrap, optimizer) into the Trainer a step runs on"),
+    ("trainer/core/loop.py", "train(): the loop over epochs and steps; train_step(): one optimizer step (the lr, each "
+     "micro-batch's forward and backward, unscale, clip, the optimizer's step)"),
+    ("trainer/core/data_loading.py", "the datasets of --data_path and the DataLoader of one data-parallel rank's "
+     "micro-batches, an epoch's order a function of (seed, epoch)"),
+    ("trainer/core/batches.py", "a batch on its way into the model: targets shifted from the labels, device copies, "
+     "autocast"),
+    ("model/model_minimind.py", "the model: config, RMSNorm, RoPE, attention (the document mask of packed rows), "
+     "SwiGLU MLP, blocks, and the loss (the cross-entropy a chunk of rows at a time)"),
+    ("dataset/lm_dataset.py", "PretrainDataset: bos + text + eos, packed into rows of --max_seq_len, each row's "
+     "position ids restarting at every document"),
+    ("dataset/shards.py", "the token cache the rows are cut from: flat token arrays and document offsets, "
+     "memory-mapped"),
+    ("trainer/runtime/schedule.py", "lr_at: linear warm-up, then MiniMind's cosine to 0.1 x the peak"),
+    ("trainer/parallel/clip.py", "the global gradient-norm clip, the norm one process would compute whatever the "
+     "layout"),
+    ("trainer/runtime/optimizer_choice.py", "build_optimizer: the --optimizer entry of OPTIMIZERS (AdamW, fused) over "
+     "the trainable parameters"),
+    ("trainer/plan/objective.py", "LMObjective: what train_step minimises, the mean CE over the step's target tokens "
+     "(+ the MoE aux loss), counted from the CPU labels"),
+)
+STEP_TITLE = "## One optimizer step, in reading order"
+
+
+def step_block():
+    """The step-first block of docs/design.md: STEP_FIRST with each file's lines, and their sum."""
+    rows = [(path, line_count(os.path.join(ROOT, path)), what) for path, what in STEP_FIRST]
+    lines = [STEP_TITLE, "", "What one optimizer step of `python trainer/train_pretrain.py` runs, in the order to read "
+             f"it: {len(rows)} files, {sum(n for _, n, _ in rows)} lines (scripts/module_map.py STEP_FIRST; "
+             "tests/test_house.py checks that a real run loads each file and bounds the block). The plan's checks, "
+             "checkpoints, guards and logging run around this step; the full list of what a run loads follows.", "",
+             "| # | file | lines | what you read here |", "| --- | --- | --- | --- |"]
+    lines += [f"| {i} | `{path}` | {n} | {what} |" for i, (path, n, what) in enumerate(rows, 1)]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------- what a run loads
@@ -204,7 +259,8 @@ def reading_order():
 
 def reading_block():
     rows = reading_order()
-    lines = [READ_BEGIN, "", f"Pretraining's reading path: {len(rows)} files, {sum(n for _, n in rows)} lines: what a "
+    lines = [READ_BEGIN, "", step_block(), "", "### Everything a pretraining run loads", "",
+             f"Pretraining's reading path: {len(rows)} files, {sum(n for _, n in rows)} lines: what a "
              "2-step run of `python trainer/train_pretrain.py` loads (its `sys.modules`, package __init__ files "
              "included; scripts/module_map.py loaded_files), breadth first from the entry script; a dimension, an "
              "optimizer of its own, a sink or a stage helper is read only when a flag asks for it:", ""]

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from dataset.demo_data import ensure_demo_data  # noqa: E402
-from model.weight_names import ROOT, typed_or_default  # noqa: E402
+from model.weights.paths import ROOT, typed_or_default  # noqa: E402
 from scripts.benchmarks.run import BENCH_DEFAULTS, TRAIN_SCRIPT, given_trainer_flags, run_trainer  # noqa: E402
 
 RUNS = {"baseline": dict(packing=0, loss_chunk_size=0),

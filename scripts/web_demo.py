@@ -22,7 +22,7 @@ import streamlit as st  # noqa: E402
 import torch  # noqa: E402
 
 from dataset.tools import TOOL_NAMES, parse_assistant, run_episode, tool_schemas  # noqa: E402
-from model.weight_flags import weights_line  # noqa: E402
+from model.weights.flag_advice import weights_line  # noqa: E402
 from scripts.inference.flags import add_model_args, add_sampling_args, parsed  # noqa: E402
 from scripts.inference.generate import render_prompt, stream_ids  # noqa: E402
 from scripts.inference.load import LOAD_ERRORS, load_chat_model  # noqa: E402

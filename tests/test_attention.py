@@ -10,10 +10,10 @@ from model.model_minimind import (
     MiniMindForCausalLM,
     causal_masked_cpu_attention,
     document_block_mask,
-    expert_compute_for,
     packed_document_mask,
     sdpa_attention,
 )
+from model.moe import expert_compute_for
 
 POSITIONS = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3],
                           [5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7]])

@@ -15,7 +15,7 @@ from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindForCausalLM
 from scripts.bench_loader import main, step_tokens_per_s, time_loader
 from tests.launch import forked
-from trainer.core.loop import epoch_loader
+from trainer.core.data_loading import epoch_loader
 from trainer.plan.flags import add_train_args
 from trainer.plan.model_config import build_config
 

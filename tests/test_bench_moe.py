@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from model.model_minimind import FeedForward, MiniMindConfig, MiniMindForCausalLM, expert_compute_for
+from model.model_minimind import FeedForward, MiniMindConfig, MiniMindForCausalLM
+from model.moe import expert_compute_for
 from scripts.benchmarks.moe import moe_layer_bench
 from scripts.benchmarks.moe_dense import GRID, compute_printed, dense_twin, moe_flags
 from scripts.benchmarks.run import BENCH_DEFAULTS, trainer_args

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from trainer.ckpt.checkpoint import read_checkpoint_model
+from trainer.ckpt.resume import read_checkpoint_model
 
 SCRIPT = "trainer/train_pretrain.py"
 STEPS = 12

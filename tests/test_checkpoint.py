@@ -1,4 +1,4 @@
-"""trainer/ckpt/checkpoint.py: DCP resume directories (round trip, manifest, pruning), a damaged MiniMind resume file,
+"""trainer/ckpt/resume.py: DCP resume directories (round trip, manifest, pruning), a damaged MiniMind resume file,
 the retired formats 1/2, TrainState, atomic saves (MiniMind's resume file itself: tests/test_minimind_resume.py)."""
 import json
 import os
@@ -13,9 +13,9 @@ from model.atomic import atomic_save
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
-from trainer.ckpt.checkpoint import TrainState, check_config, read_checkpoint_model, read_resume
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import SHARDED, Part, standard_parts
+from trainer.ckpt.resume import TrainState, check_config, read_checkpoint_model, read_resume
 from trainer.ckpt.step_dirs import MANIFEST, latest_checkpoint, rng_state, set_rng_state
 from trainer.parallel.state_dict import load_sharded_state, sharded_state_dict
 from trainer.plan.objective import LMObjective
@@ -223,7 +223,8 @@ def registry_plan(tmp_path):
                          resume_path=None)
     return SimpleNamespace(io=io, layout=layout, flags={}, stage=SimpleNamespace(resume_fields=dict),
                            data=SimpleNamespace(global_batch=8, tokenizer_record=None),
-                           model=SimpleNamespace(config=SimpleNamespace(use_moe=False)))
+                           model=SimpleNamespace(config=SimpleNamespace(use_moe=False)),
+                           optim=SimpleNamespace(name="adamw"))
 
 
 def ema_part(model, start=EMA_START):

@@ -8,7 +8,7 @@ import torch
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
-from model.weight_names import ROOT
+from model.weights.paths import ROOT
 from trainer.plan.checks import data_parallel_mode
 from trainer.plan.flags import FlagParser, add_train_args, declared_flags
 from trainer.plan.model_config import build_config

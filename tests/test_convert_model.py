@@ -80,7 +80,8 @@ def test_exported_config_reads_rope_theta_under_this_transformers(tmp_path):
 
 
 def test_format_minimind_loads_with_trust_remote_code(tmp_path):
-    """Load the folder in a fresh interpreter, where only the folder's own modeling file can define the model."""
+    """Load the folder in a fresh interpreter, where only the folder's own modeling files can define the model: the MoE
+    layer (model/moe.py) and YaRN (model/yarn.py, switched on after loading) come from the folder too."""
     model = source_model(tiny(use_moe=True, num_experts_per_tok=2, n_shared_experts=1))  # Qwen3-MoE cannot hold this
     ckpt = resume_checkpoint(tmp_path / "sft_resume.pth", model, os.path.join(ROOT, "model"))
     out = tmp_path / "mm"
@@ -91,11 +92,17 @@ def test_format_minimind_loads_with_trust_remote_code(tmp_path):
     script = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
               "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).float().eval()\n"
               "assert type(m).__module__.startswith('transformers_modules'), type(m).__module__\n"
-              "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n")
-    subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")],
-                   check=True, cwd=tmp_path, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+              "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n"
+              "m.config.inference_rope_scaling = True\n"
+              "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[4])\n")
+    subprocess.run([sys.executable, "-c", script, str(out), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"),
+                    str(tmp_path / "yarn.pt")], check=True, cwd=tmp_path, timeout=300,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert sorted(p.name for p in out.glob("*.py")) == ["model_minimind.py", "moe.py", "yarn.py"]
     with torch.no_grad():
         assert (model(ids()).logits - torch.load(tmp_path / "logits.pt")).abs().max().item() <= TOL
+        model.config.inference_rope_scaling = True
+        assert (model(ids()).logits - torch.load(tmp_path / "yarn.pt")).abs().max().item() <= TOL
 
 
 def test_import_minimind_format_folder(tmp_path):

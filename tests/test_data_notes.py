@@ -8,7 +8,7 @@ from dataset.chat import SFTDataset
 from dataset.preference_data import DPODataset, RewardPairs
 from tests.launch import TINY_MODEL, run_in_process, write_rows
 from trainer import train_dpo
-from trainer.core.data_loading import rows_line
+from trainer.observe.console import rows_line
 
 
 def conversation(question, answer):

@@ -13,7 +13,7 @@ import torch
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from tests.models import sft_batch
 from trainer import train_distillation

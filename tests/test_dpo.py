@@ -14,7 +14,7 @@ from dataset.chat import SFTDataset
 from dataset.preference_data import DPODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from tests.launch import (
     TINY_CONFIG,
     demo_slice,

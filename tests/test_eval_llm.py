@@ -7,8 +7,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weight_shapes import WeightsError
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
+from model.weights.shapes import WeightsError
 from scripts.convert_model import main as convert_main
 from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args

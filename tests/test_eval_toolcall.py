@@ -8,7 +8,7 @@ import torch
 
 from dataset.tools import TOOL_CASES
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from scripts.eval_toolcall import empty_note, evaluate, main, summary
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from scripts.planner import fit
 from scripts.planner.fit import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, corpus_tokens, estimate, memory_parts, stage_plan
 from scripts.planner.gpus import GIB, GPUS, find_gpu

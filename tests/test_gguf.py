@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.export.gguf import GPT2_REGEX, QWEN2_REGEX, pre_tokenizer_name, read_gguf, worst_rounding_ratio, write_gguf
 from model.provenance import tokenizer_record
-from model.weight_shapes import WeightsError
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
+from model.weights.shapes import WeightsError
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT
 from tests.weight_files import source_model, tiny

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run
 from tests.models import sft_batch
 from tests.rollout_server import LAYOUT_OPTIMIZER, RolloutServer

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from scripts.module_map import pretraining_loads
+from scripts.module_map import STEP_FIRST, from_module, pretraining_loads, step_block
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the floors, bottom first (docs/design.md, "Floors"): each imports only the floors below it, no exceptions; model/ and
@@ -32,9 +32,9 @@ def imported_modules(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and from_module(node, path):  # a relative one resolved
+            yield from_module(node, path)
+            yield from (f"{from_module(node, path)}.{alias.name}" for alias in node.names)
 
 
 def relative(path):
@@ -132,8 +132,11 @@ def test_no_import_cycle_between_files():
 # guard in three, the HealthWatch callback in observe/): 71 / 8,169; the string imports made function-level imports
 # (the same files load) and the re-exports removed: 71 / 8,151; merged with the model's vocab_size from its tokenizer,
 # the small-corpus line, the chat rows' cache format (issue #58) and the loader's collate that cuts a micro-batch to
-# its longest row (issue #55): 71 / 8,293.
-PRETRAIN_FILES, PRETRAIN_LINES = 71, 8293
+# its longest row (issue #55): 71 / 8,293. Issue #56's second part: the MoE layer and YaRN out of the model file (read
+# by the models that use them), the weights modules a package of their own (its __init__ the one file more), resume,
+# room, MoE set-up, the data's lines and the clip moved to their owners: 72 / 8,155; one flag declaration style (each
+# section field beside its Flag in FLAGS, +49 lines in sections.py and schema.py) and --optimizer a resume field: 72 / 8,204.
+PRETRAIN_FILES, PRETRAIN_LINES = 72, 8204
 
 
 def test_pretraining_reads_a_short_path(capsys):
@@ -148,13 +151,47 @@ def test_pretraining_reads_a_short_path(capsys):
     assert {p for p, _ in first} - {p for p, _ in second} == {relative(p) for p in python_files("dataset/tokenizing")}
 
 
-def test_design_opens_with_pretrainings_reading_order():
-    """docs/design.md opens with the reading order (scripts/module_map.py --write): every file a run loads."""
+# issue #56: the files that explain one optimizer step (scripts/module_map.py STEP_FIRST), at most 12 files and 2,500
+# lines; when it was set, 12 files / 1,886 lines (the model 641 of them, its MoE layer and YaRN in files of their own)
+STEP_FILES, STEP_LINES = 12, 2500
+
+
+def test_the_step_first_block_is_short_and_is_what_a_run_runs(capsys):
+    """Each file of the step-first block is one a real 2-step pretraining run loads, none twice, and the block stays
+    within STEP_FILES files and STEP_LINES lines."""
+    loaded = dict(pretraining_loads()[1])
+    paths = [path for path, _ in STEP_FIRST]
+    assert [p for p in paths if p not in loaded] == [] and len(set(paths)) == len(paths)
+    lines = sum(loaded[p] for p in paths)
+    with capsys.disabled():
+        print(f"\nthe step-first block: {len(paths)} files, {lines} lines")
+    assert len(paths) <= STEP_FILES and lines <= STEP_LINES, (len(paths), lines)
+
+
+def test_design_opens_with_one_step_then_pretrainings_reading_order():
+    """docs/design.md opens (scripts/module_map.py --write) with the step-first block as STEP_FIRST has it today (its
+    files in order, their current lines), then every file a run loads."""
     design = docs()[os.path.join("docs", "design.md")]
     start, stop = design.find("<!-- reading order: begin"), design.find("<!-- reading order: end -->")
     assert 0 <= start < design.find("\n## "), "docs/design.md opens with the reading order for pretraining"
+    assert step_block() in design[start:stop], "the step-first block is stale: python scripts/module_map.py --write"
     listed = set(re.findall(r"((?:trainer|model|dataset)/[\w/]+\.py) \(\d+\)", design[start:stop]))
     assert listed == {path for path, _ in pretraining_loads()[1]}
+
+
+# scripts/convert_model.py ships this file, and the files it imports relatively, as a MiniMind folder's remote code
+REMOTE_CODE = "model/model_minimind.py"
+
+
+def test_relative_imports_only_where_remote_code_needs_them():
+    """A relative import appears only in the files an export ships as remote code (model/model_minimind.py and what it
+    imports relatively, found as transformers finds them: the MoE layer and YaRN, read only by the models that use
+    them); every other file imports absolutely."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+    shipped = {REMOTE_CODE} | {relative(p) for p in get_relative_import_files(os.path.join(ROOT, REMOTE_CODE))}
+    found = {relative(path) for path in python_files(*PROJECT) for node in ast.walk(ast.parse(open(path).read()))
+             if isinstance(node, ast.ImportFrom) and node.level > 0}
+    assert found <= shipped and {"model/moe.py", "model/yarn.py"} <= shipped, found
 
 
 def test_cycle_check_sees_a_cycle():
@@ -234,8 +271,9 @@ def test_floor_check_sees_a_violation(tmp_path):
 
 def test_scripts_import_no_entry_script_nor_trainer_utils():
     """Nothing imports the top floor but an entry script (the floors test, for trainer/); scripts/ imports neither an
-    entry script nor trainer_utils.py, whose MiniMind names point at their homes (the path rule: model/weight_names.py);
-    the planner reads an entry script's defaults through its registry (ENTRY_SCRIPTS, checked above)."""
+    entry script nor trainer_utils.py, whose MiniMind names point at their homes (the path rule:
+    model/weights/paths.py); the planner reads an entry script's defaults through its registry (ENTRY_SCRIPTS, checked
+    above)."""
     top = {n[:-3] for n in os.listdir(os.path.join(ROOT, "trainer")) if n.endswith(".py") and n != "__init__.py"}
     found = {f"{relative(path)} imports {name}" for path in python_files("scripts") for name in imported_modules(path)
              if name.split(".")[0] == "trainer" and len(name.split(".")) > 1 and name.split(".")[1] in top}
@@ -281,7 +319,7 @@ def test_every_folder_says_what_lives_there(folder):
     assert doc and "import" in doc, f"trainer/{folder}/__init__.py: a docstring: what lives there, what it imports"
 
 
-BELOW_TRAINER = ["model", "model/export", "dataset", "dataset/demo", "dataset/tokenizing"]
+BELOW_TRAINER = ["model", "model/export", "model/weights", "dataset", "dataset/demo", "dataset/tokenizing"]
 
 
 @pytest.mark.parametrize("folder", [f"trainer/{f}" for f in FOLDERS] + BELOW_TRAINER)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, expert_compute_for
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
+from model.moe import expert_compute_for
 from scripts.bench import parse_args, print_plan
 from scripts.planner import cost
 from scripts.planner.cost import COMMUNICATION, PARTS, Step, plan_layout

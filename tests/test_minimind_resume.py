@@ -19,8 +19,8 @@ from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from tests.minimind_order import MiniMindOrder, batches, cosine_lr
-from trainer.ckpt.checkpoint import read_resume
 from trainer.ckpt.minimind_resume import minimind_parameter_order
+from trainer.ckpt.resume import read_resume
 from trainer.core.build import build_trainer, setup
 from trainer.core.loop import train_step
 from trainer.plan.flags import add_train_args

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from model.hf_convert import hf_to_minimind, minimind_to_hf
-from model.model_minimind import Attention, MiniMindConfig, MiniMindForCausalLM, MOEFeedForward, packed_document_mask
+from model.model_minimind import Attention, FeedForward, MiniMindConfig, MiniMindForCausalLM, packed_document_mask
+from model.moe import MOEFeedForward
 from tests.models import DOC_LENGTHS, VOCAB, batch, max_diff, minimind, packed_row, tiny_config, to_hf_model
 
 TOL = 1e-4
@@ -180,7 +181,7 @@ def test_moe_aux_loss_hooks_for_context_parallel():
     """Two sequence halves with seq_len_scale=2 and summed router stats reproduce the full-sequence aux loss."""
     torch.manual_seed(0)
     config = tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1)
-    moe = MOEFeedForward(config)
+    moe = MOEFeedForward(config, FeedForward)
     x = torch.randn(2, 16, 64)
     gate_logits = moe.gate(x.reshape(-1, 64)).detach()
     expected = _seq_aux_by_hand(gate_logits, 2, 16, 4, 2, 0.1)
@@ -209,7 +210,7 @@ def _moe_by_loop(moe, x_flat, topk_idx, topk_weight):
 def test_moe_sorted_dispatch_matches_per_expert_loop(dtype, tol, top_k):
     """Outputs and all gradients equal the per-expert loop; expert 3 gets no token and still gets a (zero) grad."""
     torch.manual_seed(0)
-    moe = MOEFeedForward(tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=top_k)).to(dtype)
+    moe = MOEFeedForward(tiny_config(use_moe=True, num_experts=4, num_experts_per_tok=top_k), FeedForward).to(dtype)
     x = torch.randn(40, 64, dtype=dtype, requires_grad=True)
     topk_idx = (torch.randint(0, 3, (40, 1)) + torch.arange(top_k)) % 3  # distinct experts per token, never 3
     topk_weight = torch.rand(40, top_k, dtype=dtype, requires_grad=True)

@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from model.hf_convert import minimind_to_hf
-from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, MOEFeedForward, expert_compute_for, grouped_mm_op
-from model.weight_shapes import load_checked
-from model.weights import WeightsError
+from model.model_minimind import FeedForward, MiniMindConfig, MiniMindForCausalLM
+from model.moe import MOEFeedForward, expert_compute_for, grouped_mm_op
+from model.weights.files import WeightsError
+from model.weights.shapes import load_checked
 
 HIDDEN, INTER = 64, 96
 
@@ -17,7 +18,7 @@ def make_moe(top_k, shared, seed=0):
     torch.manual_seed(seed)
     config = MiniMindConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=4, use_moe=True,
                             num_experts_per_tok=top_k, n_shared_experts=shared)
-    return MOEFeedForward(config)
+    return MOEFeedForward(config, FeedForward)
 
 
 def old_loop_f64(moe, x, absolute=False):

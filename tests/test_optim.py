@@ -10,8 +10,9 @@ import torch
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, run_in_process
 from tests.layouts import read_step
+from trainer import train_pretrain
 from trainer.parallel.mesh import ParallelDims
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
@@ -228,3 +229,18 @@ def test_sharded_layout_resumes_to_the_single_process_losses(name, data, tmp_pat
         for key, want in values.items():
             got, scale = state[fqn][key].double(), want.double().abs().max()
             assert (got - want.double()).abs().max() <= tolerance * scale, (fqn, key)
+
+
+def test_a_resume_with_another_optimizer_is_one_line(tmp_path, monkeypatch, capsys):
+    """An optimizer's state has its own entries (SGD's momentum buffer, AdamW's two moments): a resume with another
+    --optimizer names both in one line, exit 2, before any step (it was a DCP traceback, 'Missing key in checkpoint
+    state_dict: optim.state...exp_avg', after the model was built)."""
+    data = demo_slice(tmp_path, "pretrain", 40)
+    run = [*TINY_MODEL, "--data_path", data, "--max_seq_len", "64", "--batch_size", "2", "--accumulation_steps", "1",
+           "--max_steps", "2", "--save_dir", tmp_path / "out", "--checkpoint_dir", tmp_path / "ckpt"]
+    assert run_in_process(monkeypatch, capsys, train_pretrain, [*run, "--optimizer", "sgd"])[0] == 0
+    code, err = run_in_process(monkeypatch, capsys, train_pretrain,
+                               [*run, "--optimizer", "adamw", "--from_resume", "1", "--max_steps", "3"])
+    step = tmp_path / "ckpt" / "pretrain_64" / "step_2"
+    assert (code, err[-1:]) == (2, [f"error: {step} was saved with --optimizer sgd, this run has --optimizer adamw; "
+                                    "pass --optimizer sgd to continue it, or --from_resume 0 to start over"]), err

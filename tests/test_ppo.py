@@ -11,7 +11,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.errors import ConfigError
-from model.weight_shapes import VALUE_HEAD
+from model.weights.shapes import VALUE_HEAD
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
 from tests.rollout_server import RolloutServer, metrics_of, served_run
 from trainer import train_ppo

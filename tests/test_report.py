@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import read_weights
+from model.weights.files import read_weights
 from scripts.report import main as report
 from tests.launch import TINY_MODEL, demo_slice, forked
 from tests.serving import trained_ids

@@ -15,14 +15,14 @@ import sys
 
 import pytest
 
-from scripts.module_map import loaded_files
+from scripts.module_map import from_module, loaded_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("scripts/inference", "scripts/serve", "scripts/benchmarks", "scripts/planner", "scripts/curate")
 # the packages that run or plan the trainer, and so import it: the benches and the layout planner
 TRAINER_USERS = (os.path.join("scripts", "benchmarks"), os.path.join("scripts", "planner"))
 # a function may import the trainer's reader of its own format only when the user names such a file
-LAZY_ALLOWED = {("scripts/inference/load.py", "trainer.ckpt.checkpoint")}
+LAZY_ALLOWED = {("scripts/inference/load.py", "trainer.ckpt.resume")}
 # every entry script's first import: standard library only (test_prelude_is_standard_library_only), so an inference
 # command that reads it reads no trainer code
 PRELUDE = {os.path.join("trainer", "__init__.py"), os.path.join("trainer", "base", "__init__.py"),
@@ -40,9 +40,9 @@ def imports(path, top_level=True):
             continue
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and from_module(node, path):  # a relative one resolved
+            yield from_module(node, path)
+            yield from (f"{from_module(node, path)}.{alias.name}" for alias in node.names)
 
 
 def relative(path):

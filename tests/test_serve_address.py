@@ -7,7 +7,7 @@ import time
 import httpx
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from scripts.serve_openai_api import address_line, parse_args
 from tests.launch import free_port, start_forked
 from tests.serving import CONFIG

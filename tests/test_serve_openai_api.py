@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from dataset.tools import parse_assistant, tool_schemas
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from scripts.eval_llm import main as eval_main
 from scripts.inference.load import load_chat_model
 from scripts.serve.app import create_app

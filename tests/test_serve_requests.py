@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import main, parse_args
 from tests.launch import ROOT

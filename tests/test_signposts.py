@@ -6,11 +6,11 @@ The rule, kept narrow so that every hit is a real stale mention (each text is a 
 - a path `a/b/c.py` (or .sh, .md) whose first folder is one of this repository's (trainer, model, dataset, scripts,
   tests, docs, or a folder inside trainer/ or scripts/): the file exists relative to the repository root, trainer/,
   the mentioning file's folder or the folder above it; placeholders (`train_<stage>.py`) are not paths;
-- a path then an attribute, `trainer/ckpt/checkpoint.read_checkpoint_record`: that module exists (as above) and
+- a path then an attribute, `trainer/ckpt/resume.read_checkpoint_record`: that module exists (as above) and
   defines the name (a def, class, assignment, import or argument anywhere in it);
 - a dotted module, `trainer.ckpt.checkpointer.Checkpointer`: when its second part is a real module or package (else it
   is an object's attribute: `model.layers`), the modules resolve and the first name after them is defined there;
-- a bare module then a constant or a class, `weight_shapes.FIXES`, `schema.Flag`: when the stem names exactly one
+- a bare module then a constant or a class, `shapes.FIXES`, `schema.Flag`: when the stem names exactly one
   module of these folders, that module defines it (lower-case attributes are left alone: `engine.generate`,
   `schedule.eval` are objects' methods);
 - a bare file name `loop.py`: some file of the repository has that name, unless its stem is upper case (a
@@ -177,17 +177,17 @@ def test_the_check_sees_each_kind_of_stale_mention(tmp_path):
     once each, placeholders and objects' attributes are left alone."""
     repo = Repo()
     here = os.path.join(ROOT, "trainer", "core", "loop.py")
-    text = ("trainer/core/loop.py, ckpt/checkpoint.py, trainer/ckpt/checkpoint.read_checkpoint_record, "
-            "trainer.ckpt.checkpointer.Checkpointer, weight_shapes.FIXES, loop.py, train_<stage>.py, FILE.py:NAME, "
+    text = ("trainer/core/loop.py, ckpt/resume.py, trainer/ckpt/resume.read_checkpoint_record, "
+            "trainer.ckpt.checkpointer.Checkpointer, shapes.FIXES, loop.py, train_<stage>.py, FILE.py:NAME, "
             "model.layers, engine.generate, llama.cpp's convert_hf_to_gguf.py, out/pretrain_768.pth; stale: "
-            "trainer/expert_load.py, trainer/schema.Flag, trainer/ckpt/checkpoint.no_such_reader, "
-            "trainer.ckpt.checkpoint.NoSuchClass, weight_shapes.NO_FIXES, progress.py")
+            "trainer/expert_load.py, trainer/schema.Flag, trainer/ckpt/resume.no_such_reader, "
+            "trainer.ckpt.resume.NoSuchClass, shapes.NO_FIXES, progress.py")
     assert stale_mentions(here, text, repo) == [
         "trainer/expert_load.py (no such file)",
         "trainer/schema.Flag (no module trainer/schema.py)",
-        "trainer/ckpt/checkpoint.no_such_reader (trainer/ckpt/checkpoint.py defines no no_such_reader)",
-        "trainer.ckpt.checkpoint.NoSuchClass (trainer.ckpt.checkpoint defines no NoSuchClass)",
-        "weight_shapes.NO_FIXES (model/weight_shapes.py defines no NO_FIXES)",
+        "trainer/ckpt/resume.no_such_reader (trainer/ckpt/resume.py defines no no_such_reader)",
+        "trainer.ckpt.resume.NoSuchClass (trainer.ckpt.resume defines no NoSuchClass)",
+        "shapes.NO_FIXES (model/weights/shapes.py defines no NO_FIXES)",
         "progress.py (no file of that name)"]
     module = tmp_path / "m.py"
     module.write_text('"""Reads trainer/nothing.py."""\nx = 1  # see trainer/core/loop.py and nowhere.py\n')
@@ -229,12 +229,12 @@ def test_the_doc_check_resolves_the_attribute(tmp_path):
     claims issue #56 found in docs/design.md are named, their corrections pass; and on a written tree, the same line
     passes before a function's rename and is named after it."""
     design = os.path.join(ROOT, "docs", "design.md")
-    text = ("`trainer/ckpt/checkpoint.Checkpointer.save`, `trainer/ckpt/checkpoint.best_checkpoint_step`; "
+    text = ("`trainer/ckpt/resume.Checkpointer.save`, `trainer/ckpt/resume.best_checkpoint_step`; "
             "`trainer/ckpt/checkpointer.Checkpointer.save`, `trainer/ckpt/step_dirs.best_checkpoint_step`, "
             "`trainer/parallel/`, `trainer/core/loop`, `trainer/nowhere/`")
     assert stale_doc_mentions(design, text, Repo()) == [
-        "trainer/ckpt/checkpoint.Checkpointer (trainer/ckpt/checkpoint.py defines no Checkpointer)",
-        "trainer/ckpt/checkpoint.best_checkpoint_step (trainer/ckpt/checkpoint.py defines no best_checkpoint_step)",
+        "trainer/ckpt/resume.Checkpointer (trainer/ckpt/resume.py defines no Checkpointer)",
+        "trainer/ckpt/resume.best_checkpoint_step (trainer/ckpt/resume.py defines no best_checkpoint_step)",
         "trainer/nowhere (no such module or folder)"]
     line = "the run's state is read by `trainer/ckpt/state.read_state` (see trainer/ckpt/state.py)"
     found = []

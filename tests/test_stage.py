@@ -8,7 +8,7 @@ import torch
 from model.errors import ConfigError
 from tests.custom_stage import EMBEDDINGS
 from tests.launch import TINY_MODEL, demo_slice, forked
-from trainer.ckpt.checkpoint import read_checkpoint_model
+from trainer.ckpt.resume import read_checkpoint_model
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 from trainer.rl.agent import AgentPlan

@@ -23,7 +23,7 @@ from dataset.chat import SFTDataset
 from model.errors import ConfigError
 from model.lora import apply_lora_file
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import read_sidecar, save_weights_file
+from model.weights.files import read_sidecar, save_weights_file
 from scripts.convert_model import main as convert_main
 from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_lora

@@ -9,8 +9,8 @@ import torch
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, run_in_process, write_rows
 from trainer import train_pretrain
-from trainer.core.data_loading import small_batch
 from trainer.observe import metrics
+from trainer.plan.checks import small_batch
 
 SCRIPT = "trainer/train_pretrain.py"
 

@@ -12,7 +12,7 @@ from streamlit.testing.v1 import AppTest
 from transformers import AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weights import load_weights, read_weights, save_weights_file
+from model.weights.files import load_weights, read_weights, save_weights_file
 from scripts.eval_llm import main as eval_main
 from scripts.inference import load as inference_load
 from tests.launch import ROOT, free_port

@@ -1,5 +1,5 @@
-"""model/weights.py, weight_shapes.py, hf_convert.py (model/weight_flags.py words the fixes): MiniMind-3 .pth
-files, the trainer's .pth + sidecar config, resume files and HF folders load, and mismatches are one line."""
+"""model/weights/files.py, shapes.py, model/hf_convert.py (model/weights/flag_advice.py words the fixes): MiniMind-3
+.pth files, the trainer's .pth + sidecar config, resume files and HF folders load, and mismatches are one line."""
 import argparse
 import json
 import os
@@ -11,9 +11,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weight_flags import flag_conflicts, weights_line
-from model.weight_shapes import WeightsError, infer_config, shape_mismatch, weight_fields
-from model.weights import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
+from model.weights.files import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
+from model.weights.flag_advice import flag_conflicts, weights_line
+from model.weights.shapes import WeightsError, infer_config, shape_mismatch, weight_fields
 from tests.weight_files import QWEN_VOCAB as VOCAB
 from tests.weight_files import tiny_qwen3, write_minimind_folder
 from trainer.plan.flags import MODEL_FLAGS
@@ -265,4 +265,4 @@ def test_shared_experts_do_not_export_to_qwen3_moe_and_the_line_says_what_to_pas
         minimind_to_hf(MiniMindForCausalLM(config).state_dict(), config)
     assert weights_line(e.value) == ("n_shared_experts=1: Qwen3-MoE has no shared experts; "
                                      "export with --format minimind instead")
-    assert "--" not in str(e.value)  # model/ names no flag: model/weight_flags.py adds it
+    assert "--" not in str(e.value)  # model/ names no flag: model/weights/flag_advice.py adds it

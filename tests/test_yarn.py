@@ -11,8 +11,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from model.hf_convert import hf_to_minimind, minimind_to_hf, read_hf_folder, save_hf_folder
-from model.model_minimind import YARN_ROPE_SCALING, MiniMindConfig, MiniMindForCausalLM, RotaryEmbedding
-from model.weight_shapes import WeightsError, config_fields
+from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, RotaryEmbedding
+from model.weights.shapes import WeightsError, config_fields
+from model.yarn import YARN_ROPE_SCALING
 from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args
 from scripts.inference.load import load_chat_model

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from model.atomic import atomic_save
-from model.weight_names import ROOT, file_digest, repo_path, typed_or_default, weight_name
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
+from model.weights.paths import ROOT, file_digest, repo_path, typed_or_default, weight_name
 from trainer.base.log import Logger, say
 from trainer.ckpt import minimind_resume
 from trainer.ckpt.step_dirs import minimind_resume_path

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch
 
-from model.weight_shapes import WeightsError, clean_state_dict
+from model.weights.shapes import WeightsError, clean_state_dict
 
 OUT_TYPES = ("f32", "f16", "bf16", "q8_0")
 # llama.cpp's pre-tokenizer names (src/llama-vocab.cpp) by the split regex they run, as tokenizer.json writes it

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from model.model_minimind import FeedForward, MiniMindConfig, MOEFeedForward, expert_compute_for
+from model.model_minimind import FeedForward, MiniMindConfig
+from model.moe import MOEFeedForward, expert_compute_for
 
 
 def fwd_bwd_seconds(module, x):
@@ -35,7 +36,7 @@ def moe_layer_bench(hidden_size, num_experts, top_k, batch, seq_len, rounds=20, 
     computes = ["loop"] + (["grouped"] if expert_compute_for(device, dtype, hidden_size,
                                                                config.moe_intermediate_size) == "grouped" else [])
     for compute in computes:
-        moe = MOEFeedForward(config).to(device, dtype)
+        moe = MOEFeedForward(config, FeedForward).to(device, dtype)
         moe.expert_compute = compute
         variants[f"moe_{compute}"] = moe
     x = torch.randn(batch, seq_len, hidden_size, device=device, dtype=dtype)

@@ -14,7 +14,7 @@ import os
 import statistics
 import time
 
-from model.model_minimind import expert_compute_for
+from model.moe import expert_compute_for
 from scripts.benchmarks.run import trainer_args
 from trainer.plan.model_config import build_config
 from trainer.plan.resolve import resolve

@@ -21,7 +21,7 @@ from dataset.preference_data import DPODataset
 from model.hf_convert import save_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.provenance import copy_tokenizer
-from model.weight_names import ROOT
+from model.weights.paths import ROOT
 from scripts.benchmarks.run import run_trainer
 
 SCRIPTS = {"dpo": "train_dpo.py", "sft": "train_full_sft.py", "grpo": "train_grpo.py"}

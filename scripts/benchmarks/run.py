@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from model.weight_names import ROOT
+from model.weights.paths import ROOT
 from trainer.plan.flags import add_train_args
 
 TRAIN_SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")

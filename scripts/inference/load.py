@@ -12,10 +12,10 @@ from model.errors import ConfigError, check_device
 from model.lora import LoraError, apply_lora_file
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.tokenizer_choice import TokenizerMismatch, check_tokenizer, tokenizer_for, vocab_refusal
-from model.weight_flags import weights_line
-from model.weight_names import file_digest, other_sizes, typed_or_default, weight_path
-from model.weight_shapes import WeightsError, load_checked, weight_fields
-from model.weights import is_checkpoint_dir, load_weights, read_record, read_weights, read_weights_and_args
+from model.weights.files import is_checkpoint_dir, load_weights, read_record, read_weights, read_weights_and_args
+from model.weights.flag_advice import weights_line
+from model.weights.paths import file_digest, other_sizes, typed_or_default, weight_path
+from model.weights.shapes import WeightsError, load_checked, weight_fields
 
 
 def read_any(path):
@@ -23,8 +23,8 @@ def read_any(path):
     line."""
     if not is_checkpoint_dir(path):
         return read_weights_and_args(path)
-    # the trainer's format, read by its owner (trainer/ckpt/checkpoint.py), loaded only when --checkpoint names one
-    from trainer.ckpt.checkpoint import read_checkpoint_model
+    # the trainer's format, read by its owner (trainer/ckpt/resume.py), loaded only when --checkpoint names one
+    from trainer.ckpt.resume import read_checkpoint_model
     return read_checkpoint_model(path)
 
 
@@ -32,7 +32,7 @@ def any_record(path):
     """What the weights at `path` record besides the model ({"tokenizer", "step", ...}, as far as known)."""
     if not is_checkpoint_dir(path):
         return read_record(path)
-    from trainer.ckpt.checkpoint import read_checkpoint_record  # as read_any: only a resume checkpoint needs it
+    from trainer.ckpt.resume import read_checkpoint_record  # as read_any: only a resume checkpoint needs it
     return read_checkpoint_record(path)
 
 

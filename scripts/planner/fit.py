@@ -30,8 +30,8 @@ import torch
 from dataset.shards import cache_dir_for
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from model.weight_shapes import config_fields
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
+from model.weights.shapes import config_fields
 from scripts.planner.cost import divisor, layout_sizes, plan_layout, routed_expert_params
 from scripts.planner.flags import STAGES, parse_args
 from scripts.planner.gpus import GIB, NO_BF16, find_gpu

@@ -1,4 +1,4 @@
-"""The Checkpointer: the one writer of resume checkpoints (a DCP directory per save, trainer/ckpt/checkpoint.py
+"""The Checkpointer: the one writer of resume checkpoints (a DCP directory per save, trainer/ckpt/resume.py
 describes it) and their restorer once the model is wrapped. It walks the registered parts (trainer/ckpt/parts.py),
 marks a step complete only when every rank's files are there (with each file's size and crc32: step_dirs.py), and
 prunes to --keep_checkpoints.
@@ -19,8 +19,8 @@ from model.errors import ConfigError
 from trainer.base import launch
 from trainer.base.launch import rank
 from trainer.base.log import Logger
-from trainer.ckpt.checkpoint import resume_fields
 from trainer.ckpt.parts import LEGACY_PARTS, PER_RANK, RANK0, SHARDED, missing_parts_line, note_unused_parts
+from trainer.ckpt.resume import resume_fields
 from trainer.ckpt.step_dirs import (
     CRC_FILE,
     FORMAT_VERSION,
@@ -141,6 +141,14 @@ class Checkpointer:
         check_room(self.run_dir, self.needed, self.last)  # a collective: every rank stops together
         with disk_full_as_one_line(self.run_dir, self.needed, self.last, partial=path):
             self.save_files(path)
+
+    def restore(self, ckpt, progress, steps_per_epoch):
+        """A resumed run's start: every part loaded (load), the progress's global step counted over the epochs before
+        (MiniMind's resume file counts steps within its epoch only), and the line that says where the run resumes."""
+        self.load(ckpt)
+        progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
+        processes = f"{ckpt['world_size']} process{'es' * (ckpt['world_size'] != 1)}"
+        Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} ({processes} when saved)")
 
     def load(self, ckpt):
         """Restore every part from read_resume's `ckpt` (a DCP step directory's train_state.pt, or MiniMind's resume

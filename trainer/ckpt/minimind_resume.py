@@ -12,9 +12,9 @@ import torch
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
-from model.weight_flags import mismatch_line
-from model.weight_shapes import clean_state_dict
-from model.weights import numpy_rng_globals
+from model.weights.files import numpy_rng_globals
+from model.weights.flag_advice import mismatch_line
+from model.weights.shapes import clean_state_dict
 from trainer.base.log import Logger
 
 LEGACY_HINT = ("format 1/2 single-file checkpoints were read up to commit 4df0373; resume it with that commit "

@@ -1,5 +1,5 @@
 """A checkpoint's stateful parts by registry: each part registers once with its scope, and Checkpointer.save and
-.load (trainer/ckpt/checkpoint.py) walk the registry. Adding a part is one registration (docs/checkpoints.md).
+.load (trainer/ckpt/resume.py) walk the registry. Adding a part is one registration (docs/checkpoints.md).
 
 Scopes, and where a part's state lies in a step directory:
   sharded   DCP shards (__*.distcp, .metadata): state() returns top-level DCP entries; load(ckpt) reads them

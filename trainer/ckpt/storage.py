@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from model.atomic import full_disk_reason
 from trainer.base.errors import TrainingHalted
+from trainer.base.log import Logger
 
 NEARLY_FULL_BYTES = 1 << 20  # free space below this after a failed write: the write filled the disk
 FP32_WEIGHT_BYTES, ADAM_MOMENT_BYTES = 4, 8  # per parameter in a resume checkpoint: fp32 weight, exp_avg + exp_avg_sq
@@ -59,6 +60,18 @@ def checkpoint_bytes_estimate(model, save_dtype_bytes):
     saved = sum(v.numel() for v in model.state_dict().values())
     params = sum(p.numel() for p in model.parameters())
     return saved * (FP32_WEIGHT_BYTES + save_dtype_bytes) + params * ADAM_MOMENT_BYTES
+
+
+def checkpoint_room(model, plan):
+    """The bytes one checkpoint of `model` takes (checkpoint_bytes_estimate, plus each dp rank's fp32 PowerSGD
+    residuals under --grad_compression powersgd); logs room_warning's line when --checkpoint_dir lacks them."""
+    estimate = checkpoint_bytes_estimate(model, plan.io.save_dtype.itemsize)
+    if plan.layout.grad_compression == "powersgd" and plan.layout.dp > 1:  # each rank's fp32 residuals beside it
+        estimate += plan.layout.dp * FP32_WEIGHT_BYTES * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    warning = room_warning(plan.io.checkpoint_dir, estimate)
+    if warning:
+        Logger(warning)
+    return estimate
 
 
 def mib(num_bytes):

@@ -4,19 +4,19 @@ Out: save_weights gathers the full model (a collective) and rank 0 writes what t
 (trainer/plan/stage.py: MiniMind's plain `.pth` + sidecar, or LoRA's adapters); ensure_final_weights rewrites them on a
 resume that finds the last step's missing. In: read_any_weights / any_weights_record / load_any_weights take what
 --from_weight, --ref_weight, --teacher_path, eval_llm and convert_model name: a checkpoint directory (read by
-trainer/ckpt/checkpoint.py, its owner), else a .pth, a single-file resume or an HF folder (model/weights.py).
+trainer/ckpt/resume.py, its owner), else a .pth, a single-file resume or an HF folder (model/weights/files.py).
 """
 import os
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
-from model.weight_flags import weights_line
-from model.weight_names import file_digest
-from model.weight_shapes import WeightsError, load_checked
-from model.weights import is_checkpoint_dir, read_record, read_weights_and_args
+from model.weights.files import is_checkpoint_dir, read_record, read_weights_and_args
+from model.weights.flag_advice import weights_line
+from model.weights.paths import file_digest
+from model.weights.shapes import WeightsError, load_checked
 from trainer.base.launch import count_sum, is_main_process
 from trainer.base.log import Logger
-from trainer.ckpt.checkpoint import read_checkpoint_model, read_checkpoint_record
+from trainer.ckpt.resume import read_checkpoint_model, read_checkpoint_record
 from trainer.ckpt.step_dirs import latest_checkpoint, set_rng_state
 from trainer.ckpt.storage import rank0_write
 from trainer.parallel.state_dict import full_model_state_dict
@@ -73,7 +73,7 @@ def any_weights_record(path):
 
 def load_any_weights(model, path):
     """Read `path`, check it against `model` and load it strict (fp32 copy); WeightsError (with its fix) if it does not
-    fit (model/weight_flags.weights_line words it)."""
+    fit (model/weights/flag_advice.weights_line words it)."""
     state_dict, _, _ = read_any_weights(path)
     return load_checked(model, state_dict, path)
 

@@ -7,17 +7,15 @@ from typing import Optional
 
 import torch
 
-from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
 from trainer.base.launch import init_distributed_mode, rank, setup_seed
 from trainer.base.log import Logger
 from trainer.base.rank_log import open_rank_log
-from trainer.ckpt.checkpoint import TrainState, read_resume, tied_aliases
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import standard_parts
+from trainer.ckpt.resume import TrainState, check_resume_early, read_resume, tied_aliases
 from trainer.ckpt.run_lock import claim_run
-from trainer.ckpt.step_dirs import latest_checkpoint, minimind_resume_path
-from trainer.ckpt.storage import FP32_WEIGHT_BYTES, checkpoint_bytes_estimate, room_warning
+from trainer.ckpt.storage import checkpoint_room
 from trainer.ckpt.weights_file import base_record, init_model
 from trainer.observe.metrics import enable_tf32
 from trainer.parallel.mesh import ParallelDims
@@ -78,20 +76,6 @@ def setup(args, stage=Stage):
     return plan, dims
 
 
-def check_resume_early(plan):
-    """--from_resume 1 with nothing to resume fails here, before the data is built and tokenized (read_resume's own
-    check comes after them); one process only: ranks on nodes without a shared directory see different files, and
-    read_resume's collective agreement names each rank's view (files alone would let one rank leave the others)."""
-    io = plan.io
-    if plan.layout.world_size > 1:
-        return
-    minimind_path = minimind_resume_path(io.checkpoint_dir, os.path.basename(io.run_dir))
-    if io.from_resume == "1" and not io.resume_path and latest_checkpoint(io.run_dir) is None \
-            and not os.path.isfile(minimind_path):
-        raise ConfigError(f"--from_resume 1 but {io.run_dir} holds no complete checkpoint; pass --from_resume auto "
-                          "to start fresh when there is none, or 0")
-
-
 def build_model(config, plan, model_state=None, resumed=False):
     """The plain full model on the plan's device: --from_weight (or resume) weights, else the seeded init."""
     note = "weights from the checkpoint resumed below" if resumed else None  # not --seed's, nor --from_weight's
@@ -110,23 +94,13 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
     ckpt = read_resume(config, plan)
     model = build_model(config, plan, ckpt.get("model") if ckpt else None, ckpt is not None)  # DCP: in restore
     model = plan.stage.prepare_model(model)  # e.g. LoRA: adapters on the plain loaded model, base frozen
-    estimate = checkpoint_bytes_estimate(model, plan.io.save_dtype.itemsize)
-    if plan.layout.grad_compression == "powersgd" and plan.layout.dp > 1:  # each rank's fp32 residuals beside it
-        estimate += plan.layout.dp * FP32_WEIGHT_BYTES * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    warning = room_warning(plan.io.checkpoint_dir, estimate)
-    if warning:
-        Logger(warning)
+    estimate = checkpoint_room(model, plan)  # a checkpoint's bytes; a line when --checkpoint_dir lacks the room
     moe = None
-    if config.use_moe:
-        from trainer.runtime import expert_load as moe  # a MoE model's expert loads and routing bias: MoE runs only
-    if moe and plan.model.router_balance != "aux":
-        moe.enable_expert_bias([model])  # model state: there before the wrap and the resume
+    if config.use_moe:  # a MoE model's routing bias, expert compute and loads: read by MoE runs only
+        from trainer.runtime import expert_load as moe
+        moe.before_wrap(model, plan)  # the bias is model state: there before the wrap and the resume
     model_parts, pipeline = parallelize(model, dims, plan)  # in the order its docstring states
-    compute_line = moe and moe.choose_expert_compute(model_parts, plan.layout.device,
-                                                     plan.model.autocast_dtype or torch.float32,
-                                                     plan.model.expert_compute)
-    if compute_line:
-        Logger(compute_line)
+    expert_load = moe.after_wrap(model_parts, plan, dims) if moe else None  # how experts run, their loads
     if plan.layout.world_size == 1 and not plan.model.use_compile:  # a signal drops a step between backward blocks
         add_signal_points(model_parts)
     optimizer = build_optimizer(model_parts, plan, dims)  # --optimizer (runtime/optimizer_choice.py), ZeRO-1 or not
@@ -141,17 +115,11 @@ def build_trainer(plan, dims, steps_per_epoch, objective=None):
                       plan.schedule.save_every_minutes * 60)
     trainer = Trainer(plan, config, dims, model_parts, pipeline, optimizer, scaler, progress, steps_per_epoch,
                       plan.lr.length(steps_per_epoch, plan.schedule.epochs), checkpointer, guard,
-                      objective=objective, callbacks=callbacks, resumed=ckpt is not None,
-                      expert_load=moe.ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance,
-                                                 plan.model.router_bias_rate) if moe else None)
+                      objective=objective, callbacks=callbacks, resumed=ckpt is not None, expert_load=expert_load)
     trainer.from_weight = base_record(plan.model.from_weight)  # this run's sidecar repeats it
-    if ckpt is not None:
-        checkpointer.load(ckpt)
+    if ckpt is not None:  # phase 7: the checkpoint's state into the wrapped parts, then the schedule's note
+        checkpointer.restore(ckpt, progress, steps_per_epoch)
         trainer.guard.last_save = progress.global_step if "dcp_path" in ckpt else None  # a dropped step saves no copy
-        # MiniMind's resume file counts steps within its epoch only: the schedule's step counts the epochs before
-        progress.global_step = max(progress.global_step, progress.epoch * steps_per_epoch + progress.step_in_epoch)
-        Logger(f"Resumed from epoch {progress.epoch}, step {progress.global_step} "
-               f"({ckpt['world_size']} process{'es' * (ckpt['world_size'] != 1)} when saved)")
         note = resume_note(ckpt.get("args"), plan.lr, trainer.total_steps, steps_per_epoch)
         if note:
             Logger(note)

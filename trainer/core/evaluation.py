@@ -9,9 +9,10 @@ from functools import partial
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from dataset.mixture import leaf_datasets
 from trainer.base.launch import full_value, world_sum
 from trainer.core.batches import loss_context, shard_for_context, step_targets
-from trainer.core.data_loading import leaf_datasets, row_collate
+from trainer.core.data_loading import row_collate
 from trainer.judge.units import bits_per_byte, target_bytes, token_byte_lengths
 
 

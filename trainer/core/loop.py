@@ -10,7 +10,6 @@ trainer/observe/console.py, evaluation in trainer/core/evaluation.py, the callba
 the parallel dimensions in trainer/parallel/ (applied by trainer/parallel/parallelize.py).
 """
 import os
-import signal
 from contextlib import nullcontext
 
 import torch
@@ -20,7 +19,7 @@ from trainer.base.errors import SignalStop
 from trainer.base.launch import OUTSIDE_LOOP, add_stats, count_sum, full_value, is_main_process, set_collective_timeout
 from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import rng_state
-from trainer.ckpt.weights_file import ensure_final_weights, save_last_completed, save_weights
+from trainer.ckpt.weights_file import ensure_final_weights, save_weights
 from trainer.core.batches import autocast, loss_context, shard_for_context, step_targets, to_device
 from trainer.core.data_loading import epoch_loader, row_collate
 from trainer.core.evaluation import evaluate
@@ -33,14 +32,14 @@ from trainer.observe.console import (
     run_line,
     step_record,
 )
-from trainer.observe.metrics import step_timer, trim_heap
-from trainer.parallel.clip import clip_grad_norm_
+from trainer.observe.metrics import step_flops_of, step_timer, trim_heap
+from trainer.parallel.clip import clip_model_gradients
 from trainer.parallel.mesh import dimension_module, grad_reduce_factor
 from trainer.plan.config_file import write_run_config
 from trainer.plan.objective import target_tokens
 from trainer.runtime.out_of_memory import out_of_memory_as_one_line
 from trainer.runtime.schedule import lr_at
-from trainer.runtime.signals import StepAbandoned
+from trainer.runtime.signals import StepAbandoned, save_abandoned
 from trainer.runtime.step_guard import scaler_found_inf
 
 
@@ -111,11 +110,7 @@ def train_epoch(trainer, batches, eval_ds, timer, profiler, bar):
             set_collective_timeout(plan.layout.dist_timeout)
             trainer.started = True
         progress.step_in_epoch += 1
-        rows = plan.micro_batch_shape[0] * plan.data.num_microbatches * plan.layout.dp  # a DPO sample is two rows
-        seq_len = plan.data.seq_len if plan.row_multiple is None else (  # rows cut: this rank's mean width
-            sum(batch[0].shape[-1] for batch in micro_batches) / len(micro_batches))
-        timer.add(metrics["num_tokens"], trainer.objective.flops(trainer.config, seq_len, rows * seq_len,
-                                                                 metrics["num_tokens"], plan.model.chunked_loss))
+        timer.add(metrics["num_tokens"], step_flops_of(trainer, micro_batches, metrics["num_tokens"]))  # for MFU
         bar.step_end(trainer.guard.last_loss, metrics["lr"], timer.window_tokens_per_sec())  # the record's window
         epoch_end = progress.step_in_epoch == trainer.steps_per_epoch
         if should_stop(trainer) or (epoch_end and progress.epoch == plan.schedule.epochs - 1):
@@ -155,19 +150,6 @@ def after_step(trainer, eval_ds, metrics, timer, epoch_end):
         Logger(f"stopped: {stop_reason(trainer)}")
 
 
-def save_abandoned(trainer):
-    """A signal during a step's micro-batches (one process): drop their gradients and save the last completed step,
-    whose parameters, optimizer state and progress are untouched, with the RNG state it ended with."""
-    guard = trainer.guard
-    guard.stop, guard.stop_signal = True, signal.Signals[guard.preemption.requested]
-    step = save_last_completed(trainer)
-    if step == 0:
-        Logger("preempted: no optimizer step completed yet; nothing to save")
-        return
-    Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.io.run_dir}; "
-           "continue with --from_resume 1")
-
-
 def finish(trainer):
     """Say where the weights are (only when the run finished) and leave the process group; a run stopped by a signal
     (saved) raises SignalStop: exit 130/143, so `train && next_stage` does not go on from a stopped run."""
@@ -198,7 +180,7 @@ def train_step(trainer, micro_batches, bar=None):
     with trainer.guard.preemption.abandonable(gradients=True):  # one process: a signal drops these micro-batches
         ce, aux, stats, num_items, num_tokens = accumulate_gradients(trainer, micro_batches, bar or NO_BAR)
     scaler.unscale_(trainer.optimizer)
-    grad_norm = clip_gradients(trainer, plan.optim.grad_clip)
+    grad_norm = clip_model_gradients(trainer.model_parts, plan.optim.grad_clip, trainer.dims, trainer.pipeline)
     skip = trainer.guard.check(ce + aux, grad_norm, not scaler.is_enabled(), plan.layout.device,  # agreed by every rank
                                found_inf=scaler_found_inf(scaler, trainer.optimizer),
                                shown_loss=ce if trainer.dims.counts_loss else 0.0)  # summed: the logged loss
@@ -258,23 +240,6 @@ def gradient_sync(layout, model_parts, last):
     if layout.dp_mode == "none":
         return nullcontext()
     return dimension_module("dp").gradient_sync(model_parts, last)
-
-
-def clip_gradients(trainer, max_norm):
-    """Clip over every rank's gradients; a pipeline's tied embedding copies are summed first, counted once."""
-    pipeline = trainer.pipeline
-    if pipeline is not None:
-        pipeline.sync_tied_grads()
-    params = [p for part in trainer.model_parts for p in part.parameters() if p.grad is not None]
-    pp_group = trainer.dims.group("pp") if trainer.plan.layout.pp > 1 else None
-    ep = trainer.plan.layout.ep > 1  # each ep rank's experts are its own: their norms add up over the ep ranks
-    expert = dimension_module("ep") if ep else None
-    experts = [p for part in trainer.model_parts for _, p in expert.expert_params(part)] if ep else None
-    if ep:  # ep < dp: the expert replicas' gradients summed first (as DDP did the dense ones)
-        expert.reduce_expert_grads(trainer.model_parts, trainer.dims.group("ep_replica"))
-    return clip_grad_norm_(params, max_norm, pp_group=pp_group,
-                           exclude=pipeline.duplicate_params() if pipeline is not None else None,
-                           sharded=experts, sharded_group=trainer.dims.group("ep") if experts else None)
 
 
 def reached_max_steps(trainer):

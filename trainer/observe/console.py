@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
+from dataset.mixture import describe_mixture, leaf_datasets
 from trainer.base.launch import is_main_process, per_rank, world_sum
 from trainer.base.log import say
 from trainer.ckpt.step_dirs import latest_checkpoint
@@ -23,6 +24,45 @@ DEFAULT_LOG_INTERVAL = 100  # MiniMind's
 def effective_log_interval(plan, steps_per_epoch):
     """--log_interval as typed; unset, MiniMind's 100 or fewer, so that an epoch has at least ten records."""
     return plan.schedule.log_interval or min(DEFAULT_LOG_INTERVAL, max(1, steps_per_epoch // 10))
+
+
+def data_lines(plan, data_path, train_ds, eval_ds):
+    """What phase 2 says about the data (trainer/core/data_loading.py load_datasets): skipped bad rows, each dataset's
+    notes, the rows the steps per epoch come from, the realised mixture. A dataset that refuses its rows raises
+    ValueError (every DPO pair with chosen == rejected)."""
+    lines = []
+    for path, ds in ((data_path, train_ds), (plan.data.eval_data_path, eval_ds)):
+        skipped = sum(getattr(d, "num_bad_lines", 0) for d in leaf_datasets(ds))
+        if skipped:  # only with --skip_bad_lines 1; otherwise a bad row stops the run
+            lines.append(f"--skip_bad_lines: skipped {skipped} bad rows of {path}")
+    # rows without targets, conversations cut at --max_seq_len, DPO pairs with chosen == rejected
+    lines += [line for ds in leaf_datasets(train_ds) + leaf_datasets(eval_ds) for line in dataset_notes(ds)]
+    lines.append(f"Data: {data_path} ({rows_line(train_ds, plan.data.seq_len)}), tokenizer {plan.data.tokenizer_path}")
+    mixture = describe_mixture(train_ds, data_path)
+    return lines + ([mixture] if mixture else [])
+
+
+def dataset_notes(ds):
+    """The info lines a dataset gives about what it loses or lacks (its `notes()`: chat, preference and prompt data,
+    dataset/chat.py, preference_data.py, rlaif_dataset.py); none for pretraining's rows."""
+    return ds.notes() if hasattr(ds, "notes") else []
+
+
+def rows_line(ds, seq_len):
+    """What the training rows are: '8177 rows of 64 tokens packed from 5026 documents' (the file's lines; SFT: the
+    conversations with a target, the others are left out), '5026 rows, one per document' or '600 samples' (pairs,
+    prompts): the count the steps per epoch come from."""
+    leaves = leaf_datasets(ds)
+    documents = [len(leaf.offsets) - 1 for leaf in leaves if getattr(leaf, "offsets", None) is not None]
+    if len(documents) < len(leaves) or not leaves:  # a dataset without a token cache (pairs, prompts)
+        return f"{len(ds)} samples"
+    unit = "documents" if all(getattr(leaf, "kind", None) == "pretrain" for leaf in leaves) else "conversations"
+    if any(getattr(leaf, "packing", False) for leaf in leaves):  # SFT packs the conversations with a target only
+        packed = sum(len(leaf.row_docs) if getattr(leaf, "row_docs", None) is not None else n
+                     for leaf, n in zip(leaves, documents))
+        return f"{len(ds)} rows of {seq_len} tokens packed from {packed} {unit}"
+    return f"{len(ds)} rows, one per {unit[:-1]}" if len(ds) == sum(documents) else \
+        f"{len(ds)} rows from {sum(documents)} {unit}"
 
 
 def run_steps(trainer):

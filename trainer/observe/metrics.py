@@ -289,6 +289,16 @@ def peak_mem_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def step_flops_of(trainer, micro_batches, target_tokens):
+    """The FLOPs MFU counts for one optimizer step of `micro_batches` (the objective's, over every dp rank's rows at
+    their width: --max_seq_len, or this rank's mean width where the rows are cut to the longest)."""
+    plan = trainer.plan
+    rows = plan.micro_batch_shape[0] * plan.data.num_microbatches * plan.layout.dp  # a DPO sample is two rows
+    seq_len = plan.data.seq_len if plan.row_multiple is None else (
+        sum(batch[0].shape[-1] for batch in micro_batches) / len(micro_batches))
+    return trainer.objective.flops(trainer.config, seq_len, rows * seq_len, target_tokens, plan.model.chunked_loss)
+
+
 def step_timer(device, dtype, world_size, clock=time.time):
     """The loop's StepTimer: MFU against the device's peak x world_size; a provisional CPU peak is measured again at
     log steps (peak_and_status retry) until a quiet measurement replaces it. clock: as StepTimer's."""

@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from model.torch_compat import foreach_mul_
 from trainer.base.launch import local_shard
+from trainer.parallel.mesh import dimension_module
 
 
 def _cpu_l2_norm(grads, error_if_nonfinite):
@@ -102,3 +103,21 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, pp_group=None, exclude=
     for device, tensors in by_device.items():
         foreach_mul_(tensors, clip_coef.to(device))
     return total
+
+
+def clip_model_gradients(model_parts, max_norm, dims, pipeline=None):
+    """Clip the gradients of this rank's `model_parts` over every rank's: a pipeline's tied embedding copies summed
+    first and counted once, its stages' norms summed over pp, each expert-parallel rank's experts counted once (their
+    replicas' gradients summed first when ep < dp)."""
+    if pipeline is not None:
+        pipeline.sync_tied_grads()
+    params = [p for part in model_parts for p in part.parameters() if p.grad is not None]
+    pp_group = dims.group("pp") if dims.size("pp") > 1 else None
+    ep = dims.size("ep") > 1  # each ep rank's experts are its own: their norms add up over the ep ranks
+    expert = dimension_module("ep") if ep else None
+    experts = [p for part in model_parts for _, p in expert.expert_params(part)] if ep else None
+    if ep:  # ep < dp: the expert replicas' gradients summed first (as DDP did the dense ones)
+        expert.reduce_expert_grads(model_parts, dims.group("ep_replica"))
+    return clip_grad_norm_(params, max_norm, pp_group=pp_group,
+                           exclude=pipeline.duplicate_params() if pipeline is not None else None,
+                           sharded=experts, sharded_group=dims.group("ep") if experts else None)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model.model_minimind import MOEFeedForward
+from model.moe import MOEFeedForward
 
 
 def ep_validate(config, ep_size):

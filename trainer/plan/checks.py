@@ -1,4 +1,5 @@
-"""The checks resolve() runs: each raises a ConfigError with one line saying what to change."""
+"""The checks resolve() runs, and the one on the built data (check_fills_a_step): each raises a ConfigError with
+one line saying what to change."""
 import math
 import os
 import tempfile
@@ -7,7 +8,7 @@ import torch
 
 from dataset.mixture import resolve_data_spec
 from model.errors import ConfigError
-from model.weight_names import other_sizes
+from model.weights.paths import other_sizes
 from trainer.base.launch import per_rank
 from trainer.observe import metrics  # read through the module: tests replace its CPU probes
 from trainer.parallel.mesh import MODEL_DIMS, dimension_module, grad_reduce_factor, validate_layout
@@ -179,3 +180,25 @@ def check_metrics_file(path):
     if os.path.isdir(path):
         raise ConfigError(f"--metrics_file {path} is a directory; pass a file path")
     check_writable(os.path.dirname(path) or ".", "--metrics_file folder")
+
+
+def check_fills_a_step(samples, data_path, plan):
+    """The built training data holds at least one global batch (run after the data, the one check resolve cannot
+    make); else one line with the flags that fit one (small_batch)."""
+    data, dp = plan.data, plan.layout.dp
+    if samples < data.global_batch:
+        factors = f"--batch_size {data.micro_batch} x --accumulation_steps {data.num_microbatches} x dp {dp}"
+        raise ConfigError(f"{data_path} has {samples} samples, fewer than one global batch ({data.global_batch} "
+                          f"= {factors}); {small_batch(samples, data.micro_batch, dp)}")
+
+
+def small_batch(samples, micro_batch, dp):
+    """The flags that fit a global batch to a small dataset: --accumulation_steps 1 and the largest power-of-two
+    --batch_size (at most the typed one) that leaves an epoch of at least 4 steps (1 where the data is that small)."""
+    if samples < dp:
+        return f"run on at most {samples} data-parallel processes"
+    fits = max(1, samples // (4 * dp))
+    batch = min(micro_batch, 1 << (fits.bit_length() - 1))
+    steps = samples // (batch * dp)
+    return (f"pass --batch_size {batch} --accumulation_steps 1 ({steps} step{'s' if steps != 1 else ''} an epoch; "
+            "--epochs for more)")

@@ -4,9 +4,9 @@ refused (check_vocab)."""
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
 from model.tokenizer_choice import check_tokenizer, model_vocab_size, vocab_refusal
-from model.weight_flags import flag_conflicts, weights_line
-from model.weight_names import typed_or_default
-from model.weight_shapes import WeightsError, infer_config
+from model.weights.flag_advice import flag_conflicts, weights_line
+from model.weights.paths import typed_or_default
+from model.weights.shapes import WeightsError, infer_config
 from trainer.base.log import Logger
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.plan.flags import MODEL_FLAGS

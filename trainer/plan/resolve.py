@@ -11,10 +11,9 @@ import torch
 
 from dataset.mixture import absolute_data_spec
 from model.errors import ConfigError, check_device
-from model.model_minimind import expert_compute_for
 from model.provenance import tokenizer_record
 from model.tokenizer_choice import TokenizerMismatch, check_tokenizer, tokenizer_for
-from model.weight_names import (
+from model.weights.paths import (
     repo_path,
     typed_or_default,
     weight_name,
@@ -161,8 +160,10 @@ def check_expert_compute(args, config, dtype):
     if args.expert_compute == "grouped" and args.tp > 1 and args.ep == 1:
         raise ConfigError("--expert_compute grouped: tensor parallel without --ep shards each expert's Linears, "
                           "which run in the loop; add --ep, drop --tp or use --expert_compute loop/auto")
-    if args.expert_compute == "grouped" and expert_compute_for(
-            args.device, dtype, config.hidden_size, config.moe_intermediate_size) != "grouped":
+    if args.expert_compute != "grouped":
+        return
+    from model.moe import expert_compute_for  # the MoE layer's probe: read by runs that ask for grouped experts only
+    if expert_compute_for(args.device, dtype, config.hidden_size, config.moe_intermediate_size) != "grouped":
         raise ConfigError(f"--expert_compute grouped: torch {torch.__version__} has no grouped matmul for "
                           f"{str(dtype)[6:]} on {args.device}; use --expert_compute loop or auto")
 

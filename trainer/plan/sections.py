@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from model.model_minimind import MiniMindConfig
-from trainer.base.schema import Flag, flag
+from trainer.base.schema import Flag
 from trainer.parallel.mesh import MODEL_DIMS
 from trainer.plan.stage import Stage
 from trainer.runtime.callbacks import CallbackPlan
@@ -24,28 +24,43 @@ class Layout:
     """The processes, their device and the parallel layout (trainer/parallel/)."""
     world_size: int
     dp: int
-    tp: int = flag(1, "tensor-parallel degree")
-    pp: int = flag(1, "pipeline-parallel degree (micro-batches = --accumulation_steps)")
-    cp: int = flag(1, "context-parallel (ring attention) degree")
-    ep: int = flag(1, "expert-parallel degree: each MoE layer's experts sharded over this many data-parallel ranks, "
-                   "tokens sent by all-to-all; must divide the dp size; composes with --tp, --pp and --cp "
-                   "(--zero_stage 0/2/3)", min=1)
-    zero_stage: int = flag(0, "0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)")  # the one used
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    zero_stage: int  # the one used
     dp_mode: str  # "none" (no data-parallel group), "ddp", "zero1" or "fsdp2"
-    grad_compression: str = flag("none", "none|bf16|powersgd (DDP communication hook)")
-    powersgd_rank: int = flag(1, "--grad_compression powersgd: rank of the low-rank approximation", min=1)
-    powersgd_start_step: int = flag(1000, "--grad_compression powersgd: optimizer steps of exact all-reduce before "
-                                    "compression starts (warm-up; a resumed run warms up again)",
-                                    min=2, hint="torch's PowerSGD runs 2 exact steps first")
-    pp_schedule: str = flag("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b"))
-    sequence_parallel: bool = flag(0, "shard norms along the sequence (tp > 1)")
-    cpu_offload: bool = flag(0, "FSDP2 (--zero_stage 2/3): keep sharded parameters, gradients and optimizer state in "
-                             "CPU memory (CUDA only; the optimizer step runs on the CPU)")
-    device: str = flag("cuda:0" if torch.cuda.is_available() else "cpu", "cpu or cuda[:N]")  # cuda:<local rank>
-    dist_timeout: int = flag(600, "seconds a collective may hang once training runs (from step 2)", min=1)
-    dist_init_timeout: int = flag(1800, "seconds for start-up to the end of the first step (rendezvous, token cache, "
-                                  "loading weights, compile) before a hung collective fails", min=1)
-    FLAGS = ()
+    grad_compression: str
+    powersgd_rank: int
+    powersgd_start_step: int
+    pp_schedule: str
+    sequence_parallel: bool
+    cpu_offload: bool
+    device: str  # cuda:<local rank>
+    dist_timeout: int
+    dist_init_timeout: int
+    FLAGS = (
+        Flag("tp", int, 1, "tensor-parallel degree"),
+        Flag("pp", int, 1, "pipeline-parallel degree (micro-batches = --accumulation_steps)"),
+        Flag("cp", int, 1, "context-parallel (ring attention) degree"),
+        Flag("ep", int, 1, "expert-parallel degree: each MoE layer's experts sharded over this many data-parallel "
+             "ranks, tokens sent by all-to-all; must divide the dp size; composes with --tp, --pp and --cp "
+             "(--zero_stage 0/2/3)", min=1),
+        Flag("zero_stage", int, 0, "0: DDP, 1: sharded optimizer, 2: +gradients, 3: +parameters (FSDP2)"),
+        Flag("grad_compression", str, "none", "none|bf16|powersgd (DDP communication hook)"),
+        Flag("powersgd_rank", int, 1, "--grad_compression powersgd: rank of the low-rank approximation", min=1),
+        Flag("powersgd_start_step", int, 1000, "--grad_compression powersgd: optimizer steps of exact all-reduce "
+             "before compression starts (warm-up; a resumed run warms up again)",
+             min=2, hint="torch's PowerSGD runs 2 exact steps first"),
+        Flag("pp_schedule", str, "1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved1f1b")),
+        Flag("sequence_parallel", bool, 0, "shard norms along the sequence (tp > 1)"),
+        Flag("cpu_offload", bool, 0, "FSDP2 (--zero_stage 2/3): keep sharded parameters, gradients and optimizer "
+             "state in CPU memory (CUDA only; the optimizer step runs on the CPU)"),
+        Flag("device", str, "cuda:0" if torch.cuda.is_available() else "cpu", "cpu or cuda[:N]"),
+        Flag("dist_timeout", int, 600, "seconds a collective may hang once training runs (from step 2)", min=1),
+        Flag("dist_init_timeout", int, 1800, "seconds for start-up to the end of the first step (rendezvous, token "
+             "cache, loading weights, compile) before a hung collective fails", min=1),
+    )
 
     @property
     def has_dtensor(self):
@@ -67,26 +82,17 @@ class Layout:
 class ModelPlan:
     """The model the flags (and the --from_weight file) describe, where it starts from, and how it computes."""
     config: MiniMindConfig
-    from_weight: str = flag("none", "weight prefix in save_dir, a .pth path, or none")  # "none" or a path
-    dtype: torch.dtype = flag("auto", "auto|bfloat16|float16|float32 (auto: bf16 where the device has it)", type=str)
+    from_weight: str  # "none" or a path
+    dtype: torch.dtype
     dtype_note: str  # --dtype auto: how it chose (the measured rates), said once at start; "" for a typed dtype
     chunked_loss: bool  # lm_head + CE on target tokens only (off under tp and pp)
-    grad_checkpointing: Optional[str] = flag(
-        "0", "recompute activations in backward: full (1) each decoder block (least memory, ~1/3 more compute), "
-        "attention or mlp only that sub-layer of each block; 0/none: off", type=str,
-        choices=("0", "1", "none", "full", "attention", "mlp"))  # the mode: None, "full", "attention" or "mlp"
-    use_compile: bool = flag(0, "torch.compile each decoder block")
-    router_balance: str = flag("aux", "MoE load balancing: aux (MiniMind's aux loss), bias (DeepSeek-V3's "
-                               "aux-loss-free routing bias, moved toward equal load after each step; no aux loss) "
-                               "or both",
-                               choices=("aux", "bias", "both"))
-    router_bias_rate: float = flag(1e-3, "--router_balance bias/both: how far each step moves an expert's bias")
-    expert_compute: str = flag("auto", "MoE experts: grouped (torch's grouped matmul, no host sync), loop (one MLP "
-                               "call per expert, one host sync per layer) or auto (grouped where it runs on this "
-                               "device and dtype)", choices=("auto", "grouped", "loop"))
-    tf32: bool = flag(1, "CUDA: fp32 matmuls in TF32 (0: strict fp32)")
-    deterministic: bool = flag(0, "torch.use_deterministic_algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG, no cuDNN "
-                               "autotuning); an op without a deterministic kernel then raises")
+    grad_checkpointing: Optional[str]  # the mode: None, "full", "attention" or "mlp"
+    use_compile: bool
+    router_balance: str
+    router_bias_rate: float
+    expert_compute: str
+    tf32: bool
+    deterministic: bool
     SHAPE_FLAGS = (  # MiniMindConfig's fields (model_config.build_config; a --from_weight file's shapes win)
         Flag("hidden_size", int, 768, "model width", min=1),
         Flag("num_hidden_layers", int, 8, "decoder blocks", min=1),
@@ -99,7 +105,24 @@ class ModelPlan:
         Flag("num_experts", int, 4, "experts per MoE layer", min=1),
         Flag("num_experts_per_tok", int, 1, "experts each token is routed to", min=1),
     )
-    FLAGS = SHAPE_FLAGS + (
+    FLAGS = (
+        Flag("from_weight", str, "none", "weight prefix in save_dir, a .pth path, or none"),
+        Flag("dtype", str, "auto", "auto|bfloat16|float16|float32 (auto: bf16 where the device has it)"),
+        Flag("grad_checkpointing", str, "0", "recompute activations in backward: full (1) each decoder block (least "
+             "memory, ~1/3 more compute), attention or mlp only that sub-layer of each block; 0/none: off",
+             choices=("0", "1", "none", "full", "attention", "mlp")),
+        Flag("use_compile", bool, 0, "torch.compile each decoder block"),
+        Flag("router_balance", str, "aux", "MoE load balancing: aux (MiniMind's aux loss), bias (DeepSeek-V3's "
+             "aux-loss-free routing bias, moved toward equal load after each step; no aux loss) or both",
+             choices=("aux", "bias", "both")),
+        Flag("router_bias_rate", float, 1e-3, "--router_balance bias/both: how far each step moves an expert's bias"),
+        Flag("expert_compute", str, "auto", "MoE experts: grouped (torch's grouped matmul, no host sync), loop (one "
+             "MLP call per expert, one host sync per layer) or auto (grouped where it runs on this device and dtype)",
+             choices=("auto", "grouped", "loop")),
+        Flag("tf32", bool, 1, "CUDA: fp32 matmuls in TF32 (0: strict fp32)"),
+        Flag("deterministic", bool, 0, "torch.use_deterministic_algorithms (CUDA: CUBLAS_WORKSPACE_CONFIG, no cuDNN "
+             "autotuning); an op without a deterministic kernel then raises"),
+    ) + SHAPE_FLAGS + (
         Flag("dropout", float, 0.0, "dropout on the embeddings and each attention output (MiniMind's config.dropout; "
              "draws from each rank's RNG, so layouts differ from one process when > 0)"),
         Flag("loss_chunk_size", int, 1024, "lm_head + cross-entropy over chunks of this many tokens, never the full "
@@ -114,31 +137,40 @@ class ModelPlan:
 @dataclass(frozen=True)
 class DataPlan:
     """What a step reads: the data, the batch shape, the tokenizer and the token cache; the seed of the data order."""
-    data_path: Optional[str] = flag(None, "JSONL, parquet or token shard; a directory, a glob, or a comma list with "
-                                    "optional weights, e.g. a.jsonl:0.7,shards/*.parquet:0.3 (default: the embedded "
-                                    "demo corpus)")  # a spec for dataset.mixture.resolve_data_spec
-    eval_data_path: Optional[str] = flag(None, "held-out data for eval_loss / eval_ppl, same forms (default: none)")
+    data_path: Optional[str]  # a spec for dataset.mixture.resolve_data_spec
+    eval_data_path: Optional[str]
     seq_len: int  # tokens per row (--max_seq_len; a stage's own: prompt + completion)
     micro_batch: int  # samples per micro-batch per dp rank
     num_microbatches: int
     global_batch: int  # samples per optimizer step over all dp ranks
-    packing: bool = flag(0, "fill whole rows (max_seq_len tokens): pretraining joins documents; SFT packs whole "
-                         "conversations, on by default there (chat rows are mostly far shorter)")
-    doc_mask: bool = flag(1, "with --packing 1: a token attends only to earlier tokens of its own document and "
-                          "position ids restart at each document (0: the whole row is one sequence)")
-    skip_bad_lines: bool = flag(0, "skip malformed data lines instead of stopping")
-    num_workers: int = flag(0, "DataLoader worker processes", min=0)
-    num_proc: Optional[int] = flag(None, "tokenizer worker processes per rank while building the token cache "
-                                   "(default: the cores available / local ranks)",
-                                   min=1, hint="leave it unset for the cores available")
-    cache_dir: str = flag(None, "token cache of the datasets (default: dataset/.cache in the repo)")
-    tokenizer_path: str = flag(None, "Hugging Face tokenizer folder (default: the one the starting weights were "
-                               "trained with, as their sidecar records; else model/ in the repo)")
+    packing: bool
+    doc_mask: bool
+    skip_bad_lines: bool
+    num_workers: int
+    num_proc: Optional[int]
+    cache_dir: str
+    tokenizer_path: str
     tokenizer_record: dict  # {"path", "sha256" of its tokenizer.json}: written beside the weights and checkpoints
-    seed: int = flag(42, "model init and data order (a pure function of seed and epoch)",
-                     min=0, hint="numpy takes 0 to 2**32-1")
-    eval_batches: int = flag(50, "batches per validation run", min=1)
+    seed: int
+    eval_batches: int
     FLAGS = (
+        Flag("data_path", str, None, "JSONL, parquet or token shard; a directory, a glob, or a comma list with "
+             "optional weights, e.g. a.jsonl:0.7,shards/*.parquet:0.3 (default: the embedded demo corpus)"),
+        Flag("eval_data_path", str, None, "held-out data for eval_loss / eval_ppl, same forms (default: none)"),
+        Flag("packing", bool, 0, "fill whole rows (max_seq_len tokens): pretraining joins documents; SFT packs whole "
+             "conversations, on by default there (chat rows are mostly far shorter)"),
+        Flag("doc_mask", bool, 1, "with --packing 1: a token attends only to earlier tokens of its own document and "
+             "position ids restart at each document (0: the whole row is one sequence)"),
+        Flag("skip_bad_lines", bool, 0, "skip malformed data lines instead of stopping"),
+        Flag("num_workers", int, 0, "DataLoader worker processes", min=0),
+        Flag("num_proc", int, None, "tokenizer worker processes per rank while building the token cache (default: the "
+             "cores available / local ranks)", min=1, hint="leave it unset for the cores available"),
+        Flag("cache_dir", str, None, "token cache of the datasets (default: dataset/.cache in the repo)"),
+        Flag("tokenizer_path", str, None, "Hugging Face tokenizer folder (default: the one the starting weights were "
+             "trained with, as their sidecar records; else model/ in the repo)"),
+        Flag("seed", int, 42, "model init and data order (a pure function of seed and epoch)",
+             min=0, hint="numpy takes 0 to 2**32-1"),
+        Flag("eval_batches", int, 50, "batches per validation run", min=1),
         Flag("max_seq_len", int, 340, "tokens per sample", min=2),
         Flag("batch_size", int, 32, "samples per micro-batch per data-parallel rank", min=1),
         Flag("accumulation_steps", int, 8, "micro-batches per optimizer step (pipeline: micro-batches)", min=1),
@@ -150,57 +182,79 @@ class DataPlan:
 @dataclass(frozen=True)
 class Schedule:
     """How long the run goes, and when it logs, evaluates and saves."""
-    epochs: int = flag(1, "passes over the training data", min=1)
-    max_steps: int = flag(0, "stop after this many optimizer steps, the lr schedule's length (0: run all epochs)",
-                          min=0, hint="0 runs all epochs")
-    max_tokens: int = flag(0, "stop after the optimizer step that reaches this many target tokens (all ranks; 0: no "
-                           "token budget); the lr schedule keeps its length", min=0, hint="0 is no token budget")
-    log_interval: Optional[int] = flag(None, "optimizer steps between metrics records (default: 100, or fewer so "
-                                       "that an epoch has at least ten)", min=1)
-    eval_interval: int = flag(0, "optimizer steps between validation runs (0: only at the end)",
-                              min=0, hint="0 evaluates at the end only")
-    save_interval: int = flag(100, "optimizer steps between weights + resume checkpoints", min=1)
-    save_weights_every: int = flag(0, "also write the <save_weight>.pth weights every N steps (0: at the end only)",
-                                   min=0, hint="0 saves at the end only")
-    save_every_minutes: float = flag(10, "also save a resume checkpoint at the step after which the next would end "
-                                     "more than this many minutes after the last save, so that a slow run loses "
-                                     "little (0: off)")
-    FLAGS = ()
+    epochs: int
+    max_steps: int
+    max_tokens: int
+    log_interval: Optional[int]
+    eval_interval: int
+    save_interval: int
+    save_weights_every: int
+    save_every_minutes: float
+    FLAGS = (
+        Flag("epochs", int, 1, "passes over the training data", min=1),
+        Flag("max_steps", int, 0, "stop after this many optimizer steps, the lr schedule's length (0: run all epochs)",
+             min=0, hint="0 runs all epochs"),
+        Flag("max_tokens", int, 0, "stop after the optimizer step that reaches this many target tokens (all ranks; 0: "
+             "no token budget); the lr schedule keeps its length", min=0, hint="0 is no token budget"),
+        Flag("log_interval", int, None, "optimizer steps between metrics records (default: 100, or fewer so that an "
+             "epoch has at least ten)", min=1),
+        Flag("eval_interval", int, 0, "optimizer steps between validation runs (0: only at the end)",
+             min=0, hint="0 evaluates at the end only"),
+        Flag("save_interval", int, 100, "optimizer steps between weights + resume checkpoints", min=1),
+        Flag("save_weights_every", int, 0, "also write the <save_weight>.pth weights every N steps (0: at the end "
+             "only)", min=0, hint="0 saves at the end only"),
+        Flag("save_every_minutes", float, 10, "also save a resume checkpoint at the step after which the next would "
+             "end more than this many minutes after the last save, so that a slow run loses little (0: off)"),
+    )
 
 
 @dataclass(frozen=True)
 class IOPlan:
     """Where the run writes (weights, checkpoints, metrics, logs, traces) and where it resumes from."""
-    save_dir: str = flag(None, "where weights and metrics go (default: out/ in the repo)")
-    checkpoint_dir: str = flag(None, "where resume checkpoints go (default: checkpoints/ in the repo)")
+    save_dir: str
+    checkpoint_dir: str
     run_name: str  # MiniMind's weight stem <save_weight>_<hidden>[_moe]
     weights_path: str  # <save_dir>/<run_name>.pth
     run_dir: str  # <checkpoint_dir>/<run_name>: this run's resume checkpoints
-    save_dtype: torch.dtype = flag("float16", "dtype of the saved weights", type=str,
-                                   choices=("float16", "bfloat16", "float32"))
-    from_resume: str = flag("0", "1: continue from the newest complete checkpoint; auto: that, or start fresh if "
-                            "there is none (for torchrun --max-restarts); or a step_<N> directory: continue from that "
-                            "checkpoint (later ones of this run are dropped at its first save)")  # "0", "1" or "auto"
+    save_dtype: torch.dtype
+    from_resume: str  # "0", "1" or "auto"
     resume_path: Optional[str]  # --from_resume <step dir>: that checkpoint instead of the newest
-    overwrite: bool = flag(0, "1: start over although this run name has checkpoints or weights from an earlier run "
-                           "(its checkpoints are removed, its weights replaced); without it such a run is refused")
-    keep_checkpoints: int = flag(3, "complete resume checkpoints kept; older ones are deleted (0: all)",
-                                 min=0, hint="0 keeps all")
-    async_save: bool = flag(0, "write resume checkpoints in the background (dcp.async_save)")
-    metrics_file: str = flag(None, "JSONL records (default: <save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)")
-    tensorboard_dir: Optional[str] = flag(None, "also write TensorBoard scalars here (default: off)")
+    overwrite: bool
+    keep_checkpoints: int
+    async_save: bool
+    metrics_file: str
+    tensorboard_dir: Optional[str]
     trackers: tuple  # dashboards besides the metrics JSONL: swanlab, wandb, tensorboard
-    use_wandb: bool = flag(False, "MiniMind's flag: --tracker swanlab (offline when not logged in)",
-                           action="store_true")
-    wandb_project: str = flag("MiniMind", "swanlab / wandb project name")
-    log_dir: Optional[str] = flag(None, "each rank's timestamped log, <save_weight>_<hidden>[_moe]_rank_<N>.log "
-                                  "(default: <save_dir>/logs; none: off)")  # None: off
-    report: str = flag("auto", "at the end, rank 0 writes <save_dir>/<run>_report.md and its plots (scripts/report.py's"
-                       " page): 1 always, 0 never (the command is printed), auto for runs of a minute or more",
-                       choices=("auto", "1", "0"))
-    profile_steps: Optional[tuple] = flag(None, "A:B: torch.profiler trace of optimizer steps A to B under "
-                                          "<save_dir>/profile (default: off)", type=str)
+    use_wandb: bool
+    wandb_project: str
+    log_dir: Optional[str]  # None: off
+    report: str
+    profile_steps: Optional[tuple]
     FLAGS = (
+        Flag("save_dir", str, None, "where weights and metrics go (default: out/ in the repo)"),
+        Flag("checkpoint_dir", str, None, "where resume checkpoints go (default: checkpoints/ in the repo)"),
+        Flag("save_dtype", str, "float16", "dtype of the saved weights", choices=("float16", "bfloat16", "float32")),
+        Flag("from_resume", str, "0", "1: continue from the newest complete checkpoint; auto: that, or start fresh if "
+             "there is none (for torchrun --max-restarts); or a step_<N> directory: continue from that checkpoint "
+             "(later ones of this run are dropped at its first save)"),
+        Flag("overwrite", bool, 0, "1: start over although this run name has checkpoints or weights from an earlier "
+             "run (its checkpoints are removed, its weights replaced); without it such a run is refused"),
+        Flag("keep_checkpoints", int, 3, "complete resume checkpoints kept; older ones are deleted (0: all)",
+             min=0, hint="0 keeps all"),
+        Flag("async_save", bool, 0, "write resume checkpoints in the background (dcp.async_save)"),
+        Flag("metrics_file", str, None, "JSONL records (default: "
+             "<save_dir>/<save_weight>_<hidden>[_moe]_metrics.jsonl)"),
+        Flag("tensorboard_dir", str, None, "also write TensorBoard scalars here (default: off)"),
+        Flag("use_wandb", bool, False, "MiniMind's flag: --tracker swanlab (offline when not logged in)",
+             action="store_true"),
+        Flag("wandb_project", str, "MiniMind", "swanlab / wandb project name"),
+        Flag("log_dir", str, None, "each rank's timestamped log, <save_weight>_<hidden>[_moe]_rank_<N>.log (default: "
+             "<save_dir>/logs; none: off)"),
+        Flag("report", str, "auto", "at the end, rank 0 writes <save_dir>/<run>_report.md and its plots "
+             "(scripts/report.py's page): 1 always, 0 never (the command is printed), auto for runs of a minute or "
+             "more", choices=("auto", "1", "0")),
+        Flag("profile_steps", str, None, "A:B: torch.profiler trace of optimizer steps A to B under "
+             "<save_dir>/profile (default: off)"),
         Flag("save_weight", str, "pretrain", "weight file prefix: <save_dir>/<save_weight>_<hidden>[_moe].pth"),
         Flag("tracker", str, None, "comma list of swanlab, wandb (offline unless WANDB_MODE=online), tensorboard "
              "(--tensorboard_dir, default <save_dir>/tensorboard), none (default: from --use_wandb and "
@@ -215,12 +269,16 @@ class IOPlan:
 class GuardPlan:
     """Preemption and the non-finite step guard (trainer/runtime/signals.py, trainer/runtime/step_guard.py); the replica
     check (trainer/parallel/data.py check_replicas)."""
-    grace_seconds: float = flag(60, "after SIGTERM/SIGINT: seconds to finish the step and save before exiting "
-                                "non-zero")
-    max_bad_steps: int = flag(5, "stop after this many non-finite (skipped) optimizer steps in a row", min=1)
-    check_replicas: int = flag(0, "every N steps compare parameter checksums across data-parallel replicas (0: off)",
-                               min=0, hint="0 is off")
-    FLAGS = ()
+    grace_seconds: float
+    max_bad_steps: int
+    check_replicas: int
+    FLAGS = (
+        Flag("grace_seconds", float, 60, "after SIGTERM/SIGINT: seconds to finish the step and save before exiting "
+             "non-zero"),
+        Flag("max_bad_steps", int, 5, "stop after this many non-finite (skipped) optimizer steps in a row", min=1),
+        Flag("check_replicas", int, 0, "every N steps compare parameter checksums across data-parallel replicas (0: "
+             "off)", min=0, hint="0 is off"),
+    )
 
 
 # the sections in the order --help lists their flags

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dataset.lm_dataset import PretrainDataset
 from dataset.shards import local_part
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from trainer.plan.objective import LMObjective
 
 SIDECAR_BYTES = 64 << 10  # room for a weights file's sidecar and torch.save's own headers
@@ -58,7 +58,7 @@ class Stage:
 
     def resume_fields(self):
         """The stage's flags that shape the saved state, {flag: value}, checked on resume
-        (trainer/ckpt/checkpoint.py)."""
+        (trainer/ckpt/resume.py)."""
         return {}
 
     def weights_path(self, plan):

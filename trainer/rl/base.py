@@ -205,9 +205,9 @@ def unique_names(names):
 
 
 def save_completed_step(trainer):
-    """Save the last completed step as a preempted run saves it (trainer/core/loop.py save_abandoned: its parameters,
-    optimizer state, progress and the RNG state it ended with are untouched by the step in progress) and say where;
-    several ranks cannot save without the others (collectives): they name the last complete checkpoint."""
+    """Save the last completed step as a preempted run saves it (trainer/runtime/signals.py save_abandoned: its
+    parameters, optimizer state, progress and the RNG state it ended with are untouched by the step in progress) and
+    say where; several ranks cannot save without the others (collectives): they name the last complete checkpoint."""
     plan = trainer.plan
     step = save_last_completed(trainer) if plan.layout.world_size == 1 else 0
     if step == 0:

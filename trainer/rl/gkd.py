@@ -24,7 +24,7 @@ from dataset.chat import SFTDataset
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig
 from model.provenance import content_sha256
-from model.weight_names import file_digest, weight_name
+from model.weights.paths import file_digest, weight_name
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.core.batches import autocast

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from model.errors import ConfigError
-from model.weight_shapes import clean_state_dict
+from model.weights.shapes import clean_state_dict
 from trainer.base.launch import world_sum
 from trainer.base.schema import Flag
 from trainer.core.batches import step_targets
@@ -142,7 +142,7 @@ def describe(plan, objective):
 class ValueHead(TrunkHead):
     """The critic: one linear unit on the final norm's output, attached from outside (see the module docstring).
     nn.Linear's initialisation, drawn from its own generator (the global RNG stays the policy's)."""
-    ATTRIBUTE = "value_head"  # model/weight_shapes.VALUE_HEAD: left out of the LM's weights
+    ATTRIBUTE = "value_head"  # model/weights/shapes.VALUE_HEAD: left out of the LM's weights
 
     def __init__(self, hidden_size, seed):
         super().__init__(hidden_size, bias=True)

@@ -11,8 +11,8 @@ A callback stops the run after this step by setting `self.stop_reason` (a line t
 checkpoint of this step by setting `self.save_step` to it. `state_dict()` / `load_state_dict(state)`, if present,
 travel in every checkpoint, so a resumed run continues with the same state.
 Built in, through the same hooks: the sinks (tracking.Tracker), eval_callbacks.EarlyStopping and BestCheckpoint,
-RankLog, bench.EvalBench (--eval_bench: lm-eval scores of the current model), health_watch.HealthWatch (health lines)
-and samples.Samples (greedy samples at each eval, SFT and later stages).
+RankLog, lm_eval_scores.EvalBench (--eval_bench: lm-eval scores of the current model), health_watch.HealthWatch
+(health lines) and samples.Samples (greedy samples at each eval, SFT and later stages).
 """
 import importlib.util
 import os
@@ -22,7 +22,7 @@ from typing import Optional
 from model.errors import ConfigError
 from trainer.base.errors import TrainingHalted
 from trainer.base.rank_log import RankLog
-from trainer.base.schema import Flag, fill, flag
+from trainer.base.schema import Flag, fill
 from trainer.observe.health_watch import HealthWatch
 
 HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
@@ -31,20 +31,26 @@ HOOKS = ("on_step_end", "on_eval", "on_save", "on_train_end")
 @dataclass(frozen=True)
 class CallbackPlan:
     """Best checkpoint, early stopping and a user's callbacks (trainer/runtime/callbacks.py)."""
-    save_best: bool = flag(0, "keep the checkpoint with the lowest eval_loss (never pruned, in "
-                           "<checkpoint_dir>/<run>/best.json) and its weights as <save_weight>_<hidden>[_moe]_best.pth")
-    early_stop_patience: int = flag(0, "stop after this many --eval_interval evals without an eval_loss below the best "
-                                    "by more than --early_stop_min_delta (0: off)", min=0, hint="0 is off")
-    early_stop_min_delta: float = flag(0.0, "the improvement early stopping asks for")
-    eval_bench: Optional[str] = flag(None, "lm-eval task names, comma-separated (minimind: MiniMind's seven), scored "
-                                     "on the current model during training, logged as bench/<task>/<metric> "
-                                     "(one process; pip install lm-eval)")
-    eval_bench_interval: int = flag(0, "optimizer steps between --eval_bench scorings (0: the run's last step only; "
-                                    "the last step is always scored)", min=0, hint="0 is the last step only")
-    eval_bench_include: Optional[str] = flag(None, "a folder of your own lm-eval task YAML files for --eval_bench")
-    eval_bench_limit: Optional[int] = flag(None, "documents per --eval_bench task (default: all)", min=1)
+    save_best: bool
+    early_stop_patience: int
+    early_stop_min_delta: float
+    eval_bench: Optional[str]
+    eval_bench_interval: int
+    eval_bench_include: Optional[str]
+    eval_bench_limit: Optional[int]
     user: tuple  # ((file, name), ...) of --callbacks
     FLAGS = (
+        Flag("save_best", bool, 0, "keep the checkpoint with the lowest eval_loss (never pruned, in "
+             "<checkpoint_dir>/<run>/best.json) and its weights as <save_weight>_<hidden>[_moe]_best.pth"),
+        Flag("early_stop_patience", int, 0, "stop after this many --eval_interval evals without an eval_loss below "
+             "the best by more than --early_stop_min_delta (0: off)", min=0, hint="0 is off"),
+        Flag("early_stop_min_delta", float, 0.0, "the improvement early stopping asks for"),
+        Flag("eval_bench", str, None, "lm-eval task names, comma-separated (minimind: MiniMind's seven), scored on "
+             "the current model during training, logged as bench/<task>/<metric> (one process; pip install lm-eval)"),
+        Flag("eval_bench_interval", int, 0, "optimizer steps between --eval_bench scorings (0: the run's last step "
+             "only; the last step is always scored)", min=0, hint="0 is the last step only"),
+        Flag("eval_bench_include", str, None, "a folder of your own lm-eval task YAML files for --eval_bench"),
+        Flag("eval_bench_limit", int, None, "documents per --eval_bench task (default: all)", min=1),
         Flag("callbacks", str, None, "comma list of FILE.py:NAME, a class (made with no arguments) or object with any "
              "of on_step_end, on_eval, on_save, on_train_end (trainer/runtime/callbacks.py)"),
     )
@@ -82,11 +88,11 @@ def check_eval_bench(args):
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ConfigError("--eval_bench scores in one process: run without torchrun, or score the saved weights "
                           "with scripts/eval_bench.py")
-    from trainer.judge import bench  # lm-eval scoring: read by the runs that ask for it only
+    from trainer.judge import lm_eval_scores  # lm-eval scoring: read by the runs that ask for it only
     try:
-        bench.task_names(args.eval_bench, flag="--eval_bench")
-        bench.import_lm_eval()
-    except bench.BenchError as e:
+        lm_eval_scores.task_names(args.eval_bench, flag="--eval_bench")
+        lm_eval_scores.import_lm_eval()
+    except lm_eval_scores.BenchError as e:
         raise (TrainingHalted if e.code == 3 else ConfigError)(str(e)) from None
     include = args.eval_bench_include
     if include and not os.path.isdir(include):
@@ -165,12 +171,12 @@ def make_callbacks(plan):
     if plan.io.log_dir:
         callbacks.append(RankLog())
     if settings.eval_bench:
-        from trainer.judge import bench  # lm-eval scoring: read by the runs that ask for it only
+        from trainer.judge import lm_eval_scores  # lm-eval scoring: read by the runs that ask for it only
         try:
-            callbacks.append(bench.EvalBench(bench.task_names(settings.eval_bench), settings.eval_bench_include,
-                                             settings.eval_bench_limit, settings.eval_bench_interval,
-                                             plan.data.tokenizer_path))
-        except bench.BenchError as e:
+            tasks = lm_eval_scores.task_names(settings.eval_bench)
+            callbacks.append(lm_eval_scores.EvalBench(tasks, settings.eval_bench_include, settings.eval_bench_limit,
+                                                      settings.eval_bench_interval, plan.data.tokenizer_path))
+        except lm_eval_scores.BenchError as e:
             raise (TrainingHalted if e.code == 3 else ConfigError)(str(e)) from None
     callbacks.extend(load_user_callbacks(settings.user))
     return callbacks

@@ -4,10 +4,10 @@ import json
 import os
 
 from model.atomic import atomic_write_text
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
 from trainer.base.launch import is_main_process
 from trainer.base.log import Logger
-from trainer.ckpt.checkpoint import read_checkpoint_model
+from trainer.ckpt.resume import read_checkpoint_model
 from trainer.ckpt.step_dirs import BEST_INDEX, MANIFEST, best_checkpoint_step
 from trainer.ckpt.weights_file import save_weights
 

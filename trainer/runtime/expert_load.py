@@ -8,7 +8,7 @@ metrics read them on log steps only."""
 import torch
 import torch.distributed as dist
 
-from model.model_minimind import MOEFeedForward, expert_compute_for
+from model.moe import MOEFeedForward, expert_compute_for
 from trainer.base.log import Logger
 
 BALANCE_MODES = ("aux", "bias", "both")  # MiniMind's aux loss; the routing bias; both
@@ -29,7 +29,7 @@ def enable_expert_bias(model_parts):
 
 
 def choose_expert_compute(model_parts, device, dtype, requested="auto"):
-    """Fix how every MoE layer runs its experts for this run (--expert_compute; auto: model_minimind.expert_compute_for,
+    """Fix how every MoE layer runs its experts for this run (--expert_compute; auto: model/moe.expert_compute_for,
     probed once) and return the line that says it; None without MoE layers. Tensor parallel has set its layers to the
     loop."""
     layers = moe_layers(model_parts)
@@ -43,6 +43,23 @@ def choose_expert_compute(model_parts, device, dtype, requested="auto"):
     chosen = {moe.expert_compute for _, moe in layers}
     how = {"grouped": "torch's grouped matmul, no host sync", "loop": "a loop over experts, one host sync per layer"}
     return "MoE experts: " + "; ".join(f"{how[c]} ({c})" for c in sorted(chosen)) + f", {str(dtype).split('.')[-1]}"
+
+
+def before_wrap(model, plan):
+    """Set-up of a MoE model before the parallel wrap: the routing bias of --router_balance bias/both (model state,
+    so it is there before the wrap and the resume)."""
+    if plan.model.router_balance != "aux":
+        enable_expert_bias([model])
+
+
+def after_wrap(model_parts, plan, dims):
+    """Set-up after the wrap: how the experts run (--expert_compute, its line said) and the ExpertLoad the loop
+    calls after each step."""
+    line = choose_expert_compute(model_parts, plan.layout.device, plan.model.autocast_dtype or torch.float32,
+                                 plan.model.expert_compute)
+    if line:
+        Logger(line)
+    return ExpertLoad(model_parts, dims.group("dp_cp"), plan.model.router_balance, plan.model.router_bias_rate)
 
 
 def take_loads(layers, group=None):

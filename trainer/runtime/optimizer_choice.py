@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from model.errors import ConfigError
-from trainer.base.schema import Flag, fill, flag
+from trainer.base.schema import Flag, fill
 from trainer.parallel.mesh import dimension_module
 from trainer.parallel.state_dict import clean_fqn
 
@@ -43,12 +43,16 @@ OPTIMIZERS = {
 class OptimizerPlan:
     """The optimizer and the gradient clip (trainer/runtime/optimizer_choice.py)."""
     name: str  # --optimizer
-    weight_decay: float = flag(0.01, "decoupled weight decay (adamw, lamb, muon), L2 term of sgd and lars")
+    weight_decay: float
     betas: tuple  # --beta1, --beta2
-    eps: float = flag(1e-8, "denominator epsilon of adamw and lamb")
-    momentum: float = flag(None, "momentum of sgd, lars and muon (default: 0.9; muon 0.95)")  # sgd, lars, muon
-    grad_clip: float = flag(1.0, "clip the global gradient norm to this value")
+    eps: float
+    momentum: float  # sgd, lars, muon
+    grad_clip: float
     FLAGS = (
+        Flag("weight_decay", float, 0.01, "decoupled weight decay (adamw, lamb, muon), L2 term of sgd and lars"),
+        Flag("eps", float, 1e-8, "denominator epsilon of adamw and lamb"),
+        Flag("momentum", float, None, "momentum of sgd, lars and muon (default: 0.9; muon 0.95)"),
+        Flag("grad_clip", float, 1.0, "clip the global gradient norm to this value"),
         Flag("optimizer", str, "adamw", "adamw, sgd (torch.optim); muon (torch.optim.Muon on the decoder blocks' "
              "matrices, AdamW on the rest; needs a torch that has it, 2.9+, else one error line); lamb, lars (the "
              "papers' trust-ratio updates, written here: torch has none)", choices=tuple(OPTIMIZERS)),

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from model.errors import ConfigError
-from trainer.base.schema import Flag, flag
+from trainer.base.schema import Flag
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 SCALINGS = ("none", "linear", "sqrt")
@@ -24,11 +24,12 @@ class LRSchedule:
     kind: str  # cosine | linear | wsd | constant
     peak: float  # --learning_rate after --lr_scaling
     floor_ratio: float  # the last value / peak (--min_lr / peak; MiniMind's 0.1 by default)
-    warmup_steps: int = flag(0, "linear warm-up steps before the --lr_schedule", min=0)
+    warmup_steps: int
     decay_fraction: float  # wsd: the last fraction of the post-warm-up steps decays
     max_steps: int  # 0: the schedule spans every epoch (--max_steps)
     scaling_note: str = ""  # how the peak came from --learning_rate (printed at start)
     FLAGS = (
+        Flag("warmup_steps", int, 0, "linear warm-up steps before the --lr_schedule", min=0),
         Flag("learning_rate", float, 5e-4, "peak learning rate of the schedule (MiniMind's cosine)"),
         Flag("lr_schedule", str, "cosine", "after --warmup_steps: cosine (MiniMind's), linear decay, wsd "
              "(warmup-stable-decay: the peak, then a linear decay over the last --wsd_decay_fraction), constant; down "

@@ -10,13 +10,27 @@ from contextlib import contextmanager
 
 import torch
 
-from trainer.base.log import say
+from trainer.base.log import Logger, say
 from trainer.base.streams import write_fd
+from trainer.ckpt.weights_file import save_last_completed
 from trainer.parallel.perf import decoder_blocks
 
 
 class StepAbandoned(Exception):
     """A signal came while one process ran a step's micro-batches: the step is dropped, the last completed one saved."""
+
+
+def save_abandoned(trainer):
+    """A signal during a step's micro-batches (one process): drop their gradients and save the last completed step,
+    whose parameters, optimizer state and progress are untouched, with the RNG state it ended with."""
+    guard = trainer.guard
+    guard.stop, guard.stop_signal = True, signal.Signals[guard.preemption.requested]
+    step = save_last_completed(trainer)
+    if step == 0:
+        Logger("preempted: no optimizer step completed yet; nothing to save")
+        return
+    Logger(f"preempted: dropped step {step + 1}; step {step} saved in {trainer.plan.io.run_dir}; "
+           "continue with --from_resume 1")
 
 
 class Preemption:

@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 from model.errors import ConfigError
 from model.model_minimind import CrossEntropyChunks, MiniMindConfig, MiniMindForCausalLM, chunked_head
 from model.provenance import content_sha256
-from model.weight_flags import weights_line
-from model.weight_names import file_digest, other_sizes, typed_or_default, weight_name
-from model.weight_shapes import WeightsError, weight_fields
+from model.weights.flag_advice import weights_line
+from model.weights.paths import file_digest, other_sizes, typed_or_default, weight_name
+from model.weights.shapes import WeightsError, weight_fields
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.weights_file import any_weights_record, load_any_weights, read_any_weights
@@ -65,7 +65,7 @@ class DistillationPlan(SFTStage):
         return MiniMindConfig(**self.teacher_fields)
 
     def resume_fields(self):
-        """The flags that shape the saved state (checked on resume, trainer/ckpt/checkpoint.py)."""
+        """The flags that shape the saved state (checked on resume, trainer/ckpt/resume.py)."""
         return {"--teacher_weight": {"path": self.teacher_path, "sha256": self.teacher_sha256}, "--alpha": self.alpha,
                 "--temperature": self.temperature}
 

@@ -19,12 +19,12 @@ from dataset.shards import local_part
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import content_sha256
-from model.weight_flags import mismatch_line, weights_line
-from model.weight_names import other_sizes, weight_path
-from model.weight_shapes import WeightsError
+from model.weights.flag_advice import mismatch_line, weights_line
+from model.weights.paths import other_sizes, weight_path
+from model.weights.shapes import WeightsError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
-from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields
+from trainer.ckpt.resume import check_resume_fields, saved_resume_fields
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.core.log_probs import sequence_log_probs, target_span
 from trainer.plan.model_config import flag_error
@@ -84,7 +84,7 @@ class DPOPlan(Stage):
         return objective
 
     def resume_fields(self):
-        """The flags that shape the saved state (checked on resume, trainer/ckpt/checkpoint.py)."""
+        """The flags that shape the saved state (checked on resume, trainer/ckpt/resume.py)."""
         fields = {"--beta": self.beta, "--loss_type": self.loss_type, "--label_smoothing": self.label_smoothing,
                   "--simpo_gamma": self.simpo_gamma}
         if LOSSES[self.loss_type].needs_reference:

@@ -16,16 +16,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dataset.mixture import leaf_datasets
 from model.atomic import atomic_save
 from model.errors import ConfigError
 from model.provenance import short
-from model.weight_shapes import config_fields
+from model.weights.shapes import config_fields
 from trainer.base.launch import count_sum, is_main_process, setup_seed
 from trainer.base.log import Logger
 from trainer.ckpt.storage import rank0_write
 from trainer.ckpt.weights_file import init_model
 from trainer.core.batches import autocast, step_targets
-from trainer.core.data_loading import LongestRows, leaf_datasets
+from trainer.core.data_loading import LongestRows
 from trainer.core.log_probs import sequence_log_probs
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.tensor import tp_loss_context

@@ -21,7 +21,7 @@ from dataset.shards import local_part
 from model.errors import ConfigError
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
-from trainer.ckpt.checkpoint import check_resume_fields, saved_resume_fields
+from trainer.ckpt.resume import check_resume_fields, saved_resume_fields
 from trainer.core.batches import step_targets
 from trainer.core.log_probs import sequence_log_probs, target_span
 from trainer.plan.objective import LMObjective

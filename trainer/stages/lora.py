@@ -15,8 +15,8 @@ from model.errors import ConfigError
 from model.lora import TARGETS, LoraError, apply_lora, lora_state_dict, lora_target_names, save_peft
 from model.model_minimind import MiniMindForCausalLM
 from model.provenance import tokenizer_files
-from model.weight_names import weight_name
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
+from model.weights.paths import weight_name
 from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.plan.stage import SIDECAR_BYTES
@@ -94,7 +94,7 @@ class LoraPlan(SFTStage):
         return 2 * adapters + tokenizer + SIDECAR_BYTES
 
     def resume_fields(self):
-        """The flags that shape the saved state (checked on resume, trainer/ckpt/checkpoint.py)."""
+        """The flags that shape the saved state (checked on resume, trainer/ckpt/resume.py)."""
         return {"--lora_rank": self.rank, "--lora_alpha": self.alpha, "--lora_dropout": self.dropout,
                 "--lora_targets": ",".join(self.targets) if self.targets else None}
 

@@ -16,16 +16,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dataset.mixture import leaf_datasets
 from dataset.preference_data import RewardPairs
 from dataset.shards import local_part
 from model.atomic import atomic_folder
 from model.errors import ConfigError
 from model.hf_convert import save_hf_classifier
 from model.provenance import tokenizer_files
-from model.weight_shapes import clean_state_dict
-from model.weights import save_weights_file
+from model.weights.files import save_weights_file
+from model.weights.shapes import clean_state_dict
 from trainer.base.log import Logger
-from trainer.core.data_loading import leaf_datasets
 from trainer.core.trunk_head import TrunkHead
 from trainer.plan.objective import LMObjective
 from trainer.plan.stage import SIDECAR_BYTES, Stage

@@ -4,7 +4,7 @@ reader (read_weights, read_sidecar, read_record), which also reads the other wei
 read_weights takes a MiniMind `.pth` state dict (ours, with its sidecar, or MiniMind-3's bare one), a torch file whose
 "model" entry is the state dict (MiniMind's `*_resume.pth`, read as weights; trainer/ckpt/minimind_resume.py reads it
 as a resume) and a Hugging Face folder (model/hf_convert.py). The trainer's checkpoint directories (`step_<N>/`) are
-read by trainer/ckpt/checkpoint.py, their owner. Shapes and names: model/weight_shapes.py; atomic writes:
+read by trainer/ckpt/resume.py, their owner. Shapes and names: model/weights/shapes.py; atomic writes:
 model/atomic.py.
 """
 import json
@@ -16,9 +16,9 @@ import torch
 
 from model.atomic import atomic_json, atomic_save
 from model.provenance import tokenizer_record, tokenizer_sha256
-from model.weight_shapes import CONFIG_FIELDS, WeightsError, clean_state_dict, config_fields, load_checked
+from model.weights.shapes import CONFIG_FIELDS, WeightsError, clean_state_dict, config_fields, load_checked
 
-CHECKPOINT_MARK = ".metadata"  # what a DCP step directory holds (trainer/ckpt/checkpoint.py reads those)
+CHECKPOINT_MARK = ".metadata"  # what a DCP step directory holds (trainer/ckpt/resume.py reads those)
 
 
 def sidecar_path(path):
@@ -36,7 +36,7 @@ def save_weights_file(state_dict, config, path, record=None):
 
 
 def is_checkpoint_dir(path):
-    """Whether `path` is a DCP directory (the trainer's step_<N>), which trainer/ckpt/checkpoint.py reads."""
+    """Whether `path` is a DCP directory (the trainer's step_<N>), which trainer/ckpt/resume.py reads."""
     return os.path.isfile(os.path.join(path, CHECKPOINT_MARK))
 
 
@@ -49,7 +49,7 @@ def read_weights(path):
 def read_weights_and_args(path):
     """read_weights plus the saved training args of a single-file resume (None for the others)."""
     if is_checkpoint_dir(path):
-        raise WeightsError(f"{path} is a training checkpoint directory; read it with trainer/ckpt/checkpoint.py "
+        raise WeightsError(f"{path} is a training checkpoint directory; read it with trainer/ckpt/resume.py "
                            "(read_any_weights)")
     if os.path.isdir(path):
         from model.hf_convert import read_hf_folder  # transformers' folders: read by the runs given one only
@@ -98,7 +98,7 @@ def read_record(path):
     """What weights record besides the model: {"tokenizer": {"path", "sha256"}, "step": N, ...}, as far as known.
 
     A .pth: its sidecar; an HF folder: its own tokenizer files; MiniMind's bare .pth or resume file: nothing (a
-    checkpoint directory: trainer/ckpt/checkpoint.read_checkpoint_record)."""
+    checkpoint directory: trainer/ckpt/resume.read_checkpoint_record)."""
     if os.path.isdir(path):
         return {"tokenizer": tokenizer_record(path)} if tokenizer_sha256(path) else {}
     side = sidecar_path(path)

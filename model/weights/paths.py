@@ -4,7 +4,7 @@ import hashlib
 import os
 import re
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # model/weights/ -> the repository
 
 
 def repo_path(path):

@@ -2,7 +2,7 @@
 whether it fits a model (shape_mismatch), in the model's own terms.
 
 A WeightsError names what is wrong; where one setting would make the weights usable it carries that setting as `fix`
-(a MiniMindConfig field and the weights' value of it, or a word below), which model/weight_flags.py words as the
+(a MiniMindConfig field and the weights' value of it, or a word below), which model/weights/flag_advice.py words as the
 flag to pass: model/ knows no command line.
 """
 import inspect

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import FileSystemReader, TensorStorageMetadata
 
 from model.errors import ConfigError
 from model.provenance import short
-from model.weight_shapes import WeightsError, clean_state_dict, config_fields
+from model.weights.shapes import WeightsError, clean_state_dict, config_fields
 from trainer.base.log import Logger
 from trainer.ckpt.step_dirs import (
     FORMAT_VERSION,
@@ -37,6 +37,7 @@ from trainer.ckpt.step_dirs import (
     agreed_checkpoint,
     agreed_damage,
     damage,
+    latest_checkpoint,
     load_train_state,
     loadable_checkpoint,
     minimind_resume_path,
@@ -100,6 +101,20 @@ def saved_resume_fields(plan):
         return path, load_train_state(path).get("resume_fields") if path else None
     except Exception:
         return path, None  # read_resume names the unreadable file
+
+
+def check_resume_early(plan):
+    """--from_resume 1 with nothing to resume fails here, before the data is built and tokenized (read_resume's own
+    check comes after them); one process only: ranks on nodes without a shared directory see different files, and
+    read_resume's collective agreement names each rank's view (files alone would let one rank leave the others)."""
+    io = plan.io
+    if plan.layout.world_size > 1:
+        return
+    minimind_path = minimind_resume_path(io.checkpoint_dir, os.path.basename(io.run_dir))
+    if io.from_resume == "1" and not io.resume_path and latest_checkpoint(io.run_dir) is None \
+            and not os.path.isfile(minimind_path):
+        raise ConfigError(f"--from_resume 1 but {io.run_dir} holds no complete checkpoint; pass --from_resume auto "
+                          "to start fresh when there is none, or 0")
 
 
 def read_resume(config, plan):
@@ -180,9 +195,10 @@ def tied_aliases(pipeline, config):
 # beta and the reference; distillation: the teacher, alpha, temperature). Checkpoints save them as `resume_fields` in
 # train_state.pt; a value that differs now is one line naming the flag and both values.
 def resume_fields(plan):
-    """What shapes the saved state besides the model's fields, by flag: the tokenizer (its record) and the stage's
-    own (LoRA rank/alpha/targets/dropout, DPO beta and reference, distillation teacher/alpha/temperature)."""
-    fields = {"--tokenizer_path": plan.data.tokenizer_record}
+    """What shapes the saved state besides the model's fields, by flag: the tokenizer (its record), the optimizer (its
+    state's entries) and the stage's own (LoRA rank/alpha/targets/dropout, DPO beta and reference, distillation
+    teacher/alpha/temperature)."""
+    fields = {"--tokenizer_path": plan.data.tokenizer_record, "--optimizer": plan.optim.name}
     if plan.model.config.use_moe:  # the routing bias is model state when on
         fields["--router_balance"] = plan.model.router_balance
     return dict(fields, **plan.stage.resume_fields())

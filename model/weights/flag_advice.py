@@ -1,9 +1,9 @@
 """Weights problems worded as the flags that fix them: model/ says what does not fit in the model's terms (a
-WeightsError's `fix`: a MiniMindConfig field and its value, or a word of weight_shapes.FIXES); this module names the
+WeightsError's `fix`: a MiniMindConfig field and its value, or a word of shapes.FIXES); this module names the
 flag. The model flags are named after the config fields they set (--hidden_size sets hidden_size)."""
-from model.weight_shapes import shape_mismatch
+from model.weights.shapes import shape_mismatch
 
-# advice for the fixes that are not one model flag (weight_shapes.FIXES)
+# advice for the fixes that are not one model flag (shapes.FIXES)
 ADVICE = {
     "tokenizer": lambda vocab: f"pass the tokenizer these weights were trained with (vocab_size {vocab}): "
                                "--tokenizer_path",
