@@ -38,7 +38,7 @@ from datatrove.pipeline.dedup import (  # noqa: E402
     MinhashDedupCluster,
     MinhashDedupFilter,
 )
-from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupSignature, ExactFindDedups  # noqa: E402
+from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactFindDedups  # noqa: E402
 from datatrove.utils.hashing import HashConfig  # noqa: E402
 
 from model.atomic import atomic_json, atomic_write_text  # noqa: E402
@@ -51,12 +51,13 @@ from scripts.curate.steps import (  # noqa: E402
     DecontFilter,
     EvalFilesIndexer,
     ExactFilter,
+    ExactSignatureOnTheWay,
     FastMinhashSignature,
     MixedScriptTokenizer,
+    RankFileReader,
     RepetitionFilter,
     Tally,
     TokenSample,
-    WorkReader,
     WorkWriter,
     document_row,
 )
@@ -64,6 +65,7 @@ from scripts.curate.steps import (  # noqa: E402
 STEPS = ("quality", "decont", "exact", "near")
 REMOVING_STEPS = ("length_and_ratios", "repetition", "decont", "exact", "near")  # tally labels, exclusion folders
 JSONL_SUFFIXES, PARQUET_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst"), (".parquet",)
+WORK_LAYOUT = 2  # what .work's stages write; an unfinished run of another layout is not continued
 NOT_SETTINGS = ("workers", "keep_work", "quiet", "verbose", "executor", "ray_address")  # flags that shape no output
 
 
@@ -133,13 +135,23 @@ def quality_steps(args, removed):
 
 
 def stages(args, files, work):
-    """[(name, pipeline, tasks, the work folder it reads or None)] in run order; the last writes work/final."""
-    def removed(step):  # a few removed documents per step, for the report
-        return WorkWriter(os.path.join(work, "removed", step), compression=None, adapter=document_row)
+    """[(name, pipeline, tasks, the work folder it reads or None)] in run order. The corpus is read three times: the
+    first stage filters it into work/filtered and takes the exact signatures of what it writes; the near-duplicate
+    signatures are taken of what the exact filter keeps of work/filtered; the last stage applies both filters to
+    work/filtered again and writes work/final. Task r of a stage reads the file task r of the first stage wrote, so
+    the signatures' document indices line up."""
+    def folder(name):
+        return os.path.join(work, name)
 
-    def writer(folder, final=False):
-        return WorkWriter(os.path.join(work, folder), compression=None,
-                          adapter=row_for_output if final else document_row)
+    def removed(step):  # a few removed documents per step, for the report
+        return WorkWriter(folder(os.path.join("removed", step)), compression=None, adapter=document_row)
+
+    def exact_filter(counted):  # the exact filter, counted (removed documents, tally) where it first runs
+        if "exact" not in on:
+            return []
+        if counted:
+            return [ExactFilter(folder("exact_dups"), exact, removed("exact")), Tally("exact")]
+        return [ExactFilter(folder("exact_dups"), exact)]
 
     tasks, on = args.tasks, set(args.steps)
     hashes = HashConfig(precision=64, hash_fc="sha1")  # datatrove's xxhash calls need xxhash<4; sha1 needs nothing
@@ -147,45 +159,48 @@ def stages(args, files, work):
     minhash = MinhashConfig(n_grams=args.shingle_size, num_buckets=args.minhash_buckets,
                             hashes_per_bucket=args.minhash_hashes, hash_config=hashes)
     exact = ExactDedupConfig(content_getter=normalised_text, hash_config=hashes)
-    first = readers(files, work, args.text_field) + [TokenSample(args.tokenizer_path, args.token_sample),
-                                                     Tally("input")]
-    if "quality" in on:
-        first += quality_steps(args, removed)
-    plan = []
+    plan, first = [], filter_steps(args, files, work, removed, decont)
     if "decont" in on:
-        plan.append(("decont_index", [EvalFilesIndexer(os.path.join(work, "decont_index"), args.eval_path, decont,
+        plan.append(("decont_index", [EvalFilesIndexer(folder("decont_index"), args.eval_path, decont,
                                                        MixedScriptTokenizer())], 1, None))
-        first += [DecontFilter(os.path.join(work, "decont_index"), decont, removed("decont"), MixedScriptTokenizer()),
-                  Tally("decont")]
-    plan.append(("filter", first + [writer("filtered")], tasks, None))
-    source = "filtered"
     if "exact" in on:
-        plan += [("exact_sig", [read(work, source), ExactDedupSignature(os.path.join(work, "exact_sig"), exact)],
-                  tasks, source),
-                 ("exact_find", [ExactFindDedups(os.path.join(work, "exact_sig"), os.path.join(work, "exact_dups"),
-                                                 exact)], 1, None),
-                 ("exact_filter", [read(work, source), ExactFilter(os.path.join(work, "exact_dups"), exact,
-                                                                   removed("exact")), Tally("exact"),
-                                   writer("exact")], tasks, source)]
-        source = "exact"
-    last = [read(work, source)]
+        first.append(ExactSignatureOnTheWay(folder("exact_sig"), exact))
+    plan.append(("filter", first + [WorkWriter(folder("filtered"), compression=None, adapter=document_row)], tasks,
+                 None))
+    if "exact" in on:
+        plan.append(("exact_find", [ExactFindDedups(folder("exact_sig"), folder("exact_dups"), exact)], 1, None))
+    last = [read(work, "filtered")]
     if "near" in on:
-        plan += [("near_sig", [read(work, source), FastMinhashSignature(os.path.join(work, "near_sig"), minhash,
-                                                                         MixedScriptTokenizer())], tasks, source),
-                 ("near_buckets", [MinhashDedupBuckets(os.path.join(work, "near_sig"),
-                                                       os.path.join(work, "near_buckets"), config=minhash)],
+        plan += [("near_sig", [read(work, "filtered")] + exact_filter(True) + [FastMinhashSignature(
+                     folder("near_sig"), minhash, MixedScriptTokenizer())], tasks, "filtered"),
+                 ("near_buckets", [MinhashDedupBuckets(folder("near_sig"), folder("near_buckets"), config=minhash)],
                   args.minhash_buckets, None),
-                 ("near_cluster", [MinhashDedupCluster(os.path.join(work, "near_buckets"),
-                                                       os.path.join(work, "near_remove"), config=minhash)], 1, None)]
-        last += [MinhashDedupFilter(os.path.join(work, "near_remove"), exclusion_writer=removed("near")),
-                 Tally("near")]
-    plan.append(("write", last + [Tally("output"), writer("final", final=True)], tasks, source))
+                 ("near_cluster", [MinhashDedupCluster(folder("near_buckets"), folder("near_remove"),
+                                                       config=minhash)], 1, None)]
+        last += exact_filter(False) + [MinhashDedupFilter(folder("near_remove"), exclusion_writer=removed("near")),
+                                       Tally("near")]
+    else:
+        last += exact_filter(True)
+    plan.append(("write", last + [Tally("output"), WorkWriter(folder("final"), compression=None,
+                                                              adapter=row_for_output)], tasks, "filtered"))
     return plan
 
 
+def filter_steps(args, files, work, removed, decont):
+    """The first stage's steps before its writer: read, token sample, quality, decontamination."""
+    steps = readers(files, work, args.text_field) + [TokenSample(args.tokenizer_path, args.token_sample),
+                                                     Tally("input")]
+    if "quality" in args.steps:
+        steps += quality_steps(args, removed)
+    if "decont" in args.steps:
+        steps += [DecontFilter(os.path.join(work, "decont_index"), decont, removed("decont"), MixedScriptTokenizer()),
+                  Tally("decont")]
+    return steps
+
+
 def read(work, folder):
-    """Reader of an intermediate folder (datatrove's own row format, metadata kept)."""
-    return WorkReader(os.path.join(work, folder), compression=None)
+    """Reader of an intermediate folder (datatrove's own row format, metadata kept): task r reads file r."""
+    return RankFileReader(os.path.join(work, folder), compression=None)
 
 
 def prepare_work(work, out_dir, settings, inputs, say):
@@ -249,6 +264,7 @@ def run(args):
     if not os.path.isdir(work) and input_files_in(args.out_dir):
         raise ValueError(f"--out_dir {args.out_dir} already holds data files; give an empty or new folder")
     settings = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}  # tasks stay: they are ranks
+    settings["work_layout"] = WORK_LAYOUT
     inputs = fingerprints(files)
     prepare_work(work, args.out_dir, settings, inputs, say)
     if os.path.exists(os.path.join(args.out_dir, "report.json")):  # finished before, on this input: nothing to do
@@ -270,7 +286,7 @@ def run(args):
     report["minhash_threshold"] = (1 / args.minhash_buckets) ** (1 / args.minhash_hashes)
     atomic_json(report, os.path.join(args.out_dir, "report.json"))
     if not args.keep_work:  # the intermediate copies of the corpus; logs and removed examples stay
-        for folder in ("filtered", "exact", "exact_sig", "near_sig", "near_buckets"):
+        for folder in ("filtered", "exact_sig", "near_sig", "near_buckets"):
             shutil.rmtree(os.path.join(work, folder), ignore_errors=True)
     return show(report, args.quiet)
 

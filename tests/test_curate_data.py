@@ -2,6 +2,7 @@
 removed at the stated thresholds, clean English and Chinese prose is kept, and a killed run finishes like one that
 was never stopped."""
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -18,14 +19,21 @@ import numpy as np
 import pandas as pd
 import pytest
 from datatrove.data import Document
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.dedup import MinhashConfig, MinhashDedupSignature
+from datatrove.pipeline.filters import LambdaFilter
 from datatrove.pipeline.filters.gopher_repetition_filter import find_all_duplicate
-from datatrove.utils.hashes.sha1 import sha1_hash64
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.pipeline.writers import JsonlWriter
+from datatrove.utils.hashing import HashConfig
 from datatrove.utils.text import ngrams, simplify_text
 from tokenizers import Tokenizer
 
 from scripts import curate_data
+from scripts.benchmarks import stock_curate
 from scripts.curate import fast as curate_fast
-from scripts.curate.steps import MixedScriptTokenizer, RepetitionFilter
+from scripts.curate import minhash as curate_minhash
+from scripts.curate.steps import TOKEN, CharRatioFilter, FastMinhashSignature, MixedScriptTokenizer, RepetitionFilter
 from tests.launch import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,6 +163,36 @@ def test_exact_and_near_duplicates_found_unique_documents_kept(tmp_path):
     assert counts["near"][1] == len(kept)
 
 
+def test_kept_documents_equal_datatrove_blocks_in_datatrove_layout(tmp_path):
+    """The same steps as stock datatrove blocks in the layout of its docs (scripts/benchmarks/stock_curate.py: every
+    signature stage reads its folder again, MinhashDedupSignature hashes with hashlib, each filter runs document by
+    document through BaseFilter) keep the same rows as scripts/curate_data.py, which fuses the passes: 3 tasks,
+    the middle one's file all junk (it writes no filtered file, so the folders' numbering differs), exact copies,
+    paraphrases and benchmark-free prose in English and Chinese."""
+    rng = random.Random(11)
+    base = [english_doc(rng, rng.randint(60, 160)) for _ in range(80)] + [chinese_doc(rng, 200) for _ in range(40)]
+    docs = base + ENGLISH + CHINESE + rng.sample(base, 25) + [swap_words(rng, t, 2) for t in rng.sample(base, 25)]
+    rng.shuffle(docs)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for k, part in enumerate((docs[::2], JUNK * 4, docs[1::2])):
+        write_jsonl(raw / f"part{k}.jsonl", part)
+    kept, report = curate(tmp_path, [raw], "--tasks", "3", "--keep_work")
+    assert sorted(os.listdir(tmp_path / "curated" / ".work" / "filtered")) == ["00000.jsonl", "00002.jsonl"]
+    plan = stock_curate.stages(str(raw), str(tmp_path / "stock"), 3)
+    assert plan[0][0] == "filter"
+    ratios, repetition = CharRatioFilter(), RepetitionFilter(language=MixedScriptTokenizer())
+    plan[0] = ("filter", [JsonlReader(str(raw)), LambdaFilter(lambda doc: ratios.filter(doc) is True),
+                          LambdaFilter(lambda doc: repetition.filter(doc) is True),
+                          JsonlWriter(str(tmp_path / "stock" / ".work" / "filtered"), compression=None)], 3)
+    for name, pipeline, tasks in plan:
+        LocalPipelineExecutor(pipeline, tasks=tasks, workers=1,
+                              logging_dir=str(tmp_path / "stock" / ".work" / "logs" / name)).run()
+    assert sorted(kept) == sorted(output_texts(tmp_path / "stock"))
+    counts = step_counts(report)
+    assert counts["repetition"][1] > counts["exact"][1] > counts["near"][1] == len(kept)  # each dedup step removed
+
+
 def copies_of(copies, i):
     return {t for (_, j), t in copies.items() if j == i}
 
@@ -235,8 +273,8 @@ def test_bad_input_one_error_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_killed_run_finishes_like_an_uninterrupted_one(tmp_path):
-    """SIGKILL inside the exact-dedup filter's second task (tests/curate_kill.py), then the same command again: the
-    shards and counts equal one uninterrupted run's, and the finished tasks were not redone."""
+    """SIGKILL inside the exact-dedup filter's second task (tests/curate_kill.py; stage near_sig), then the same
+    command again: the shards and counts equal one uninterrupted run's, and the finished tasks were not redone."""
     rng = random.Random(2)
     docs = [english_doc(rng, 60) for _ in range(150)] + ENGLISH + CHINESE + JUNK
     docs += rng.sample(docs, 30)
@@ -254,7 +292,7 @@ def test_killed_run_finishes_like_an_uninterrupted_one(tmp_path):
     done_before = os.path.getmtime(tmp_path / "resumed" / ".work" / "logs" / "filter" / "completions" / "00002")
     resumed = python("scripts/curate_data.py", flags + ["--out_dir", tmp_path / "resumed"], timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "exact_filter: 3 task(s) (1 done before)" in resumed.stderr  # exact_filter's first task
+    assert "near_sig: 3 task(s) (1 done before)" in resumed.stderr  # the first task of the exact filter's stage
     assert os.path.getmtime(tmp_path / "resumed" / ".work" / "logs" / "filter" / "completions" / "00002") == \
         done_before
     names = sorted(os.listdir(tmp_path / "whole"))
@@ -291,42 +329,80 @@ def test_sigterm_exits_143_and_the_rerun_finishes(tmp_path):
     assert sorted(output_texts(tmp_path / "out")) == sorted(set(texts))  # all unique: all kept, once
 
 
-def test_fast_functions_equal_datatrove_and_a_plain_count():
-    """curate_fast against the functions it replaces (datatrove's, and a per-character count) on texts made to trip
-    them: repeats, words whose concatenations collide ("ab c" / "a bc"), CJK, diacritics, emoji, a lone surrogate."""
+def tricky_texts():
+    """Texts made to trip the fast functions: repeats, words whose concatenations collide ("ab c" / "a bc"), CJK,
+    diacritics, emoji, Unicode whitespace, a lone surrogate, and 200 short random word salads."""
     rng = random.Random(3)
     texts = ENGLISH + CHINESE + JUNK + [english_doc(rng, 300), chinese_doc(rng, 400), "", "x", "ab c ab c ab c",
                                         "a bc abc a bc ab c", "Café déjà vu naïve ÀÉÎ 12,5 x\u0301y 𝄞\u0301",
-                                        "😀😀 a😀 ☺☺ $$ 日本語 テスト \ud800 lone",
-                                        "一二三一二三一二三一二三一二三一二三"]
-    texts += [" ".join(rng.choice(["a", "b", "ab", "ba", "c", "日", "本", "😀"]) for _ in range(rng.randint(0, 60)))
-              for _ in range(200)]
+                                        "😀😀 a😀 ☺☺ $$ 日本語 テスト \ud800 lone", "一二三一二三" * 3,
+                                        "a \u0301 b\u00a0c\u3000d\x1ce\u2028f"]
+    return texts + [" ".join(rng.choice(["a", "b", "ab", "ba", "c", "日", "本", "😀", "\u00e9"])
+                             for _ in range(rng.randint(0, 60))) for _ in range(200)]
+
+
+def test_fast_functions_equal_datatrove_and_a_plain_count():
+    """curate_fast against the functions it replaces (datatrove's, a regex, a per-character count) on tricky_texts(),
+    each text in a batch of its own and all in one batch (a batch's documents must not see each other's n-grams)."""
+    texts = tricky_texts()
     tokenizer = MixedScriptTokenizer()
+    words_per_text = [tokenizer.word_tokenize(text) for text in texts]
+    assert words_per_text == [TOKEN.findall(text) for text in texts]  # str.split where there is no CJK: the same
+    for batch in [[words] for words in words_per_text] + [words_per_text]:
+        grams = curate_fast.BatchNgrams(batch)
+        duplicated = grams.duplicated_chars(list(range(1, 11)))
+        bounds = {n: grams.top_repeated_chars_at_most(n) for n in (2, 3, 4)}
+        for k, words in enumerate(batch):
+            for n in range(1, 11):
+                assert duplicated[n][k] == find_all_duplicate(words, n), (words, n)
+            for n in (2, 3, 4):
+                counts = Counter(ngrams(words, n))
+                assert curate_fast.top_repeated(words, n) == (counts.most_common(1)[0] if counts else None), words
+                assert bounds[n][k] >= max((c * len("".join(g)) for g, c in counts.items()), default=0), words
     for text in texts:
         visible = [ch for ch in text if not ch.isspace()]
         categories = [unicodedata.category(ch)[0] for ch in visible]
         symbols = sum(c == "S" and not ch.isascii() for ch, c in zip(visible, categories))  # ASCII's | < = $ are not
         assert curate_fast.char_classes(text) == (len(visible), sum(c in "LN" for c in categories), symbols), text
-        words = tokenizer.word_tokenize(text)
-        grams = curate_fast.WordNgrams(words)
-        for n in range(1, 11):
-            assert grams.duplicated_chars(n) == find_all_duplicate(words, n), (text, n)
-        for n in (2, 3, 4):
-            counts = Counter(ngrams(words, n))
-            assert grams.top_repeated(n) == (counts.most_common(1)[0] if counts else None), (text, n)
-            assert grams.top_repeated_chars_at_most(n) >= max((c * len("".join(g)) for g, c in counts.items()),
-                                                              default=0), (text, n)
-        simple = simplify_text(text)
-        assert curate_fast.simplify_text(text) == simple, text
-        words = tokenizer.word_tokenize(simple)
-        if not simple.isascii() and "\ud800" in simple:  # both raise: a lone surrogate has no UTF-8
-            with pytest.raises(UnicodeEncodeError):
-                curate_fast.sha1_shingles(words, 5)
-            continue
-        expected = [sha1_hash64(" ".join(gram)) for gram in ngrams(words, 5)]
-        shingles = curate_fast.sha1_shingles(words, 5)
-        assert shingles.dtype == np.uint64 and shingles.shape == (len(expected), 1), text
-        assert shingles[:, 0].tolist() == expected, text
+        assert curate_fast.simplify_text(text) == simplify_text(text), text
+
+
+def test_minhash_signatures_equal_datatrove(tmp_path, monkeypatch):
+    """curate_minhash's SHA-1 against hashlib (lengths across the 64-byte block bounds, in numpy and in hashlib's
+    share), its shingles and signatures against MinhashDedupSignature's on tricky_texts(), and the signature step's
+    bucket files against datatrove's own step's, byte for byte, over batches of a few documents."""
+    rng = random.Random(5)
+    messages = [bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 31, 55, 56, 63, 64, 119, 120, 200])))
+                for _ in range(600)]
+    data = b"".join(messages)
+    ends = np.cumsum([len(m) for m in messages])
+    expected = [int.from_bytes(hashlib.sha1(m).digest()[:8], "little") for m in messages]
+    assert curate_minhash.sha1_hash64_many(data, ends - [len(m) for m in messages], ends).tolist() == expected
+    monkeypatch.setattr(curate_minhash, "NUMPY_MIN", 1)  # every length through the numpy rounds
+    assert curate_minhash.sha1_hash64_many(data, ends - [len(m) for m in messages], ends).tolist() == expected
+    config = MinhashConfig(hash_config=HashConfig(precision=64, hash_fc="sha1"))
+    fast = FastMinhashSignature(str(tmp_path / "fast"), config, MixedScriptTokenizer())
+    stock = MinhashDedupSignature(str(tmp_path / "stock"), config, language=MixedScriptTokenizer())
+    texts = [text for text in tricky_texts() if "\ud800" not in text]  # a lone surrogate: both raise
+    spaced, sizes = zip(*map(fast.spaced_words, texts))
+    hashes, counts = curate_minhash.shingle_hashes(spaced, sizes, 5)
+    shingles = [stock.get_shingles(text)[:, 0] for text in texts]
+    assert counts.tolist() == [len(s) for s in shingles] and hashes.tolist() == np.concatenate(shingles).tolist()
+    signed = curate_minhash.signatures(hashes, counts, *stock.parameters)
+    for k, one in enumerate(shingles):
+        if len(one):
+            assert signed[k].tolist() == sum(stock.get_signature(one[:, None]), []), texts[k]
+    with pytest.raises(UnicodeEncodeError):
+        curate_minhash.shingle_hashes([fast.spaced_words("日本 \ud800 x")[0]], [3], 2)
+    docs = [Document(text=text, id=str(k)) for k, text in enumerate(texts + texts[::3])]
+    fast.BATCH_WORDS = 40
+    fast.run(iter(docs), rank=1)
+    stock.run(iter(docs), rank=1)
+    names = sorted(os.listdir(tmp_path / "stock"))
+    assert len(names) == config.num_buckets and sorted(os.listdir(tmp_path / "fast")) == names
+    for name in names:
+        assert (tmp_path / "fast" / name / "00001.minhash.sig").read_bytes() == \
+            (tmp_path / "stock" / name / "00001.minhash.sig").read_bytes()
 
 
 # --- faults and false drops (issue 58), overhead (issue 55) ---
@@ -479,7 +555,7 @@ def test_every_document_filtered_out_is_one_error_line(tmp_path, capsys):
     assert not any("Traceback" in line for line in err)
     report = json.loads((out / "report.json").read_text())
     assert report["shards"] == [] and [s["stage"] for s in report["stages"] if "skipped" in s] == [
-        "exact_sig", "exact_find", "exact_filter", "near_sig", "near_buckets", "near_cluster", "write"]
+        "near_sig", "near_buckets", "near_cluster", "write"]
 
 
 def test_progress_lines_only_and_quiet_prints_nothing(tmp_path, capfd):
@@ -491,8 +567,8 @@ def test_progress_lines_only_and_quiet_prints_nothing(tmp_path, capfd):
     assert curate_data.main(flags + ["--out_dir", str(tmp_path / "a")]) == 0
     out, err = capfd.readouterr()
     lines = err.strip().splitlines()
-    assert lines[0].startswith("curating 1 file(s)") and len(lines) == 6, err  # filter, exact's three stages, write
-    assert all(line.startswith(f"[{k}/5] ") for k, line in enumerate(lines[1:], 1)), err
+    assert lines[0].startswith("curating 1 file(s)") and len(lines) == 4, err  # filter, exact_find, write
+    assert all(line.startswith(f"[{k}/3] ") for k, line in enumerate(lines[1:], 1)), err
     assert out.splitlines()[0].split()[:3] == ["step", "documents", "in"]
     assert "Processing done for rank=0" in (tmp_path / "a" / ".work" / "logs" / "filter" / "console.log").read_text()
     assert curate_data.main(flags + ["--out_dir", str(tmp_path / "b"), "--quiet"]) == 0

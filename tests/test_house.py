@@ -135,7 +135,8 @@ def test_no_import_cycle_between_files():
 # its longest row (issue #55): 71 / 8,293. Issue #56's second part: the MoE layer and YaRN out of the model file (read
 # by the models that use them), the weights modules a package of their own (its __init__ the one file more), resume,
 # room, MoE set-up, the data's lines and the clip moved to their owners: 72 / 8,155; one flag declaration style (each
-# section field beside its Flag in FLAGS, +49 lines in sections.py and schema.py) and --optimizer a resume field: 72 / 8,204.
+# section field beside its Flag in FLAGS, +49 lines in sections.py and schema.py) and --optimizer a resume field:
+# 72 / 8,204.
 PRETRAIN_FILES, PRETRAIN_LINES = 72, 8204
 
 

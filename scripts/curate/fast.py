@@ -2,15 +2,13 @@
 
 Each returns what its reference returns (tests/test_curate_data.py compares them on crafted texts):
 - char_classes: counts through a code point -> class table instead of a unicodedata call per character;
-- WordNgrams(words).duplicated_chars(n): datatrove's find_all_duplicate (Gopher's duplicated n-gram characters); a
-  hash of every n-gram (numpy) proves most n-grams unique, and the greedy scan visits only n-grams whose hash
-  repeats, comparing the strings themselves;
-- WordNgrams(words).top_repeated(n): Counter(ngrams(words, n)).most_common(1) through integer keys and numpy, after
-  top_repeated_chars_at_most(n), a bound that clears most documents without it;
-- simplify_text: datatrove's simplify_text, the combining marks (Mn) it drops deleted by str.translate;
-- sha1_shingles: datatrove's sha1_hash64 of each " "-joined n-gram, as one uint64 array.
+- BatchNgrams(words of each document).duplicated_chars(ns): datatrove's find_all_duplicate (Gopher's duplicated
+  n-gram characters) of every document for every n; a hash of every n-gram of a batch of documents (numpy, one sort)
+  proves most n-grams unique, and the greedy scan visits only n-grams whose hash repeats, comparing the strings;
+- top_repeated(words, n): Counter(ngrams(words, n)).most_common(1) through integer keys and numpy, after
+  BatchNgrams.top_repeated_chars_at_most(n), a bound that clears most documents without it;
+- simplify_text: datatrove's simplify_text, the combining marks (Mn) it drops deleted by str.translate.
 """
-import hashlib
 import sys
 import unicodedata
 from collections import Counter
@@ -25,6 +23,7 @@ _tables = {}
 _BASE = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
 _BASE_INVERSE = pow(_BASE, -1, 2**64)
 _powers = {"up": np.ones(1, np.uint64), "down": np.ones(1, np.uint64)}
+_SALT = 0xD6E8FEB86659FD93  # odd: documents and n apart, keys stay distinct
 
 
 def class_table():
@@ -73,95 +72,135 @@ def _power_table(name, base, length):
 
 
 def repeated(values):
-    """Boolean mask of the entries of `values` that occur more than once."""
+    """Boolean mask of the entries of `values` (uint64) that occur more than once."""
     ordered = np.sort(values)
     same = ordered[1:] == ordered[:-1]
     if not same.any():
         return np.zeros(len(values), dtype=bool)
-    return np.isin(values, ordered[1:][same])
+    twice = np.unique(ordered[1:][same])
+    seen = np.zeros(1 << 16, dtype=bool)  # by the top 16 bits: a cheap first look, exact below for its few hits
+    seen[twice >> np.uint64(48)] = True
+    mask = seen[values >> np.uint64(48)]
+    maybe = np.flatnonzero(mask)
+    mask[maybe] = twice[np.minimum(np.searchsorted(twice, values[maybe]), len(twice) - 1)] == values[maybe]
+    return mask
 
 
-class WordNgrams:
-    """The n-grams of one document's words, for every n from one pass over the words: a polynomial hash modulo 2**64
-    of each n-gram's concatenated characters (equal strings, equal hashes) and integer ids of the words."""
+class BatchNgrams:
+    """The n-grams of a batch of documents' words, all documents at once: a polynomial hash modulo 2**64 of each
+    n-gram's concatenated characters (equal strings, equal hashes), salted by document and n, so one sort over the
+    batch finds what repeats inside each document."""
 
-    def __init__(self, words):
-        self.words, self.joined = words, "".join(words)
+    def __init__(self, words_per_doc):
+        self.words_per_doc = words_per_doc
+        self.sizes = np.fromiter(map(len, words_per_doc), dtype=np.int64, count=len(words_per_doc))
+        words = [word for doc in words_per_doc for word in doc]
+        self.joined = "".join(words)
         self.offsets = np.zeros(len(words) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, words), dtype=np.int64, count=len(words)), out=self.offsets[1:])
         points = code_points(self.joined).astype(np.uint64)
         self.prefix = np.zeros(len(points) + 1, dtype=np.uint64)
         with np.errstate(over="ignore"):
             np.cumsum(points * _power_table("up", _BASE, len(points)), out=self.prefix[1:])
-        self.vocabulary, self.ids, self.pair_counts = None, None, None
+        self.first = np.cumsum(self.sizes) - self.sizes  # each document's first word in the batch
+        self.doc = np.repeat(np.arange(len(words_per_doc)), self.sizes)  # each word's document
+        self.room = self.sizes[self.doc] - (np.arange(len(words)) - self.first[self.doc])  # words left in its doc
+        self.pair_counts = None
 
-    def hashes(self, n):
-        """uint64 hash of the concatenated characters of each n-gram."""
-        starts, ends = self.offsets[:len(self.words) - n + 1], self.offsets[n:]
+    def keys(self, n):
+        """(the batch index of each n-gram's first word, its hash salted by its document and n)."""
+        starts = np.flatnonzero(self.room >= n)
+        begin, end = self.offsets[starts], self.offsets[starts + n]
+        salt = (self.doc[starts].astype(np.uint64) * np.uint64(64) + np.uint64(n)) * np.uint64(_SALT)
         with np.errstate(over="ignore"):
-            return (self.prefix[ends] - self.prefix[starts]) * _power_table("down", _BASE_INVERSE,
-                                                                             len(self.prefix))[starts]
+            hashes = (self.prefix[end] - self.prefix[begin]) * _power_table("down", _BASE_INVERSE,
+                                                                             len(self.prefix))[begin]
+            return starts, hashes + salt
 
-    def duplicated_chars(self, n):
-        """datatrove's find_all_duplicate(words, n): characters in n-grams (words joined without spaces) seen
-        before, scanning left to right and jumping past each repeat. Only n-grams whose hash occurs twice can
-        repeat: the scan steps over the rest, which never match and are never matched."""
-        if len(self.words) < n:
-            return 0
-        candidates = np.flatnonzero(repeated(self.hashes(n))).tolist()
-        if not candidates:
-            return 0
-        seen, total, position, offsets = set(), 0, 0, self.offsets.tolist()
-        for start in candidates:
-            if start < position:
-                continue  # inside a repeat the scan jumped over
-            gram = self.joined[offsets[start]:offsets[start + n]]
-            if gram in seen:
-                total += len(gram)
-                position = start + n
-            else:
-                seen.add(gram)
-                position = start + 1
-        return total
-
-    def top_repeated(self, n):
-        """Counter(ngrams(words, n)).most_common(1)[0] as (gram, count), or None without n-grams: the most
-        frequent n-gram, the first to occur among equals."""
-        words = self.words
-        if len(words) < n:
-            return None
-        if self.ids is None:
-            self.vocabulary = {}
-            self.ids = np.array([self.vocabulary.setdefault(w, len(self.vocabulary)) for w in words], np.int64)
-        size = max(len(self.vocabulary), 2)
-        if size ** n >= 2**62:  # keys would overflow int64: the plain count
-            return Counter(ngrams(words, n)).most_common(1)[0]
-        keys = np.zeros(len(words) - n + 1, dtype=np.int64)
-        for k in range(n):
-            keys = keys * size + self.ids[k:len(words) - n + 1 + k]
-        _, first, counts = np.unique(keys, return_index=True, return_counts=True)
-        top = counts.max()
-        start = int(first[counts == top].min())
-        return tuple(words[start:start + n]), int(top)
+    def duplicated_chars(self, ns):
+        """{n: datatrove's find_all_duplicate(words, n) of each document}: characters in n-grams (words joined
+        without spaces) seen before, scanning left to right and jumping past each repeat. Only n-grams whose hash
+        repeats can repeat: the scan visits them alone (the rest never match and are never matched)."""
+        keyed = [self.keys(n) for n in ns]
+        repeats = repeated(np.concatenate([keys for _, keys in keyed]))
+        out, at, offsets = {}, 0, None
+        for n, (starts, _) in zip(ns, keyed):
+            out[n] = np.zeros(len(self.sizes), dtype=np.int64)
+            candidates = starts[repeats[at:at + len(starts)]]
+            at += len(starts)
+            if not len(candidates):
+                continue
+            offsets = self.offsets.tolist() if offsets is None else offsets
+            docs, bounds = np.unique(self.doc[candidates], return_index=True)
+            for d, group in zip(docs.tolist(), np.split(candidates, bounds[1:])):
+                out[n][d] = _greedy_repeats(self.joined, offsets, group.tolist(), n)
+        return out
 
     def top_repeated_chars_at_most(self, n):
-        """An upper bound of count * characters of every n-gram (words as tuples), n >= 2, 0 without n-grams: an
-        n-gram occurs at most as often as the 2-gram it starts with, so count * characters <= (count of the 2-gram at
-        i) * (characters of the n-gram at i) at each of its positions i. 2-grams are counted once per document,
-        grouped by a hash of their words' hashes (equal tuples, equal hash; a collision only merges groups)."""
-        if len(self.words) < n:
-            return 0
+        """An upper bound, per document, of count * characters of every n-gram (words as tuples), n >= 2, 0 without
+        n-grams: an n-gram occurs at most as often as the 2-gram it starts with, so count * characters <= (count of
+        the 2-gram at i) * (characters of the n-gram at i) at each of its positions i. 2-grams are grouped by a hash
+        of their words' hashes (equal tuples, equal hash; a collision only merges groups)."""
         if self.pair_counts is None:
-            words = self.hashes(1)
+            self.pair_counts = np.zeros(len(self.doc), dtype=np.int64)
+            _, words = self.keys(1)
+            ends = np.flatnonzero(self.room >= 2)
             with np.errstate(over="ignore"):
-                keys = words[:-1] * np.uint64(_BASE) + words[1:]
-            _, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
-            self.pair_counts = counts[inverse]
-        chars = self.offsets[n:] - self.offsets[:len(self.words) - n + 1]
-        return int((self.pair_counts[:len(chars)] * chars).max())
+                pairs = words[ends] * np.uint64(_BASE) + words[ends + 1]
+            _, inverse, counts = np.unique(pairs, return_inverse=True, return_counts=True)
+            self.pair_counts[ends] = counts[inverse]
+        products = np.zeros(len(self.doc), dtype=np.int64)
+        starts = np.flatnonzero(self.room >= n)
+        products[starts] = self.pair_counts[starts] * (self.offsets[starts + n] - self.offsets[starts])
+        out = np.zeros(len(self.sizes), dtype=np.int64)
+        some = self.sizes > 0
+        if some.any():
+            out[some] = np.maximum.reduceat(products, self.first[some])
+        return out
 
 
-def _mark_table():
+def _greedy_repeats(joined, offsets, starts, n):
+    """find_all_duplicate's scan over the n-grams starting at `starts` (ascending batch word indices of one
+    document, every n-gram that can repeat among them)."""
+    seen, total, position = set(), 0, 0
+    for start in starts:
+        if start < position:
+            continue  # inside a repeat the scan jumped over
+        gram = joined[offsets[start]:offsets[start + n]]
+        if gram in seen:
+            total += len(gram)
+            position = start + n
+        else:
+            seen.add(gram)
+            position = start + 1
+    return total
+
+
+def word_ids(words):
+    """An integer per distinct word of `words`, in order of first occurrence: int64 array."""
+    vocabulary = {}
+    return np.array([vocabulary.setdefault(w, len(vocabulary)) for w in words], np.int64)
+
+
+def top_repeated(words, n, ids=None):
+    """Counter(ngrams(words, n)).most_common(1)[0] as (gram, count), or None without n-grams: the most frequent
+    n-gram, the first to occur among equals. ids: word_ids(words), when the caller has them."""
+    if len(words) < n:
+        return None
+    ids = word_ids(words) if ids is None else ids
+    size = max(int(ids.max()) + 1, 2)
+    if size ** n >= 2**62:  # keys would overflow int64: the plain count
+        return Counter(ngrams(words, n)).most_common(1)[0]
+    keys = np.zeros(len(words) - n + 1, dtype=np.int64)
+    for k in range(n):
+        keys = keys * size + ids[k:len(words) - n + 1 + k]
+    _, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    top = counts.max()
+    start = int(first[counts == top].min())
+    return tuple(words[start:start + n]), int(top)
+
+
+def mark_table():
     """str.translate table deleting every combining mark (Unicode Mn) of this Python's unicodedata."""
     if "marks" not in _tables:
         _tables["marks"] = dict.fromkeys(c for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c)) == "Mn")
@@ -180,20 +219,4 @@ def simplify_text(text, config=DEF_TEXT_NORM_CONFIG):
     text = datatrove_simplify_text(text, _NO_DIACRITICS[id(config)][1])
     if text.isascii():  # NFD leaves ASCII as it is and ASCII has no combining marks
         return text
-    return unicodedata.normalize("NFD", text).translate(_mark_table()).strip()
-
-
-def sha1_shingles(words, n):
-    """datatrove's sha1_hash64 of each " "-joined n-gram of `words`, as slices of the words joined once: uint64 array
-    of shape (n-grams, 1)."""
-    spaced = " ".join(words)
-    starts = np.zeros(len(words) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, words), dtype=np.int64, count=len(words)) + 1, out=starts[1:])
-    bounds = zip(starts[:len(words) - n + 1].tolist(), (starts[n:] - 1).tolist())
-    sha1 = hashlib.sha1
-    if spaced.isascii():  # character offsets are byte offsets
-        data = spaced.encode("ascii")
-        digests = b"".join([sha1(data[a:b]).digest()[:8] for a, b in bounds])
-    else:
-        digests = b"".join([sha1(spaced[a:b].encode("utf-8")).digest()[:8] for a, b in bounds])
-    return np.frombuffer(digests, dtype="<u8").astype(np.uint64).reshape((-1, 1))
+    return unicodedata.normalize("NFD", text).translate(mark_table()).strip()

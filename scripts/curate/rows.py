@@ -54,10 +54,8 @@ class RowReader(StrictRows, JsonlReader):
     def read_file(self, filepath: str):
         with self.data_folder.open(filepath, "rb", compression=self.compression) as f:
             for index, line in enumerate(f):
-                if line.strip():
-                    with self.track_time():
-                        document = self.get_document_from_dict(parsed_line(filepath, index, line), filepath, index)
-                    yield document
+                if line.strip():  # no timer call a line (datatrove's costs ~10 us): the report does not read it
+                    yield self.get_document_from_dict(parsed_line(filepath, index, line), filepath, index)
 
 
 class ParquetRowReader(StrictRows, ParquetReader):
