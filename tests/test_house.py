@@ -152,8 +152,9 @@ def closure(graph, start):
 # watch saves the records its checks read, so a spike right after a resume is said: 59 / 8,133; the model's
 # vocab_size from its tokenizer (the rule, the refusal of a tokenizer wider than the weights, a resume's line), the
 # flags that fit a small corpus, the chat rows' own cache format: 59 / 8,217; the loader's collate that cuts a
-# micro-batch's padded rows to its longest (LongestRows, TrainPlan.row_multiple): 59 / 8,275).
-PRETRAIN_MODULES, PRETRAIN_LINES = 59, 8275
+# micro-batch's padded rows to its longest (LongestRows, TrainPlan.row_multiple): 59 / 8,275; the document mask reads
+# branches, position ids stepping back to p > 0 (a prompt run once for several answers, prefix_tree): 59 / 8,294).
+PRETRAIN_MODULES, PRETRAIN_LINES = 59, 8294
 
 
 def test_pretraining_reads_a_short_path(capsys):

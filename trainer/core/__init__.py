@@ -1,3 +1,4 @@
-"""The loop and the step (loop.py), building the Trainer (build.py), batches, evaluation, data loading and
-log-probs (stage.py and objective.py are the old paths of plan/'s stage contract). Floor 7: may import plan/,
+"""The loop and the step (loop.py), building the Trainer (build.py), batches, evaluation, data loading,
+log-probs and rows whose sequences share a prefix (stage.py and objective.py are the old paths of plan/'s stage
+contract). Floor 7: may import plan/,
 runtime/, judge/, ckpt/, parallel/, base/, model/, dataset/."""
