@@ -197,22 +197,38 @@ def repeat_kv(x, n_rep):
     return x[:, :, None].expand(b, h, n_rep, length, d).reshape(b, h * n_rep, length, d)
 
 
-def document_ids(position_ids):
-    """(B, L) index of each token's document in its row: it starts where the position id restarts at 0."""
-    starts = position_ids == 0
-    starts[:, 0] = True  # a row begins a document (or the rest of one cut by the previous row)
-    return starts.cumsum(-1)
+def prefix_tree(position_ids):
+    """(segment, trunk, start) of each token of packed rows (B, L): the segment it belongs to, its document's first
+    segment (the trunk) and the position its segment starts at.
+
+    A position id that does not increase starts a segment: at 0 a new document, at p > 0 a branch that continues its
+    document's trunk from position p (a prompt run once for several answers: trainer/core/shared_prefix.py)."""
+    restart = torch.ones_like(position_ids, dtype=torch.bool)
+    restart[:, 1:] = position_ids[:, 1:] <= position_ids[:, :-1]
+    segment = restart.cumsum(-1)
+    document_start = position_ids == 0
+    document_start[:, 0] = True  # a row begins a document (or the rest of one cut by the previous row)
+    trunk = torch.where(document_start, segment, 0).cummax(-1).values
+    index = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+    start = position_ids.gather(-1, torch.where(restart, index, 0).cummax(-1).values)
+    return segment, trunk, start
+
+
+def sees(segment, trunk, start, position_ids, b, q, k):
+    """Whether query q of row b may attend to key k (k <= q): the same segment, or its document's trunk before the
+    position its branch starts at (prefix_tree's fields)."""
+    return (segment[b, q] == segment[b, k]) | ((segment[b, k] == trunk[b, q]) & (position_ids[b, k] < start[b, q]))
 
 
 def document_block_mask(position_ids):
     """FlexAttention BlockMask of packed_document_mask, built once per micro-batch and shared by every layer."""
-    document = document_ids(position_ids)
+    segment, trunk, start = prefix_tree(position_ids)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
+        return (q_idx >= kv_idx) & sees(segment, trunk, start, position_ids, b, q_idx, kv_idx)
 
     length = position_ids.shape[-1]
-    return create_block_mask(mask_mod, document.shape[0], None, length, length, device=position_ids.device)
+    return create_block_mask(mask_mod, position_ids.shape[0], None, length, length, device=position_ids.device)
 
 
 def packed_document_mask(position_ids):
@@ -220,16 +236,19 @@ def packed_document_mask(position_ids):
 
     A document starts where its position id restarts at 0 (dataset/lm_dataset.py writes them so); each
     token attends causally to the earlier tokens of its own document only. transformers' Qwen3 builds the
-    same mask from such position ids (masking_utils.find_packed_sequence_indices). Built for every row
-    alike, so no host sync decides whether a batch holds several documents. On CUDA a FlexAttention
-    BlockMask of the same mask (document_block_mask), so SDPA never gets a dense mask there.
+    same mask from such position ids (masking_utils.find_packed_sequence_indices). A position id that steps back to
+    p > 0 starts a branch of its document (prefix_tree): its tokens see their own and the document's first segment
+    up to position p - 1, as the row [that prefix, the branch] would. Built for every row alike, so no host sync
+    decides whether a batch holds several documents. On CUDA a FlexAttention BlockMask of the same mask
+    (document_block_mask), so SDPA never gets a dense mask there.
     """
     if position_ids.is_cuda and create_block_mask is not None:
         return document_block_mask(position_ids)
-    document = document_ids(position_ids)
+    segment, trunk, start = prefix_tree(position_ids)
     length = position_ids.shape[-1]
+    index = torch.arange(length, device=position_ids.device)
     causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
-    return ((document[:, :, None] == document[:, None, :]) & causal)[:, None]
+    return (causal & sees(segment, trunk, start, position_ids, slice(None), index[:, None], index[None, :]))[:, None]
 
 
 def generation_mask(mask):

@@ -68,6 +68,18 @@ def test_flex_block_mask_matches_dense_mask(dtype, tol):
     assert (out - dense_reference(q, k, v, packed_document_mask(POSITIONS))).abs().max().item() < tol
 
 
+BRANCHES = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 3, 4, 5, 3, 4, 0, 1, 2, 3],
+                         [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6]])  # prompts run once, answers branching off
+
+
+def test_flex_block_mask_of_branched_rows_matches_dense_mask():
+    """Branches (position ids stepping back to p > 0) in the BlockMask as in the dense mask: its mask_mod and
+    packed_document_mask read the same prefix tree."""
+    q, k, v = qkv(torch.float64)
+    out = sdpa_attention(q, k, v, document_block_mask(BRANCHES))
+    assert (out - dense_reference(q, k, v, packed_document_mask(BRANCHES))).abs().max().item() < 1e-12
+
+
 def tiny_model(**kw):
     torch.manual_seed(0)
     config = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

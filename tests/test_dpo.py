@@ -415,3 +415,65 @@ def test_orpo_under_a_pipeline_equals_one_process(single_run, tmp_path):
     for a, b in zip(metrics_of(two), metrics_of(one), strict=True):  # pp's micro-batches: fp32 rounding
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
         assert a["nll_loss"] == pytest.approx(b["nll_loss"], rel=1e-5)
+
+
+def shared_prompt_pairs():
+    """Pairs that share their prompt (single-turn), share a labelled first turn (multi-turn: the shared prefix ends
+    before it), or differ from their first message on; prompts and answers of mixed lengths, one cut at 64."""
+    def chat(*turns):
+        return [{"role": role, "content": text} for role, text in zip(("user", "assistant") * 3, turns)]
+    long_answer = " ".join(f"word{i}" for i in range(40))
+    return [
+        {"chosen": chat("What is 2 + 2?", "4."), "rejected": chat("What is 2 + 2?", "5, I believe, or maybe 6.")},
+        {"chosen": chat("Name a colour, any colour you like, as long as it is one.", long_answer),
+         "rejected": chat("Name a colour, any colour you like, as long as it is one.", "Red.")},
+        {"chosen": chat("Hi", "Hello!", "And a fruit?", "Apple."),
+         "rejected": chat("Hi", "Hello!", "And a fruit?", "A stone, probably.")},
+        {"chosen": chat("Say yes.", "Yes."), "rejected": chat("Say no, then.", "No.")},
+    ]
+
+
+def test_shared_prompt_rows_match_transformers_and_the_two_row_layout(tmp_path, tokenizer):
+    """One row per pair (its prompt run once, the rejected answer branching off it: trainer/core/shared_prefix.py):
+    the loss and gradients equal the float64 formula over transformers' Qwen3 on the two separate rows, and the
+    two-row layout's within fp32 rounding; the reference pass gives the same sums; fewer positions run."""
+    ds = DPODataset(write_rows(tmp_path / "d.jsonl", shared_prompt_pairs()), tokenizer, max_length=64,
+                    cache_dir=tmp_path / "c")
+    n = len(ds)
+    input_ids, labels = (torch.stack([ds[i][k] for i in range(n)]) for k in (0, 1))
+    config = MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG)
+    torch.manual_seed(0)
+    policy = MiniMindForCausalLM(config)
+    torch.manual_seed(1)
+    reference = hf_model(MiniMindForCausalLM(config))
+    hf_policy = hf_model(policy)
+    rows, row_labels = input_ids.flatten(0, 1), labels.flatten(0, 1)
+    with torch.no_grad():
+        ref = hand_log_probs(reference, rows, row_labels).view(n, 2)
+    pc, pr = hand_log_probs(hf_policy, rows, row_labels).view(n, 2).unbind(1)
+    expected = -F.logsigmoid(BETA * ((pc - ref[:, 0]) - (pr - ref[:, 1]))).mean()
+    expected.backward()
+    hf_grads = dict(hf_policy.named_parameters())
+
+    losses, grads = {}, {}
+    for shared in (True, False):
+        objective = DPOObjective(BETA, shared_prompt=shared, pad_token_id=tokenizer.pad_token_id, row_multiple=8,
+                                 row_capacity=128)  # two pairs' documents in a row where they fit
+        x, y, positions, extra = objective.unpack((input_ids, labels, ref.float()))
+        assert objective.count(y, extra) == n
+        policy.zero_grad()
+        loss, _, _ = objective.loss(policy, x, step_targets(y), positions, extra, num_items=n)
+        loss.backward()
+        losses[shared], grads[shared] = loss.item(), {k: p.grad.clone() for k, p in policy.named_parameters()}
+        if shared:
+            assert x.numel() < rows.numel() and len(x) < n  # each prompt once, pairs packed
+            with torch.no_grad():  # the reference pass lays pairs out as training does
+                got = objective.pair_log_probs(policy, input_ids, labels, "cpu")
+            assert torch.allclose(got.double(), torch.stack([pc, pr], 1).detach(), atol=1e-4)
+    # fp32 model against a float64 formula over fp32 logits: sums of ~40 log-probs of size ~9, rounding ~1e-5
+    assert losses[True] == pytest.approx(expected.item(), abs=1e-5)
+    assert losses[True] == pytest.approx(losses[False], abs=1e-5)
+    for name, grad in grads[True].items():
+        scale = hf_grads[name].grad.abs().max().item()
+        assert (grad - hf_grads[name].grad.float()).abs().max().item() <= 1e-4 * scale + 1e-9, name
+        assert (grad - grads[False][name]).abs().max().item() <= 1e-4 * scale + 1e-9, name

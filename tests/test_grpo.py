@@ -216,7 +216,7 @@ def test_the_loss_away_from_ratio_one_against_the_reference_by_hand(monkeypatch,
     unpacked = [objective.unpack(batch) for batch in moved]
     num_items = sum(objective.count(labels, extra) for _, labels, _, extra in unpacked)
     loss, totals = 0.0, {}
-    for z, (_, labels, _, extra) in zip(logits, unpacked):
+    for z, (_, labels, extra) in zip(logits, moved):  # each completion's own row (unpack may share its prompt)
         part, stats = objective.policy_loss(z, step_targets(labels), extra, num_items)
         loss = loss + part
         totals = {k: totals.get(k, 0.0) + float(v) for k, v in stats.items()}
@@ -467,3 +467,22 @@ def test_resolve_refuses_split_layouts_without_a_server_and_rewards_that_do_not_
         with pytest.raises(ConfigError) as error:
             resolve(train_grpo.grpo_args(), 2, 0, GRPOPlan)
         assert message in str(error.value), str(error.value)
+
+
+def test_shared_prompt_rows_give_the_per_completion_loss_and_gradient(monkeypatch, tmp_path):
+    """Each prompt's completions in one row, the prompt run once (trainer/core/shared_prefix.py): the step's loss, its
+    gradient and its stats equal those of a row per completion within fp32 rounding, on fewer positions."""
+    trainer, micro_batches = in_process_trainer(monkeypatch, tmp_path, "--loss_type", "grpo", "--beta", "0.1")
+    objective = trainer.objective
+    assert objective.shared_prompt  # one process: no pipeline
+    prepared = objective.prepare(trainer, micro_batches)
+    loss, grads, stats = objective_loss(trainer, prepared)
+    shared_positions = sum(objective.unpack(batch)[0].numel() for batch in prepared)
+    objective.shared_prompt = False
+    loss2, grads2, stats2 = objective_loss(trainer, prepared)
+    assert shared_positions < sum(ids.numel() for ids, _, _ in prepared)
+    assert loss.item() == pytest.approx(loss2.item(), abs=1e-6)  # advantages ~1 times ratios of 1: fp32 rounding
+    for g, g2 in zip(grads, grads2):
+        assert (g - g2).abs().max().item() <= 1e-5 * g2.abs().max().item() + 1e-8
+    for a, b in zip(stats, stats2):
+        assert a.keys() == b.keys() and all(a[k].item() == pytest.approx(b[k].item(), rel=1e-5) for k in a)

@@ -331,6 +331,32 @@ def test_packed_row_gives_each_document_its_own_logits(use_moe, flash_attn):
 
 
 @pytest.mark.parametrize("use_moe", [False, True])
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_a_branched_row_gives_each_branch_the_logits_of_its_own_row(use_moe, flash_attn):
+    """Position ids that step back to p > 0 start a branch off the document's first segment (a prompt run once for
+    several answers: trainer/core/shared_prefix.py): [prompt, answer a, answer b from the prompt's last token,
+    answer c likewise], then a second document; each branch's logits equal those of its own row [prompt, answer]."""
+    model = minimind(tiny_config(use_moe=use_moe, flash_attn=flash_attn))
+    prompt, answers, other = batch(1, 7, seed=1), [batch(1, n, seed=2 + n) for n in (5, 3, 6)], batch(1, 4, seed=9)
+    rows = [torch.cat([prompt, answer], 1) for answer in answers]
+    row = torch.cat([rows[0], *(torch.cat([prompt[:, -1:], a], 1) for a in answers[1:]), other], 1)
+    positions = torch.cat([torch.arange(12), torch.arange(6, 10), torch.arange(6, 13), torch.arange(4)])[None]
+    with torch.no_grad():
+        shared, alone = model(row, position_ids=positions).logits, [model(r).logits for r in rows]
+        plain = model(other).logits
+    got = [shared[:, :12], shared[:, 12:16], shared[:, 16:23]]
+    expected = [alone[0], alone[1][:, 6:], alone[2][:, 6:]]  # from the prompt's last token on
+    for a, b in zip(got, expected):  # fp32: other kernels, another order of the same sums
+        assert max_diff(a, b) < 1e-5
+    assert max_diff(shared[:, 23:], plain) < 1e-5
+    # by hand: a query sees its own segment, and its document's first segment before the position its branch starts at
+    mask = packed_document_mask(torch.tensor([[0, 1, 2, 3, 1, 2, 1, 0, 1]]))[0, 0].int()
+    assert mask.tolist() == [[1, 0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0, 0],
+                             [1, 1, 1, 1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 1, 0, 0, 0, 0], [1, 0, 0, 0, 1, 1, 0, 0, 0],
+                             [1, 0, 0, 0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
 def test_packed_row_matches_qwen3_packed_sequences(use_moe):
     """transformers detects packed sequences from the same position ids (no attention_mask, no cache)."""
     model = minimind(tiny_config(use_moe=use_moe))

@@ -13,10 +13,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from model.errors import ConfigError
 from trainer.base.schema import Flag
 from trainer.core.log_probs import target_span
+from trainer.core.shared_prefix import share_prefixes, unshare
 from trainer.observe.metrics import step_flops
 from trainer.plan.objective import target_tokens
 from trainer.rl.base import (
@@ -119,6 +121,7 @@ class GRPOObjective(RolloutObjective):
         self.advantages_of = self.variant.advantages
         self.items_are_tokens = self.variant.normaliser.items is target_tokens
         # the extras each micro-batch carries, by name: the others are absent (None) under these flags
+        self.shared_prompt = plan.layout.pp == 1  # a pipeline's stages have fixed shapes: a row per completion
         self.extra_fields = ("advantages", "row_stats", *(("reference",) if stage.beta else ()),
                              *(("old_log_probs",) if stage.num_iterations > 1 else ()))
         self.row_stat_names = (*ROW_STATS, *(f"rewards/{n}" for n in self.reward_names))  # the row stats' columns
@@ -133,7 +136,8 @@ class GRPOObjective(RolloutObjective):
         if self.buffer is None or step % self.stage.num_iterations == 0:
             self.buffer = self.roll_out(trainer, micro_batches, step)
         self.reused_next = (step + 1) % self.stage.num_iterations != 0  # the next step trains on this rollout too
-        self.trained_positions = sum(ids.numel() for ids, _, _ in self.buffer)
+        # the positions the step runs: its rows', or their shared rows' (unpack adds them)
+        self.trained_positions = 0 if self.shared_prompt else sum(ids.numel() for ids, _, _ in self.buffer)
         return self.buffer
 
     def roll_out(self, trainer, micro_batches, step):
@@ -141,29 +145,54 @@ class GRPOObjective(RolloutObjective):
         rolled = self.roll_out_rows(trainer, micro_batches, step)
         rows = [row for row, _, _ in rolled]
         none = [None] * len(rows)
-        reference = scoring_log_probs(*self.reference, rows, plan, stage.temperature) if stage.beta else none
+        share = self.shared_rows if self.shared_prompt else None  # scored in the layout the loss runs
+        reference = (scoring_log_probs(*self.reference, rows, plan, stage.temperature, share) if stage.beta
+                     else none)
         # the generating policy's log-probs, for the ratio of the later iterations
-        old = (scoring_log_probs(trainer.model_parts, trainer.pipeline, rows, plan, stage.temperature)
+        old = (scoring_log_probs(trainer.model_parts, trainer.pipeline, rows, plan, stage.temperature, share)
                if stage.num_iterations > 1 else none)
-        return [(ids, labels, GroupExtras(advantages[:, None], row_stats, ref, old_log_probs))
-                for ((ids, labels), advantages, row_stats), ref, old_log_probs in zip(rolled, reference, old)]
+        batches = [(ids, labels, GroupExtras(advantages[:, None], row_stats, ref, old_log_probs))
+                   for ((ids, labels), advantages, row_stats), ref, old_log_probs in zip(rolled, reference, old)]
+        return batches
 
     def unpack(self, batch):
-        """The micro-batch's present extras only (a pipeline schedule carries tensors, never None)."""
+        """The micro-batch's present extras only (a pipeline schedule carries tensors, never None). Shared rows (no
+        pipeline): each prompt's completions in one row, the prompt run once (trainer/core/shared_prefix.py), with
+        their position ids and `source` first among the extras, which stay per completion."""
         input_ids, labels, extra = batch
-        return input_ids, labels, None, tuple(t for t in extra if t is not None)
+        extra = tuple(t for t in extra if t is not None)
+        if not self.shared_prompt:
+            return input_ids, labels, None, extra
+        rows = self.shared_rows(input_ids, labels)
+        self.trained_positions += rows.input_ids.numel()
+        return rows.input_ids, rows.labels, rows.position_ids, (rows.source, *extra)
+
+    def shared_rows(self, input_ids, labels):
+        """Rows (N, L) of prompt + completion as SharedRows: a prompt's completions in one row."""
+        return share_prefixes(input_ids, labels, self.stage.num_generations, self.tokenizer.pad_token_id)
 
     def count(self, labels, extra):
         """This micro-batch's share of the step's normaliser: completion tokens (dapo, cispo), completions (grpo,
-        dr_grpo, gspo, rloo) or one micro-batch (bnpo)."""
+        dr_grpo, gspo, rloo) or one micro-batch (bnpo); of shared rows, from each completion's targets (source)."""
+        if self.shared_prompt:  # labels (N, L) that mark each completion's targets where its own row had them
+            labels = F.pad(torch.where(extra[0] >= 0, 0, -100), (1, 0), value=-100)[:, :-1]
         return self.variant.normaliser.items(labels)
 
     # ------------------------------------------------------------------ the loss
     def loss(self, model, input_ids, targets, position_ids, extra, num_items):
         """The policy loss on the logits of the positions from the first scored token to the last (target_span): a
-        prompt's logits are never read; the per-token extras cut alike."""
+        prompt's logits are never read; the per-token extras cut alike (shared rows: the log-probs and entropies
+        gathered back to each completion's own positions instead)."""
         keep = target_span(targets)
-        out = model(input_ids, logits_to_keep=keep)
+        out = model(input_ids, position_ids=position_ids, logits_to_keep=keep)
+        temperature = self.stage.temperature
+        if self.shared_prompt:
+            source, extra = extra[0], GroupExtras.of(extra[1:], self.extra_fields)
+            log_probs = unshare(tempered_log_probs(out.logits, targets[:, keep], temperature), source,
+                                targets.shape[1], keep)
+            entropy = unshare(token_entropy(out.logits, temperature), source, targets.shape[1], keep)
+            main, stats = self.policy_terms(log_probs, entropy, (source >= 0).float(), extra, num_items)
+            return main, out.aux_loss, stats
         extra = GroupExtras.of(extra, self.extra_fields)
         extra = extra._replace(**{name: getattr(extra, name)[:, keep] for name in ("reference", "old_log_probs")
                                   if getattr(extra, name) is not None})
@@ -175,10 +204,14 @@ class GRPOObjective(RolloutObjective):
 
     def policy_loss(self, logits, targets, extra, num_items):
         """(this micro-batch's share of the step's loss, stats) from the policy's logits (N, L, V)."""
+        temperature = self.stage.temperature
+        return self.policy_terms(tempered_log_probs(logits, targets, temperature), token_entropy(logits, temperature),
+                                 (targets != -100).float(), extra, num_items)
+
+    def policy_terms(self, log_probs, entropy, mask, extra, num_items):
+        """(loss share, stats) from the targets' log-probs (N, L), the entropies there and their mask."""
         stage, variant = self.stage, self.variant
         extra = GroupExtras.of(extra, self.extra_fields)
-        mask = (targets != -100).float()
-        log_probs = tempered_log_probs(logits, targets, stage.temperature)
         old = extra.old_log_probs if extra.old_log_probs is not None else log_probs.detach()
         ratio = variant.ratio(log_probs, old, mask)
         per_token = variant.surrogate(ratio, extra.advantages, log_probs, stage.epsilon, stage.epsilon_high)
@@ -187,7 +220,7 @@ class GRPOObjective(RolloutObjective):
             per_token = per_token + stage.beta * kl
         loss = variant.normaliser.reduce(per_token * mask, mask, num_items, stage.max_gen_len)
         stats = dict(rows=torch.tensor(float(mask.shape[0])), tokens=mask.sum().detach(),
-                     entropy_sum=(token_entropy(logits, stage.temperature) * mask).sum())
+                     entropy_sum=(entropy * mask).sum())
         stats.update(zip(self.row_stat_names, extra.row_stats.sum(0)))
         weight = torch.ones_like(ratio) if variant.sequence_ratio else mask  # a sequence ratio counts completions
         stats.update(variant.clips.sums(ratio.detach(), extra.advantages, weight, stage.epsilon, stage.epsilon_high))

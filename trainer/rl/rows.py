@@ -12,7 +12,8 @@ import json
 import torch
 
 from trainer.core.batches import autocast, step_targets
-from trainer.core.log_probs import token_log_probs
+from trainer.core.log_probs import target_span, token_log_probs
+from trainer.core.shared_prefix import unshare
 from trainer.parallel.tensor import tp_loss_context
 from trainer.rl.policy_loss import group_advantages
 from trainer.rl.rewards import score
@@ -74,25 +75,34 @@ def tempered_log_probs(logits, targets, temperature):
     return token_log_probs(logits / temperature, targets)
 
 
-def scoring_log_probs(model_parts, pipeline, micro_batches, plan, temperature):
+def scoring_log_probs(model_parts, pipeline, micro_batches, plan, temperature, share=None):
     """Per micro-batch (N, L) target log-probs at `temperature` under a model in the training layout (the reference,
-    or the policy before its update)."""
+    or the policy before its update); `share`: the objective's shared rows of a micro-batch, as its loss runs them."""
     return scoring_forward(model_parts, pipeline, micro_batches, plan,
-                           lambda logits, targets: tempered_log_probs(logits, targets, temperature))
+                           lambda logits, targets: tempered_log_probs(logits, targets, temperature), share=share)
 
 
 @torch.no_grad()
-def scoring_forward(model_parts, pipeline, micro_batches, plan, score, columns=1):
+def scoring_forward(model_parts, pipeline, micro_batches, plan, score, columns=1, share=None):
     """Per micro-batch `score(logits, targets)` (N, L), or (N, L, columns), of a no-grad forward in the training
-    layout: one forward per micro-batch, or the pipeline's forward-only schedule over all of them (zeros off its last
-    stage, whose values are never read)."""
+    layout: one forward per micro-batch (share(input_ids, labels): of its shared rows, trainer/core/shared_prefix.py,
+    the values gathered back to each row's positions), or the pipeline's forward-only schedule over all of them
+    (zeros off its last stage, whose values are never read)."""
     targets = [step_targets(labels) for _, labels in micro_batches]
     if pipeline is None:
-        model, out = model_parts[0], []
-        for (input_ids, _), t in zip(micro_batches, targets):
+        model, out, device = model_parts[0], [], plan.layout.device
+        for (input_ids, labels), t in zip(micro_batches, targets):
             with tp_loss_context(plan.layout.tp > 1), autocast(plan):  # vocab-sharded logits under tensor parallel
-                logits = model(input_ids.to(plan.layout.device)).logits
-                out.append(score(logits, t.to(plan.layout.device)).cpu())
+                if share is None:
+                    out.append(score(model(input_ids.to(device)).logits, t.to(device)).cpu())
+                    continue
+                rows = share(input_ids, labels)
+                shared_targets = step_targets(rows.labels).to(device)
+                keep = target_span(shared_targets)  # as the loss runs its lm_head
+                logits = model(rows.input_ids.to(device), position_ids=rows.position_ids.to(device),
+                               logits_to_keep=keep).logits
+                values = score(logits, shared_targets[:, keep])
+                out.append(unshare(values, rows.source.to(device), shared_targets.shape[1], keep).cpu())
         return out
     input_ids = torch.cat([ids for ids, _ in micro_batches]).to(plan.layout.device)
     values = pipeline.forward_only(input_ids, torch.cat(targets).to(plan.layout.device), score)

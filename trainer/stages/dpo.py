@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dataset.mixture import leaf_datasets
 from dataset.preference_data import DPODataset
 from dataset.shards import local_part
 from model.errors import ConfigError
@@ -26,7 +27,9 @@ from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.resume import check_resume_fields, saved_resume_fields
 from trainer.ckpt.weights_file import read_any_weights
-from trainer.core.log_probs import sequence_log_probs, target_span
+from trainer.core.batches import step_targets
+from trainer.core.log_probs import sequence_log_probs, target_span, token_log_probs
+from trainer.core.shared_prefix import share_prefixes, unshare
 from trainer.plan.model_config import flag_error
 from trainer.plan.objective import LMObjective
 from trainer.plan.stage import Stage
@@ -78,7 +81,10 @@ class DPOPlan(Stage):
         Logger(f"DPO ({self.loss_type}) from --from_weight {plan.model.from_weight} (the SFT stage's output by "
                f"default), reference {self.ref_weight if loss_type.needs_reference else 'none needed'}, "
                f"beta {self.beta}")
-        objective = DPOObjective(self.beta, self.loss_type, self.label_smoothing, self.simpo_gamma)
+        shared = plan.layout.pp == 1  # a pipeline's stages have fixed shapes: two rows of --max_seq_len
+        objective = DPOObjective(self.beta, self.loss_type, self.label_smoothing, self.simpo_gamma,
+                                 shared_prompt=shared, pad_token_id=leaf_datasets(train_ds)[0].pad_token_id,
+                                 row_multiple=plan.row_multiple or 1, row_capacity=plan.data.seq_len)
         if loss_type.needs_reference:
             attach_reference(plan, dims, train_ds, objective)
         return objective
@@ -159,40 +165,76 @@ def check_reference(path, config):
 # ----------------------------------------------------------------------------- the objective
 
 class DPOObjective(LMObjective):
-    """The preference loss for trainer/core/loop.py's train_step (see trainer/plan/objective.py for the methods)."""
+    """The preference loss for trainer/core/loop.py's train_step (see trainer/plan/objective.py for the methods).
+
+    shared_prompt: each pair's answers in one document, its prompt run once, pairs packed into rows of up to
+    row_capacity tokens (unpack lays them out: trainer/core/shared_prefix.py); else its chosen and rejected rows
+    adjacent."""
 
     items_are_tokens = False  # count() gives pairs
 
-    def __init__(self, beta, loss_type="sigmoid", label_smoothing=0.0, simpo_gamma=0.5):
+    def __init__(self, beta, loss_type="sigmoid", label_smoothing=0.0, simpo_gamma=0.5, shared_prompt=False,
+                 pad_token_id=0, row_multiple=1, row_capacity=0):
         self.loss_type, self.params = LOSSES[loss_type], LossParams(beta, label_smoothing, simpo_gamma)
         self.stat_names = ("chosen_reward_sum", "rejected_reward_sum", "accuracy_sum", "margin_sum",
                            *(f"{name}_sum" for name in self.loss_type.stats))
+        self.shared_prompt, self.pad_token_id = shared_prompt, pad_token_id
+        self.row_multiple, self.row_capacity = row_multiple, row_capacity
+        self.positions_run = self.pairs_run = self.rows_run = 0  # the step's shared rows so far, for flops()
+
+    def prepare(self, trainer, micro_batches):
+        """The micro-batches as they come; the step's count of positions run starts (unpack adds to it)."""
+        self.positions_run, self.pairs_run, self.rows_run = 0, 0, 0
+        return micro_batches
 
     def unpack(self, batch):
-        """(B, 2, L) pairs -> (2B, L) rows, chosen and rejected of a pair adjacent; extra: the reference's log-prob of
-        each row (2B, 1), so that a pipeline cuts it into micro-batches with the rows (none: a reference-free loss)."""
+        """Loader pairs (B, 2, L) -> shared rows (shared_prompt: (R, W) rows, their position ids, extra: (source,
+        [reference (2B, 1)])) or (2B, L) rows, chosen and rejected of a pair adjacent (extra: ([reference (2B, 1)])).
+        The reference's log-prob of each sequence rides along, so that a pipeline cuts it into micro-batches with the
+        rows (none: a reference-free loss)."""
         input_ids, labels, *reference = batch
-        extra = (reference[0].reshape(-1, 1),) if reference else ()
-        return input_ids.flatten(0, 1), labels.flatten(0, 1), None, extra
+        reference = tuple(r.reshape(-1, 1) for r in reference)
+        if not self.shared_prompt:
+            return input_ids.flatten(0, 1), labels.flatten(0, 1), None, reference
+        rows = share_prefixes(input_ids.flatten(0, 1), labels.flatten(0, 1), 2, self.pad_token_id, self.row_multiple,
+                              self.row_capacity)
+        self.positions_run += rows.input_ids.numel()
+        self.pairs_run, self.rows_run = self.pairs_run + len(input_ids), self.rows_run + len(rows.input_ids)
+        return rows.input_ids, rows.labels, rows.position_ids, (rows.source, *reference)
 
-    def pair_losses(self, log_probs, targets, extra):
-        """(loss sum, stats) of a micro-batch's rows from their summed log-probs (dpo_losses.pair_losses)."""
-        lengths = (targets != -100).sum(dim=1)
-        return pair_losses(self.loss_type, self.params, log_probs, lengths, extra[0] if extra else None)
+    def pair_losses(self, log_probs, targets, extra, lengths=None):
+        """(loss sum, stats) of a micro-batch's sequences from their summed log-probs and their target counts (default:
+        those of the rows `targets`) (dpo_losses.pair_losses)."""
+        lengths = (targets != -100).sum(dim=1) if lengths is None else lengths
+        reference = extra[-1] if self.loss_type.needs_reference else None
+        return pair_losses(self.loss_type, self.params, log_probs, lengths, reference)
 
     def count(self, labels, extra):
-        return labels.shape[0] // 2  # pairs
+        return (extra[0] if self.shared_prompt else labels).shape[0] // 2  # pairs
 
-    def log_probs(self, model, input_ids, targets, position_ids=None):
-        """Summed log-probs of each row's targets under `model` (a plain or tensor-parallel model); the lm_head on the
-        positions from the first target to the last (target_span)."""
+    def sequence_log_probs(self, model, input_ids, targets, position_ids=None, extra=()):
+        """(summed log-probs (2B,) of each pair's chosen and rejected answer, adjacent; their target counts (2B,);
+        the MoE aux loss) under `model` (a plain or tensor-parallel model); the lm_head on the positions from the
+        first target to the last (target_span)."""
         keep = target_span(targets)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep)
-        return sequence_log_probs(out.logits, targets[:, keep]), out.aux_loss
+        if not self.shared_prompt:
+            return sequence_log_probs(out.logits, targets[:, keep]), (targets != -100).sum(1), out.aux_loss
+        source = extra[0]
+        per_token = unshare(token_log_probs(out.logits, targets[:, keep]), source, targets.shape[1], keep)
+        return per_token.sum(1), (source >= 0).sum(1), out.aux_loss
+
+    def pair_log_probs(self, model, input_ids, labels, device):
+        """(B, 2) summed log-probs of B pairs (input_ids, labels (B, 2, L), CPU) under `model` on `device`, laid out
+        as training lays them out (the reference pass)."""
+        x, y, position_ids, extra = self.unpack((input_ids, labels))
+        x, targets, position_ids = (None if t is None else t.to(device) for t in (x, step_targets(y), position_ids))
+        extra = tuple(t.to(device) for t in extra)
+        return self.sequence_log_probs(model, x, targets, position_ids, extra)[0].view(-1, 2)
 
     def loss(self, model, input_ids, targets, position_ids, extra, num_items):
-        log_probs, aux_loss = self.log_probs(model, input_ids, targets, position_ids)
-        loss_sum, stats = self.pair_losses(log_probs, targets, extra)
+        log_probs, lengths, aux_loss = self.sequence_log_probs(model, input_ids, targets, position_ids, extra)
+        loss_sum, stats = self.pair_losses(log_probs, targets, extra, lengths)
         return loss_sum / num_items, aux_loss, stats
 
     def pipeline_loss(self, logits, targets, extra, num_items):
@@ -208,6 +250,10 @@ class DPOObjective(LMObjective):
                 **{name: stats[f"{name}_sum"] / pairs for name in self.loss_type.stats}}
 
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
-        """The model's training FLOPs, its lm_head on every position (on CPU it runs from the first target to the last
-        only, target_span: the MFU there reads a little high)."""
+        """The model's training FLOPs on the positions run (shared rows: each prompt once), its lm_head on every
+        position (on CPU it runs from the first target to the last only, target_span: the MFU there reads a little
+        high)."""
+        if self.shared_prompt and self.pairs_run:  # the loop counts two rows of seq_len per pair
+            seq_len, positions = (self.positions_run / self.rows_run,
+                                  positions / seq_len / 2 * self.positions_run / self.pairs_run)
         return super().flops(config, seq_len, positions, target_tokens, False)

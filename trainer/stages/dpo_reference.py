@@ -141,17 +141,28 @@ def reference_log_probs(model_parts, pipeline, ds, plan, dims, objective):
         input_ids, labels = [torch.stack([p[k] for p in pairs]) for k in (0, 1)]
         if plan.row_multiple is not None:  # as training cuts them
             input_ids, labels = cut.cut([input_ids, labels])
-        input_ids = input_ids.flatten(0, 1).to(plan.layout.device)
-        targets = step_targets(labels.flatten(0, 1)).to(plan.layout.device)
         with torch.no_grad():
-            log_probs = forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective)
+            log_probs = forward_pair_log_probs(model_parts, pipeline, input_ids, labels, plan, objective)
         held = keep[start:start + rows]
         if held.any():
-            values[index[held]] = log_probs.view(-1, 2).double().cpu()[torch.from_numpy(held)]
+            values[index[held]] = log_probs.double().cpu()[torch.from_numpy(held)]
     if dist.is_initialized():
         values = values.to(plan.layout.device)
         dist.all_reduce(values)  # each pair is held by exactly one rank: the sum is that rank's value
     return values.cpu().numpy()
+
+
+def forward_pair_log_probs(model_parts, pipeline, input_ids, labels, plan, objective):
+    """(B, 2) summed target log-probs of B pairs (input_ids, labels (B, 2, L), CPU): as the objective lays pairs out
+    (objective.pair_log_probs), or two rows each through the pipeline's forward-only schedule when pp > 1 (zeros off
+    the last stage)."""
+    device = plan.layout.device
+    if pipeline is None:
+        with tp_loss_context(plan.layout.tp > 1), autocast(plan):
+            return objective.pair_log_probs(model_parts[0], input_ids, labels, device)
+    input_ids, targets = input_ids.flatten(0, 1).to(device), step_targets(labels.flatten(0, 1)).to(device)
+    values = pipeline.forward_only(input_ids, targets, sequence_log_probs)
+    return torch.zeros(input_ids.shape[0] // 2, 2) if values is None else values.view(-1, 2)
 
 
 def forward_log_probs(model_parts, pipeline, input_ids, targets, plan, objective):

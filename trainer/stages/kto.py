@@ -114,6 +114,12 @@ class KTOObjective(LMObjective):
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep)
         return sequence_log_probs(out.logits, targets[:, keep]), out.aux_loss
 
+    def pair_log_probs(self, model, input_ids, labels, device):
+        """(B, 2) summed log-probs of each item's row and KL row (input_ids, labels (B, 2, L), CPU) under `model` on
+        `device`: the reference pass."""
+        targets = step_targets(labels.flatten(0, 1)).to(device)
+        return self.log_probs(model, input_ids.flatten(0, 1).to(device), targets)[0].view(-1, 2)
+
     def prepare(self, trainer, micro_batches):
         """z0 = max(0, mean of log pi - log ref over the step's KL rows on every rank), no grad; then the
         micro-batches of the rows themselves: (input_ids, labels, desirable, reference)."""
