@@ -20,18 +20,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # tests fork trainers from this process: no tqdm monitor thread here, whose lock a fork could copy while held
 tqdm.tqdm.monitor_interval = 0
 
-from tests import launch  # noqa: E402  (after the repo root is on sys.path)
-from tests.cpu_probe import MODES, patch_probe, seed_rates  # noqa: E402
-from tests.disks import no_small_disk  # noqa: E402
-from tests.launch import demo_slice, forked, read_metrics  # noqa: E402
-from tests.layouts import MODELS, REFERENCE_TIMEOUT, SCRIPT, STEPS, run_args  # noqa: E402
+from tests.helpers import launch  # noqa: E402  (after the repo root is on sys.path)
+from tests.helpers.cpu_probe import MODES, patch_probe, seed_rates  # noqa: E402
+from tests.helpers.disks import no_small_disk  # noqa: E402
+from tests.helpers.launch import demo_slice, forked, read_metrics  # noqa: E402
+from tests.helpers.layouts import MODELS, REFERENCE_TIMEOUT, SCRIPT, STEPS, run_args  # noqa: E402
 from trainer.observe import metrics  # noqa: E402
 
-# the ways a test starts another process: the helpers of tests/launch.py, subprocess, multiprocessing
+# the ways a test starts another process: the helpers of tests/helpers/launch.py, subprocess, multiprocessing
 LAUNCHERS = (launch.spawn, launch.torchrun, launch.python, launch.forked, launch.start_forked, subprocess.run,
              subprocess.Popen, subprocess.call, subprocess.check_call, subprocess.check_output)
 SUBPROCESS_CALLS = {"run", "Popen", "call", "check_call", "check_output", "start_processes", "spawn"}
-LAUNCH_HELPERS = {"spawn", "torchrun", "python", "forked"}  # tests/launch.py's, when a test imports them in its body
+LAUNCH_HELPERS = {"spawn", "torchrun", "python", "forked"}  # tests/helpers/launch.py's, imported in a test's body
 # torch.compile on CPU runs the C++ compiler in worker processes (tens of seconds on 2 cores)
 COMPILERS = (torch.compile,)
 
@@ -51,7 +51,7 @@ def pytest_addoption(parser):
     parser.addoption("--cpu-bf16", choices=sorted(MODES), default="real",
                      help="the CPU's bf16 probe for this session, forced where the code reads it: faster (native bf16, "
                      "--dtype auto takes it), slower (native, auto takes fp32), absent (an AVX2 CPU); real: this CPU's "
-                     "(tests/cpu_probe.py)")
+                     "(tests/helpers/cpu_probe.py)")
 
 
 def pytest_configure(config):
@@ -70,7 +70,8 @@ def pytest_unconfigure(config):
 def cpu_rates_cache(tmp_path_factory, pytestconfig):
     """The session's own CPU-rate cache: XDG_CACHE_HOME (read by every process a test starts) and metrics.RATES_FILE
     (computed at import) in a temporary folder, seeded with one measurement (as --cpu-bf16 says) for one thread (what
-    tests/launch.py gives a process) and this process's threads; the user's ~/.cache/minimind4d is never read."""
+    tests/helpers/launch.py gives a process) and this process's threads; the user's ~/.cache/minimind4d is never
+    read."""
     patch, cache = pytest.MonkeyPatch(), tmp_path_factory.mktemp("xdg_cache")
     path = str(cache / "minimind4d" / os.path.basename(metrics.RATES_FILE))
     patch.setenv("XDG_CACHE_HOME", str(cache))
@@ -107,7 +108,8 @@ def launches(code, namespace, seen):
         return False
     seen.add(code)
     names = set(code.co_names)
-    if ("tests.launch" in names and LAUNCH_HELPERS & names) or ("subprocess" in names and SUBPROCESS_CALLS & names):
+    helper_call = "tests.helpers.launch" in names and LAUNCH_HELPERS & names
+    if helper_call or ("subprocess" in names and SUBPROCESS_CALLS & names):
         return True  # imported inside the function
     if namespace.get("torch") is torch and calls_torch_compile(code):
         return True

@@ -16,8 +16,8 @@ from dataset.rlaif_dataset import RLAIFDataset
 from dataset.tools import TOOL_CASES, agent_rows, tool_schemas
 from model.errors import ConfigError
 from model.model_minimind import MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run, spawn
-from tests.serving import trained_ids
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run, spawn
+from tests.helpers.serving import trained_ids
 from trainer import train_agent
 from trainer.core.batches import step_targets
 from trainer.plan.resolve import resolve

@@ -11,7 +11,7 @@ from scripts.bench import parse_args, plan_for, print_plan
 from scripts.benchmarks import run as run_helper
 from scripts.benchmarks.run import run_trainer, step_stats, trainer_command
 from scripts.planner.cost import plan_layout
-from tests.launch import forked_argv
+from tests.helpers.launch import forked_argv
 from trainer.observe.metrics import step_flops
 
 
@@ -134,7 +134,8 @@ def test_parse_args_passes_trainer_flags_and_defaults():
 
 @pytest.fixture
 def forked_trainer_runs(monkeypatch):
-    """bench.py's and quality.py's trainer runs forked from this process (tests/launch.py forked): the same runs,
+    """bench.py's and quality.py's trainer runs forked from this process (tests/helpers/launch.py forked): the same
+    runs,
     without ~8 s of imports each."""
     monkeypatch.setattr(run_helper, "run_argv", forked_argv)
 

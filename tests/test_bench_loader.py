@@ -14,7 +14,7 @@ from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindForCausalLM
 from scripts.bench_loader import main, step_tokens_per_s, time_loader
-from tests.launch import forked
+from tests.helpers.launch import forked
 from trainer.core.data_loading import epoch_loader
 from trainer.plan.flags import add_train_args
 from trainer.plan.model_config import build_config

@@ -9,7 +9,7 @@ import torch
 from dataset.cache_guard import cache_problem
 from dataset.chat import SFTDataset
 from dataset.lm_dataset import PretrainDataset
-from tests.launch import demo_slice
+from tests.helpers.launch import demo_slice
 
 
 def items(ds):

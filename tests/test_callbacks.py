@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.ckpt.resume import read_checkpoint_model
 
 SCRIPT = "trainer/train_pretrain.py"

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from model.atomic import atomic_save
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer.ckpt.checkpointer import Checkpointer
 from trainer.ckpt.parts import SHARDED, Part, standard_parts
 from trainer.ckpt.resume import TrainState, check_config, read_checkpoint_model, read_resume

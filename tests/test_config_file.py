@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.plan.config_file import config_argv, run_config_text
 from trainer.plan.flags import add_train_args
 from trainer.plan.stage import Stage

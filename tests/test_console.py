@@ -8,7 +8,7 @@ import re
 from transformers import AutoTokenizer
 
 from dataset.demo_data import ensure_demo_data
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.base.streams import SurvivingStream
 from trainer.observe.tracking import console_line
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model.model_minimind import packed_document_mask
-from tests.launch import spawn
+from tests.helpers.launch import spawn
 from trainer.parallel import context, ring_blocks
 from trainer.parallel.context import apply_context_parallel, context_position_ids, ring_attention, shard_sequence
 

@@ -15,9 +15,17 @@ from transformers import __version__ as transformers_version
 from model.export.gguf import read_gguf
 from model.model_minimind import MiniMindForCausalLM
 from scripts.convert_model import main as convert_main
-from tests.disks import fill
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
-from tests.weight_files import VOCAB, hand_folded, lora_adapter, source_model, tiny, tiny_qwen3, write_minimind_folder
+from tests.helpers.disks import fill
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.helpers.weight_files import (
+    VOCAB,
+    hand_folded,
+    lora_adapter,
+    source_model,
+    tiny,
+    tiny_qwen3,
+    write_minimind_folder,
+)
 
 TOL = 1e-4  # fp32: the two implementations differ only in summation order
 
@@ -437,7 +445,7 @@ def test_the_exported_model_answers_a_stock_chat_prompt_without_closing_its_thin
     one "\\n\\n" token, which such a model had only seen inside the empty think block)."""
     from transformers import AutoTokenizer
 
-    from tests.launch import run_in_process, write_rows
+    from tests.helpers.launch import run_in_process, write_rows
     from trainer import train_sft
     data = write_rows(tmp_path / "qa.jsonl", [{"conversations": [{"role": "user", "content": q}, {
         "role": "assistant", "content": a}]} for q, a in QA] * 8)

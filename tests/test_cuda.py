@@ -5,7 +5,7 @@ On CPU they run as well, so the GPU run meets no test it has never seen pass.
 import pytest
 import torch
 
-from tests.models import batch, max_diff, minimind, packed_row, tiny_config, to_hf_model
+from tests.helpers.models import batch, max_diff, minimind, packed_row, tiny_config, to_hf_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.cuda

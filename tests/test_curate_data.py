@@ -34,7 +34,7 @@ from scripts.benchmarks import stock_curate
 from scripts.curate import fast as curate_fast
 from scripts.curate import minhash as curate_minhash
 from scripts.curate.steps import TOKEN, CharRatioFilter, FastMinhashSignature, MixedScriptTokenizer, RepetitionFilter
-from tests.launch import python
+from tests.helpers.launch import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
@@ -273,7 +273,7 @@ def test_bad_input_one_error_line(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_killed_run_finishes_like_an_uninterrupted_one(tmp_path):
-    """SIGKILL inside the exact-dedup filter's second task (tests/curate_kill.py; stage near_sig), then the same
+    """SIGKILL inside the exact-dedup filter's second task (tests/helpers/curate_kill.py; stage near_sig), then the same
     command again: the shards and counts equal one uninterrupted run's, and the finished tasks were not redone."""
     rng = random.Random(2)
     docs = [english_doc(rng, 60) for _ in range(150)] + ENGLISH + CHINESE + JUNK
@@ -284,7 +284,7 @@ def test_killed_run_finishes_like_an_uninterrupted_one(tmp_path):
     flags = ["--data_path", *(tmp_path / f"part{k}.jsonl" for k in range(3)), "--workers", "1", "--tasks", "3"]
     whole = python("scripts/curate_data.py", flags + ["--out_dir", tmp_path / "whole"], timeout=600)
     assert whole.returncode == 0, whole.stderr[-2000:]
-    killed = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "curate_kill.py"), *map(str, flags),
+    killed = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "helpers", "curate_kill.py"), *map(str, flags),
                              "--out_dir", str(tmp_path / "resumed")], capture_output=True, text=True, timeout=600,
                             start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -661,7 +661,7 @@ def test_sigkill_of_the_run_leaves_no_process_behind(tmp_path):
 
 @pytest.mark.slow
 def test_workers_import_only_what_their_steps_use(tmp_path):
-    """A pool worker's sys.modules (tests/curate_worker_modules.py writes it from inside the task): no torch, no
+    """A pool worker's sys.modules (tests/helpers/curate_worker_modules.py writes it from inside the task): no torch, no
     trainer, no third-party package beyond those datatrove's own blocks import (plus orjson, the reader's); of this
     repository only the curation package and the atomic writer. stderr holds the progress lines alone."""
     rng = random.Random(12)
@@ -669,7 +669,8 @@ def test_workers_import_only_what_their_steps_use(tmp_path):
         write_jsonl(tmp_path / f"part{k}.jsonl", [english_doc(rng, 60) for _ in range(40)])
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "curate_worker_modules.py"), str(dumps),
+    script = os.path.join(ROOT, "tests", "helpers", "curate_worker_modules.py")
+    proc = subprocess.run([sys.executable, script, str(dumps),
                            "--data_path", str(tmp_path / "part0.jsonl"), str(tmp_path / "part1.jsonl"), "--out_dir",
                            str(tmp_path / "out"), "--workers", "2"], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

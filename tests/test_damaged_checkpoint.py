@@ -10,7 +10,7 @@ import pytest
 
 from model.errors import ConfigError
 from model.weights.shapes import WeightsError
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics, spawn
 from trainer.ckpt.resume import read_checkpoint_model
 from trainer.ckpt.step_dirs import MANIFEST, TRAIN_STATE, agreed_checkpoint, content_share, damage
 

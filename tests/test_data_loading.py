@@ -9,7 +9,7 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import save_weights_file
-from tests.launch import TINY_CONFIG, TINY_MODEL, demo_slice, forked, read_metrics, run_in_process
+from tests.helpers.launch import TINY_CONFIG, TINY_MODEL, demo_slice, forked, read_metrics, run_in_process
 from trainer import train_distillation, train_dpo, train_full_sft, train_kto, train_pretrain, train_reward
 from trainer.core.data_loading import LongestRows, longest_row
 from trainer.plan.sections import TrainPlan

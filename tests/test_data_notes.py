@@ -6,7 +6,7 @@ import pytest
 
 from dataset.chat import SFTDataset
 from dataset.preference_data import DPODataset, RewardPairs
-from tests.launch import TINY_MODEL, run_in_process, write_rows
+from tests.helpers.launch import TINY_MODEL, run_in_process, write_rows
 from trainer import train_dpo
 from trainer.observe.console import rows_line
 

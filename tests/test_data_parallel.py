@@ -18,8 +18,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 import trainer.parallel.state_dict as sd
-from tests.launch import spawn
-from tests.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
+from tests.helpers.launch import spawn
+from tests.helpers.numerics import FP32_EPS, GRAD_ULPS, adamw_f64_step
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.data import (
     apply_data_parallel,
@@ -261,7 +261,8 @@ def test_each_step_matches_single_process(runs, name):
     """Every step of the variant is the single-process step, compared where that is well-conditioned.
 
     Two AdamW trajectories are not: a near-zero gradient's last-bit rounding flips lr * g / (|g| + eps), and the
-    flip differs with the CPU's kernels (tests/numerics.py). So per step: (1) the variant's clipped gradients and
+    flip differs with the CPU's kernels (tests/helpers/numerics.py). So per step: (1) the variant's clipped gradients
+    and
     norm equal the single process's from the variant's own weights (only the reduction order differs), and (2) its
     weights after the step equal float64 AdamW applied to its own gradients, within fp32 rounding. Together
     they are the single-process run, step by step; the final optimizer state is float64 AdamW's as well."""
@@ -667,7 +668,7 @@ def test_powersgd_state_resumes_across_bucket_layouts(tmp_path):
 def test_powersgd_flags_reach_the_hook(tmp_path):
     """The real trainer, dp 2: --powersgd_start_step 2 all-reduces steps 1-2 exactly (the plain DDP run's gradient
     norms), compresses from step 3 on; --powersgd_rank 1 and 2 compress differently."""
-    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
     data = demo_slice(tmp_path, "pretrain", 64)
     norms = {}
     for name, extra in (("plain", []), ("rank1", ["--grad_compression", "powersgd", "--powersgd_start_step", "2"]),
@@ -691,7 +692,7 @@ def test_powersgd_resumes_exactly_after_a_kill(tmp_path):
     step 4 in new processes, whose DDP lays its buckets out anew and again after their first backward. Steps 5-8
     (compressed, with the residuals and Qs of step 4) equal the uninterrupted run's, loss and gradient norm, bitwise;
     a resume without the saved state (torch's hook alone: zero residuals, new random Qs) differs."""
-    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
     data = demo_slice(tmp_path, "pretrain", 64)
 
     def args(name):
@@ -702,7 +703,7 @@ def test_powersgd_resumes_exactly_after_a_kill(tmp_path):
                 "--checkpoint_dir", str(out / "ckpt"), "--metrics_file", str(out / "m.jsonl")]
     whole = forked("trainer/train_pretrain.py", args("whole"), nproc=2, timeout=300)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = forked("tests/fault_entry.py", args("split"), nproc=2, timeout=300,
+    killed = forked("tests/helpers/fault_entry.py", args("split"), nproc=2, timeout=300,
                     env={"MINIMIND_TEST_KILL_AT_STEP": "5", "MINIMIND_TEST_KILL_RANK": "1"})
     assert killed.returncode != 0 and "SIGKILL rank 1 at step 5" in killed.stdout + killed.stderr
     assert sorted(os.listdir(tmp_path / "split" / "ckpt" / "pretrain_64")) == ["step_2", "step_4"]

@@ -14,8 +14,8 @@ import torch
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import save_weights_file
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
-from tests.models import sft_batch
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.models import sft_batch
 from trainer import train_distillation
 from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets

@@ -15,7 +15,7 @@ from dataset.preference_data import DPODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import save_weights_file
-from tests.launch import (
+from tests.helpers.launch import (
     TINY_CONFIG,
     demo_slice,
     forked,
@@ -278,7 +278,7 @@ def test_a_second_round_resumes_against_its_own_reference_after_overwriting_it(s
     straight = forked(SCRIPT, runs["straight"])
     assert straight.returncode == 0, straight.stderr[-3000:]
     env = {"MINIMIND_TEST_STAGE": "train_dpo", "MINIMIND_TEST_KILL_AT_STEP": "4"}
-    killed = forked("tests/fault_entry.py", args=runs["killed"], timeout=300, env=env)
+    killed = forked("tests/helpers/fault_entry.py", args=runs["killed"], timeout=300, env=env)
     assert killed.returncode != 0 and "SIGKILL rank 0 at step 4" in killed.stdout + killed.stderr
     weights = str(tmp_path / "killed" / "dpo_64.pth")
     assert not torch.equal(torch.load(weights)["lm_head.weight"], start.state_dict()["lm_head.weight"])  # overwritten

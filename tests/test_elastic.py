@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked, free_port, read_metrics, start_forked
 
 SCRIPT = os.path.join(ROOT, "trainer", "train_pretrain.py")
-FAULT_SCRIPT = os.path.join(ROOT, "tests", "fault_entry.py")  # the same script, with faults injected by the test
+FAULT_SCRIPT = os.path.join(ROOT, "tests", "helpers", "fault_entry.py")  # the same script, faults injected by the test
 
 
 def run_args(workdir, data, *extra):

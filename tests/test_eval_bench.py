@@ -13,8 +13,8 @@ from model.hf_convert import save_hf_folder
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import read_weights, save_weights_file
 from scripts.eval_bench import INSTALL, MINIMIND_TASKS, main
-from tests.eval_tasks import DOCS, write_task
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.eval_tasks import DOCS, write_task
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.ckpt.resume import read_checkpoint_model
 
 lm_eval = pytest.importorskip("lm_eval")  # requirements.txt installs it; a bare environment skips, naming it

@@ -14,9 +14,9 @@ from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args
 from scripts.inference.generate import render_prompt
 from scripts.inference.load import check_args, load_model
-from tests.launch import ROOT, forked
-from tests.serving import greedy_continuation, greedy_reply
-from tests.weight_files import hand_folded, lora_adapter
+from tests.helpers.launch import ROOT, forked
+from tests.helpers.serving import greedy_continuation, greedy_reply
+from tests.helpers.weight_files import hand_folded, lora_adapter
 
 
 def test_eval_llm_streams_the_greedy_continuation(tmp_path):

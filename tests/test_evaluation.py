@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.launch import TINY_MODEL, demo_slice, forked
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked
 
 EVAL_BATCHES = 3  # two passes of 2 micro-batches under pp: the second filled up with a row without targets
 

@@ -10,9 +10,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import forked, read_metrics, spawn
-from tests.layouts import SCRIPT, STEPS, assert_same_run, run_args, run_layout
-from tests.numerics import FP32_EPS, GRAD_ULPS
+from tests.helpers.launch import forked, read_metrics, spawn
+from tests.helpers.layouts import SCRIPT, STEPS, assert_same_run, run_args, run_layout
+from tests.helpers.numerics import FP32_EPS, GRAD_ULPS
 from trainer.parallel.expert import apply_expert_parallel, ep_validate
 
 BATCH, SEQ, VOCAB = 4, 12, 96
@@ -56,7 +56,7 @@ def _ep_worker(rank, world_size, top_k, shared, out_dir):
 
 
 def assert_grad_close(grad, ref, name):
-    """Within GRAD_ULPS of the reference's largest element (another summation order: tests/numerics.py)."""
+    """Within GRAD_ULPS of the reference's largest element (another summation order: tests/helpers/numerics.py)."""
     bound = GRAD_ULPS * FP32_EPS * ref.abs().max()
     assert (grad - ref).abs().max() <= bound, (name, float((grad - ref).abs().max()), float(bound))
 

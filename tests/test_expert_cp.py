@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tests.launch import forked, read_metrics
-from tests.layouts import SCRIPT, STEPS, assert_same_run, run_args, run_layout
+from tests.helpers.launch import forked, read_metrics
+from tests.helpers.layouts import SCRIPT, STEPS, assert_same_run, run_args, run_layout
 
 
 def test_ep2_cp2_training_run_equals_one_process(data, reference, tmp_path):  # noqa: F811 (test_layouts' fixtures)

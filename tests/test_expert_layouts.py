@@ -9,12 +9,12 @@ import signal
 import pytest
 import torch
 
-from tests.launch import demo_slice, forked, read_metrics
-from tests.layouts import MODELS, SCRIPT, STEPS, assert_same_run, run_dir, run_layout
-from tests.preempt_runs import finish, metrics_path, rank_pid, start, wait_for_step
-from tests.preempt_runs import run_args as preempt_args
+from tests.helpers.launch import demo_slice, forked, read_metrics
+from tests.helpers.layouts import MODELS, SCRIPT, STEPS, assert_same_run, run_dir, run_layout
+from tests.helpers.preempt_runs import finish, metrics_path, rank_pid, start, wait_for_step
+from tests.helpers.preempt_runs import run_args as preempt_args
 
-# name: (nproc, flags); ep is carved out of dp, so every process is a dp rank (tests/layouts.dp_size)
+# name: (nproc, flags); ep is carved out of dp, so every process is a dp rank (tests/helpers/layouts.dp_size)
 EP_LAYOUTS = {
     "dp2": (2, []),  # every rank all experts (DDP): a run that started without ep
     "ep2": (2, ["--ep", "2"]),

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, forked, read_metrics, spawn
+from tests.helpers.launch import TINY_MODEL, forked, read_metrics, spawn
 from trainer.runtime.expert_load import (
     ExpertLoad,
     choose_expert_compute,

@@ -9,8 +9,16 @@ import os
 import pytest
 import torch.distributed as dist
 
-from tests.launch import forked, read_metrics, spawn
-from tests.layouts import SCRIPT, STEPS, assert_same_records, assert_same_run, final_weights, run_args, run_layout
+from tests.helpers.launch import forked, read_metrics, spawn
+from tests.helpers.layouts import (
+    SCRIPT,
+    STEPS,
+    assert_same_records,
+    assert_same_run,
+    final_weights,
+    run_args,
+    run_layout,
+)
 from trainer.parallel.mesh import ParallelDims
 
 EP_PP = ["--ep", "2", "--pp", "2"]

@@ -8,7 +8,7 @@ import pytest
 from scripts.export_eval_items import main
 
 pytest.importorskip("lm_eval")  # requirements.txt installs it; a bare environment skips, naming it
-from tests.eval_tasks import DOCS, write_task  # noqa: E402 (offline: a fixture in conftest.py)
+from tests.helpers.eval_tasks import DOCS, write_task  # noqa: E402 (offline: a fixture in conftest.py)
 
 
 def test_export_renders_items_as_the_task_does(tmp_path, offline):  # noqa: F811

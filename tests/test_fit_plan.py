@@ -15,9 +15,9 @@ from model.weights.files import save_weights_file
 from scripts.planner import fit
 from scripts.planner.fit import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, corpus_tokens, estimate, memory_parts, stage_plan
 from scripts.planner.gpus import GIB, GPUS, find_gpu
-from tests.cpu_probe import force_cpu_bf16
-from tests.launch import ROOT, forked
-from tests.weight_files import wider_tokenizer
+from tests.helpers.cpu_probe import force_cpu_bf16
+from tests.helpers.launch import ROOT, forked
+from tests.helpers.weight_files import wider_tokenizer
 from trainer.plan.checks import resolve_dtype
 
 SMALL = ["--hidden_size", "256", "--num_hidden_layers", "4", "--accumulation_steps", "1", "--dtype", "float32",
@@ -44,14 +44,16 @@ def write_teacher(folder, **fields):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_memory_within_15_percent_of_the_measured_peak(tmp_path, name):
-    """The measured peak is the most bytes of tensors alive at once after the data were loaded (tests/memory_entry.py:
+    """The measured peak is the most bytes of tensors alive at once after the data were loaded
+    (tests/helpers/memory_entry.py:
     torch's profiler over the CPU allocator; on a GPU, torch.cuda.max_memory_allocated): the model(s), optimizer,
     activations, rollouts; the estimate's parts summed."""
     stage, flags = CONFIGS[name]
     if stage == "distillation":
         flags = flags + ["--teacher_weight", write_teacher(str(tmp_path), **TEACHER)]
     out = str(tmp_path / "memory.json")
-    proc = forked("tests/memory_entry.py", [*flags, "--from_weight", "none", "--max_steps", "3", "--log_interval", "1",
+    proc = forked("tests/helpers/memory_entry.py", [*flags, "--from_weight", "none", "--max_steps", "3",
+                                                    "--log_interval", "1",
                                             "--save_dir", str(tmp_path / "out"), "--checkpoint_dir",
                                             str(tmp_path / "ckpt"), "--cache_dir", str(tmp_path / "cache")],
                   env=dict(MINIMIND_TEST_STAGE=f"train_{stage}", MINIMIND_TEST_MEMORY_OUT=out), timeout=600)

@@ -8,7 +8,7 @@ import re
 
 from model.export.gguf import gguf_refusal
 from model.model_minimind import MiniMindConfig
-from tests.launch import ROOT
+from tests.helpers.launch import ROOT
 from trainer.plan.flags import add_train_args
 
 SOURCES = ("trainer", "scripts", "model", "dataset")

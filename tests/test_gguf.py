@@ -14,8 +14,8 @@ from model.provenance import tokenizer_record
 from model.weights.files import save_weights_file
 from model.weights.shapes import WeightsError
 from scripts.convert_model import main as convert_main
-from tests.launch import ROOT
-from tests.weight_files import source_model, tiny
+from tests.helpers.launch import ROOT
+from tests.helpers.weight_files import source_model, tiny
 
 try:  # optional: pip builds llama.cpp from source for it (requirements-llama.txt)
     import llama_cpp

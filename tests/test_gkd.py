@@ -11,9 +11,9 @@ import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import save_weights_file
-from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run
-from tests.models import sft_batch
-from tests.rollout_server import LAYOUT_OPTIMIZER, RolloutServer
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, kill_at_step, read_metrics, resume_run
+from tests.helpers.models import sft_batch
+from tests.helpers.rollout_server import LAYOUT_OPTIMIZER, RolloutServer
 from trainer import train_gkd
 from trainer.base.launch import main_guard
 from trainer.core.batches import step_targets

@@ -7,7 +7,7 @@ import pytest
 
 from scripts import gpu_check
 from scripts.benchmarks import gpu_quick as gpu_check_quick
-from tests.launch import forked_argv
+from tests.helpers.launch import forked_argv
 
 # the first loss of a bf16-autocast run against fp32 on the same weights: matmul operands rounded to bf16 (unit
 # roundoff 2**-9 each, so ~2**-8 per product) perturb the logits by ~2**-8 of their magnitude, and CE moves by at most
@@ -16,7 +16,7 @@ BF16_LOSS_BOUND = 2 ** -7
 
 
 def forked_run(argv, log_path, timeout, env=None):
-    """gpu_check.run with the trainer runs forked from this process (tests/launch.py forked): the same runs,
+    """gpu_check.run with the trainer runs forked from this process (tests/helpers/launch.py forked): the same runs,
     without ~8 s of imports each."""
     start = time.time()
     with open(log_path, "w") as log:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from model.errors import ConfigError
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, kill_at_step, resume_run, run_in_process
-from tests.rollout_server import RolloutServer, metrics_of, served_run
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked, kill_at_step, resume_run, run_in_process
+from tests.helpers.rollout_server import RolloutServer, metrics_of, served_run
 from trainer import train_grpo
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
@@ -20,7 +20,7 @@ from trainer.plan.resolve import resolve
 from trainer.rl.grpo import GRPOPlan
 from trainer.rl.policy_loss import group_advantages, k3_kl, leave_one_out_advantages
 
-REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
+REWARD_FNS = os.path.join(ROOT, "tests", "helpers", "reward_fns.py")
 TEMPERATURE = 0.8
 
 

@@ -5,12 +5,12 @@ import os
 
 import torch
 
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.core.build import build_trainer, setup
 from trainer.plan.flags import add_train_args
 
 SCRIPT = "trainer/train_pretrain.py"
-FAULT_SCRIPT = "tests/fault_entry.py"  # the same script, with faults injected from the test side
+FAULT_SCRIPT = "tests/helpers/fault_entry.py"  # the same script, with faults injected from the test side
 
 
 def common_args(tmp_path, name, data):

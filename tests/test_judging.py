@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 from transformers import AutoTokenizer
 
-from tests.launch import TINY_MODEL, demo_slice, forked, kill_at_step, resume_run
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, kill_at_step, resume_run
 from trainer.core.build import build_trainer, setup
 from trainer.core.evaluation import evaluate
 from trainer.judge.health import scan

@@ -11,7 +11,7 @@ from transformers import Qwen3ForCausalLM
 from dataset.preference_data import KTODataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import (
+from tests.helpers.launch import (
     TINY_CONFIG,
     demo_slice,
     forked,

@@ -2,7 +2,7 @@
 main_guard's process in its one line and exit code wherever it lands."""
 import pytest
 
-from tests.launch import ROOT, forked, spawn
+from tests.helpers.launch import ROOT, forked, spawn
 from trainer.base.launch import BEFORE_THE_LOOP, backend_for, count_sum
 
 

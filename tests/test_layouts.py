@@ -1,7 +1,7 @@
 """The proof of 4D parallelism: every layout computes what the single-process run computes.
 
 Each layout runs the real trainer/train_pretrain.py with torchrun's environment (gloo, CPU; the ranks are forked
-from the test: tests/launch.py forked) for 5 steps on the same global batches as a single-process run: the
+from the test: tests/helpers/launch.py forked) for 5 steps on the same global batches as a single-process run: the
 per-step losses are compared with it, the exported weights with the run's own checkpoint, and the last step with a
 single process stepping from the layout's own state (assert_same_run says why not final weights against final
 weights). Rows are packed with the default --doc_mask 1 (attention within documents, in every layout: SDPA's mask,
@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, TINY_MODEL, forked, free_port, read_metrics
-from tests.layouts import (
+from tests.helpers.launch import ROOT, TINY_MODEL, forked, free_port, read_metrics
+from tests.helpers.layouts import (
     MODELS,
     REFERENCE_TIMEOUT,
     SCRIPT,

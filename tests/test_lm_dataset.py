@@ -20,7 +20,7 @@ from dataset.demo.records import stdlib_docstrings
 from dataset.demo_data import ensure_demo_data
 from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.chat_rows import (
+from tests.helpers.chat_rows import (
     CUT,
     GCD_CALLS,
     GCD_TOOLS,
@@ -29,7 +29,7 @@ from tests.chat_rows import (
     encode,
     pieces_to_ids,
 )
-from tests.launch import demo_slice
+from tests.helpers.launch import demo_slice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MINIMIND3_CONFIG = os.path.join(ROOT, "tests", "fixtures", "minimind3_tokenizer_config.json")

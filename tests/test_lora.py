@@ -22,7 +22,7 @@ from model.lora import (
     save_peft,
 )
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import spawn
+from tests.helpers.launch import spawn
 from trainer.parallel.data import apply_data_parallel
 
 VOCAB = 6400

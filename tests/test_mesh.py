@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.launch import spawn
+from tests.helpers.launch import spawn
 from trainer.parallel.mesh import ParallelDims, carved_groups, validate_layout
 
 

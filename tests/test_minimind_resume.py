@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
-from tests.minimind_order import MiniMindOrder, batches, cosine_lr
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.minimind_order import MiniMindOrder, batches, cosine_lr
 from trainer.ckpt.minimind_resume import minimind_parameter_order
 from trainer.ckpt.resume import read_resume
 from trainer.core.build import build_trainer, setup

@@ -12,7 +12,7 @@ from dataset.chat import SFTDataset
 from dataset.lm_dataset import PretrainDataset
 from dataset.mixture import absolute_data_spec, describe_mixture, load_data_spec, resolve_data_spec
 from dataset.weighted_mixture import MixtureDataset, _largest_remainder
-from tests.launch import demo_slice
+from tests.helpers.launch import demo_slice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,7 +9,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 from model.hf_convert import hf_to_minimind, minimind_to_hf
 from model.model_minimind import Attention, FeedForward, MiniMindConfig, MiniMindForCausalLM, packed_document_mask
 from model.moe import MOEFeedForward
-from tests.models import DOC_LENGTHS, VOCAB, batch, max_diff, minimind, packed_row, tiny_config, to_hf_model
+from tests.helpers.models import DOC_LENGTHS, VOCAB, batch, max_diff, minimind, packed_row, tiny_config, to_hf_model
 
 TOL = 1e-4
 

@@ -1,5 +1,6 @@
 """model/export/ollama.py: the Modelfile's Go TEMPLATE, evaluated with Go's text/template semantics
-(tests/gotemplate.py; Ollama cannot run here), renders a chat as our chat template (model/tokenizer_config.json via
+(tests/helpers/gotemplate.py; Ollama cannot run here), renders a chat as our chat template
+(model/tokenizer_config.json via
 transformers) does."""
 import json
 import os
@@ -8,8 +9,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from model.export.ollama import STOP_TOKENS, TEMPLATE, modelfile
-from tests.gotemplate import go_json, render
-from tests.launch import ROOT
+from tests.helpers.gotemplate import go_json, render
+from tests.helpers.launch import ROOT
 
 TOOLS = [{"type": "function", "function": {
     "name": "gcd", "description": "Greatest common divisor of a & b",

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 from trainer.runtime.out_of_memory import advice, is_out_of_memory
@@ -40,7 +40,7 @@ def test_one_rank_out_of_memory_is_one_line_and_the_checkpoint_resumes(tmp_path)
             "--max_steps", "4", "--save_interval", "2", "--log_interval", "1", "--save_dir", str(out),
             "--checkpoint_dir", str(ckpt), "--metrics_file", str(out / "m.jsonl")]
     # every rank leaves: a hang would sit out the 600 s collective timeout, far past forked()'s 120 s
-    proc = forked("tests/fault_entry.py", args, nproc=2, timeout=120,
+    proc = forked("tests/helpers/fault_entry.py", args, nproc=2, timeout=120,
                   env=dict(MINIMIND_TEST_OOM_AT_STEP="3", MINIMIND_TEST_OOM_RANK="1"))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 3, proc.stderr[-3000:]

@@ -10,8 +10,8 @@ import torch
 
 from model.errors import ConfigError
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, run_in_process
-from tests.layouts import read_step
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics, run_in_process
+from tests.helpers.layouts import read_step
 from trainer import train_pretrain
 from trainer.parallel.mesh import ParallelDims
 from trainer.plan.flags import add_train_args

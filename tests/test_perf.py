@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dataset.chat import SFTDataset
 from dataset.lm_dataset import PretrainDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM, chunked_cross_entropy
-from tests.launch import forked
+from tests.helpers.launch import forked
 from trainer.observe.metrics import cuda_table_peak, enable_tf32, peak_flops
 from trainer.parallel.perf import apply_activation_checkpointing, compile_blocks
 

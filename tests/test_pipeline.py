@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import build_pipeline, spawn
-from tests.numerics import assert_adam_first_step_close
+from tests.helpers.launch import build_pipeline, spawn
+from tests.helpers.numerics import assert_adam_first_step_close
 from trainer.parallel.pipeline import PipelineLoss as pipeline_loss_fn
 from trainer.parallel.pipeline import (
     PipelineStageModule,
@@ -109,7 +109,7 @@ def _pipeline_case(rank, moe, layers, schedule_name, num_microbatches, packed, l
     grads = {name: param.grad.clone() for module in modules for name, param in module.named_parameters()}
     optimizer = torch.optim.AdamW(unique_params, lr=LR, eps=ADAM_EPS)
     optimizer.step()
-    for module in modules:  # per-element bound from the measured gradients (tests/numerics.py)
+    for module in modules:  # per-element bound from the measured gradients (tests/helpers/numerics.py)
         for name, param in module.named_parameters():
             ref = reference.get_parameter(name)
             assert_adam_first_step_close(param.detach(), ref.detach(), grads[name], ref.grad, LR, ADAM_EPS,

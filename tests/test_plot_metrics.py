@@ -7,8 +7,8 @@ import pytest
 from matplotlib.image import imread
 
 from scripts.plot_metrics import load_metrics, plot
-from tests.disks import fill
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.helpers.disks import fill
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked
 
 SCRIPT = "scripts/plot_metrics.py"
 LOADING = "scripts/plot_metrics.py: loading pandas and matplotlib ...\n"  # trainer/base/prelude.py's first line

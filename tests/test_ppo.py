@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from model.errors import ConfigError
 from model.weights.shapes import VALUE_HEAD
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked
-from tests.rollout_server import RolloutServer, metrics_of, served_run
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked
+from tests.helpers.rollout_server import RolloutServer, metrics_of, served_run
 from trainer import train_ppo
 from trainer.core.batches import step_targets
 from trainer.core.loop import epoch_batches, train_step
@@ -21,7 +21,7 @@ from trainer.plan.resolve import resolve
 from trainer.rl.policy_loss import gae, value_loss
 from trainer.rl.ppo import PPOPlan
 
-REWARD_FNS = os.path.join(ROOT, "tests", "reward_fns.py")
+REWARD_FNS = os.path.join(ROOT, "tests", "helpers", "reward_fns.py")
 TEMPERATURE = 0.8
 
 
@@ -290,7 +290,7 @@ def test_resume_after_a_kill_repeats_the_rollouts_and_updates_bitwise(tmp_path):
     straight = run_flags(tmp_path, "straight", data, extra=extra)
     assert forked(SCRIPT, straight).returncode == 0
     run = run_flags(tmp_path, "killed", data, extra=extra)
-    killed = forked("tests/fault_entry.py", args=run, env={"MINIMIND_TEST_STAGE": "train_ppo",
+    killed = forked("tests/helpers/fault_entry.py", args=run, env={"MINIMIND_TEST_STAGE": "train_ppo",
                                                            "MINIMIND_TEST_KILL_AT_STEP": "3"})
     assert killed.returncode != 0 and "SIGKILL rank 0 at step 3" in killed.stdout + killed.stderr
     saved = {os.path.basename(os.path.dirname(path)) for path in

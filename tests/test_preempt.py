@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
-from tests.preempt_runs import (
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.preempt_runs import (
     SCRIPT,
     finish,
     metrics_path,

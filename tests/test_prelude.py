@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.launch import ROOT
+from tests.helpers.launch import ROOT
 
 
 @pytest.mark.parametrize("script, what, sig", [

@@ -6,7 +6,7 @@ import pytest
 
 from dataset.chat import SFTDataset
 from dataset.prompt_ids import prompt_ids
-from tests.launch import write_rows
+from tests.helpers.launch import write_rows
 
 CHATS = [
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}],

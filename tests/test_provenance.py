@@ -19,8 +19,8 @@ from scripts.convert_model import main as convert_main
 from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args as eval_args
 from scripts.inference.load import tokenizer_folder
-from tests.launch import ROOT, TINY_CONFIG, TINY_MODEL, demo_slice, forked
-from tests.weight_files import wider_tokenizer
+from tests.helpers.launch import ROOT, TINY_CONFIG, TINY_MODEL, demo_slice, forked
+from tests.helpers.weight_files import wider_tokenizer
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 

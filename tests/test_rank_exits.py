@@ -5,11 +5,13 @@ and the lines say what is saved.
 The race: a rank that refuses (not rank 0) or lost a peer waits RANK0_REPORT_SECONDS (2 s) in main_guard so that
 rank 0 speaks first, and torchrun SIGTERMs it as soon as one rank has exited; before the fix the signal raised
 SignalStop inside the handler (3 of 6 runs at 2 ranks, 5 of 5 at 3). Here the signal lands inside the window on
-every run, not by luck: tests/fault_entry.py widens the window to 60 s (MINIMIND_TEST_REPORT_SECONDS); for a refusal
+every run, not by luck: tests/helpers/fault_entry.py widens the window to 60 s (MINIMIND_TEST_REPORT_SECONDS); for a
+refusal
 rank 0 reports only once every other rank is inside its own report (MINIMIND_TEST_REPORT_AFTER_ALL); for a lost peer
 torchrun checks its workers every 5 s (--monitor_interval), so the survivor meets the closed connection (within
 milliseconds) and is in its window before torchrun notices the killed rank. So one run per case decides, and the old
-code fails each of them every time. Real torchrun (tests/launch.py torchrun), since its agent's signals are what is
+code fails each of them every time. Real torchrun (tests/helpers/launch.py torchrun), since its agent's signals are
+what is
 tested; tiny models, a timeout on every launch.
 """
 import os
@@ -20,9 +22,9 @@ import sys
 
 import pytest
 
-from tests.launch import ROOT, TINY_MODEL, demo_slice, free_port, torchrun
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, free_port, torchrun
 
-ENTRY = "tests/fault_entry.py"
+ENTRY = "tests/helpers/fault_entry.py"
 WIDE_WINDOW = {"MINIMIND_TEST_REPORT_SECONDS": "60"}
 
 
@@ -64,7 +66,8 @@ def test_a_refusal_is_one_line_and_every_rank_exits_2(tmp_path):
 def test_a_lost_peer_is_one_line_naming_the_saved_step(tmp_path, sigterm_lands):
     """`--ep 2` on 2 ranks, rank 1 SIGKILLed after step 4 was saved: rank 0 says it lost a peer and that step 4 is
     saved (never "nothing was saved"), and leaves with 1 when torchrun's SIGTERM comes during its report window. When
-    a SIGTERM lands as the report begins (before its code is set: tests/fault_entry.py sends it there), the signal's
+    a SIGTERM lands as the report begins (before its code is set: tests/helpers/fault_entry.py sends it there), the
+    signal's
     line names step 4 and rank 0 leaves 143; before, a traceback of SignalStop ended it there."""
     args = run_args(tmp_path, "--use_moe", "1", "--ep", "2", "--max_steps", "8", "--save_interval", "2")
     faults = dict(MINIMIND_TEST_KILL_AT_STEP="4", MINIMIND_TEST_KILL_RANK="1")

@@ -4,7 +4,7 @@ import json
 import os
 import re
 
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
 
 STAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} ")
 

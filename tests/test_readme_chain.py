@@ -7,8 +7,8 @@ import re
 import shlex
 
 from scripts import report
-from tests.launch import ROOT, forked, python
-from tests.readme_lines import own_corpus, quick_start, readme_chain, readme_text
+from tests.helpers.launch import ROOT, forked, python
+from tests.helpers.readme_lines import own_corpus, quick_start, readme_chain, readme_text
 
 # the README's size, and the test's: the file names follow (_256 -> _64)
 SMALLER = [("--hidden_size 256", "--hidden_size 64 --num_attention_heads 4 --num_key_value_heads 2"),

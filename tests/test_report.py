@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import read_weights
 from scripts.report import main as report
-from tests.launch import TINY_MODEL, demo_slice, forked
-from tests.serving import trained_ids
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked
+from tests.helpers.serving import trained_ids
 from trainer.judge.samples import MAX_NEW_TOKENS, PROMPTS
 from trainer.judge.units import repetition
 

@@ -15,7 +15,7 @@ from dataset.preference_data import RewardPairs
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from scripts.eval_reward import pair_accuracy
-from tests.launch import (
+from tests.helpers.launch import (
     TINY_CONFIG,
     TINY_MODEL,
     demo_slice,

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
 
 from model.errors import ConfigError
-from tests.launch import ROOT
+from tests.helpers.launch import ROOT
 from trainer.rl.rewards import (
     RewardFailed,
     RewardModel,
@@ -17,6 +17,8 @@ from trainer.rl.rewards import (
     rule_think,
     score,
 )
+
+REWARD_FNS = os.path.join(ROOT, "tests", "helpers", "reward_fns.py")
 
 
 def as_completions(*texts):
@@ -98,11 +100,11 @@ def test_a_reward_model_scores_its_chat_template_rendering(tmp_path):
 
 
 def test_a_reward_function_by_file_and_name(tmp_path):
-    fn = load_reward_fn(os.path.join(ROOT, "tests", "reward_fns.py") + ":digit_share")
+    fn = load_reward_fn(REWARD_FNS + ":digit_share")
     assert fn(None, as_completions("a1b2", "")) == [0.5, 0.0]
     (tmp_path / "broken.py").write_text("raise RuntimeError('no')\n")
     for spec, message in ((f"{tmp_path}/none.py:f", "does not exist"), ("reward_fns.py", "expected FILE.py:NAME"),
-                          (os.path.join(ROOT, "tests", "reward_fns.py") + ":missing", "has no function missing"),
+                          (REWARD_FNS + ":missing", "has no function missing"),
                           (f"{tmp_path}/broken.py:f", "importing .* failed \\(RuntimeError: no\\)")):
         with pytest.raises(ConfigError, match=message):
             load_reward_fn(spec)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dataset.rlaif_dataset import RLAIFDataset
-from tests.launch import write_rows
+from tests.helpers.launch import write_rows
 
 
 def rows(n):

@@ -9,8 +9,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import spawn
-from tests.rollout_server import EOS, RolloutServer, fixed_completion
+from tests.helpers.launch import spawn
+from tests.helpers.rollout_server import EOS, RolloutServer, fixed_completion
 from trainer.parallel.expert import apply_expert_parallel
 from trainer.parallel.mesh import ParallelDims
 from trainer.rl.rollout import HttpEngine, repeat_prompts, rollout_seed, sample, sample_tokens, whole_model

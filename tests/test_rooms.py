@@ -136,21 +136,26 @@ def test_prelude_is_standard_library_only():
 
 
 def test_tests_share_helpers_through_helper_modules_and_conftest():
-    """tests/ is a room too: no test module imports another test module as a library (shared helpers live in helper
-    modules such as tests/launch.py, fixtures in tests/conftest.py), and a helper module is imported one way,
-    `from tests.launch import ...`, never as a bare top-level `launch` (a second copy of the module)."""
-    folder = os.path.join(ROOT, "tests")
-    helpers = {n[:-3] for n in os.listdir(folder) if n.endswith(".py") and not n.startswith("test_")}
-    problems = []
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".py"):
-            continue
-        path = os.path.join(folder, name)
+    """tests/ is a room too: its helper modules live in tests/helpers/ (tests/ holds test modules and conftest.py
+    only), no test module imports another test module as a library (fixtures are in tests/conftest.py), and a helper
+    module is imported one way, `from tests.helpers.launch import ...`, never as a bare top-level `launch` or
+    `helpers.launch` (a second copy of the module)."""
+    folder, helper_folder = os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "helpers")
+    helpers = {n[:-3] for n in os.listdir(helper_folder) if n.endswith(".py") and n != "__init__.py"}
+    problems = [f"tests/{n} is neither a test module nor conftest.py: move it to tests/helpers/"
+                for n in sorted(os.listdir(folder)) if n.endswith(".py") and not n.startswith("test_")
+                and n != "conftest.py"]
+    paths = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith(".py")]
+    paths += [os.path.join(helper_folder, n) for n in sorted(os.listdir(helper_folder)) if n.endswith(".py")]
+    for path in paths:
+        name = os.path.relpath(path, folder)
         for module in set(imports(path)) | set(imports(path, top_level=False)):
             parts = module.split(".")
             if parts[0] == "tests" and len(parts) > 1 and parts[1].startswith("test_"):
                 problems.append(f"tests/{name} imports the test module {module}")
-            if parts[0] in helpers:
-                problems.append(f"tests/{name} imports {module}: write tests.{module}")
+            if parts[0] in helpers or parts[0] == "helpers":
+                problems.append(f"tests/{name} imports {module}: write tests.helpers.{parts[-1]}")
+            if parts[0] == "tests" and len(parts) == 2 and parts[1] in helpers:
+                problems.append(f"tests/{name} imports {module}: write tests.helpers.{parts[1]}")
     assert problems == []
-    assert {"launch", "conftest", "serving", "layouts"} <= helpers  # the check saw the helper modules
+    assert {"launch", "serving", "layouts", "fault_entry"} <= helpers  # the check saw the helper modules

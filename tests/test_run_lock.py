@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.launch import TINY_MODEL, demo_slice, forked, forked_nodes, read_metrics, start_forked
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, forked_nodes, read_metrics, start_forked
 
 SCRIPT = "trainer/train_pretrain.py"
 

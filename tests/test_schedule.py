@@ -7,7 +7,7 @@ import os
 import pytest
 
 from model.errors import ConfigError
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.plan.flags import add_train_args
 from trainer.plan.resolve import resolve
 from trainer.runtime.schedule import lr_at, resume_note

@@ -8,7 +8,7 @@ from typing import Optional
 
 import pytest
 
-from tests.launch import ROOT
+from tests.helpers.launch import ROOT
 from trainer.base.schema import Flag, fill, section_flags
 from trainer.plan.sections import SECTIONS
 

@@ -9,8 +9,8 @@ import httpx
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import save_weights_file
 from scripts.serve_openai_api import address_line, parse_args
-from tests.launch import free_port, start_forked
-from tests.serving import CONFIG
+from tests.helpers.launch import free_port, start_forked
+from tests.helpers.serving import CONFIG
 
 
 def test_the_line_without_a_key_and_on_ipv6():

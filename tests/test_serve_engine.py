@@ -18,8 +18,8 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import save_weights_file
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import parse_args
-from tests.launch import ROOT, free_port, start_forked
-from tests.serving import CONFIG, PROMPT, over_http, trained_ids
+from tests.helpers.launch import ROOT, free_port, start_forked
+from tests.helpers.serving import CONFIG, PROMPT, over_http, trained_ids
 
 MESSAGES = [{"role": "user", "content": PROMPT}]
 LONG = dict(max_tokens=2000, min_tokens=2000)  # a reply that only a stop ends early (EOS held back)

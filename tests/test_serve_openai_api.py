@@ -14,7 +14,7 @@ from scripts.eval_llm import main as eval_main
 from scripts.inference.load import load_chat_model
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import parse_args
-from tests.serving import CALL, CONFIG, PROMPT, ScriptedModel, ask, ask_stream, joined, over_http, trained_ids
+from tests.helpers.serving import CALL, CONFIG, PROMPT, ScriptedModel, ask, ask_stream, joined, over_http, trained_ids
 
 
 @pytest.fixture(scope="module")

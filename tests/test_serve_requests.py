@@ -15,8 +15,8 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import save_weights_file
 from scripts.serve.app import create_app
 from scripts.serve_openai_api import main, parse_args
-from tests.launch import ROOT
-from tests.serving import CONFIG, ask, ask_stream, joined, over_http, trained_ids
+from tests.helpers.launch import ROOT
+from tests.helpers.serving import CONFIG, ask, ask_stream, joined, over_http, trained_ids
 
 CONTEXT = 64  # a model of 64 positions: a request can reach its end in a few tokens
 

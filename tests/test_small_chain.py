@@ -9,8 +9,8 @@ import shlex
 import time
 
 from dataset.demo.records import sft_records
-from tests.launch import forked
-from tests.readme_lines import readme_chain
+from tests.helpers.launch import forked
+from tests.helpers.readme_lines import readme_chain
 
 
 def sft_and_chat_lines():

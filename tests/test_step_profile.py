@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from scripts.benchmarks.step_shares import step_shares
-from tests.launch import ROOT
+from tests.helpers.launch import ROOT
 
 
 def event(name, ts, dur, tid=1):

@@ -11,8 +11,8 @@ import torch.distributed.checkpoint as dcp
 
 from model.atomic import atomic_folder, atomic_save
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.disks import no_small_disk
-from tests.launch import spawn
+from tests.helpers.disks import no_small_disk
+from tests.helpers.launch import spawn
 from trainer.ckpt.checkpointer import keep_line
 from trainer.ckpt.storage import (
     DiskFullError,

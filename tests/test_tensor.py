@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import spawn
-from tests.numerics import assert_adam_first_step_close
+from tests.helpers.launch import spawn
+from tests.helpers.numerics import assert_adam_first_step_close
 from trainer.parallel.tensor import apply_tensor_parallel, tp_loss_context, tp_validate
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -88,7 +88,8 @@ def _compare_tp(rank, world_size, config_kwargs, sequence_parallel, loss_paralle
     grads = {name: _full(p.grad).clone() for name, p in tp_params.items()}
     for m in (plain, model):
         torch.optim.AdamW(m.parameters(), lr=LR, eps=ADAM_EPS, weight_decay=0.1).step()
-    # per element, from the measured gradients: Adam's first step amplifies a tiny grad's rounding (tests/numerics.py)
+    # per element, from the measured gradients: Adam's first step amplifies a tiny grad's rounding
+    # (tests/helpers/numerics.py)
     tight = total = 0
     for name, ref in plain_params.items():
         bound = assert_adam_first_step_close(_full(tp_params[name].detach()), ref.detach(), grads[name], ref.grad,

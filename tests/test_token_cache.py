@@ -1,7 +1,7 @@
 """The token cache built by several local ranks / worker processes / nodes equals the single-process one, byte
 for byte; bad lines stop every rank with the original file:line; stale locks are taken over.
 
-Run as __main__, this file is one rank (the tests fork it: tests/launch.py start_forked; by hand, from the repo
+Run as __main__, this file is one rank (the tests fork it: tests/helpers/launch.py start_forked; by hand, from the repo
 root: `python -m tests.test_token_cache KIND DATA CACHE_DIR RANK PARTS NUM_PROC`).
 """
 import json
@@ -24,10 +24,10 @@ from dataset.chat import SFTDataset
 from dataset.lm_dataset import PretrainDataset
 from dataset.tokenizing.file_ranges import lines_before, split_range
 from dataset.tokenizing.token_cache import CacheBuildInterrupted, build_token_cache
-from tests.launch import demo_slice, forked, start_forked
+from tests.helpers.launch import demo_slice, forked, start_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RANK = "tests/test_token_cache.py"  # one rank: this file as __main__ (tests/launch.py start_forked)
+RANK = "tests/test_token_cache.py"  # one rank: this file as __main__ (tests/helpers/launch.py start_forked)
 CACHE_FILES = ("tokens.bin", "offsets.bin", "mask.bin", "meta.json")
 DATASETS = {"pretrain": PretrainDataset, "sft": SFTDataset}
 BIG_REPEAT = 16  # copies of a 5000-line demo slice: ~30 MB, over 10 s of tokenizing on two busy cores
@@ -47,7 +47,8 @@ def reference(kind, path, tokenizer, cache_dir):
 
 def launch_ranks(kind, path, cache_dir, num_parts, num_proc, nodes=1, timeout=180):
     """Start nodes x num_parts rank processes at once; return [(node, returncode, stdout + stderr)]. The ranks are
-    forked from this process (tests/launch.py start_forked: this file as __main__, torch and transformers imported
+    forked from this process (tests/helpers/launch.py start_forked: this file as __main__, torch and transformers
+    imported
     already); they meet only through the files under cache_dir, as fresh interpreters would."""
     log_dir, procs = tempfile.mkdtemp(), []
     for node in range(nodes):

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from scripts.train_tokenizer import tokenizer_config
-from tests.launch import TINY_MODEL, forked
+from tests.helpers.launch import TINY_MODEL, forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "model")

@@ -10,7 +10,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.disks import fill
+from tests.helpers.disks import fill
 from trainer.ckpt.storage import DiskFullError
 from trainer.observe.step_profiler import StepProfiler, parse_profile_steps
 from trainer.observe.tracking import Tracker, truncate_metrics
@@ -220,7 +220,7 @@ def test_step_profiler_off_writes_nothing(tmp_path):
 def test_trainer_run_writes_every_sink_and_a_resume_continues_them(tmp_path, monkeypatch):
     """The real trainer with --tensorboard_dir, --use_wandb (no login: offline) and --profile_steps, stopped at
     step 2 and resumed to 4: every sink holds each step once, with the values of the metrics file."""
-    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
     data = demo_slice(tmp_path, "pretrain", 48)
     out, tb = tmp_path / "out", tmp_path / "tb"
     monkeypatch.delenv("SWANLAB_API_KEY", raising=False)  # as in CI: not logged in, no TTY
@@ -292,7 +292,7 @@ def test_tracker_flag_and_minimind_aliases(tmp_path):
 
 
 def test_tracker_tensorboard_writes_under_the_save_dir(tmp_path):
-    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
     out = tmp_path / "out"
     proc = forked("trainer/train_pretrain.py", [
         *TINY_MODEL, "--data_path", demo_slice(tmp_path, "pretrain", 32), "--max_seq_len", "32", "--batch_size", "4",
@@ -333,8 +333,8 @@ def test_a_disk_filled_mid_run_stops_at_the_metrics_write_and_the_resume_continu
     JSONL's page has room, then stops at the first record that needs a new page with one line, exit 3, naming the
     last checkpoint (the step before). Space freed, --from_resume 1 drops the cut line and logs each step once, with
     the losses of an uninterrupted run (records are ~340 bytes: the 4 KiB page fills near step 12)."""
-    from tests.fault_entry import STAGE
-    from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+    from tests.helpers.fault_entry import STAGE
+    from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
     disk, data, steps = small_disk(1), demo_slice(tmp_path, "pretrain", 128), 24
     common = [*TINY_MODEL, "--data_path", data, "--max_seq_len", "32", "--batch_size", "4", "--accumulation_steps",
               "1", "--log_interval", "1", "--max_steps", str(steps), "--save_dir", str(tmp_path / "out")]
@@ -345,7 +345,7 @@ def test_a_disk_filled_mid_run_stops_at_the_metrics_write_and_the_resume_continu
 
     ckpt, metrics = str(tmp_path / "ckpt"), os.path.join(disk, "m.jsonl")
     args = [*common, "--checkpoint_dir", ckpt, "--save_interval", "1", "--metrics_file", metrics]
-    failed = forked("tests/fault_entry.py", args, env={STAGE: "train_pretrain",
+    failed = forked("tests/helpers/fault_entry.py", args, env={STAGE: "train_pretrain",
                                                        "MINIMIND_TEST_FILL_DISK": f"1:{disk}/filler"}, timeout=300)
     assert failed.returncode == 3, failed.stdout[-2000:] + failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr and "Exception" not in failed.stderr, failed.stderr[-3000:]

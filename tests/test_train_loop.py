@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics
 from trainer.core.build import build_trainer, setup, steps_per_epoch
 from trainer.core.evaluation import evaluate
 from trainer.core.loop import train_step

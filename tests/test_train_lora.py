@@ -25,7 +25,7 @@ from model.lora import apply_lora_file
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import read_sidecar, save_weights_file
 from scripts.convert_model import main as convert_main
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 from trainer import train_lora
 from trainer.base.launch import main_guard
 from trainer.plan.flags import parse_args
@@ -188,7 +188,7 @@ def test_zero1_resume_after_a_kill_is_exact(reference, base, data, tmp_path):
     workdir = str(tmp_path)
     args = run_args(workdir, data, base, 2, ["--zero_stage", "1"])
     env = {"MINIMIND_TEST_STAGE": "train_lora", "MINIMIND_TEST_KILL_AT_STEP": "3", "MINIMIND_TEST_KILL_RANK": "1"}
-    killed = forked("tests/fault_entry.py", nproc=2, args=args, timeout=300, env=env)
+    killed = forked("tests/helpers/fault_entry.py", nproc=2, args=args, timeout=300, env=env)
     assert killed.returncode != 0 and "SIGKILL rank 1 at step 3" in killed.stdout + killed.stderr
     before = read_metrics(os.path.join(workdir, "m.jsonl"))
     assert [r["step"] for r in before] == [1, 2, 3]
@@ -288,7 +288,7 @@ def test_a_full_disk_at_the_adapter_save_is_one_line_and_the_resume_writes_the_f
     workdir = str(tmp_path)
     args = [*run_args(workdir, data, base, 1, ["--save_weights_every", "2"]), "--save_dir", disk]
     filler = os.path.join(disk, "filler")
-    failed = forked("tests/fault_entry.py", args, env={"MINIMIND_TEST_STAGE": "train_lora",
+    failed = forked("tests/helpers/fault_entry.py", args, env={"MINIMIND_TEST_STAGE": "train_lora",
                                                        "MINIMIND_TEST_FILL_DISK": f"3:{filler}"}, timeout=300)
     err = failed.stderr.strip().splitlines()
     assert failed.returncode == 3, failed.stdout[-2000:] + failed.stderr[-2000:]

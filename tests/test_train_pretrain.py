@@ -1,4 +1,5 @@
-"""End-to-end runs of trainer/train_pretrain.py (forked from the test: tests/launch.py forked): quick start, learning,
+"""End-to-end runs of trainer/train_pretrain.py (forked from the test: tests/helpers/launch.py forked): quick start,
+learning,
 exact resume, bad input."""
 import math
 import os
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL, demo_slice, forked, read_metrics, run_in_process, write_rows
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked, read_metrics, run_in_process, write_rows
 from trainer import train_pretrain
 from trainer.observe import metrics
 from trainer.plan.checks import small_batch
@@ -185,7 +186,7 @@ def test_validation_loss_matches_an_independent_evaluation(tmp_path):
     import torch.nn.functional as F
     from transformers import AutoTokenizer
 
-    from tests.launch import ROOT
+    from tests.helpers.launch import ROOT
     train_data = demo_slice(tmp_path, "pretrain", 64)
     eval_data = demo_slice(tmp_path, "pretrain", 100, name="eval.jsonl")
     metrics = os.path.join(str(tmp_path), "out", "metrics.jsonl")
@@ -243,7 +244,7 @@ def test_weighted_mixture_of_sources_resumes_exactly(tmp_path):
 def test_from_weight_takes_a_minimind_format_folder(tmp_path):
     """MiniMind's own HF export folder (model_type minimind) starts SFT with no model flags; at lr 0 the weights
     the run saves equal the folder's, and the folder's model is an independent transformers Qwen3."""
-    from tests.weight_files import tiny_qwen3, write_minimind_folder
+    from tests.helpers.weight_files import tiny_qwen3, write_minimind_folder
     reference = tiny_qwen3(vocab=6400)
     folder = write_minimind_folder(tmp_path / "minimind-3", reference)
     proc = forked("trainer/train_sft.py", [

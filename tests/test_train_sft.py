@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from dataset.chat import SFTDataset
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.chat_rows import GCD_CALLS, GCD_TOOLS, TOOL_CONVERSATION, TOOL_CONVERSATION_PIECES, pieces_to_ids
-from tests.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
+from tests.helpers.chat_rows import GCD_CALLS, GCD_TOOLS, TOOL_CONVERSATION, TOOL_CONVERSATION_PIECES, pieces_to_ids
+from tests.helpers.launch import ROOT, TINY_MODEL, demo_slice, forked, read_metrics
 
 
 def test_sft_starts_from_pretrained_weights_and_learns(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import TINY_MODEL
-from tests.minimind_order import MiniMindOrder, batches, cosine_lr
+from tests.helpers.launch import TINY_MODEL
+from tests.helpers.minimind_order import MiniMindOrder, batches, cosine_lr
 from trainer.core.build import build_trainer, setup
 from trainer.core.loop import train_step
 from trainer.plan.flags import add_train_args

@@ -6,8 +6,8 @@ import os
 import signal
 
 from scripts.convert_model import main as convert_main
-from tests.launch import TINY_MODEL, demo_slice, forked
-from tests.preempt_runs import signal_at_micro_batch
+from tests.helpers.launch import TINY_MODEL, demo_slice, forked
+from tests.helpers.preempt_runs import signal_at_micro_batch
 
 
 def sidecar(path):

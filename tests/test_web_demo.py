@@ -15,8 +15,8 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import load_weights, read_weights, save_weights_file
 from scripts.eval_llm import main as eval_main
 from scripts.inference import load as inference_load
-from tests.launch import ROOT, free_port
-from tests.serving import CALL, ScriptedModel, greedy_reply
+from tests.helpers.launch import ROOT, free_port
+from tests.helpers.serving import CALL, ScriptedModel, greedy_reply
 
 PROMPT = "What is a list comprehension?"
 PAGE = os.path.join(ROOT, "scripts", "web_demo.py")

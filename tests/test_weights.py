@@ -14,8 +14,8 @@ from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.weights.files import load_weights, read_weights, read_weights_and_args, save_weights_file, sidecar_path
 from model.weights.flag_advice import flag_conflicts, weights_line
 from model.weights.shapes import WeightsError, infer_config, shape_mismatch, weight_fields
-from tests.weight_files import QWEN_VOCAB as VOCAB
-from tests.weight_files import tiny_qwen3, write_minimind_folder
+from tests.helpers.weight_files import QWEN_VOCAB as VOCAB
+from tests.helpers.weight_files import tiny_qwen3, write_minimind_folder
 from trainer.plan.flags import MODEL_FLAGS
 from trainer.plan.model_config import weight_shapes
 

@@ -17,8 +17,8 @@ from model.yarn import YARN_ROPE_SCALING
 from scripts.eval_llm import main as eval_main
 from scripts.eval_llm import parse_args
 from scripts.inference.load import load_chat_model
-from tests.launch import ROOT
-from tests.serving import greedy_continuation
+from tests.helpers.launch import ROOT
+from tests.helpers.serving import greedy_continuation
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 TINY = dict(vocab_size=6400, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,7 @@ Items, in order of what matters most when time runs out (`--only` picks some by 
   moe4_top1_seq1024_eager   4 experts top-1 (each expert the dense MLP's width: the dense model's active parameters)
   h768x16_seq2048_compile   h768 L16 at seq 2048 compiled, the issue's >= 50% MFU goal, with a profile of two extra
                             steps after the measured ones: the top 15 kernels; then the same with --doc_mask 0
-  kill_resume               SIGKILL after step 2 (tests/fault_entry.py, as the fault tests do), --from_resume 1 to
+  kill_resume               SIGKILL after step 2 (tests/helpers/fault_entry.py, as fault tests do), --from_resume 1 to
                             step 4: the losses of steps 3-4 equal a straight 4-step run's
 """
 import glob
@@ -100,7 +100,7 @@ def kill_resume(ctx):
         folder = ctx.fresh_folder(ctx, name)
         run_flags = dict(flags, save_dir=os.path.join(folder, "out"), checkpoint_dir=os.path.join(folder, "ckpt"),
                          metrics_file=os.path.join(folder, "metrics.jsonl"))
-        script = os.path.join("..", "tests", "fault_entry.py") if env else "train_pretrain.py"
+        script = os.path.join("..", "tests", "helpers", "fault_entry.py") if env else "train_pretrain.py"
         rows[name] = (ctx.run(ctx.trainer_argv(script, run_flags), folder + ".log", ctx.timeout, env), run_flags)
     (code, _, tail), run_flags = rows["kill_part"]
     resumed = ctx.run(ctx.trainer_argv("train_pretrain.py", dict(run_flags, from_resume=1)),

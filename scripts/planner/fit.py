@@ -42,9 +42,9 @@ from trainer.plan.resolve import resolve
 from trainer.plan.stage import Stage
 
 # Saved activations x this = the activation peak: autograd's backward temporaries (each layer's input gradients
-# beside the saved tensors). Measured on CPU as the most bytes of tensors alive at once (tests/memory_entry.py: torch's
-# profiler over the allocator, what torch.cuda.max_memory_allocated reports on a GPU; the same on every run): h256 L4
-# batch 8 x 256 fp32 dense, 0.3566 GiB against 0.0743 GiB of states + 0.2520 GiB of saved tensors -> 1.12;
+# beside the saved tensors). Measured on CPU as the most tensor bytes alive at once (tests/helpers/memory_entry.py:
+# torch's profiler over the allocator, what torch.cuda.max_memory_allocated reports on a GPU; the same on every run):
+# h256 L4 batch 8 x 256 fp32 dense, 0.3566 GiB against 0.0743 GiB of states + 0.2520 GiB of saved tensors -> 1.12;
 # tests/test_fit_plan.py checks it on a MoE (with its experts' stacked weights, scripts/planner/cost.py
 # expert_weight_copies), a GRPO and a distillation run.
 ACTIVATION_OVERHEAD = 1.12

@@ -3,7 +3,7 @@
 import os
 import re
 
-from tests.launch import ROOT
+from tests.helpers.launch import ROOT
 
 MARK = "# the small chain, after the quick start:"
 

@@ -78,7 +78,7 @@ def hand_folded(weight_path, adapter_path, config):
     return model
 
 
-MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "model")
+MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "model")
 
 
 def wider_tokenizer(folder, extra):

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.launch import TINY_MODEL, forked, read_metrics
-from tests.numerics import FP32_EPS, GRAD_ULPS, grad_norm_bound
+from tests.helpers.launch import TINY_MODEL, forked, read_metrics
+from tests.helpers.numerics import FP32_EPS, GRAD_ULPS, grad_norm_bound
 
 SCRIPT = "trainer/train_pretrain.py"
 
@@ -72,7 +72,7 @@ def run_dir(workdir, model):
 def assert_same_records(records, ref_records, num_params):
     """Every step's loss, aux loss and token count equal the single process's; step 1's gradient norm (same weights,
     same batch, another reduction order and norm code: DTensor shards, pipeline stages) within
-    tests/numerics.py's grad_norm_bound (later steps start from weights that differ by AdamW's rounding)."""
+    tests/helpers/numerics.py's grad_norm_bound (later steps start from weights that differ by AdamW's rounding)."""
     assert [r["step"] for r in records] == [r["step"] for r in ref_records] == list(range(1, STEPS + 1))
     for got, want in zip(records, ref_records):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got["step"], got["loss"], want["loss"])
@@ -86,7 +86,7 @@ def assert_same_run(workdir, data, model, ref_records, single=None):
     """The layout's run is the single-process run, compared where that is well-conditioned.
 
     Two AdamW trajectories are not (a near-zero gradient's last-bit rounding flips lr * g / (|g| + eps),
-    differently on AVX2 and AVX-512; tests/numerics.py), so final weights are not compared with the reference's.
+    differently on AVX2 and AVX-512; tests/helpers/numerics.py), so final weights are not compared with the reference's.
     Instead: (1) every step's loss, aux loss and token count equal the single process's; (2) the exported .pth is
     the run's own final checkpoint, gathered another way; (3) the last step is the single-process step: a single
     process resumed from the layout's step STEPS-1 checkpoint takes the same step (its exp_avg, linear in the

@@ -7,7 +7,7 @@ import random
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tests.launch import demo_slice, forked, read_metrics
+from tests.helpers.launch import demo_slice, forked, read_metrics
 
 EOS = 2
 VOCAB = range(3, 6400)

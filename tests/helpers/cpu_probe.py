@@ -10,7 +10,7 @@ import torch
 from model import torch_compat
 from trainer.observe import metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # mode: (native bf16, the cached bf16 autocast rate over fp32's): "faster"/"slower" put --dtype auto's choice on either
 # side of checks.BF16_MARGIN; "absent" is an AVX2 CPU (no bf16 unit: auto takes fp32, --dtype bfloat16 is refused)
 MODES = {"real": (None, None), "faster": (True, 2.0), "slower": (True, 0.5), "absent": (False, 0.5)}

@@ -26,7 +26,7 @@ from trainer.base.launch import main_guard
 from trainer.observe import metrics
 from trainer.parallel.pipeline import make_schedule, split_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port():
@@ -355,10 +355,11 @@ def write_rows(path, rows):
 
 
 def kill_at_step(stage, run, step=3, timeout=300):
-    """trainer/<stage>.py with `run`'s arguments through tests/fault_entry.py, SIGKILLed right after optimizer step
+    """trainer/<stage>.py with `run`'s arguments through tests/helpers/fault_entry.py, SIGKILLed right after
+    optimizer step
     `step` (what it saved by then stays on disk); asserts that it died there."""
     env = {"MINIMIND_TEST_STAGE": stage, "MINIMIND_TEST_KILL_AT_STEP": str(step)}
-    killed = forked("tests/fault_entry.py", args=run, timeout=timeout, env=env)
+    killed = forked("tests/helpers/fault_entry.py", args=run, timeout=timeout, env=env)
     assert killed.returncode != 0 and f"SIGKILL rank 0 at step {step}" in killed.stdout + killed.stderr, \
         killed.stderr[-3000:]
 

@@ -2,13 +2,13 @@
 pid, parent pid and sys.modules to DUMP_DIR/<pid>.json, then the run goes on unchanged (tests/test_curate_data.py
 reads what a pool worker imported).
 
-    python tests/curate_worker_modules.py DUMP_DIR <curate_data.py flags>
+    python tests/helpers/curate_worker_modules.py DUMP_DIR <curate_data.py flags>
 """
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from scripts import curate_data  # noqa: E402
 from scripts.curate import steps as curate_steps  # noqa: E402

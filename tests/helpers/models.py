@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from dataset.chat import SFTDataset
 from model.hf_convert import minimind_to_hf
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
-from tests.launch import ROOT
+from tests.helpers.launch import ROOT
 
 VOCAB = 512
 

@@ -5,7 +5,7 @@ import os
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from scripts import curate_data  # noqa: E402
 from scripts.curate import steps as curate_steps  # noqa: E402

@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from tests.launch import ROOT, TINY_MODEL, free_port, read_metrics, start_forked
+from tests.helpers.launch import ROOT, TINY_MODEL, free_port, read_metrics, start_forked
 from trainer.observe import console
 
 SCRIPT = "trainer/train_pretrain.py"

@@ -1,4 +1,4 @@
-"""Reward functions in TRL's convention for the RL tests (--reward_fn tests/reward_fns.py:NAME)."""
+"""Reward functions in TRL's convention for the RL tests (--reward_fn tests/helpers/reward_fns.py:NAME)."""
 
 
 def distinct_chars(prompts, completions, **columns):

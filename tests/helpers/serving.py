@@ -9,7 +9,7 @@ import uvicorn
 from transformers.generation import LogitsProcessor, LogitsProcessorList
 
 from model.model_minimind import MiniMindForCausalLM
-from tests.launch import TINY_CONFIG, free_port
+from tests.helpers.launch import TINY_CONFIG, free_port
 
 CONFIG = TINY_CONFIG  # the served model's shape
 
