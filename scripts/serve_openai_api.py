@@ -85,4 +85,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the second Ctrl-C landing inside main's own handler, before it ignores a third
+        sys.exit(130)
