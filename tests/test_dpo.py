@@ -108,13 +108,10 @@ def test_mfu_counts_the_lm_head_on_every_position():
 
 
 
-def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenizer):
-    data = demo_slice(tmp_path, "dpo", 6)
-    ds = DPODataset(data, tokenizer, max_length=64, cache_dir=tmp_path / "c")
-    n = len(ds)  # the demo slice's pairs less those the same within 64 tokens (left out)
-    assert n >= 4, n
-    input_ids = torch.stack([ds[i][0] for i in range(n)])  # (n, 2, 64)
-    labels = torch.stack([ds[i][1] for i in range(n)])
+def formula_over_transformers(input_ids, labels, tokenizer):
+    """Our tiny policy, transformers' Qwen3 of its weights and of a reference, and the DPO loss by the formula over
+    transformers' log-probs of the two separate rows (backward done: hf_policy's parameters hold its gradients)."""
+    n = len(input_ids)
     config = MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG)
     torch.manual_seed(0)
     policy = MiniMindForCausalLM(config)
@@ -127,6 +124,17 @@ def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenize
     pc, pr = hand_log_probs(hf_policy, rows, row_labels).view(n, 2).unbind(1)
     expected = -F.logsigmoid(BETA * ((pc - ref[:, 0]) - (pr - ref[:, 1]))).mean()
     expected.backward()
+    return policy, hf_policy, reference, rows, ref, pc, pr, expected
+
+
+def test_loss_and_gradient_match_transformers_and_the_formula(tmp_path, tokenizer):
+    data = demo_slice(tmp_path, "dpo", 6)
+    ds = DPODataset(data, tokenizer, max_length=64, cache_dir=tmp_path / "c")
+    n = len(ds)  # the demo slice's pairs less those the same within 64 tokens (left out)
+    assert n >= 4, n
+    input_ids = torch.stack([ds[i][0] for i in range(n)])  # (n, 2, 64)
+    labels = torch.stack([ds[i][1] for i in range(n)])
+    policy, hf_policy, reference, rows, ref, pc, pr, expected = formula_over_transformers(input_ids, labels, tokenizer)
 
     objective = DPOObjective(BETA)
     x, y, positions, extra = objective.unpack((input_ids, labels, ref.float()))
@@ -441,18 +449,7 @@ def test_shared_prompt_rows_match_transformers_and_the_two_row_layout(tmp_path, 
                     cache_dir=tmp_path / "c")
     n = len(ds)
     input_ids, labels = (torch.stack([ds[i][k] for i in range(n)]) for k in (0, 1))
-    config = MiniMindConfig(vocab_size=len(tokenizer), **TINY_CONFIG)
-    torch.manual_seed(0)
-    policy = MiniMindForCausalLM(config)
-    torch.manual_seed(1)
-    reference = hf_model(MiniMindForCausalLM(config))
-    hf_policy = hf_model(policy)
-    rows, row_labels = input_ids.flatten(0, 1), labels.flatten(0, 1)
-    with torch.no_grad():
-        ref = hand_log_probs(reference, rows, row_labels).view(n, 2)
-    pc, pr = hand_log_probs(hf_policy, rows, row_labels).view(n, 2).unbind(1)
-    expected = -F.logsigmoid(BETA * ((pc - ref[:, 0]) - (pr - ref[:, 1]))).mean()
-    expected.backward()
+    policy, hf_policy, reference, rows, ref, pc, pr, expected = formula_over_transformers(input_ids, labels, tokenizer)
     hf_grads = dict(hf_policy.named_parameters())
 
     losses, grads = {}, {}
