@@ -13,7 +13,14 @@ from tests.helpers.launch import spawn
 from tests.helpers.rollout_server import EOS, RolloutServer, fixed_completion
 from trainer.parallel.expert import apply_expert_parallel
 from trainer.parallel.mesh import ParallelDims
-from trainer.rl.rollout import HttpEngine, repeat_prompts, rollout_seed, sample, sample_tokens, whole_model
+from trainer.rl.rollout import (
+    HttpEngine,
+    repeat_prompts,
+    rollout_seed,
+    sample,
+    sample_tokens,
+    whole_model,
+)
 
 CONFIG = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 EOS_BIAS = 3.0  # at temperature 0.7 about one step in 70 ends a completion: rows stop at different steps
@@ -71,6 +78,44 @@ def test_sampled_log_probs_are_a_full_forward_at_the_temperature(model):
         expected = torch.log_softmax(logits / temperature, -1)[p - 1:p - 1 + c].gather(1, completion[:, None])[:, 0]
         # fp32 cached decoding against one fp32 forward: other matmul shapes, log-probs of size ~9: a few ulp
         assert torch.allclose(rollout.logprobs[row, :c].double(), expected, atol=1e-5), row
+
+
+def decode_by_full_forwards(model, ids, lengths, new_tokens, temperature, top_p, generator):
+    """The rollout without a KV cache or padding: each step one forward per row over its own prompt and the tokens so
+    far, the last logits stacked and drawn from by sample_tokens with `generator`; (tokens, log-probs, lengths)."""
+    rows = ids.shape[0]
+    tokens, log_probs = torch.zeros(rows, new_tokens, dtype=torch.long), torch.zeros(rows, new_tokens)
+    done, count = torch.zeros(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.long)
+    for t in range(new_tokens):
+        with torch.no_grad():
+            logits = torch.stack([model(torch.cat([ids[r, ids.shape[1] - int(lengths[r]):], tokens[r, :t]])[None])
+                                  .logits[0, -1] for r in range(rows)])
+        new, new_log_probs = sample_tokens(logits, temperature, top_p, generator)
+        tokens[:, t], log_probs[:, t] = torch.where(done, 0, new), torch.where(done, 0.0, new_log_probs)
+        count += (~done).long()
+        done |= new == EOS
+        if done.all():
+            break
+    return tokens[:, :int(count.max())], log_probs[:, :int(count.max())], count
+
+
+@pytest.mark.parametrize("padded,top_p", [(True, 1.0), (True, 1e-6), (False, 0.9)])
+def test_cached_decoding_draws_what_full_forwards_draw(model, padded, top_p):
+    """Under one generator seed, the rollout's tokens are those of a decode by full forwards without a cache (each
+    row alone, no padding), its log-probs theirs within fp32 rounding: the KV cache, the decode mask over left padding
+    and the positions change nothing. top_p 1e-6 keeps one token: greedy decoding (of the unbiased model, whose top
+    token is not EOS)."""
+    model = model if top_p > 1e-6 else model.model
+    ids, lengths = repeat_prompts(*prompts(), 2)
+    if not padded:  # every prompt full width: the decode runs without a mask
+        ids, lengths = ids[lengths == 20], lengths[lengths == 20]
+    rollout = sample(model, ids, lengths, 24, 0.7, top_p, EOS, 0, torch.Generator().manual_seed(3))
+    tokens, log_probs, count = decode_by_full_forwards(model, ids, lengths, 24, 0.7, top_p,
+                                                       torch.Generator().manual_seed(3))
+    assert torch.equal(rollout.completion_ids, tokens) and torch.equal(rollout.completion_lengths, count)
+    # fp32 cached decoding against fp32 forwards of other shapes: log-probs of size ~9 agree to a few ulp
+    assert torch.allclose(rollout.logprobs.double(), log_probs.double(), atol=1e-5)
+    assert count.min() < count.max() or not padded or top_p == 1e-6  # rows that stop at different steps
 
 
 def test_the_same_seed_repeats_a_rollout_and_another_does_not(model):

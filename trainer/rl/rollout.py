@@ -1,9 +1,9 @@
 """The rollout engine: completions of prompts from the current policy, for the RL stages (trainer/rl/grpo.py).
 
 One interface, `engine.generate(prompt_ids, prompt_lengths, num_generations, seed) -> Rollout`:
-- `InProcessEngine` (the default, offline): a sampling loop over the model's own KV cache (transformers'
-  DynamicCache) on the policy being trained, where the model is whole on the rank (one process, DDP, ZeRO-1; FSDP2's
-  ZeRO-2/3 gathered for the rollout). Each step samples from softmax(logits / temperature), nucleus-filtered by
+- `InProcessEngine` (the default, offline): a sampling loop over a KV cache preallocated for the rollout
+  (`GenerationCache`) on the policy being trained, where the model is whole on the rank (one process, DDP, ZeRO-1;
+  FSDP2's ZeRO-2/3 gathered for the rollout). Each step samples from softmax(logits / temperature), nucleus-filtered by
   top_p, and keeps the sampled token's log-prob at the sampling temperature (over the whole vocabulary, as the
   trainer's forward computes it; MiniMind takes it at temperature 1).
 - `HttpEngine` (`--rollout_engine sglang|vllm --rollout_url`): posts the prompts' token ids to an OpenAI-compatible
@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from transformers.cache_utils import DynamicCache
 
 from model.hf_convert import save_hf_folder
 from trainer.base.errors import TrainingHalted
@@ -98,20 +97,47 @@ def sample_tokens(logits, temperature, top_p, generator):
     return tokens, log_probs.gather(1, tokens[:, None]).squeeze(1)
 
 
+class GenerationCache:
+    """A KV cache preallocated for a whole rollout: each layer's keys and values are written in place (no copy of the
+    cache per token, as DynamicCache's concatenation makes); `update` returns views of the positions written so far.
+    Duck-types the two methods the model's attention calls (get_seq_length, update)."""
+
+    def __init__(self, max_len):
+        self.max_len, self.keys, self.values, self.lengths = max_len, {}, {}, {}
+
+    def get_seq_length(self, layer_idx=0):
+        return self.lengths.get(layer_idx, 0)
+
+    def update(self, k, v, layer_idx, cache_kwargs=None):
+        if layer_idx not in self.keys:
+            shape = (*k.shape[:2], self.max_len, k.shape[3])
+            self.keys[layer_idx] = k.new_empty(shape)
+            self.values[layer_idx] = v.new_empty(shape)
+        start = self.lengths.get(layer_idx, 0)
+        end = self.lengths[layer_idx] = start + k.shape[2]
+        self.keys[layer_idx][:, :, start:end] = k
+        self.values[layer_idx][:, :, start:end] = v
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_lengths, max_new_tokens, temperature, top_p, eos_id, pad_id, generator,
            stop_group=None):
-    """Sample completions of left-padded prompts with the model's KV cache; returns a Rollout (one per row).
+    """Sample completions of left-padded prompts with a preallocated KV cache; returns a Rollout (one per row).
 
     The prompt runs once (its padding masked out), then one token per step for every unfinished row;
     a row that emits EOS is finished and gets `pad_id` after it. Stops when every row is finished; with `stop_group`
     (expert parallel: every forward is an all-to-all over it) when every row of every rank in it is finished."""
     rows, width = prompt_ids.shape
     device = prompt_ids.device
-    cache = DynamicCache()
-    attention = (torch.arange(width, device=device)[None] >= width - prompt_lengths[:, None]).long()  # not padding
-    logits = model(prompt_ids, position_ids=left_padded_positions(prompt_lengths, width), attention_mask=attention,
-                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    cache = GenerationCache(width + max_new_tokens)
+    real = torch.arange(width + max_new_tokens, device=device)[None] >= width - prompt_lengths[:, None]
+    logits = model(prompt_ids, position_ids=left_padded_positions(prompt_lengths, width),
+                   attention_mask=real[:, :width].long(), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    # every key from the prompt's first real token on is seen: one (rows, 1, 1, keys) mask for the whole decode (the
+    # attention cuts it to the keys cached so far); none where no prompt is padded
+    decode_mask = None if bool((prompt_lengths == width).all()) else real[:, None, None, :]
     next_position = prompt_lengths.clone()
     tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
@@ -125,9 +151,8 @@ def sample(model, prompt_ids, prompt_lengths, max_new_tokens, temperature, top_p
         done |= new == eos_id
         if t == max_new_tokens - 1 or all_finished(done, stop_group):
             break
-        attention = torch.cat([attention, torch.ones_like(new)[:, None]], dim=1)  # the new key: a real token
         logits = model(new[:, None], position_ids=next_position[:, None], past_key_values=cache, use_cache=True,
-                       attention_mask=attention).logits[:, -1]
+                       attention_mask=decode_mask).logits[:, -1]
         next_position += 1
     width_out = int(lengths.max()) if rows else 0
     return Rollout(prompt_ids, prompt_lengths, tokens[:, :width_out], lengths, log_probs[:, :width_out],
