@@ -15,6 +15,7 @@ from trainer.parallel.expert import apply_expert_parallel
 from trainer.parallel.mesh import ParallelDims
 from trainer.rl.rollout import (
     HttpEngine,
+    draw,
     repeat_prompts,
     rollout_seed,
     sample,
@@ -140,6 +141,18 @@ def test_nucleus_sampling_keeps_to_the_smallest_set_reaching_top_p():
     assert set(tokens.tolist()) == nucleus and len(nucleus) < 6
     assert torch.allclose(log_probs, probs.log()[tokens])
 
+
+
+def test_draws_follow_the_probabilities_and_never_pick_a_zero():
+    """draw's frequencies over 200k rows match the (unnormalised) probabilities within 5 binomial standard deviations,
+    computed by hand; tokens of probability 0, first, inside and last, are never drawn."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 0.25, 0.0])
+    n = 200_000
+    tokens = draw(weights.repeat(n, 1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=8).double()
+    p = weights.double() / weights.double().sum()
+    assert (counts[p == 0] == 0).all()
+    assert ((counts / n - p).abs() <= 5 * (p * (1 - p) / n).sqrt()).all(), counts / n
 
 
 @pytest.mark.parametrize("ids_as,drop_eos", [("token_ids", False), ("logprob_tokens", True)])
