@@ -1,6 +1,7 @@
 """The rollout engine (trainer/rl/rollout.py): sampled log-probs against a full forward at the sampling temperature,
 EOS and padding, seeding, nucleus sampling, and the HTTP backend against a real local server."""
 import os
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ from trainer.parallel.expert import apply_expert_parallel
 from trainer.parallel.mesh import ParallelDims
 from trainer.rl.rollout import (
     HttpEngine,
+    InProcessEngine,
     draw,
     repeat_prompts,
     rollout_seed,
@@ -117,6 +119,17 @@ def test_cached_decoding_draws_what_full_forwards_draw(model, padded, top_p):
     # fp32 cached decoding against fp32 forwards of other shapes: log-probs of size ~9 agree to a few ulp
     assert torch.allclose(rollout.logprobs.double(), log_probs.double(), atol=1e-5)
     assert count.min() < count.max() or not padded or top_p == 1e-6  # rows that stop at different steps
+
+
+def test_the_in_process_engine_samples_what_sample_does_in_ordinary_tensors(model):
+    """InProcessEngine.generate (its decode in inference mode) gives sample's rollout under the seed, bit for bit,
+    as ordinary tensors that training may save for backward or change in place."""
+    ids, lengths = prompts()
+    engine = InProcessEngine(16, 0.7, 1.0, EOS, 0, autocast=nullcontext)
+    got = engine.generate([model], ids, lengths, 2, seed=5)
+    want = sample(model, *repeat_prompts(ids, lengths, 2), 16, 0.7, 1.0, EOS, 0, torch.Generator().manual_seed(5))
+    for name in ("prompt_ids", "prompt_lengths", "completion_ids", "completion_lengths", "logprobs", "truncated"):
+        assert torch.equal(getattr(got, name), getattr(want, name)) and not getattr(got, name).is_inference(), name
 
 
 def test_the_same_seed_repeats_a_rollout_and_another_does_not(model):

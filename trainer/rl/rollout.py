@@ -18,7 +18,7 @@ import os
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -222,12 +222,14 @@ class InProcessEngine:
         with whole_model(model_parts) as model:
             was_training = model.training
             model.eval()
-            try:
-                with self.autocast():
-                    return sample(model, ids, lengths, self.max_gen_len, self.temperature, self.top_p, self.eos_id,
-                                  self.pad_id, self.generator, self.stop_group)
+            try:  # inference mode: no autograd bookkeeping per op (~5% of a small model's decode step on CPU)
+                with self.autocast(), torch.inference_mode():
+                    rollout = sample(model, ids, lengths, self.max_gen_len, self.temperature, self.top_p,
+                                     self.eos_id, self.pad_id, self.generator, self.stop_group)
             finally:
                 model.train(was_training)
+        # inference tensors cannot be saved for backward nor changed in place: the trainer gets ordinary copies
+        return Rollout(*(None if t is None else t.clone() for t in (getattr(rollout, f.name) for f in fields(Rollout))))
 
 
 # ----------------------------------------------------------------------------- an OpenAI-compatible server
