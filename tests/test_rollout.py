@@ -102,17 +102,17 @@ def decode_by_full_forwards(model, ids, lengths, new_tokens, temperature, top_p,
     return tokens[:, :int(count.max())], log_probs[:, :int(count.max())], count
 
 
-@pytest.mark.parametrize("padded,top_p", [(True, 1.0), (True, 1e-6), (False, 0.9)])
-def test_cached_decoding_draws_what_full_forwards_draw(model, padded, top_p):
+@pytest.mark.parametrize("padded,top_p,group", [(True, 1.0, 1), (True, 1e-6, 1), (False, 0.9, 1), (True, 1.0, 2)])
+def test_cached_decoding_draws_what_full_forwards_draw(model, padded, top_p, group):
     """Under one generator seed, the rollout's tokens are those of a decode by full forwards without a cache (each
     row alone, no padding), its log-probs theirs within fp32 rounding: the KV cache, the decode mask over left padding
-    and the positions change nothing. top_p 1e-6 keeps one token: greedy decoding (of the unbiased model, whose top
-    token is not EOS)."""
+    and the positions change nothing; nor does running each prompt once for its group of 2 rows (group 2). top_p 1e-6
+    keeps one token: greedy decoding (of the unbiased model, whose top token is not EOS)."""
     model = model if top_p > 1e-6 else model.model
     ids, lengths = repeat_prompts(*prompts(), 2)
     if not padded:  # every prompt full width: the decode runs without a mask
         ids, lengths = ids[lengths == 20], lengths[lengths == 20]
-    rollout = sample(model, ids, lengths, 24, 0.7, top_p, EOS, 0, torch.Generator().manual_seed(3))
+    rollout = sample(model, ids, lengths, 24, 0.7, top_p, EOS, 0, torch.Generator().manual_seed(3), group=group)
     tokens, log_probs, count = decode_by_full_forwards(model, ids, lengths, 24, 0.7, top_p,
                                                        torch.Generator().manual_seed(3))
     assert torch.equal(rollout.completion_ids, tokens) and torch.equal(rollout.completion_lengths, count)

@@ -112,18 +112,21 @@ class GenerationCache:
     cache per token, as DynamicCache's concatenation makes); `update` returns views of the positions written so far.
     Duck-types the two methods the model's attention calls (get_seq_length, update)."""
 
-    def __init__(self, max_len):
-        self.max_len, self.keys, self.values, self.lengths = max_len, {}, {}, {}
+    def __init__(self, max_len, group=1):
+        self.max_len, self.group, self.keys, self.values, self.lengths = max_len, group, {}, {}, {}
 
     def get_seq_length(self, layer_idx=0):
         return self.lengths.get(layer_idx, 0)
 
     def update(self, k, v, layer_idx, cache_kwargs=None):
-        if layer_idx not in self.keys:
-            shape = (*k.shape[:2], self.max_len, k.shape[3])
-            self.keys[layer_idx] = k.new_empty(shape)
-            self.values[layer_idx] = v.new_empty(shape)
-        start = self.lengths.get(layer_idx, 0)
+        if layer_idx not in self.keys:  # the prompts, each run once: its keys copied to the `group` rows that share it
+            shape = (k.shape[0] * self.group, k.shape[1], self.max_len, k.shape[3])
+            self.keys[layer_idx], self.values[layer_idx] = k.new_empty(shape), v.new_empty(shape)
+            self.lengths[layer_idx] = k.shape[2]
+            self.keys[layer_idx][:, :, :k.shape[2]] = k.repeat_interleave(self.group, 0)
+            self.values[layer_idx][:, :, :k.shape[2]] = v.repeat_interleave(self.group, 0)
+            return k, v
+        start = self.lengths[layer_idx]
         end = self.lengths[layer_idx] = start + k.shape[2]
         self.keys[layer_idx][:, :, start:end] = k
         self.values[layer_idx][:, :, start:end] = v
@@ -132,19 +135,20 @@ class GenerationCache:
 
 @torch.no_grad()
 def sample(model, prompt_ids, prompt_lengths, max_new_tokens, temperature, top_p, eos_id, pad_id, generator,
-           stop_group=None):
+           stop_group=None, group=1):
     """Sample completions of left-padded prompts with a preallocated KV cache; returns a Rollout (one per row).
 
-    The prompt runs once (its padding masked out), then one token per step for every unfinished row;
-    a row that emits EOS is finished and gets `pad_id` after it. Stops when every row is finished; with `stop_group`
-    (expert parallel: every forward is an all-to-all over it) when every row of every rank in it is finished."""
+    The prompt runs once (its padding masked out; with `group` > 1 the rows come in groups of that many copies of one
+    prompt, as repeat_prompts gives them, and each prompt runs once for its group), then one token per step for every
+    unfinished row; a row that emits EOS is finished and gets `pad_id` after it. Stops when every row is finished; with
+    `stop_group` (expert parallel: every forward is an all-to-all over it) when every row of every rank in it is."""
     rows, width = prompt_ids.shape
     device = prompt_ids.device
-    cache = GenerationCache(width + max_new_tokens)
+    cache = GenerationCache(width + max_new_tokens, group)
     real = torch.arange(width + max_new_tokens, device=device)[None] >= width - prompt_lengths[:, None]
-    logits = model(prompt_ids, position_ids=left_padded_positions(prompt_lengths, width),
-                   attention_mask=real[:, :width].long(), past_key_values=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]
+    logits = model(prompt_ids[::group], position_ids=left_padded_positions(prompt_lengths[::group], width),
+                   attention_mask=real[::group, :width].long(), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1].repeat_interleave(group, 0)
     # every key from the prompt's first real token on is seen: one (rows, 1, 1, keys) mask for the whole decode (the
     # attention cuts it to the keys cached so far); none where no prompt is padded
     decode_mask = None if bool((prompt_lengths == width).all()) else real[:, None, None, :]
@@ -225,7 +229,7 @@ class InProcessEngine:
             try:  # inference mode: no autograd bookkeeping per op (~5% of a small model's decode step on CPU)
                 with self.autocast(), torch.inference_mode():
                     rollout = sample(model, ids, lengths, self.max_gen_len, self.temperature, self.top_p,
-                                     self.eos_id, self.pad_id, self.generator, self.stop_group)
+                                     self.eos_id, self.pad_id, self.generator, self.stop_group, num_generations)
             finally:
                 model.train(was_training)
         # inference tensors cannot be saved for backward nor changed in place: the trainer gets ordinary copies
