@@ -312,18 +312,17 @@ def causal_masked_cpu_attention(q, k, v, mask):
 
 
 def sdpa_attention(q, k, v, attention_mask=None):
-    """Causal attention with torch SDPA. q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D).
-
-    attention_mask: None, a (B, Lk) padding mask of 1/0, or packed_document_mask's (B, 1, L, L) mask.
-    """
+    """Causal attention with torch SDPA. q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D); attention_mask: None, a (B, Lk)
+    padding mask of 1/0, or packed_document_mask's (B, 1, L, L) mask."""
     if BlockMask is not None and isinstance(attention_mask, BlockMask):
         return flex_document_attention(q, k, v, attention_mask)
     lq, lk = q.shape[2], k.shape[2]
+    if lq == 1:  # one new token over the cache: SDPA's own GQA reads the kv heads unrepeated (no copy per step)
+        mask = None if attention_mask is None else build_attention_mask(lq, lk, attention_mask, device=q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
     if attention_mask is None and lq == lk:  # plain causal: lets SDPA pick the flash kernel
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if attention_mask is None and lq == 1:  # one new token attends to the whole cache
-        return F.scaled_dot_product_attention(q, k, v)
     if attention_mask is not None and attention_mask.dim() == 4 and lq == lk > _CPU_FLASH_KV_BLOCK \
             and q.device.type == "cpu" and _CPU_FLASH is not None:
         return causal_masked_cpu_attention(q, k, v, attention_mask)

@@ -1,6 +1,7 @@
 """The rollout engine (trainer/rl/rollout.py): sampled log-probs against a full forward at the sampling temperature,
 EOS and padding, seeding, nucleus sampling, and the HTTP backend against a real local server."""
 import os
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,16 @@ from tests.helpers.launch import spawn
 from tests.helpers.rollout_server import EOS, RolloutServer, fixed_completion
 from trainer.parallel.expert import apply_expert_parallel
 from trainer.parallel.mesh import ParallelDims
-from trainer.rl.rollout import HttpEngine, repeat_prompts, rollout_seed, sample, sample_tokens, whole_model
+from trainer.rl.rollout import (
+    HttpEngine,
+    InProcessEngine,
+    draw,
+    repeat_prompts,
+    rollout_seed,
+    sample,
+    sample_tokens,
+    whole_model,
+)
 
 CONFIG = MiniMindConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 EOS_BIAS = 3.0  # at temperature 0.7 about one step in 70 ends a completion: rows stop at different steps
@@ -73,6 +83,55 @@ def test_sampled_log_probs_are_a_full_forward_at_the_temperature(model):
         assert torch.allclose(rollout.logprobs[row, :c].double(), expected, atol=1e-5), row
 
 
+def decode_by_full_forwards(model, ids, lengths, new_tokens, temperature, top_p, generator):
+    """The rollout without a KV cache or padding: each step one forward per row over its own prompt and the tokens so
+    far, the last logits stacked and drawn from by sample_tokens with `generator`; (tokens, log-probs, lengths)."""
+    rows = ids.shape[0]
+    tokens, log_probs = torch.zeros(rows, new_tokens, dtype=torch.long), torch.zeros(rows, new_tokens)
+    done, count = torch.zeros(rows, dtype=torch.bool), torch.zeros(rows, dtype=torch.long)
+    for t in range(new_tokens):
+        with torch.no_grad():
+            logits = torch.stack([model(torch.cat([ids[r, ids.shape[1] - int(lengths[r]):], tokens[r, :t]])[None])
+                                  .logits[0, -1] for r in range(rows)])
+        new, new_log_probs = sample_tokens(logits, temperature, top_p, generator)
+        tokens[:, t], log_probs[:, t] = torch.where(done, 0, new), torch.where(done, 0.0, new_log_probs)
+        count += (~done).long()
+        done |= new == EOS
+        if done.all():
+            break
+    return tokens[:, :int(count.max())], log_probs[:, :int(count.max())], count
+
+
+@pytest.mark.parametrize("padded,top_p,group", [(True, 1.0, 1), (True, 1e-6, 1), (False, 0.9, 1), (True, 1.0, 2)])
+def test_cached_decoding_draws_what_full_forwards_draw(model, padded, top_p, group):
+    """Under one generator seed, the rollout's tokens are those of a decode by full forwards without a cache (each
+    row alone, no padding), its log-probs theirs within fp32 rounding: the KV cache, the decode mask over left padding
+    and the positions change nothing; nor does running each prompt once for its group of 2 rows (group 2). top_p 1e-6
+    keeps one token: greedy decoding (of the unbiased model, whose top token is not EOS)."""
+    model = model if top_p > 1e-6 else model.model
+    ids, lengths = repeat_prompts(*prompts(), 2)
+    if not padded:  # every prompt full width: the decode runs without a mask
+        ids, lengths = ids[lengths == 20], lengths[lengths == 20]
+    rollout = sample(model, ids, lengths, 24, 0.7, top_p, EOS, 0, torch.Generator().manual_seed(3), group=group)
+    tokens, log_probs, count = decode_by_full_forwards(model, ids, lengths, 24, 0.7, top_p,
+                                                       torch.Generator().manual_seed(3))
+    assert torch.equal(rollout.completion_ids, tokens) and torch.equal(rollout.completion_lengths, count)
+    # fp32 cached decoding against fp32 forwards of other shapes: log-probs of size ~9 agree to a few ulp
+    assert torch.allclose(rollout.logprobs.double(), log_probs.double(), atol=1e-5)
+    assert count.min() < count.max() or not padded or top_p == 1e-6  # rows that stop at different steps
+
+
+def test_the_in_process_engine_samples_what_sample_does_in_ordinary_tensors(model):
+    """InProcessEngine.generate (its decode in inference mode) gives sample's rollout under the seed, bit for bit,
+    as ordinary tensors that training may save for backward or change in place."""
+    ids, lengths = prompts()
+    engine = InProcessEngine(16, 0.7, 1.0, EOS, 0, autocast=nullcontext)
+    got = engine.generate([model], ids, lengths, 2, seed=5)
+    want = sample(model, *repeat_prompts(ids, lengths, 2), 16, 0.7, 1.0, EOS, 0, torch.Generator().manual_seed(5))
+    for name in ("prompt_ids", "prompt_lengths", "completion_ids", "completion_lengths", "logprobs", "truncated"):
+        assert torch.equal(getattr(got, name), getattr(want, name)) and not getattr(got, name).is_inference(), name
+
+
 def test_the_same_seed_repeats_a_rollout_and_another_does_not(model):
     ids, lengths = repeat_prompts(*prompts(), 2)
     runs = [sample(model, ids, lengths, 12, 0.8, 1.0, EOS, 0, torch.Generator().manual_seed(seed))
@@ -95,6 +154,18 @@ def test_nucleus_sampling_keeps_to_the_smallest_set_reaching_top_p():
     assert set(tokens.tolist()) == nucleus and len(nucleus) < 6
     assert torch.allclose(log_probs, probs.log()[tokens])
 
+
+
+def test_draws_follow_the_probabilities_and_never_pick_a_zero():
+    """draw's frequencies over 200k rows match the (unnormalised) probabilities within 5 binomial standard deviations,
+    computed by hand; tokens of probability 0, first, inside and last, are never drawn."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 0.25, 0.0])
+    n = 200_000
+    tokens = draw(weights.repeat(n, 1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(tokens, minlength=8).double()
+    p = weights.double() / weights.double().sum()
+    assert (counts[p == 0] == 0).all()
+    assert ((counts / n - p).abs() <= 5 * (p * (1 - p) / n).sqrt()).all(), counts / n
 
 
 @pytest.mark.parametrize("ids_as,drop_eos", [("token_ids", False), ("logprob_tokens", True)])
