@@ -77,10 +77,13 @@ def main(argv=None):
     print(address_line(args, sock), flush=True)  # uvicorn, handed a socket, names no address
     # no lifespan handlers here: off, so a second Ctrl-C (uvicorn's forced exit) cancels no lifespan task that logs it
     config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5, lifespan="off")
+    server = Server(config, app.state.engine)
     try:
-        Server(config, app.state.engine).run(sockets=[sock])
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on; asyncio turns it into this
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a further Ctrl-C while leaving: no second traceback
+        sys.exit(130)
+    if signal.SIGINT in server.signals:  # the re-raised SIGINT only cancelled asyncio's finished task: still 130
         sys.exit(130)
 
 

@@ -64,8 +64,12 @@ def test_memory_within_15_percent_of_the_measured_peak(tmp_path, name):
     plan, run = stage_plan(stage, flags, 1)
     parts, _ = memory_parts(plan, plan.model.config, run)
     predicted = sum(parts.values())
-    assert measured["allocations"] > 1000 and peak > 0.2 * GIB  # three training steps' tensors, not noise
     print(f"{name}: estimate {predicted / GIB:.4f} GiB, measured {peak / GIB:.4f} GiB")
+    # three training steps' tensors, not noise: at the step, weights, gradients and the optimizer's moments are all
+    # alive, so a peak that caught training exceeds their sum (was a fixed 0.2 GiB, which GRPO's rows, each prompt
+    # run once for its completions, now undercut: 0.195 GiB measured)
+    states = parts["weights"] + parts["grads"] + parts["optimizer"]
+    assert measured["allocations"] > 1000 and peak > states > 0, (peak, states)
     assert abs(predicted / peak - 1) < 0.15, (name, predicted / GIB, peak / GIB, parts)
     if stage == "distillation":  # the teacher's part is what makes the estimate right, not slack in the others
         assert abs((predicted - parts["teacher"]) / peak - 1) > 0.15

@@ -171,7 +171,7 @@ def test_the_record_has_the_gradient_norm_before_clipping(tmp_path):
 def test_dropout_reaches_the_model_and_leaves_eval_alone(tmp_path):
     """--dropout 0.5: training forwards drop activations; evaluate() runs without: its loss is a dropout-free copy's
     CE over the targets, by hand."""
-    trainer = tiny_trainer(tmp_path, "--dropout", "0.5")
+    trainer = tiny_trainer(tmp_path, "--dropout", "0.5", "--packing", "1")  # full rows, as pretraining's default
     model = trainer.model_parts[0]
     assert model.config.dropout == 0.5 and {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)} == {0.5}
     ids = random_batches(1)[0][0]

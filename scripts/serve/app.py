@@ -144,8 +144,10 @@ class Server(uvicorn.Server):
     def __init__(self, config, engine):
         super().__init__(config)
         self.engine = engine
+        self.signals = []  # what stopped it: two quick Ctrl-Cs can arrive as one handler call
 
     def handle_exit(self, sig, frame):
+        self.signals.append(sig)
         self.engine.close()
         super().handle_exit(sig, frame)
 
