@@ -372,6 +372,9 @@ def raise_terminated(signum, frame):
 
 def main(argv=None):
     args = parse_args(argv)
+    # the workers are the parallelism: tokenizers' own threads, used here before a stage forks, would make each fork
+    # print a warning (tokenizers 0.22) into the quiet output
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         run(args)

@@ -460,8 +460,9 @@ def test_the_exported_model_answers_a_stock_chat_prompt_without_closing_its_thin
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
     for question, answer in QA:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                               return_tensors="pt")
+                                               return_tensors="pt", return_dict=True)
         with torch.no_grad():
-            out = model.generate(**prompt, max_new_tokens=1, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(prompt["input_ids"], attention_mask=prompt["attention_mask"], max_new_tokens=1,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)  # no token_type_ids (4.56)
         first = tokenizer.convert_ids_to_tokens(out[0, -1].item())
         assert first != "</think>" and first == tokenizer.tokenize(answer)[0], (question, first)

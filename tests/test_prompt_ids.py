@@ -36,7 +36,8 @@ def test_the_stock_prompt_is_a_prefix_of_what_sft_trained_on(tokenizer, chat, tm
     messages = CHATS[chat]
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     thinking = bool(messages[first].get("reasoning_content"))
-    stock = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, open_thinking=thinking)
+    stock = tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True, open_thinking=thinking,
+                                          return_dict=True)  # a dict in transformers 4 too (v5's default)
     stock = stock["input_ids"]
     ids, labels = trained(tokenizer, messages, tmp_path)
     assert ids[:len(stock)] == stock
@@ -60,7 +61,7 @@ def test_a_later_turn_differs_from_training_only_in_the_history_s_closing_newlin
     being answered ends as trained."""
     messages = CHATS[3]
     ids, _ = trained(tokenizer, messages, tmp_path)
-    stock = tokenizer.apply_chat_template(messages[:3], add_generation_prompt=True)["input_ids"]
+    stock = tokenizer.apply_chat_template(messages[:3], add_generation_prompt=True, return_dict=True)["input_ids"]
     double, newline = tokenizer.convert_tokens_to_ids(["ĊĊ", "Ċ"])
     closing = ids.index(tokenizer.convert_tokens_to_ids("</think>")) + 1  # the first turn's closing "\n\n"
     assert ids[closing] == double

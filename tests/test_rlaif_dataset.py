@@ -22,7 +22,7 @@ def test_prompts_are_the_conversation_without_its_answer(tmp_path, tokenizer):
         text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         assert text.endswith("<think>\n\n</think>\n\n")  # thinking_ratio 0: the think block closed
         # as transformers tokenizes the prompt, and SFT since it cuts its rows there: one "\n\n" after "</think>"
-        expected = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)["input_ids"]
+        expected = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True)["input_ids"]
         assert expected[-2:] == tokenizer.convert_tokens_to_ids(["</think>", "ĊĊ"])
         ids, length, columns = ds[i]
         assert length == len(expected) and ids[64 - len(expected):].tolist() == expected
