@@ -135,23 +135,33 @@ def test_the_time_limit_ends_a_reply_with_length(watched):
     assert reply["usage"]["completion_tokens"] == 1
 
 
-def test_sigterm_ends_a_long_stream_and_the_server(tmp_path):
-    """The real script in its own process: SIGTERM during a 30000-token stream ends the stream (finish_reason
-    length, far fewer tokens) and the process, by the signal (143 in a shell), with one signal."""
-    config = MiniMindConfig(**CONFIG, initializer_range=0.1)
+def serving_script(tmp_path, config):
+    """The real scripts/serve_openai_api.py in its own process over a saved model of `config`, once it answers
+    /v1/models (up to a minute for the model to load): (process, port, its log's path). The caller kills it."""
     save_weights_file(MiniMindForCausalLM(config).state_dict(), config, str(tmp_path / "full_sft_64.pth"))
     port, log = free_port(), tmp_path / "server.log"
     server = start_forked("scripts/serve_openai_api.py", ["--save_dir", tmp_path, "--port", port, "--device", "cpu"],
                           log_path=str(log))
     try:
-        base_url = f"http://127.0.0.1:{port}/v1"
-        for _ in range(600):  # up to a minute for the model to load
+        for _ in range(600):
             assert server.poll() is None, log.read_text()
             try:
-                httpx.get(f"{base_url}/models", timeout=1)
-                break
+                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+                return server, port, log
             except httpx.TransportError:
                 time.sleep(0.1)
+        raise AssertionError(f"the server did not answer within a minute:\n{log.read_text()}")
+    except BaseException:
+        server.kill()
+        raise
+
+
+def test_sigterm_ends_a_long_stream_and_the_server(tmp_path):
+    """The real script in its own process: SIGTERM during a 30000-token stream ends the stream (finish_reason
+    length, far fewer tokens) and the process, by the signal (143 in a shell), with one signal."""
+    server, port, log = serving_script(tmp_path, MiniMindConfig(**CONFIG, initializer_range=0.1))
+    try:
+        base_url = f"http://127.0.0.1:{port}/v1"
         request = dict(model="minimind", messages=MESSAGES, stream=True, max_tokens=30000, min_tokens=30000,
                        stream_options={"include_usage": True})
         with httpx.stream("POST", f"{base_url}/chat/completions", json=request, timeout=120) as response:
@@ -171,19 +181,8 @@ def test_two_ctrl_cs_stop_the_server_with_exit_130_and_no_traceback(tmp_path):
     """The real script in its own process: Ctrl-C twice (the second forces uvicorn's exit) ends it with 130, the
     SIGINT exit docs/serving.md gives, and nothing on its output but uvicorn's own lines (it printed two tracebacks:
     the lifespan task cancelled, then asyncio's KeyboardInterrupt)."""
-    config = MiniMindConfig(**CONFIG)
-    save_weights_file(MiniMindForCausalLM(config).state_dict(), config, str(tmp_path / "full_sft_64.pth"))
-    port, log = free_port(), tmp_path / "server.log"
-    server = start_forked("scripts/serve_openai_api.py", ["--save_dir", tmp_path, "--port", port, "--device", "cpu"],
-                          log_path=str(log))
+    server, port, log = serving_script(tmp_path, MiniMindConfig(**CONFIG))
     try:
-        for _ in range(600):  # up to a minute for the model to load
-            assert server.poll() is None, log.read_text()
-            try:
-                httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
         server.send_signal(signal.SIGINT)
         time.sleep(0.05)
         server.send_signal(signal.SIGINT)
