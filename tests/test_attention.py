@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from model.model_minimind import (
+    CPU_FP32_ROWS,
     MiniMindConfig,
     MiniMindForCausalLM,
     causal_masked_cpu_attention,
@@ -58,6 +59,40 @@ def test_cpu_causal_kernel_under_autocast_matches_sdpa():
                                           mask)
     assert out.dtype == ref.dtype == torch.bfloat16
     assert (out.float() - ref.float()).abs().max().item() < 2 ** -7  # one bf16 ulp at values ~1
+
+
+@pytest.mark.parametrize("mask", ["document", "causal"])
+def test_short_rows_under_bf16_autocast_run_in_fp32(mask):
+    """CPU bf16 autocast, rows under CPU_FP32_ROWS: the output is the exact attention of the fp32 inputs (a float64
+    computation here) rounded once to bf16 (half an ulp: 2^-8 relative at most, plus fp32's sums), and the input
+    gradients are fp32's (a few 1e-7 of values ~1); autocast's bf16 kernel rounds q, k, v and the probabilities
+    first."""
+    mask = packed_document_mask(POSITIONS) if mask == "document" else None
+    q, k, v = qkv(torch.float32, requires_grad=True)
+    grad = torch.randn(2, 4, 16, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sdpa_attention(q, k, v, mask)
+    out.backward(grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    keys, values = k64.repeat_interleave(2, dim=1), v64.repeat_interleave(2, dim=1)
+    allowed = torch.ones(16, 16, dtype=torch.bool).tril() if mask is None else mask
+    scores = (q64 @ keys.transpose(-2, -1) / 8 ** 0.5).masked_fill(~allowed, float("-inf"))
+    ref = torch.softmax(scores, dim=-1) @ values
+    ref.backward(grad.double())
+    assert out.dtype == torch.bfloat16
+    assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
+    for mine, exact in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        assert mine.dtype == torch.float32 and (mine.double() - exact).abs().max().item() < 1e-5
+
+
+def test_rows_of_the_fp32_bound_keep_autocasts_bf16_kernel():
+    """From CPU_FP32_ROWS positions on, bf16 autocast's own kernel runs (it is the faster there): the same values
+    as SDPA under autocast, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, CPU_FP32_ROWS, 8, generator=g) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = sdpa_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
