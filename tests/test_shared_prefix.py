@@ -1,10 +1,11 @@
 """Shared-prefix rows (trainer/core/shared_prefix.py): the layout by hand, and the per-token log-probs of every
 sequence gathered back from the shared rows equal those of its own row, with their gradient."""
+import pytest
 import torch
 
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from trainer.core.batches import step_targets
-from trainer.core.log_probs import target_span, token_log_probs
+from trainer.core.log_probs import target_positions, token_log_probs
 from trainer.core.shared_prefix import share_prefixes, unshare
 
 PAD = 0
@@ -35,10 +36,12 @@ def test_the_layout_by_hand():
     assert packed.input_ids.shape == (1, 15) and packed.position_ids[0, 7:].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
 
 
-def test_gathered_log_probs_and_gradients_equal_each_sequence_alone():
+@pytest.mark.parametrize("capacity", [0, 64])
+def test_gathered_log_probs_and_gradients_equal_each_sequence_alone(capacity):
     """Groups of 3 completions of one prompt (GRPO) and pairs whose second answer shares less: the log-probs per token
-    gathered from the shared rows (lm_head on the target span) equal each sequence's own row's, and so do the
-    gradients of a weighted sum of them; fewer positions run."""
+    gathered from the shared rows (lm_head on the positions with a target) equal each sequence's own row's, and so do
+    the gradients of a weighted sum of them; fewer positions run. Packed into one row (capacity 64), the second group's
+    prompt lies between targets: the lm_head skips it (target_positions gives indices, not a span)."""
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                                num_key_value_heads=2, vocab_size=40, intermediate_size=64))
@@ -47,9 +50,14 @@ def test_gathered_log_probs_and_gradients_equal_each_sequence_alone():
     weights = torch.randn(ids.shape)
     alone = token_log_probs(model(ids).logits, step_targets(labels))
     expected = torch.autograd.grad((alone * weights).sum(), list(model.parameters()))
-    rows = share_prefixes(ids, labels, 3, PAD, multiple=8)
+    rows = share_prefixes(ids, labels, 3, PAD, multiple=8, capacity=capacity)
     targets = step_targets(rows.labels)
-    keep = target_span(targets)
+    keep = target_positions(targets)
+    hits = (targets != -100).any(0).nonzero().flatten().tolist()
+    if capacity:  # one row: the positions with a target, and only those
+        assert rows.input_ids.shape[0] == 1 and keep.tolist() == hits and hits[-1] - hits[0] + 1 > len(hits)
+    else:  # two rows whose targets cover one run of positions together
+        assert keep == slice(hits[0], hits[-1] + 1)
     logits = model(rows.input_ids, position_ids=rows.position_ids, logits_to_keep=keep).logits
     shared = unshare(token_log_probs(logits, targets[:, keep]), rows.source, targets.shape[1], keep)
     got = torch.autograd.grad((shared * weights).sum(), list(model.parameters()))

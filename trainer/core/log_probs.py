@@ -64,14 +64,18 @@ def sequence_log_probs(logits, targets, chunk_size=LOG_PROB_CHUNK):
     return token_log_probs(logits, targets, chunk_size).sum(dim=1)
 
 
-def target_span(targets):
-    """The positions from a batch's first target to its last, as a slice for the model's logits_to_keep: the lm_head
-    then runs on those only (a prompt's positions have no target). On CPU targets only, whose bounds cost no sync; a
-    CUDA step keeps every position (slice(None))."""
+def target_positions(targets):
+    """The positions the lm_head runs on, for the model's logits_to_keep: those where some row has a target (a
+    prompt's positions have none). A slice where they are one run, else their indices (LongTensor): packed rows skip
+    the prompts between their documents. On CPU targets only, whose positions cost no sync; a CUDA step keeps every
+    position (slice(None))."""
     if targets.device.type != "cpu" or hasattr(targets, "placements"):
         return slice(None)
-    hits = (targets != -100).any(0).nonzero()
-    return slice(int(hits[0]), int(hits[-1]) + 1) if len(hits) else slice(0, 1)
+    hits = (targets != -100).any(0).nonzero().flatten()
+    if not len(hits):
+        return slice(0, 1)
+    first, last = int(hits[0]), int(hits[-1])
+    return slice(first, last + 1) if last - first + 1 == len(hits) else hits
 
 
 def log_softmax(logits):

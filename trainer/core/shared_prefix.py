@@ -97,7 +97,11 @@ def group_row(input_ids, labels, lengths, first, group):
 
 def unshare(values, source, width, keep=slice(None)):
     """(N, L) values of the sequences from the values (R, W') of the shared rows' positions `keep` (a slice of their
-    `width`, as target_span gives it); 0 where a sequence has no target. Differentiable."""
-    start, stop, _ = keep.indices(width)
-    picked = F.pad(values, (start, width - stop)).flatten()[source.clamp(min=0)]
+    `width` or their indices, as target_positions gives them); 0 where a sequence has no target. Differentiable."""
+    if isinstance(keep, slice):
+        start, stop, _ = keep.indices(width)
+        full = F.pad(values, (start, width - stop))
+    else:
+        full = values.new_zeros(values.shape[0], width).index_copy(1, keep, values)
+    picked = full.flatten()[source.clamp(min=0)]
     return torch.where(source >= 0, picked, 0.0)

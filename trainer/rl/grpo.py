@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from model.errors import ConfigError
 from trainer.base.schema import Flag
-from trainer.core.log_probs import target_span
+from trainer.core.log_probs import target_positions
 from trainer.core.shared_prefix import share_prefixes, unshare
 from trainer.observe.metrics import step_flops
 from trainer.plan.objective import target_tokens
@@ -180,10 +180,10 @@ class GRPOObjective(RolloutObjective):
 
     # ------------------------------------------------------------------ the loss
     def loss(self, model, input_ids, targets, position_ids, extra, num_items):
-        """The policy loss on the logits of the positions from the first scored token to the last (target_span): a
-        prompt's logits are never read; the per-token extras cut alike (shared rows: the log-probs and entropies
+        """The policy loss on the logits of the positions with a scored token (target_positions): a prompt's logits
+        are never read; the per-token extras cut alike (shared rows: the log-probs and entropies
         gathered back to each completion's own positions instead)."""
-        keep = target_span(targets)
+        keep = target_positions(targets)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep)
         temperature = self.stage.temperature
         if self.shared_prompt:

@@ -12,7 +12,7 @@ import json
 import torch
 
 from trainer.core.batches import autocast, step_targets
-from trainer.core.log_probs import target_span, token_log_probs
+from trainer.core.log_probs import target_positions, token_log_probs
 from trainer.core.shared_prefix import unshare
 from trainer.parallel.tensor import tp_loss_context
 from trainer.rl.policy_loss import group_advantages
@@ -98,7 +98,7 @@ def scoring_forward(model_parts, pipeline, micro_batches, plan, score, columns=1
                     continue
                 rows = share(input_ids, labels)
                 shared_targets = step_targets(rows.labels).to(device)
-                keep = target_span(shared_targets)  # as the loss runs its lm_head
+                keep = target_positions(shared_targets)  # as the loss runs its lm_head
                 logits = model(rows.input_ids.to(device), position_ids=rows.position_ids.to(device),
                                logits_to_keep=keep).logits
                 values = score(logits, shared_targets[:, keep])

@@ -28,7 +28,7 @@ from trainer.base.schema import Flag
 from trainer.ckpt.resume import check_resume_fields, saved_resume_fields
 from trainer.ckpt.weights_file import read_any_weights
 from trainer.core.batches import step_targets
-from trainer.core.log_probs import sequence_log_probs, target_span, token_log_probs
+from trainer.core.log_probs import sequence_log_probs, target_positions, token_log_probs
 from trainer.core.shared_prefix import share_prefixes, unshare
 from trainer.plan.model_config import flag_error
 from trainer.plan.objective import LMObjective
@@ -214,9 +214,9 @@ class DPOObjective(LMObjective):
 
     def sequence_log_probs(self, model, input_ids, targets, position_ids=None, extra=()):
         """(summed log-probs (2B,) of each pair's chosen and rejected answer, adjacent; their target counts (2B,);
-        the MoE aux loss) under `model` (a plain or tensor-parallel model); the lm_head on the positions from the
-        first target to the last (target_span)."""
-        keep = target_span(targets)
+        the MoE aux loss) under `model` (a plain or tensor-parallel model); the lm_head on the positions with a
+        target (target_positions)."""
+        keep = target_positions(targets)
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep)
         if not self.shared_prompt:
             return sequence_log_probs(out.logits, targets[:, keep]), (targets != -100).sum(1), out.aux_loss
@@ -251,7 +251,7 @@ class DPOObjective(LMObjective):
 
     def flops(self, config, seq_len, positions, target_tokens, chunked_loss):
         """The model's training FLOPs on the positions run (shared rows: each prompt once), its lm_head on every
-        position (on CPU it runs from the first target to the last only, target_span: the MFU there reads a little
+        position (on CPU it runs on the positions with a target only, target_positions: the MFU there reads a little
         high)."""
         if self.shared_prompt and self.pairs_run:  # the loop counts two rows of seq_len per pair
             seq_len, positions = (self.positions_run / self.rows_run,

@@ -23,7 +23,7 @@ from trainer.base.log import Logger
 from trainer.base.schema import Flag
 from trainer.ckpt.resume import check_resume_fields, saved_resume_fields
 from trainer.core.batches import step_targets
-from trainer.core.log_probs import sequence_log_probs, target_span
+from trainer.core.log_probs import sequence_log_probs, target_positions
 from trainer.plan.objective import LMObjective
 from trainer.plan.stage import Stage
 from trainer.stages.dpo import check_pairs_layout, resolve_reference
@@ -110,7 +110,7 @@ class KTOObjective(LMObjective):
 
     def log_probs(self, model, input_ids, targets, position_ids=None):
         """Summed log-probs of each row's targets under `model` (the reference pass calls it too)."""
-        keep = target_span(targets)  # the lm_head from the first target to the last
+        keep = target_positions(targets)  # the lm_head on the positions with a target
         out = model(input_ids, position_ids=position_ids, logits_to_keep=keep)
         return sequence_log_probs(out.logits, targets[:, keep]), out.aux_loss
 
