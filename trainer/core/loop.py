@@ -32,7 +32,7 @@ from trainer.observe.console import (
     run_line,
     step_record,
 )
-from trainer.observe.metrics import step_flops_of, step_timer, trim_heap
+from trainer.observe.metrics import start_up_frozen, step_flops_of, step_timer, trim_heap
 from trainer.parallel.clip import clip_model_gradients
 from trainer.parallel.mesh import dimension_module, grad_reduce_factor
 from trainer.plan.config_file import write_run_config
@@ -62,7 +62,8 @@ def train(trainer, train_ds, eval_ds=None):
     timer = step_timer(plan.layout.device, plan.model.dtype, plan.layout.world_size)
     Logger(run_line(trainer))  # the steps the bar counts to
     # the bar closes before an error line is printed
-    with trainer.guard.preemption, Bar(trainer) as bar, messages_above_bar(), out_of_memory_as_one_line(trainer):
+    with trainer.guard.preemption, Bar(trainer) as bar, messages_above_bar(), out_of_memory_as_one_line(trainer), \
+            start_up_frozen():
         try:
             for epoch in range(progress.epoch, plan.schedule.epochs):
                 if progress.step_in_epoch >= trainer.steps_per_epoch:  # saved at the end of this epoch

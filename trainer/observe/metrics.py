@@ -3,11 +3,13 @@ them over ranks are in trainer/base/launch.py; where the figures go (JSONL, Tens
 trainer/observe/tracking.py."""
 import ctypes
 import ctypes.util
+import gc
 import json
 import os
 import platform
 import resource
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -298,6 +300,20 @@ def trim_heap(device):
     LIBC.malloc_trim(0)
     _trim["next"] = start + (time.monotonic() - start) / TRIM_SHARE
     _trim["level"] = max(_trim["level"], resident_bytes())  # memory the run holds stays: no trim after every step
+
+
+@contextmanager
+def start_up_frozen():
+    """The training loop's context: the objects start-up made (datasets, tokenizer, modules: ~380,000 for a DPO run)
+    leave the garbage collector's view (gc.freeze, after a collection clears the cycles among them) and come back
+    when it ends. Each full collection walked them all: 0.23 s about every 100 steps of the DPO bench's run, 5% of
+    its time. Objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def peak_mem_gb(device):

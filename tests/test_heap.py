@@ -1,5 +1,9 @@
-"""trainer/observe/metrics.py trim_heap: the heap's free pages go back to the system once the resident set has grown
-by TRIM_GROWTH, and not at every step (each trim's pages fault back in on the next step)."""
+"""The process's memory during training (trainer/observe/metrics.py): trim_heap gives the heap's free pages back to the
+system once the resident set has grown by TRIM_GROWTH, and not at every step (each trim's pages fault back in on the
+next step); start_up_frozen keeps start-up's objects out of the garbage collector's walks while the loop runs."""
+import gc
+import weakref
+
 import torch
 
 from trainer.observe import metrics
@@ -35,3 +39,22 @@ def test_trims_once_the_resident_set_grew_and_not_before(monkeypatch):
     metrics.trim_heap("cpu")
     assert calls == [0] and metrics._trim["level"] >= level  # the run's own memory stays: no trim after each step
     del kept
+
+
+class Node:
+    pass
+
+
+def test_start_up_objects_leave_the_collectors_walks_while_the_loop_runs():
+    before = Node()
+    before.me = before  # a cycle made at start-up: alive, and walked by every full collection until frozen
+    assert any(o is before for o in gc.get_objects())
+    with metrics.start_up_frozen():
+        assert gc.get_freeze_count() > 0 and not any(o is before for o in gc.get_objects())
+        during = Node()
+        during.me = during  # garbage the loop makes is still collected
+        gone = weakref.ref(during)
+        del during
+        gc.collect()
+        assert gone() is None
+    assert gc.get_freeze_count() == 0 and any(o is before for o in gc.get_objects())  # back when the loop ends
