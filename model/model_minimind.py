@@ -331,16 +331,15 @@ def sdpa_attention(q, k, v, attention_mask=None):
             and q.device.type == "cpu" and _CPU_FLASH is not None:
         return causal_masked_cpu_attention(q, k, v, attention_mask)
     mask = build_attention_mask(lq, lk, attention_mask, device=q.device)
-    return short_rows_in_fp32(q, k, v, attn_mask=mask) if lq == lk else F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask)
+    return short_rows_in_fp32(q, k, v, attn_mask=mask)
 
 
 def short_rows_in_fp32(q, k, v, **kwargs):
-    """SDPA over rows of one length; on CPU under bf16 autocast, rows shorter than CPU_FP32_ROWS run in fp32 (no
+    """SDPA; on CPU under bf16 autocast, queries and keys of one length shorter than CPU_FP32_ROWS run in fp32 (no
     autocast), their output cast back to bf16: torch's CPU flash kernel is slower in bf16 there than in fp32, and fp32
     is the more exact of the two."""
-    if q.device.type != "cpu" or q.shape[2] >= CPU_FP32_ROWS or not torch.is_autocast_enabled("cpu") \
-            or torch.get_autocast_dtype("cpu") != torch.bfloat16:
+    if q.device.type != "cpu" or q.shape[2] != k.shape[2] or q.shape[2] >= CPU_FP32_ROWS \
+            or not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     with torch.autocast("cpu", enabled=False):
         return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(torch.bfloat16)

@@ -293,8 +293,9 @@ def trim_heap(device):
     if torch.device(device).type != "cpu" or not hasattr(LIBC, "malloc_trim") or time.monotonic() < _trim["next"]:
         return
     resident = resident_bytes()
-    if _trim["level"] is None or resident < _trim["level"] * TRIM_GROWTH:
-        _trim["level"] = _trim["level"] or resident
+    if _trim["level"] is None:
+        _trim["level"] = resident
+    if resident < _trim["level"] * TRIM_GROWTH:
         return
     start = time.monotonic()
     LIBC.malloc_trim(0)
