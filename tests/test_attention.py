@@ -85,6 +85,31 @@ def test_short_rows_under_bf16_autocast_run_in_fp32(mask):
         assert mine.dtype == torch.float32 and (mine.double() - exact).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_new_token_under_bf16_autocast_is_the_fp32_attention_rounded_once(padded):
+    """Decoding on CPU under bf16 autocast (one query per row over a KV cache's strided keys, GQA, left padding
+    masked): the exact attention of the bf16 cache (a float64 computation here) rounded once to bf16, half an ulp
+    (2^-8 relative at most) plus fp32's sums; torch's bf16 kernel would round the probabilities first."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, 1, 8, generator=g).bfloat16()
+    cache = torch.randn(2, 3, 2, 24, 8, generator=g).bfloat16()  # a preallocated cache: 19 of 24 slots written
+    k, v = cache[0, :, :, :19], cache[1, :, :, :19]
+    lengths = torch.tensor([19, 11, 4])
+    attention_mask = (torch.arange(19)[None] >= 19 - lengths[:, None]).long() if padded else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sdpa_attention(q, k, v, attention_mask)
+    keys, values = k.double().repeat_interleave(2, dim=1), v.double().repeat_interleave(2, dim=1)
+    scores = q.double() @ keys.transpose(-2, -1) / 8 ** 0.5
+    if padded:
+        scores = scores.masked_fill(attention_mask[:, None, None, :] == 0, float("-inf"))
+    ref = torch.softmax(scores, dim=-1) @ values
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 4, 1, 8)
+    assert ((out.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-6).all()
+    # fp32 keeps SDPA's own kernel on one query (the faster there), within fp32 rounding of the same values
+    out32 = sdpa_attention(q.float(), k.float(), v.float(), attention_mask)
+    assert out32.dtype == torch.float32 and (out32.double() - ref).abs().max().item() < 1e-6
+
+
 def test_rows_of_the_fp32_bound_keep_autocasts_bf16_kernel():
     """From CPU_FP32_ROWS positions on, bf16 autocast's own kernel runs (it is the faster there): the same values
     as SDPA under autocast, bit for bit."""

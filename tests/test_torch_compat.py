@@ -25,6 +25,8 @@ def test_every_listed_private_api_exists_in_this_torch():
     missing += [name for owner, name in ((distributed_c10d, "_set_pg_timeout"), (DeviceMesh, "_flatten"),
                                          (torch, "_foreach_mul_"), (torch.amp.GradScaler, "_found_inf_per_device"),
                                          (dcp_state_dict, "_flatten_optim_state_dict")) if not hasattr(owner, name)]
+    missing += [name for name in ("_reorder_linear_weight", "_linear_pointwise")
+                if torch.backends.mkldnn.is_available() and not hasattr(torch.ops.mkldnn, name)]
     assert not missing, f"torch {torch.__version__} lacks {missing}: update model/torch_compat.py"
     assert isinstance(torch_compat.cpu_bf16_native(), bool)
 

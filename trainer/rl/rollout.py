@@ -30,6 +30,7 @@ from model.hf_convert import save_hf_folder
 from trainer.base.errors import TrainingHalted
 from trainer.base.launch import is_main_process
 from trainer.parallel.state_dict import full_model_state_dict
+from trainer.rl.packed_weights import packed_linears
 
 ENGINES = ("torch", "sglang", "vllm")
 
@@ -157,17 +158,18 @@ def sample(model, prompt_ids, prompt_lengths, max_new_tokens, temperature, top_p
     log_probs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
-    for t in range(max_new_tokens):
-        new, new_log_probs = sample_tokens(logits, temperature, top_p, generator)
-        new = torch.where(done, pad_id, new)
-        tokens[:, t], log_probs[:, t] = new, torch.where(done, 0.0, new_log_probs)
-        lengths += (~done).long()
-        done |= new == eos_id
-        if t == max_new_tokens - 1 or all_finished(done, stop_group):
-            break
-        logits = model(new[:, None], position_ids=next_position[:, None], past_key_values=cache, use_cache=True,
-                       attention_mask=decode_mask).logits[:, -1]
-        next_position += 1
+    with packed_linears(model, rows):  # every step multiplies `rows` rows by each weight
+        for t in range(max_new_tokens):
+            new, new_log_probs = sample_tokens(logits, temperature, top_p, generator)
+            new = torch.where(done, pad_id, new)
+            tokens[:, t], log_probs[:, t] = new, torch.where(done, 0.0, new_log_probs)
+            lengths += (~done).long()
+            done |= new == eos_id
+            if t == max_new_tokens - 1 or all_finished(done, stop_group):
+                break
+            logits = model(new[:, None], position_ids=next_position[:, None], past_key_values=cache,
+                           use_cache=True, attention_mask=decode_mask).logits[:, -1]
+            next_position += 1
     width_out = int(lengths.max()) if rows else 0
     return Rollout(prompt_ids, prompt_lengths, tokens[:, :width_out], lengths, log_probs[:, :width_out],
                    ~done)
