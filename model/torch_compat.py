@@ -58,18 +58,21 @@ def foreach_mul_(tensors, scalar):
             tensor.mul_(scalar)
 
 
+_PACKED_KERNELS = {}  # dtype -> whether oneDNN multiplies by a packed weight of that dtype here (tried once)
+
+
 def packed_cpu_linear_weight(weight, rows):
     """torch.ops.mkldnn._reorder_linear_weight(weight, rows): a Linear's (out, in) weight in oneDNN's blocked layout
-    for batches of `rows`, for packed_cpu_linear (what torch.compile's CPU backend does to frozen weights). Decoding's
-    skinny batches (8 rows, hidden 256, 1 thread, AMD EPYC): 1.7-2.5x MKL's sgemm on the plain weight. None where
-    this torch or CPU has no oneDNN or no kernel for the dtype (one row multiplied on it tells): the caller keeps
-    F.linear."""
-    if not torch.backends.mkldnn.is_available():
-        return None
+    for batches of `rows`, for packed_cpu_linear (as torch.compile's CPU backend packs frozen weights). Decoding's 8
+    rows (hidden 256, 1 thread, AMD EPYC): 1.7-2.5x MKL's sgemm on the plain weight. None where this torch or CPU has
+    no oneDNN or no kernel for the dtype (a small product tried once per dtype): the caller keeps F.linear."""
     try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        packed_cpu_linear(weight.new_zeros(1, weight.shape[1]), packed)
-        return packed
+        if weight.dtype not in _PACKED_KERNELS:
+            _PACKED_KERNELS[weight.dtype] = False  # until the trial has run
+            trial = torch.ones(8, 8, dtype=weight.dtype)
+            packed_cpu_linear(trial, torch.ops.mkldnn._reorder_linear_weight(trial, 8))
+            _PACKED_KERNELS[weight.dtype] = True
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows) if _PACKED_KERNELS[weight.dtype] else None
     except (AttributeError, RuntimeError):
         return None
 

@@ -9,6 +9,7 @@ from torch import nn
 from model.lora import apply_lora
 from model.model_minimind import MiniMindConfig, MiniMindForCausalLM
 from model.torch_compat import cpu_bf16_native
+from trainer.rl import packed_weights
 from trainer.rl.packed_weights import packed_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -26,11 +27,12 @@ def lora_model():
     return model
 
 
-def test_packed_linears_compute_the_model_within_fp32_rounding_and_are_undone_on_exit():
-    """Inside: every Linear (7 per layer, the lm_head, LoRA's A and B on 2 projections per layer) runs packed, and the
-    logits of a decode-shaped batch are the float64 model's within fp32 rounding (logits of size ~3 through 2
-    layers: 1e-5), as the plain fp32 forward's are; outside: no Linear keeps a forward of its own and the output is
-    the plain forward's, bit for bit."""
+def test_packed_linears_compute_the_model_within_fp32_rounding_and_are_undone_on_exit(monkeypatch):
+    """Inside (every weight packed, whatever its size): every Linear (7 per layer, the lm_head, LoRA's A and B on 2
+    projections per layer) runs packed, and the logits of a decode-shaped batch are the float64 model's within fp32
+    rounding (logits of size ~3 through 2 layers: 1e-5), as the plain fp32 forward's are; outside: no Linear keeps a
+    forward of its own and the output is the plain forward's, bit for bit."""
+    monkeypatch.setattr(packed_weights, "PACK_MIN_ELEMENTS", {torch.float32: 0, torch.bfloat16: 0})
     model = lora_model()
     ids = torch.randint(3, CONFIG.vocab_size, (3, 1), generator=torch.Generator().manual_seed(1))
     exact = copy.deepcopy(model).double()(ids).logits
@@ -46,8 +48,22 @@ def test_packed_linears_compute_the_model_within_fp32_rounding_and_are_undone_on
     assert torch.equal(model(ids).logits, plain)
 
 
-def test_a_forward_patched_by_someone_else_is_kept():
+def test_only_weights_worth_a_reorder_are_packed():
+    """By default fp32 packs only weights of PACK_MIN_ELEMENTS or more: of the tiny model's, the lm_head (6400 x 64);
+    at hidden 256 the MLP's three (832 x 256) and the lm_head, not the attention's (256 x 256 and smaller)."""
+    for hidden, expected in ((64, 1), (256, 2 * 3 + 1)):
+        config = MiniMindConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        model = MiniMindForCausalLM(config).eval()
+        with torch.no_grad(), packed_linears(model, rows=8) as count:
+            assert count == expected
+            layer = model.model.layers[0]
+            assert "forward" in model.lm_head.__dict__ and "forward" not in layer.self_attn.q_proj.__dict__
+            assert ("forward" in layer.mlp.up_proj.__dict__) == (hidden == 256)
+
+
+def test_a_forward_patched_by_someone_else_is_kept(monkeypatch):
     """A Linear whose forward was replaced on the instance is not packed, and keeps that forward inside and after."""
+    monkeypatch.setattr(packed_weights, "PACK_MIN_ELEMENTS", {torch.float32: 0, torch.bfloat16: 0})
     model = MiniMindForCausalLM(CONFIG).eval()
     doubled = model.lm_head.forward
 
@@ -64,10 +80,11 @@ def test_a_forward_patched_by_someone_else_is_kept():
 
 
 @pytest.mark.skipif(not cpu_bf16_native(), reason="no native bf16 on this CPU: bf16 autocast is refused on it")
-def test_under_bf16_autocast_a_packed_linear_gives_the_bf16_product_rounded_once():
+def test_under_bf16_autocast_a_packed_linear_gives_the_bf16_product_rounded_once(monkeypatch):
     """bf16 autocast: the input and weight rounded to bf16, their exact product (float64 here) rounded once to bf16:
     half an ulp (2^-8 relative at most) plus fp32's sums over 64 terms; the result in bf16, as autocast's F.linear
     gives."""
+    monkeypatch.setattr(packed_weights, "PACK_MIN_ELEMENTS", {torch.float32: 0, torch.bfloat16: 0})
     g = torch.Generator().manual_seed(3)
     layer = nn.Linear(64, 48, bias=True)
     x = torch.randn(5, 64, generator=g)

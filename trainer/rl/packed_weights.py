@@ -1,11 +1,11 @@
 """Decoding's linears on weights packed once per rollout (CPU): each step of a decode multiplies a few rows by every
 weight of the model, where MKL's sgemm runs at ~30 GFLOP/s; oneDNN's on a weight reordered once for that batch runs
 1.7-2.5x faster (model/torch_compat.py packed_cpu_linear_weight), and one rollout's ~30 steps repay the reorder
-(~0.1 ms a weight) many times over. Inside `packed_linears` every plain CPU nn.Linear of the model runs on its packed
-weight in the dtype F.linear would compute in (autocast's, else the weight's); the same products up to fp32 rounding
-(another kernel's summation order). While it lasts it holds a packed copy of each weight (fp32: the weights once more;
-bf16: what autocast's cache of cast weights would hold). Nothing changes on a GPU, for a sharded (DTensor) weight, or
-without oneDNN."""
+(~0.1-0.3 ms a weight) many times over. Inside `packed_linears` every plain CPU nn.Linear of the model whose weight
+is large enough to gain (PACK_MIN_ELEMENTS) runs on its packed weight in the dtype F.linear would compute in
+(autocast's, else the weight's); the same products up to fp32 rounding (another kernel's summation order). While it
+lasts it holds a packed copy of those weights (fp32: once more; bf16: what autocast's cache of cast weights would
+hold). Nothing changes on a GPU, for a sharded (DTensor) weight, or without oneDNN."""
 from contextlib import contextmanager
 
 import torch
@@ -13,7 +13,12 @@ from torch import nn
 
 from model.torch_compat import packed_cpu_linear, packed_cpu_linear_weight
 
-PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# the smallest weight packed, by compute dtype (sample's decode, 8 rows x 32 tokens, 4 layers, 1 thread, AMD EPYC,
+# medians of 10 interleaved runs): in fp32 a 256 x 256 weight multiplies 8 rows as fast either way, a 128 x 256 one
+# slower packed, and a reorder costs ~0.1-0.3 ms, so only weights from 512 x 256 on (the MLP's, the lm_head) are
+# packed: hidden 256 209 ms unpacked, 174 all packed, 162 these; hidden 64 88, 119, 92. In bf16 every packed weight
+# pays: hidden 256 234, 165 all, 186 the large ones; hidden 64 131, 120, 125.
+PACK_MIN_ELEMENTS = {torch.float32: 1 << 17, torch.bfloat16: 0}
 
 
 def _compute_dtype(weight):
@@ -24,7 +29,9 @@ def _packable(module):
     if type(module) is not nn.Linear or "forward" in module.__dict__:  # a forward patched by someone else: kept
         return False
     weight = module.weight
-    return type(weight) is nn.Parameter and weight.device.type == "cpu" and _compute_dtype(weight) in PACKED_DTYPES
+    dtype = _compute_dtype(weight)
+    return (type(weight) is nn.Parameter and weight.device.type == "cpu" and dtype in PACK_MIN_ELEMENTS
+            and weight.numel() >= PACK_MIN_ELEMENTS[dtype])
 
 
 class PackedForward:
@@ -39,8 +46,9 @@ class PackedForward:
 
 @contextmanager
 def packed_linears(model, rows):
-    """Within it, the model's plain CPU Linears (LoRA adapters and hooks included) multiply by weights packed for
-    batches of `rows`, read once on entry: for inference on unchanging weights only (a decode loop)."""
+    """Within it, the model's plain CPU Linears whose weights have PACK_MIN_ELEMENTS or more (LoRA's hooks kept)
+    multiply by weights packed for batches of `rows`, read once on entry: for inference on unchanging weights only (a
+    decode loop); yields how many were packed."""
     patched = []
     for module in [m for m in model.modules() if _packable(m)]:
         dtype = _compute_dtype(module.weight)
