@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from model.model_minimind import autocast_dtype
 from model.torch_compat import packed_cpu_linear, packed_cpu_linear_weight
 
 # the smallest weight packed, by compute dtype (sample's decode, 8 rows x 32 tokens, 4 layers, 1 thread, AMD EPYC,
@@ -21,17 +22,14 @@ from model.torch_compat import packed_cpu_linear, packed_cpu_linear_weight
 PACK_MIN_ELEMENTS = {torch.float32: 1 << 17, torch.bfloat16: 0}
 
 
-def _compute_dtype(weight):
-    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else weight.dtype
-
-
 def _packable(module):
     if type(module) is not nn.Linear or "forward" in module.__dict__:  # a forward patched by someone else: kept
         return False
     weight = module.weight
-    dtype = _compute_dtype(weight)
-    return (type(weight) is nn.Parameter and weight.device.type == "cpu" and dtype in PACK_MIN_ELEMENTS
-            and weight.numel() >= PACK_MIN_ELEMENTS[dtype])
+    if type(weight) is not nn.Parameter or weight.device.type != "cpu":
+        return False
+    dtype = autocast_dtype(weight)
+    return dtype in PACK_MIN_ELEMENTS and weight.numel() >= PACK_MIN_ELEMENTS[dtype]
 
 
 class PackedForward:
@@ -51,9 +49,8 @@ def packed_linears(model, rows):
     decode loop); yields how many were packed."""
     patched = []
     for module in [m for m in model.modules() if _packable(m)]:
-        dtype = _compute_dtype(module.weight)
-        with torch.no_grad():
-            packed = packed_cpu_linear_weight(module.weight.detach().to(dtype), rows)
+        dtype = autocast_dtype(module.weight)
+        packed = packed_cpu_linear_weight(module.weight.detach().to(dtype), rows)
         if packed is None:  # no oneDNN here, or no kernel for the dtype
             break
         bias = None if module.bias is None else module.bias.detach().to(dtype)
