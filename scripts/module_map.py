@@ -193,22 +193,23 @@ def _measure(jobs):
     """The body of `--loaded`: each job in a process forked from this one (see loaded_files); prints the JSON list."""
     import torch  # noqa: F401  (third-party only: each job then loads every repository module itself)
     import transformers  # noqa: F401
-    tmp = tempfile.mkdtemp(prefix="module_map_")
-    data = os.path.join(tmp, "data.jsonl")
-    _write_data(data)
-    found = []
-    for script, argv in jobs:
-        report, log = os.path.join(tmp, "report.json"), os.path.join(tmp, "log.txt")
-        pid = os.fork()
-        if pid == 0:
-            _run_job(os.path.join(ROOT, script), argv and [a.format(tmp=tmp, data=data) for a in argv], report, log)
-        _, status = os.waitpid(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(report):
-            sys.stderr.write(open(log).read()[-5000:])
-            return 1
-        with open(report) as f:
-            found.append([os.path.normpath(script)] + json.load(f))
-        os.remove(report)
+    with tempfile.TemporaryDirectory(prefix="module_map_") as tmp:  # the jobs' outputs (~20 MB) go with it
+        data = os.path.join(tmp, "data.jsonl")
+        _write_data(data)
+        found = []
+        for script, argv in jobs:
+            report, log = os.path.join(tmp, "report.json"), os.path.join(tmp, "log.txt")
+            pid = os.fork()
+            if pid == 0:
+                _run_job(os.path.join(ROOT, script), argv and [a.format(tmp=tmp, data=data) for a in argv], report,
+                         log)
+            _, status = os.waitpid(pid, 0)
+            if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(report):
+                sys.stderr.write(open(log).read()[-5000:])
+                return 1
+            with open(report) as f:
+                found.append([os.path.normpath(script)] + json.load(f))
+            os.remove(report)
     print(json.dumps(found))
     return 0
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -48,6 +49,8 @@ def signal_handlers_restored():
 
 
 def pytest_addoption(parser):
+    parser.addini("suite_deadline_minutes", "stop the session after the running test once it has run this long",
+                  default="0")
     parser.addoption("--cpu-bf16", choices=sorted(MODES), default="real",
                      help="the CPU's bf16 probe for this session, forced where the code reads it: faster (native bf16, "
                      "--dtype auto takes it), slower (native, auto takes fp32), absent (an AVX2 CPU); real: this CPU's "
@@ -64,6 +67,29 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     config.cpu_probe_patch.undo()
+
+
+_SESSION = {}  # the running session and when it started (pytest_sessionstart)
+
+
+def pytest_sessionstart(session):
+    _SESSION.update(session=session, started=time.monotonic())
+
+
+def pytest_runtest_logreport(report):
+    """A failure's last lines as it happens (the summary comes only at the session's end, which a run killed by
+    CI's clock never reaches), and the stop once the session is past pytest.ini's suite_deadline_minutes."""
+    session = _SESSION.get("session")
+    if session is None:
+        return
+    if report.failed:
+        tail = "\n".join(report.longreprtext.splitlines()[-12:])
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"\n{report.when} of {report.nodeid} failed after {report.duration:.0f} s:\n{tail}")
+    minutes = float(session.config.getini("suite_deadline_minutes"))
+    if report.when == "teardown" and 0 < minutes < (time.monotonic() - _SESSION["started"]) / 60:
+        session.shouldfail = (f"the session ran past suite_deadline_minutes ({minutes:g} min, pytest.ini): stopped "
+                              "after this test; the tests not reached did not run")
 
 
 @pytest.fixture(scope="session", autouse=True)

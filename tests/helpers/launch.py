@@ -72,6 +72,7 @@ def spawn(fn, world_size, *args, timeout=120, start_method="spawn"):
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(error_dir, ignore_errors=True)
 
 
 def torchrun(script, nproc, args, timeout=300, env=None, launcher_args=()):
