@@ -69,11 +69,12 @@ def pytest_unconfigure(config):
     config.cpu_probe_patch.undo()
 
 
-_SESSION = {}  # the running session and when it started (pytest_sessionstart)
+_SESSION = {}  # the running session, when it started and its deadline in minutes (pytest_sessionstart)
 
 
 def pytest_sessionstart(session):
-    _SESSION.update(session=session, started=time.monotonic())
+    _SESSION.update(session=session, started=time.monotonic(),
+                    minutes=float(session.config.getini("suite_deadline_minutes")))
 
 
 def pytest_runtest_logreport(report):
@@ -86,7 +87,7 @@ def pytest_runtest_logreport(report):
         tail = "\n".join(report.longreprtext.splitlines()[-12:])
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(
             f"\n{report.when} of {report.nodeid} failed after {report.duration:.0f} s:\n{tail}")
-    minutes = float(session.config.getini("suite_deadline_minutes"))
+    minutes = _SESSION["minutes"]
     if report.when == "teardown" and 0 < minutes < (time.monotonic() - _SESSION["started"]) / 60:
         session.shouldfail = (f"the session ran past suite_deadline_minutes ({minutes:g} min, pytest.ini): stopped "
                               "after this test; the tests not reached did not run")
